@@ -1,0 +1,1 @@
+"""trtbuild.builder: spec → torch.export → ONNX passes → one TensorRT engine per rank."""

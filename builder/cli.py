@@ -1,0 +1,126 @@
+"""The ``trtbuild`` command line. Runtime commands register lazily so ``build`` never imports them."""
+from __future__ import annotations
+
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import click
+
+from .errors import UserError
+
+
+def _version() -> str:
+    try:
+        return metadata.version("trtbuild")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Group(click.Group):
+    """Prints UserError as one line and exits 2; lets --log-level debug show tracebacks."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            click.echo(f"error: {exc}", err=True)
+            if ctx.meta.get("trtbuild.debug"):
+                raise
+            ctx.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), prog_name="trtbuild")
+def main() -> None:
+    """trtbuild: ahead-of-time TensorRT engines for Llama-family LLMs.
+
+    \b
+    Example:
+      trtbuild build specs/tiny-code.yaml -o build/tiny-code
+      trtbuild inspect build/tiny-code
+    """
+
+
+@main.command()
+@click.argument("spec", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Engine dir to write (default: build/<spec name>). Replaced atomically if it exists.")
+@click.option("--dump-after", multiple=True, metavar="PASS",
+              help="Write the graph after PASS to OUT/dumps/rankN/NNN_PASS.onnx ('all' for every pass). Repeatable.")
+@click.option("--disable-pass", multiple=True, metavar="PASS",
+              help="Skip PASS (added to the spec's passes.disable). Repeatable.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rank engines built at once (each needs its own builder memory).")
+@click.option("--log-level", type=click.Choice(["error", "info", "debug"]), default="info", show_default=True,
+              help="error: only errors and the summary; debug: skipped fusion sites and tracebacks.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.pass_context
+def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int, log_level: str, as_json: bool):
+    """Build one TensorRT engine per rank from a deployment SPEC (YAML).
+
+    Loads the spec's checkpoint, exports the step graph with torch.export, runs the pass
+    pipeline (canonicalize, fuse_rmsnorm, fuse_rotary, fuse_attention, plan_cuda_graphs)
+    with a numerics check after each pass, and writes OUT/rank{N}.onnx, OUT/rank{N}.engine,
+    OUT/passes.jsonl and OUT/manifest.json. Works without a GPU (TensorRT-RTX).
+
+    \b
+    Example:
+      trtbuild build specs/tiny-code.yaml -o build/tiny-code --dump-after fuse_attention
+    """
+    from .build import BuildOptions, build as run_build
+    from .progress import Progress, Verbosity, human_bytes, table
+    from .spec import load_spec
+
+    ctx.meta["trtbuild.debug"] = log_level == "debug"
+    loaded = load_spec(spec)
+    options = BuildOptions(out=out or Path("build") / spec.stem, dump_after=frozenset(dump_after),
+                           disable=frozenset(disable_pass), jobs=jobs)
+    progress = Progress(Verbosity[log_level])
+    summary = run_build(loaded, options, progress)
+    if as_json:
+        click.echo(json.dumps({
+            "out": str(summary.out),
+            "stages": [{"stage": name, "seconds": round(sec, 3)} for name, sec in summary.stages],
+            "engines": [{"rank": i, "bytes": e.bytes, "seconds": round(e.seconds, 3)} for i, e in enumerate(summary.engines)],
+            "peak_rss_bytes": summary.peak_rss_bytes}, indent=2))
+        return
+    stages = [[name, f"{sec:.1f}"] for name, sec in summary.stages]
+    stages.append(["total", f"{sum(sec for _, sec in summary.stages):.1f}"])
+    click.echo(table(stages, ["stage", "seconds"]))
+    click.echo()
+    click.echo(table([[f"rank{i}", human_bytes(e.bytes), f"{e.seconds:.1f}"] for i, e in enumerate(summary.engines)],
+                     ["engine", "size", "build s"]))
+    click.echo(f"\npeak RSS {human_bytes(summary.peak_rss_bytes)}; engine dir {summary.out}")
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--rank", type=int, default=None, help="Only this rank's passes.")
+@click.option("--pass", "pass_name", default=None, metavar="NAME", help="Only this pass, with its op-count changes.")
+@click.option("--node", default=None, metavar="NAME", help="Which pass created this node of the rank graph.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest and pass records as JSON.")
+def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None, as_json: bool):
+    """Show an engine dir: model, TensorRT flavour and targets, file hashes, and the pass log.
+
+    \b
+    Example:
+      trtbuild inspect build/tiny-code --pass fuse_attention
+      trtbuild inspect build/tiny-code --node /model/layers.0/self_attn/Attention
+    """
+    from .inspect import load_engine_dir, node_origin, render, select
+
+    manifest, records = load_engine_dir(out)
+    if node is not None:
+        click.echo(node_origin(out, rank or 0, node))
+        return
+    chosen = select(records, rank, pass_name)
+    if as_json:
+        click.echo(json.dumps({"manifest": manifest, "passes": chosen}, indent=2))
+        return
+    click.echo(render(out, manifest, chosen, detail=pass_name is not None))
+
+
+if __name__ == "__main__":
+    main()

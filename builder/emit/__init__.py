@@ -1,0 +1,1 @@
+"""trtbuild.builder.emit"""

@@ -1,0 +1,74 @@
+"""manifest.json: what the runtime needs to trust and drive an engine dir.
+
+The schema is the only thing builder and runtime share; bump SCHEMA_VERSION on any
+incompatible change.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+import onnx
+
+SCHEMA_VERSION = 1
+_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+           onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT32: "int32",
+           onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_table(root: Path) -> dict[str, dict]:
+    """sha256 and size of every file under ``root`` (but the manifest), by relative path."""
+    return {str(p.relative_to(root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def io_table(model: onnx.ModelProto) -> list[dict]:
+    """Engine inputs/outputs: name, dtype, shape with symbolic dims, and which outputs alias inputs."""
+    rows = []
+    for direction, values in (("input", model.graph.input), ("output", model.graph.output)):
+        for value in values:
+            tensor = value.type.tensor_type
+            shape = [d.dim_param if d.dim_param else d.dim_value for d in tensor.shape.dim]
+            row = {"name": value.name, "direction": direction,
+                   "dtype": _DTYPES.get(tensor.elem_type, onnx.TensorProto.DataType.Name(tensor.elem_type).lower()),
+                   "shape": shape}
+            if value.name.startswith("present_"):
+                row["aliases"] = value.name.replace("present_", "past_", 1)
+            rows.append(row)
+    return rows
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {}
+    for dist in ("trtbuild", "torch", "transformers", "onnx", "onnxruntime", "onnx-graphsurgeon"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = "not installed"
+    return versions
+
+
+def write_manifest(root: Path, body: dict) -> dict:
+    manifest = {"schema_version": SCHEMA_VERSION, **body, "files": file_table(root)}
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return manifest
+
+
+def verify_files(root: Path, manifest: dict) -> list[str]:
+    """Files whose hash or size differ from the manifest, or that are missing."""
+    bad = []
+    for name, entry in manifest.get("files", {}).items():
+        path = root / name
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            bad.append(name)
+    return bad

@@ -1,0 +1,174 @@
+"""Build one rank's TensorRT engine from its ONNX graph, with TensorRT or TensorRT-RTX.
+
+Both flavours share one Python API. TensorRT needs a GPU to build; TensorRT-RTX builds
+ahead of time on a machine without one, for the compute capabilities in ``build.targets``
+(none: a portable engine). The serialized engine is streamed to disk, not held in memory.
+"""
+from __future__ import annotations
+
+import importlib
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import SpecError, UserError
+from ..spec import RTX_TARGETS, Backend, DType, Spec
+
+
+@dataclass(frozen=True)
+class Flavor:
+    name: str          # "tensorrt" | "tensorrt-rtx"
+    module: ModuleType
+
+    @property
+    def version(self) -> str:
+        return self.module.__version__
+
+
+def _import(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except Exception:  # an install without its CUDA libraries fails on import, not just missing
+        return None
+
+
+def _tensorrt_can_build(module: ModuleType) -> bool:
+    try:
+        return module.Builder(module.Logger(module.Logger.ERROR)) is not None
+    except Exception:  # no GPU / driver: TensorRT's builder cannot be created
+        return False
+
+
+def resolve_flavor(backend: Backend) -> Flavor:
+    """The TensorRT flavour to build with; ``auto`` takes TensorRT when it can build here."""
+    if backend in (Backend.auto, Backend.tensorrt):
+        trt = _import("tensorrt")
+        if trt is not None and _tensorrt_can_build(trt):
+            return Flavor("tensorrt", trt)
+        if backend == Backend.tensorrt:
+            raise SpecError("build.backend", "tensorrt cannot build here (needs the tensorrt package "
+                                             "and a GPU); use tensorrt-rtx or auto")
+    rtx = _import("tensorrt_rtx")
+    if rtx is None:
+        raise SpecError("build.backend", f"{backend.value}: no TensorRT flavour can build here; "
+                                         "pip install tensorrt-rtx (builds without a GPU)")
+    return Flavor("tensorrt-rtx", rtx)
+
+
+def check_targets(spec: Spec, flavor: Flavor) -> None:
+    if flavor.name == "tensorrt-rtx":
+        bad = [t for t in spec.build.targets if t not in RTX_TARGETS]
+        if bad:
+            raise SpecError("build.targets", f"{', '.join(bad)} cannot be targeted by TensorRT-RTX "
+                                             f"(valid: {', '.join(RTX_TARGETS)}); build with backend "
+                                             "tensorrt on such a GPU")
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    path: Path
+    bytes: int
+    seconds: float
+    peak_rss_bytes: int
+
+
+def _file_writer(trt, handle):
+    """An IStreamWriter (of this flavour) that appends the engine to a file as it is produced."""
+
+    class FileWriter(trt.IStreamWriter):
+        def __init__(self):
+            trt.IStreamWriter.__init__(self)
+            self.written = 0
+
+        def write(self, data) -> int:
+            view = memoryview(data)
+            handle.write(view)
+            self.written += view.nbytes
+            return view.nbytes
+
+    return FileWriter()
+
+
+def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], ...]]]:
+    """min/opt/max shapes per input: decode (S = 1) and prefill (S up to max_input_len)."""
+    arch, b_max, s_max = spec.arch, spec.build.max_batch_size, spec.build.max_seq_len
+    chunk = spec.max_step_tokens
+    cache = (arch.num_kv_heads, s_max, arch.head_dim)
+
+    def profile(seq: tuple[int, int, int], batch: tuple[int, int, int], rows: tuple[int, int, int]):
+        shapes = {
+            "input_ids": tuple((b, s) for b, s in zip(batch, seq)),
+            "position_ids": tuple((b, s) for b, s in zip(batch, seq)),
+            "write_index": tuple((b,) for b in batch),
+            "kv_length": tuple((b,) for b in batch),
+            "attention_mask": tuple((b, 1, s, s_max) for b, s in zip(batch, seq)),
+            "logits_index": tuple((b, r) for b, r in zip(batch, rows)),
+        }
+        for layer in range(arch.num_layers):
+            for kind in ("key", "value"):
+                shapes[f"past_{kind}_{layer}"] = tuple((b, *cache) for b in batch)
+        return shapes
+
+    decode_opt = spec.cuda_graph_batch_sizes[-1]
+    return [
+        profile(seq=(1, 1, 1), batch=(1, decode_opt, b_max), rows=(1, 1, 1)),
+        profile(seq=(1, max(1, chunk // 2), chunk), batch=(1, 1, b_max), rows=(1, 1, chunk)),
+    ]
+
+
+def build_engine(onnx_path: Path, engine_path: Path, spec: Spec, flavor: Flavor) -> EngineReport:
+    trt = flavor.module
+    start = time.perf_counter()
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    flags = 0 if flavor.name == "tensorrt-rtx" else 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise UserError(f"{onnx_path}: TensorRT {flavor.version} cannot parse the graph: {errors}")
+    if spec.model.dtype == DType.float32:
+        _make_attention_decomposable(network, trt)
+    config = builder.create_builder_config()
+    config.builder_optimization_level = spec.build.builder_optimization_level
+    for shapes in optimization_profiles(spec):
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    if flavor.name == "tensorrt-rtx":
+        _set_rtx_targets(config, spec, trt)
+    engine_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(engine_path, "wb") as handle:
+        writer = _file_writer(trt, handle)
+        ok = builder.build_serialized_network_to_stream(network, config, writer)
+    if not ok or writer.written == 0:
+        engine_path.unlink(missing_ok=True)
+        raise UserError(f"{onnx_path}: TensorRT {flavor.version} failed to build the engine "
+                        f"(targets: {', '.join(spec.build.targets) or 'portable'})")
+    return EngineReport(path=engine_path, bytes=writer.written, seconds=time.perf_counter() - start,
+                        peak_rss_bytes=peak_rss_bytes())
+
+
+def _make_attention_decomposable(network, trt) -> None:
+    """FP32 attention has no fused kernel: allow TensorRT to decompose it (seen needed with RTX 1.7)."""
+    for index in range(network.num_layers):
+        layer = network.get_layer(index)
+        if layer.type == trt.LayerType.ATTENTION_OUTPUT:
+            layer.__class__ = trt.IAttentionOutputLayer
+            layer.attention.decomposable = True
+
+
+def _set_rtx_targets(config, spec: Spec, trt) -> None:
+    targets = spec.build.targets
+    if not targets:
+        return  # portable engine: every compute capability RTX supports
+    config.num_compute_capabilities = len(targets)
+    for index, target in enumerate(targets):
+        config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), index)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

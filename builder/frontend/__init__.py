@@ -1,0 +1,1 @@
+"""trtbuild.builder.frontend"""

@@ -1,0 +1,89 @@
+"""``trtbuild inspect``: read an engine dir's manifest and pass log."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .emit.engine_dir import MANIFEST
+from .emit.manifest import verify_files
+from .errors import UserError
+from .progress import human_bytes, table
+
+
+def load_engine_dir(out: Path) -> tuple[dict, list[dict]]:
+    out = Path(out)
+    if not (out / MANIFEST).is_file():
+        raise UserError(f"{out}: not an engine dir (no {MANIFEST}); build one with `trtbuild build SPEC -o {out}`")
+    manifest = json.loads((out / MANIFEST).read_text())
+    log = out / "passes.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    return manifest, records
+
+
+def select(records: list[dict], rank: int | None, pass_name: str | None) -> list[dict]:
+    known = sorted({r["pass"] for r in records})
+    if pass_name is not None and pass_name not in known:
+        raise UserError(f"--pass: no pass {pass_name!r} in this build's log; passes: {', '.join(known)}")
+    ranks = sorted({r["rank"] for r in records})
+    if rank is not None and rank not in ranks:
+        raise UserError(f"--rank: {rank} is not a rank of this build; ranks: {', '.join(map(str, ranks))}")
+    return [r for r in records if (rank is None or r["rank"] == rank) and (pass_name is None or r["pass"] == pass_name)]
+
+
+def render(out: Path, manifest: dict, records: list[dict], detail: bool) -> str:
+    model, limits = manifest["model"], manifest["limits"]
+    bad = verify_files(Path(out), manifest)
+    lines = [
+        f"engine dir   {out}",
+        f"model        {model['architecture']}: {model['num_layers']} layers, hidden {model['hidden_size']}, "
+        f"heads {model['num_heads']}/{model['num_kv_heads']} kv, vocab {model['vocab_size']}",
+        f"dtype        {manifest['spec']['model']['dtype']}",
+        f"tensorrt     {manifest['tensorrt']['flavor']} {manifest['tensorrt']['version']}, "
+        f"targets {', '.join(manifest['targets'])}",
+        f"limits       batch ≤ {limits['max_batch_size']}, input ≤ {limits['max_input_len']}, "
+        f"sequence ≤ {limits['max_seq_len']}; CUDA-graph buckets {manifest['cuda_graph_batch_sizes']}",
+        f"spec sha256  {manifest['spec_sha256'][:16]}…",
+        f"files        {len(manifest['files'])}, "
+        f"{human_bytes(sum(f['bytes'] for f in manifest['files'].values()))}, "
+        + ("all hashes verify" if not bad else f"MISMATCH: {', '.join(bad)}"),
+        "",
+    ]
+    rows = []
+    for r in records:
+        numerics = r.get("numerics") or {}
+        rows.append([r["rank"], r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
+                     r.get("matches", "-"), f"{r['nodes_before']}→{r['nodes_after']}",
+                     _stat(numerics.get("vs_previous")), _stat(numerics.get("vs_torch"))])
+    lines.append(table(rows, ["rank", "pass", "ms", "modified", "matches", "nodes",
+                              "max_abs vs prev", "max_abs vs torch"]))
+    if detail:
+        for r in records:
+            lines += ["", f"rank {r['rank']} {r['pass']}: op counts before → after"]
+            ops = sorted(set(r["ops_before"]) | set(r["ops_after"]))
+            changed = [[op, r["ops_before"].get(op, 0), r["ops_after"].get(op, 0)] for op in ops
+                       if r["ops_before"].get(op, 0) != r["ops_after"].get(op, 0)]
+            lines.append(table(changed, ["op", "before", "after"]) if changed else "  (no op changed)")
+            if r.get("skipped"):
+                lines.append(f"  skipped sites: {r['skipped']}")
+            if r.get("dump"):
+                lines.append(f"  graph after this pass: {r['dump']}")
+    return "\n".join(lines)
+
+
+def node_origin(out: Path, rank: int, node_name: str) -> str:
+    """Which pass created a node of the rank graph (its ``created_by`` metadata)."""
+    import onnx
+
+    model = onnx.load(Path(out) / f"rank{rank}.onnx", load_external_data=False)
+    for node in model.graph.node:
+        if node.name == node_name:
+            meta = {p.key: p.value for p in node.metadata_props}
+            return (f"{node.name}: {node.op_type}, created by {meta.get('created_by', 'unknown')}; "
+                    f"inputs {list(node.input)}; outputs {list(node.output)}")
+    close = [n.name for n in model.graph.node if node_name.lower() in n.name.lower()][:8]
+    hint = f"; nodes containing it: {', '.join(close)}" if close else ""
+    raise UserError(f"--node: no node named {node_name!r} in rank{rank}.onnx{hint}")
+
+
+def _stat(entry: dict | None) -> str:
+    return f"{entry['max_abs']:.2g}" if entry else "-"

@@ -1,0 +1,96 @@
+"""Numerics checks: run an ONNX graph in ONNX Runtime on seeded inputs and compare.
+
+One comparator with named statistics (max_abs, max_rel = max_abs / max|reference|) per output.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+import torch
+
+from .spec import Spec
+
+# ONNX Runtime takes an in-memory model only under protobuf's 2 GB limit.
+MAX_IN_MEMORY_BYTES = 1_800_000_000
+
+
+@dataclass(frozen=True)
+class Stats:
+    max_abs: float
+    max_rel: float
+
+    def within(self, atol: float, rtol: float) -> bool:
+        return self.max_abs <= atol or self.max_rel <= rtol
+
+
+def seeded_inputs(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
+    """Two sequences mid-generation: one at position 0, one with cached tokens, causal masks."""
+    arch, s_max = spec.arch, spec.build.max_seq_len
+    rng = np.random.default_rng(seed)
+    seq = max(1, min(4, spec.max_step_tokens, s_max // 2))
+    write = np.array([0, min(3, s_max - seq)], dtype=np.int64)
+    batch = len(write)
+    positions = (write[:, None] + np.arange(seq)[None, :]).astype(np.int32)  # [B, S]
+    mask = np.arange(s_max)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, S_max]
+    dtype = spec.model.dtype.torch
+    inputs = {
+        "input_ids": rng.integers(0, arch.vocab_size, size=(batch, seq), dtype=np.int32),
+        "position_ids": positions,
+        "write_index": write,
+        "kv_length": write + seq,
+        "attention_mask": mask,
+        "logits_index": np.stack([np.full(batch, seq - 1), np.zeros(batch)], axis=1).astype(np.int64),
+    }
+    for layer in range(arch.num_layers):
+        for kind in ("key", "value"):
+            cache = np.zeros((batch, arch.num_kv_heads, s_max, arch.head_dim), dtype=np.float32)
+            for b in range(batch):
+                cache[b, :, : write[b]] = rng.standard_normal((arch.num_kv_heads, write[b], arch.head_dim))
+            inputs[f"past_{kind}_{layer}"] = torch.from_numpy(cache).to(dtype).float().numpy().astype(
+                _numpy_dtype(dtype))
+    return inputs
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    import ml_dtypes  # noqa: F401  (bfloat16 in numpy)
+    return {torch.float32: np.float32, torch.float16: np.float16,
+            torch.bfloat16: np.dtype("bfloat16")}[dtype]
+
+
+def run_onnx(model: onnx.ModelProto, inputs: dict[str, np.ndarray], threads: int = 0) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    feed = {i.name: inputs[i.name] for i in session.get_inputs()}
+    return dict(zip(names, session.run(names, feed)))
+
+
+def run_torch(step: torch.nn.Module, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+    args = [torch.from_numpy(np.ascontiguousarray(v)) for v in inputs.values()]
+    with torch.no_grad():
+        outputs = step(*args)
+    return {name: out.float().numpy() for name, out in zip(output_names, outputs)}
+
+
+def compare(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict[str, Stats]:
+    out = {}
+    for name, ref in reference.items():
+        got = actual[name].astype(np.float64)
+        ref = ref.astype(np.float64)
+        diff = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+        scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+        out[name] = Stats(max_abs=diff, max_rel=diff / scale if scale else diff)
+    return out
+
+
+def worst(stats: dict[str, Stats]) -> dict:
+    """The worst output by max_abs, as a log record."""
+    name, stat = max(stats.items(), key=lambda kv: kv[1].max_abs)
+    return {"output": name, **asdict(stat)}

@@ -1,0 +1,18 @@
+"""Graph passes over the ONNX step graph, in pipeline order."""
+from .base import Pass, PassContext, PassError, PassResult
+from .canonicalize import canonicalize
+from .fuse_attention import fuse_attention
+from .fuse_rmsnorm import fuse_rmsnorm
+from .fuse_rotary import fuse_rotary
+from .plan_cuda_graphs import plan_cuda_graphs
+
+PIPELINE: tuple[Pass, ...] = (
+    Pass("canonicalize", canonicalize, description="constant folding, dead nodes, names"),
+    Pass("fuse_rmsnorm", fuse_rmsnorm, requires=("canonicalize",), description="→ RMSNormalization"),
+    Pass("fuse_rotary", fuse_rotary, requires=("canonicalize",), description="→ RotaryEmbedding"),
+    Pass("fuse_attention", fuse_attention, requires=("canonicalize",),
+         description="→ TensorScatter + Attention (GQA, bool mask, nonpad_kv_seqlen)"),
+    Pass("plan_cuda_graphs", plan_cuda_graphs, description="decode batch buckets for CUDA graphs"),
+)
+
+__all__ = ["PIPELINE", "Pass", "PassContext", "PassError", "PassResult"]

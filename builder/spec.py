@@ -1,0 +1,264 @@
+"""The deployment spec: YAML validated once into a read-only ``Spec``.
+
+Every field is documented in specs/README.md. Errors are one line naming the YAML path:
+``parallel.tensor: 3 does not divide num_key_value_heads=2``.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from .errors import SpecError, UserError
+from .frontend.checkpoint import ArchConfig, arch_config
+
+# Compute capabilities each TensorRT flavour can target ahead of time.
+RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
+TENSORRT_TARGETS = ("sm75", "sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110",
+                    "sm120", "sm121")
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+    @property
+    def torch(self):
+        import torch
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.value]
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    tensorrt = "tensorrt"
+    tensorrt_rtx = "tensorrt-rtx"
+
+
+PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "plan_cuda_graphs")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class ModelSection(_Section):
+    checkpoint: Path = Field(description="HF checkpoint dir; relative paths are relative to the spec file")
+    dtype: DType = DType.float16
+    _arch: ArchConfig | None = PrivateAttr(default=None)
+
+    @property
+    def arch(self) -> ArchConfig:
+        assert self._arch is not None, "Spec was not validated through load_spec/Spec.from_dict"
+        return self._arch
+
+
+class BuildSection(_Section):
+    backend: Backend = Backend.auto
+    targets: tuple[str, ...] = Field(default=(), description="compute capabilities; empty = portable")
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    max_input_len: int = Field(512, ge=1)
+    max_seq_len: int = Field(2048, ge=2)
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    builder_optimization_level: int = Field(3, ge=0, le=5)
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _targets(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        out = []
+        for item in value or ():
+            name = str(item).lower().replace(".", "")
+            name = name if name.startswith("sm") else f"sm{name}"
+            if name not in TENSORRT_TARGETS:
+                raise ValueError(f"{item!r} is not a compute capability; valid: {', '.join(TENSORRT_TARGETS)}")
+            out.append(name)
+        return tuple(dict.fromkeys(out))
+
+    @model_validator(mode="after")
+    def _limits(self):
+        if self.max_input_len > self.max_seq_len:
+            raise _FieldError("max_input_len", f"{self.max_input_len} exceeds max_seq_len={self.max_seq_len}")
+        for size in self.cuda_graph_batch_sizes or ():
+            if not 1 <= size <= self.max_batch_size:
+                raise _FieldError("cuda_graph_batch_sizes",
+                                  f"{size} is outside [1, max_batch_size={self.max_batch_size}]")
+        return self
+
+
+class PassesSection(_Section):
+    disable: tuple[str, ...] = ()
+    numerics: bool = Field(True, description="run each pass's graph in ONNX Runtime and compare")
+    atol: float = Field(1e-3, gt=0)
+    rtol: float = Field(1e-2, gt=0)
+
+    @field_validator("disable")
+    @classmethod
+    def _known(cls, value):
+        for name in value:
+            if name not in PASS_NAMES:
+                raise ValueError(f"unknown pass {name!r}{_did_you_mean(name, PASS_NAMES)}; "
+                                 f"valid: {', '.join(PASS_NAMES)}")
+        return value
+
+
+class ParallelSection(_Section):
+    tensor: int = Field(1, ge=1)
+    pipeline: Literal[1] = Field(1, description="reserved: pipeline parallelism is not implemented")
+
+
+class QuantizationSection(_Section):
+    mode: Literal["none"] = "none"
+
+
+class RuntimeSection(_Section):
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    prefix_cache: bool = True
+
+
+class Spec(_Section):
+    """One validated deployment spec. Never mutated after validation."""
+
+    model: ModelSection
+    build: BuildSection = BuildSection()
+    passes: PassesSection = PassesSection()
+    parallel: ParallelSection = ParallelSection()
+    quantization: QuantizationSection = QuantizationSection()
+    speculative: None = Field(None, description="reserved for Medusa heads")
+    runtime: RuntimeSection = RuntimeSection()
+
+    @property
+    def arch(self) -> ArchConfig:
+        return self.model.arch
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.tensor * self.parallel.pipeline
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Largest S of one step: a prefill chunk (later also a Medusa tree)."""
+        return self.build.max_input_len
+
+    @property
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        if self.build.cuda_graph_batch_sizes:
+            return tuple(sorted(set(self.build.cuda_graph_batch_sizes)))
+        sizes, b = [], 1
+        while b < self.build.max_batch_size:
+            sizes.append(b)
+            b *= 2
+        return tuple(sizes + [self.build.max_batch_size])
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, data: dict, base_dir: Path = Path(".")) -> "Spec":
+        if not isinstance(data, dict):
+            raise SpecError("", f"a spec is a YAML mapping with sections {', '.join(cls.model_fields)}")
+        try:
+            spec = cls.model_validate(data)
+        except ValidationError as exc:
+            raise _spec_error(exc) from None
+        except _FieldError as exc:  # raised by a section validator outside pydantic's wrapping
+            raise SpecError(exc.path, exc.message) from None
+        checkpoint = spec.model.checkpoint
+        if not checkpoint.is_absolute():
+            checkpoint = (Path(base_dir) / checkpoint).resolve()
+        try:
+            arch = arch_config(checkpoint)
+        except UserError as exc:
+            raise SpecError("model.checkpoint", str(exc)) from None
+        model = spec.model.model_copy(update={"checkpoint": checkpoint})
+        model._arch = arch
+        spec = spec.model_copy(update={"model": model})
+        _check_against_checkpoint(spec)
+        return spec
+
+
+def load_spec(path: Path) -> Spec:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: spec file does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return Spec.from_dict(data, base_dir=path.parent)
+
+
+def _check_against_checkpoint(spec: Spec) -> None:
+    arch = spec.arch
+    tp = spec.parallel.tensor
+    for field, count in (("num_key_value_heads", arch.num_kv_heads), ("num_attention_heads", arch.num_heads)):
+        if count % tp:
+            raise SpecError("parallel.tensor", f"{tp} does not divide {field}={count}")
+    if tp > 1:
+        raise SpecError("parallel.tensor", f"{tp}: tensor-parallel sharding is not implemented yet; use 1")
+    if spec.build.max_seq_len > arch.max_position_embeddings:
+        raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
+                                             f"max_position_embeddings={arch.max_position_embeddings}")
+    if arch.sliding_window and arch.sliding_window < spec.build.max_seq_len:
+        raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
+                                             f"sliding_window={arch.sliding_window}, which trtbuild does "
+                                             "not implement; use at most that")
+    if spec.model.dtype == DType.float32 and "sm75" in spec.build.targets:
+        raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
+                                         "float16 or drop sm75")
+
+
+class _FieldError(ValueError):
+    def __init__(self, path: str, message: str):
+        self.path, self.message = path, message
+        super().__init__(message)
+
+
+def _did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Spec
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        ann = field.annotation if field else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model
+
+
+def _spec_error(exc: ValidationError) -> SpecError:
+    err = exc.errors()[0]
+    loc = tuple(str(p) for p in err["loc"])
+    path = ".".join(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        fields = list(parent.model_fields) if parent else []
+        return SpecError(path, f"unknown key{_did_you_mean(loc[-1], fields)}; valid keys here: "
+                               f"{', '.join(fields)}")
+    if kind == "missing":
+        return SpecError(path, "required")
+    if kind == "enum":
+        return SpecError(path, f"{err['input']!r} is not valid; valid: {err['ctx']['expected']}")
+    ctx_err = err.get("ctx", {}).get("error")
+    if isinstance(ctx_err, _FieldError):
+        return SpecError(".".join(loc + (ctx_err.path,)), ctx_err.message)
+    message = err["msg"].removeprefix("Value error, ")
+    return SpecError(path, f"{message} (got {err['input']!r})" if kind != "value_error" else message)

@@ -1,0 +1,1 @@
+"""trtbuild.runtime: serves engine dirs built by trtbuild.builder (shares only the manifest format)."""
