@@ -1,0 +1,65 @@
+"""Shared fixtures: the bundled model, small random checkpoints of other Llama-family shapes."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+TINY_CODE = REPO / "models" / "tiny-code"
+
+# Small random configs of each supported family: GQA, untied/tied embeddings, biases,
+# other rope theta and eps. Kept tiny so exports take seconds.
+FAMILIES = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=2,
+                  rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=1,
+                    rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_key_value_heads=2,
+                  rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2, head_dim=32,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+}
+
+
+def make_checkpoint(directory: Path, family: str, seed: int = 0, layers: int = 2) -> Path:
+    """A random-initialized checkpoint of ``family`` with the bundled tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(FAMILIES[family])
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(model_type, vocab_size=4096, hidden_size=128, intermediate_size=256,
+                                  num_hidden_layers=layers, num_attention_heads=4,
+                                  max_position_embeddings=512, bos_token_id=0, eos_token_id=0, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not all alike
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TINY_CODE / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: make_checkpoint(root / family, family) for family in FAMILIES}
+
+
+def write_spec(path: Path, checkpoint: Path, **sections) -> Path:
+    import yaml
+
+    spec = {"model": {"checkpoint": str(checkpoint), "dtype": "float32"},
+            "build": {"max_batch_size": 4, "max_input_len": 32, "max_seq_len": 128, "targets": ["sm89"]}}
+    for section, values in sections.items():
+        spec.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(spec))
+    return path

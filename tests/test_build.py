@@ -1,0 +1,122 @@
+"""End to end: `trtbuild build` on the bundled model and on random checkpoints of other families."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from trtbuild.builder.build import BuildOptions, build
+from trtbuild.builder.emit.manifest import verify_files
+from trtbuild.builder.progress import Progress, Verbosity
+from trtbuild.builder.spec import load_spec
+
+from conftest import REPO, TINY_CODE, write_spec
+from ort_greedy import greedy, transformers_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(self, path):\n",
+           "for i in range(", "    return self._"]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny-code"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
+                           "-o", str(out), "--dump-after", "fuse_attention"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "engine rank0" in proc.stderr and "rank0" in proc.stdout  # progress and the summary table
+    return out
+
+
+def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
+    manifest = json.loads((tiny_engine / "manifest.json").read_text())
+    assert manifest["schema_version"] == 1
+    assert manifest["tensorrt"]["flavor"] in ("tensorrt", "tensorrt-rtx")
+    assert manifest["targets"] == ["sm80", "sm86", "sm89"]
+    assert manifest["cuda_graph_batch_sizes"] == [1, 2, 4, 8]
+    for name in ("rank0.engine", "rank0.onnx", "rank0.onnx.data", "passes.jsonl", "tokenizer.json"):
+        assert name in manifest["files"], name
+    assert verify_files(tiny_engine, manifest) == []
+    assert (tiny_engine / "rank0.engine").stat().st_size > 1_000_000
+    io = {row["name"]: row for row in manifest["io"]}
+    assert io["input_ids"]["dtype"] == "int32" and io["write_index"]["dtype"] == "int64"
+    assert io["attention_mask"]["dtype"] == "bool" and io["attention_mask"]["shape"][3] == 1024
+    assert io["present_key_5"]["aliases"] == "past_key_5"
+    assert isinstance(io["logits"]["shape"][0], str)  # symbolic batch
+
+
+def test_every_site_fused_on_the_tiny_model(tiny_engine):
+    records = {r["pass"]: r for r in map(json.loads, (tiny_engine / "passes.jsonl").read_text().splitlines())}
+    assert list(records) == ["canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "plan_cuda_graphs"]
+    assert records["fuse_rmsnorm"]["matches"] == 13  # 2 per layer + final norm
+    assert records["fuse_rotary"]["matches"] == 12   # q and k per layer
+    assert records["fuse_attention"]["matches"] == 6
+    for name in ("fuse_rmsnorm", "fuse_rotary", "fuse_attention"):
+        numerics = records[name]["numerics"]
+        assert numerics["ok"] and numerics["vs_torch"]["max_abs"] < 1e-3, (name, numerics)
+    graph = onnx.load(tiny_engine / "rank0.onnx", load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
+    assert {"Attention", "TensorScatter", "RotaryEmbedding", "RMSNormalization"} <= ops
+    assert not ops & {"Softmax", "ScatterElements", "Pow", "Neg"}
+    origin = {n.name: {p.key: p.value for p in n.metadata_props}["created_by"] for n in graph.node}
+    assert origin["/model/layers.3/self_attn/Attention"] == "fuse_attention"
+    assert origin["/model/layers.3/self_attn/q_proj/MatMul"] == "export"
+    assert (tiny_engine / "dumps" / "rank0" / "004_fuse_attention.onnx").is_file()
+
+
+def test_rank_graph_generates_the_same_greedy_tokens_as_transformers(tiny_engine):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_engine)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    ours = greedy(tiny_engine / "rank0.onnx", prompts, 24, num_layers=6, num_kv_heads=2, head_dim=32, s_max=1024)
+    assert ours == transformers_greedy(TINY_CODE, prompts, 24)
+
+
+def test_inspect_shows_the_pass_table(tiny_engine):
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(tiny_engine)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "all hashes verify" in proc.stdout
+    assert "fuse_attention" in proc.stdout and "LlamaForCausalLM: 6 layers" in proc.stdout
+    node = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(tiny_engine),
+                           "--node", "/model/layers.0/self_attn/Attention"], capture_output=True, text=True)
+    assert "created by fuse_attention" in node.stdout
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_other_families_build_and_match_transformers(family, checkpoints, tmp_path):
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoints[family]))
+    summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
+    records = {r["pass"]: r for r in summary.pass_records}
+    norms_per_layer = 4 if family == "qwen3" else 2
+    assert records["fuse_rmsnorm"]["matches"] == 2 * norms_per_layer + 1
+    assert records["fuse_rotary"]["matches"] == 4 and records["fuse_attention"]["matches"] == 2
+    prompts = [[5, 17, 300, 41], [9, 8, 7]]
+    arch = spec.arch
+    ours = greedy(tmp_path / "out" / "rank0.onnx", prompts, 8, arch.num_layers, arch.num_kv_heads, arch.head_dim, 128)
+    assert ours == transformers_greedy(checkpoints[family], prompts, 8)
+
+
+def test_same_spec_and_checkpoint_give_identical_onnx(checkpoints, tmp_path):
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoints["llama"]))
+    hashes = []
+    for name in ("a", "b"):
+        summary = build(spec, BuildOptions(out=tmp_path / name), Progress(Verbosity.error))
+        hashes.append({k: v["sha256"] for k, v in summary.manifest["files"].items() if ".onnx" in k})
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 2
+
+
+def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path):
+    spec_path = write_spec(tmp_path / "spec.yaml", checkpoints["llama"], passes={"atol": 1e-12, "rtol": 1e-12})
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec_path), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "broke numerics" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]

@@ -1,0 +1,121 @@
+"""Spec validation: valid specs load; each bad input is one line naming the YAML path."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trtbuild.builder.errors import SpecError, UserError
+from trtbuild.builder.spec import Spec, load_spec
+
+from conftest import REPO, TINY_CODE
+
+
+def spec_dict(**overrides) -> dict:
+    data = {"model": {"checkpoint": str(TINY_CODE), "dtype": "float32"},
+            "build": {"max_input_len": 64, "max_seq_len": 512}}
+    for section, values in overrides.items():
+        if values is None:
+            data.pop(section, None)
+        elif isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    return data
+
+
+def error_of(data: dict, base_dir: Path = Path(".")) -> str:
+    with pytest.raises(UserError) as info:
+        Spec.from_dict(data, base_dir=base_dir)
+    return str(info.value)
+
+
+def test_bundled_spec_loads_with_checkpoint_facts():
+    spec = load_spec(REPO / "specs" / "tiny-code.yaml")
+    assert spec.model.checkpoint == TINY_CODE.resolve()
+    assert spec.arch.num_layers == 6 and spec.arch.num_heads == 8 and spec.arch.num_kv_heads == 2
+    assert spec.cuda_graph_batch_sizes == (1, 2, 4, 8)
+    assert len(spec.sha256()) == 64
+
+
+def test_spec_is_read_only():
+    spec = Spec.from_dict(spec_dict())
+    with pytest.raises(Exception):
+        spec.build.max_batch_size = 3
+
+
+def test_defaults_and_explicit_buckets():
+    spec = Spec.from_dict(spec_dict(build={"max_batch_size": 12, "cuda_graph_batch_sizes": [8, 1, 4]}))
+    assert spec.cuda_graph_batch_sizes == (1, 4, 8)
+    assert Spec.from_dict(spec_dict(build={"max_batch_size": 12})).cuda_graph_batch_sizes == (1, 2, 4, 8, 12)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"parallel": {"tensor": 3}}, "parallel.tensor: 3 does not divide num_key_value_heads=2"),
+    ({"parallel": {"tensor": 2}}, "parallel.tensor: 2: tensor-parallel sharding is not implemented yet; use 1"),
+    ({"build": {"max_input_len": 600}}, "build.max_input_len: 600 exceeds max_seq_len=512"),
+    ({"build": {"max_seq_len": 4096, "max_input_len": 64}},
+     "build.max_seq_len: 4096 exceeds the checkpoint's max_position_embeddings=1024"),
+    ({"build": {"max_batch_size": 0}}, "build.max_batch_size: Input should be greater than or equal to 1"),
+    ({"build": {"targets": ["sm42"]}}, "build.targets: 'sm42' is not a compute capability"),
+    ({"build": {"targets": ["sm75"]}}, "build.targets: sm75 has no float32 GEMM"),
+    ({"build": {"cuda_graph_batch_sizes": [16]}},
+     "build.cuda_graph_batch_sizes: 16 is outside [1, max_batch_size=8]"),
+    ({"model": {"dtype": "float8"}}, "model.dtype: 'float8' is not valid; valid: 'float32', 'float16' or 'bfloat16'"),
+    ({"build": {"backend": "trt"}}, "build.backend: 'trt' is not valid"),
+    ({"passes": {"disable": ["fuse_attn"]}},
+     "passes.disable: unknown pass 'fuse_attn' (did you mean 'fuse_attention'?)"),
+    ({"quantization": {"mode": "int4_weight_only"}}, "quantization.mode: 'int4_weight_only' is not valid; valid: 'none'"),
+    ({"speculative": {"medusa": {}}}, "speculative: reserved"),
+    ({"parallel": {"pipeline": 2}}, "parallel.pipeline: 2 is not valid; valid: 1"),
+    ({"bulid": {"max_batch_size": 2}}, "bulid: unknown key (did you mean 'build'?)"),
+    ({"build": {"max_batch": 2}}, "build.max_batch: unknown key (did you mean 'max_batch_size'?)"),
+    ({"model": None}, "model: required"),
+])
+def test_bad_fields_name_their_path(overrides, expected):
+    message = error_of(spec_dict(**overrides))
+    assert message.startswith(expected), message
+    assert "\n" not in message
+
+
+def test_checkpoint_errors(tmp_path):
+    assert "model.checkpoint" in error_of(spec_dict(model={"checkpoint": str(tmp_path / "nope")}))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    message = error_of(spec_dict(model={"checkpoint": str(tmp_path)}))
+    assert "architecture 'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM" in message
+
+
+def test_relative_checkpoint_resolves_against_spec_file(tmp_path):
+    nested = tmp_path / "specs"
+    nested.mkdir()
+    path = nested / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_dict(model={"checkpoint": os.path.relpath(TINY_CODE, nested)})))
+    assert load_spec(path).model.checkpoint == TINY_CODE.resolve()
+
+
+def test_yaml_errors_are_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(UserError, match=r"bad.yaml: not valid YAML at line"):
+        load_spec(path)
+    with pytest.raises(UserError, match="spec file does not exist"):
+        load_spec(tmp_path / "missing.yaml")
+    path.write_text("- a list\n")
+    with pytest.raises(SpecError, match="a spec is a YAML mapping"):
+        load_spec(path)
+
+
+def test_cli_reports_spec_error_with_exit_code_2(tmp_path):
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(spec_dict(parallel={"tensor": 3})))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: parallel.tensor: 3 does not divide num_key_value_heads=2"
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == [path]
