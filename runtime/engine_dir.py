@@ -1,0 +1,120 @@
+"""Load and verify an engine dir written by ``trtbuild build`` (the manifest is the contract)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+
+class EngineDirError(Exception):
+    """The engine dir cannot be served here; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class EngineDir:
+    path: Path
+    manifest: dict
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.model["num_layers"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model["num_kv_heads"]
+
+    @property
+    def head_dim(self) -> int:
+        return self.model["head_dim"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model["vocab_size"]
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.manifest["limits"]["max_batch_size"]
+
+    @property
+    def max_input_len(self) -> int:
+        return self.manifest["limits"]["max_input_len"]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.manifest["limits"]["max_seq_len"]
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["spec"]["model"]["dtype"]
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        return self.manifest["cuda_graph_batch_sizes"]
+
+    @property
+    def runtime_defaults(self) -> dict:
+        return self.manifest["spec"].get("runtime", {})
+
+    def rank_file(self, rank: int, kind: str) -> Path:
+        return self.path / self.manifest["ranks"][rank][kind]
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            path = self.path / name
+            if path.is_file():
+                value = json.loads(path.read_text()).get("eos_token_id")
+                ids += value if isinstance(value, list) else [] if value is None else [value]
+        return tuple(dict.fromkeys(ids))
+
+
+def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
+    """Reads manifest.json, checks its schema version and (by default) every file's sha256."""
+    path = Path(engine_dir)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise EngineDirError(f"{path}: not an engine dir (no manifest.json); build one with `trtbuild build SPEC -o {path}`")
+    manifest = json.loads(manifest_path.read_text())
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise EngineDirError(f"{manifest_path}: schema_version {version}, this runtime reads {SCHEMA_VERSION}; "
+                             "rebuild the engine dir with this trtbuild")
+    if verify_hashes:
+        for name, entry in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                raise EngineDirError(f"{file}: missing (listed in the manifest)")
+            if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
+                raise EngineDirError(f"{file}: sha256 differs from the manifest; the engine dir is corrupt "
+                                     "or was modified: rebuild or re-copy it")
+    return EngineDir(path=path, manifest=manifest)
+
+
+def check_gpu_target(engine_dir: EngineDir, rank: int, flavor: str, version: str, compute_capability: str) -> None:
+    """Refuses an engine built for other GPUs or another TensorRT, before TensorRT sees it."""
+    built = engine_dir.manifest["tensorrt"]
+    if built["flavor"] != flavor:
+        raise EngineDirError(f"rank{rank}.engine was built with {built['flavor']} {built['version']}; this "
+                             f"machine has {flavor} {version}: rebuild with build.backend: {flavor}")
+    if built["version"].split(".")[:2] != version.split(".")[:2]:
+        raise EngineDirError(f"rank{rank}.engine was built with {flavor} {built['version']}; this machine has "
+                             f"{version}: rebuild with the installed version")
+    targets = engine_dir.manifest["targets"]
+    if targets != ["portable"] and compute_capability not in targets:
+        raise EngineDirError(f"rank{rank}.engine was built for {', '.join(targets)}; this GPU is "
+                             f"{compute_capability}: rebuild with build.targets including {compute_capability}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()

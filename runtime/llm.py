@@ -1,0 +1,269 @@
+"""``LLM``: generate text from an engine dir (Python API), sync and async streaming."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+from .engine import Engine
+from .engine_dir import EngineDir, load
+from .prefix_cache import PrefixCache
+from .sampling import Sampler, SamplingParams
+from .scheduler import Batching, LoadBlock, Plan, Request, SaveBlock, Scheduler
+from .slots import Move
+
+
+@dataclass
+class Completion:
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None
+    cached_tokens: int
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A streamed piece of one request's output."""
+    rid: str
+    text: str
+    token_id: int
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Live:
+    request: Request
+    sampler: Sampler
+    arrival_s: float
+    first_token_s: float | None = None
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RuntimeStats:
+    steps: int = 0
+    engine_s: float = 0.0       # inside Engine.step
+    loop_s: float = 0.0         # whole step loop, engine included
+    prefill_steps: int = 0
+    decode_steps: int = 0
+
+
+def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int) -> Engine:
+    """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU."""
+    if backend not in ("auto", "tensorrt", "onnxruntime"):
+        raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
+    if backend in ("auto", "tensorrt"):
+        from .tensorrt_engine import TensorRTEngine, tensorrt_available
+
+        reason = tensorrt_available(engine_dir)
+        if reason is None:
+            return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size)
+        if backend == "tensorrt":
+            raise ValueError(f"--backend tensorrt: {reason}")
+    from .onnxruntime_engine import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size)
+
+
+class LLM:
+    """Loads an engine dir and generates with in-flight batching.
+
+    >>> llm = LLM("build/tiny-code")
+    >>> llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32))[0].text
+    """
+
+    def __init__(self, engine_dir: str | Path, backend: str = "auto", threads: int = 0,
+                 prefix_cache: bool | None = None, prefix_cache_blocks: int | None = None, block_size: int = 16,
+                 batching: Batching = Batching.inflight, token_budget: int | None = None,
+                 verify: bool = True):
+        from tokenizers import Tokenizer
+
+        self.engine_dir = load(Path(engine_dir), verify_hashes=verify)
+        d = self.engine_dir
+        use_prefix = d.runtime_defaults.get("prefix_cache", True) if prefix_cache is None else prefix_cache
+        # By default the prefix store holds as many tokens as two full slots.
+        blocks = (prefix_cache_blocks if prefix_cache_blocks is not None
+                  else 2 * d.max_seq_len // block_size) if use_prefix else 0
+        self.tokenizer = Tokenizer.from_file(str(d.path / "tokenizer.json"))
+        self.engine = make_engine(d, backend, threads, blocks, block_size)
+        self.scheduler = Scheduler(
+            capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
+            token_budget=token_budget, prefix_cache=PrefixCache(block_size, blocks) if use_prefix else None,
+            eos_token_ids=d.eos_token_ids(), batching=batching)
+        self.stats = RuntimeStats()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> str:
+        return self.engine.name
+
+    def default_params(self, **overrides) -> SamplingParams:
+        defaults = self.engine_dir.runtime_defaults
+        values = {k: defaults[k] for k in ("max_tokens", "temperature", "top_k", "top_p") if k in defaults}
+        return SamplingParams(**{**values, **overrides})
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> str:
+        """Queues one request; raises ValueError (and changes nothing) if it cannot run."""
+        tokens = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        rid = rid or f"req-{next(self._ids)}"
+        request = Request(rid=rid, prompt=tokens, params=params)
+        with self._lock:
+            self.scheduler.add(request)
+            self._live[rid] = _Live(request, Sampler(params), time.perf_counter())
+        return rid
+
+    def generate(self, prompts: list[str] | str | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Completions in prompt order. Every request is validated before any runs."""
+        single = isinstance(prompts, str)
+        prompts = [prompts] if single else list(prompts)
+        params_list = params if isinstance(params, list) else [params or self.default_params()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
+            self._check(prompt, p, index)
+        rids = [self.submit(prompt, p) for prompt, p in zip(prompts, params_list)]
+        done = {c.rid: c for c in self.run_until_done()}
+        return [done[rid] for rid in rids]
+
+    def _check(self, prompt, params: SamplingParams, index: int) -> None:
+        tokens = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt
+        limit = self.engine_dir.max_seq_len
+        if not tokens:
+            raise ValueError(f"prompt {index}: empty")
+        if len(tokens) + params.max_tokens > limit:
+            raise ValueError(f"prompt {index}: {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds "
+                             f"max_seq_len {limit}")
+
+    def run_until_done(self) -> list[Completion]:
+        completions = []
+        while self.scheduler.has_work():
+            _, finished = self.step()
+            completions += finished
+        return completions
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[Delta]:
+        """Yields text pieces of one request as they are produced (other queued requests run too)."""
+        rid = self.submit(prompt, params or self.default_params())
+        while True:
+            deltas, _ = self.step()
+            for delta in deltas:
+                if delta.rid == rid:
+                    yield delta
+                    if delta.finished:
+                        return
+
+    # -- the step loop ------------------------------------------------------------------------------
+    def step(self) -> tuple[list[Delta], list[Completion]]:
+        """One scheduler step: cache ops, one engine step, sampling, detokenization."""
+        with self._lock:
+            start = time.perf_counter()
+            plan = self.scheduler.schedule()
+            self._apply(plan)
+            deltas: list[Delta] = []
+            if plan.step is not None:
+                step = plan.step
+                engine_start = time.perf_counter()
+                logits = self.engine.step(step)  # [B, V]
+                self.stats.engine_s += time.perf_counter() - engine_start
+                self.stats.steps += 1
+                if step.kind.value == "prefill":
+                    self.stats.prefill_steps += 1
+                else:
+                    self.stats.decode_steps += 1
+                sampled = {}
+                for row, (rid, samples) in enumerate(zip(step.rids, step.samples)):
+                    if samples:
+                        live = self._live[rid]
+                        token, logprob = live.sampler.sample(logits[row])
+                        sampled[rid] = token
+                        if logprob is not None:
+                            live.logprobs.append(logprob)
+                for request, token in self.scheduler.commit(step, sampled):
+                    deltas.append(self._detokenize(request, token))
+            finished = [self._complete(r) for r in self.scheduler.pop_finished()]
+            self.stats.loop_s += time.perf_counter() - start
+        return deltas, finished
+
+    def _apply(self, plan: Plan) -> None:
+        for op in plan.ops:
+            if isinstance(op, Move):
+                self.engine.copy_slot(op.src, op.dst)
+            elif isinstance(op, SaveBlock):
+                self.engine.save_block(op.slot, op.index, op.block)
+            elif isinstance(op, LoadBlock):
+                self.engine.load_block(op.block, op.slot, op.index)
+
+    def _detokenize(self, request: Request, token: int) -> Delta:
+        live = self._live[request.rid]
+        now = time.perf_counter()
+        if live.first_token_s is None:
+            live.first_token_s = now
+        text = self.tokenizer.decode(request.output)
+        stop_at = min((i for i in (text.find(s) for s in request.params.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            text = text[:stop_at]
+            self.scheduler.finish(request.rid, "stop")
+        piece = text[len(live.text):] if text.startswith(live.text) else text
+        live.text = text
+        return Delta(rid=request.rid, text=piece, token_id=token, finished=request.finish_reason is not None,
+                     finish_reason=request.finish_reason)
+
+    def _complete(self, request: Request) -> Completion:
+        live = self._live.pop(request.rid)
+        now = time.perf_counter()
+        return Completion(rid=request.rid, prompt_token_ids=request.prompt, token_ids=list(request.output),
+                          text=live.text, finish_reason=request.finish_reason or "abort",
+                          logprobs=live.logprobs if request.params.logprobs else None,
+                          cached_tokens=request.cached_tokens, arrival_s=live.arrival_s,
+                          first_token_s=live.first_token_s or now, finish_s=now)
+
+
+class AsyncLLM:
+    """Async streaming over one LLM: a driver task runs steps in a worker thread while any request lives."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._driver: asyncio.Task | None = None
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
+        rid = self.llm.submit(prompt, params or self.llm.default_params())
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+        while True:
+            delta = await queue.get()
+            yield delta
+            if delta.finished:
+                self._queues.pop(rid, None)
+                return
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.llm.scheduler.has_work():
+            deltas, _ = await loop.run_in_executor(None, self.llm.step)
+            for delta in deltas:
+                queue = self._queues.get(delta.rid)
+                if queue is not None:
+                    queue.put_nowait(delta)

@@ -1,0 +1,69 @@
+"""CPU backend: runs the rank ONNX (the graph compiled into the engine) in ONNX Runtime.
+
+The KV pools are numpy arrays [capacity + 1, H_kv, S_max, D] per layer. Each step binds
+``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through IO binding,
+so TensorScatter writes the new K/V into the pool itself: no per-step copy of the cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from .engine import step_arrays
+from .engine_dir import EngineDir
+from .scheduler import Step
+
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class OnnxRuntimeEngine:
+    name = "onnxruntime"
+
+    def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
+                 rank: int = 0):
+        if engine_dir.dtype not in _DTYPES:
+            raise ValueError(f"the onnxruntime backend runs float32 and float16 engine dirs; this one is "
+                             f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
+        self.engine_dir, self.block_size = engine_dir, block_size
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.intra_op_num_threads = threads
+        # Spinning threads burn the cores the Python loop between steps needs.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(str(engine_dir.rank_file(rank, "onnx")), options,
+                                            providers=["CPUExecutionProvider"])
+        dtype = _DTYPES[engine_dir.dtype]
+        slot_shape = (engine_dir.num_kv_heads, engine_dir.max_seq_len, engine_dir.head_dim)
+        self.cache_names = [f"{kind}_{layer}" for layer in range(engine_dir.num_layers) for kind in ("key", "value")]
+        # +1: the scratch slot the slot table swaps through.
+        self.pools = {n: np.zeros((engine_dir.max_batch_size + 1, *slot_shape), dtype) for n in self.cache_names}
+        block_shape = (engine_dir.num_kv_heads, block_size, engine_dir.head_dim)
+        self.blocks = {n: np.zeros((prefix_blocks, *block_shape), dtype) for n in self.cache_names}
+
+    def step(self, step: Step) -> np.ndarray:
+        arrays = step_arrays(step, self.engine_dir.max_seq_len)
+        binding = self.session.io_binding()
+        for name, value in arrays.as_dict().items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits")  # first, so it is get_outputs()[0]
+        rows = slice(step.first_slot, step.first_slot + len(step.rids))
+        for name in self.cache_names:
+            view = ort.OrtValue.ortvalue_from_numpy(self.pools[name][rows])  # shares the pool's memory
+            binding.bind_ortvalue_input(f"past_{name}", view)
+            binding.bind_ortvalue_output(f"present_{name}", view)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[:, 0]  # [B, V]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        for pool in self.pools.values():
+            pool[dst] = pool[src]
+
+    def save_block(self, slot: int, index: int, block: int) -> None:
+        span = slice(index * self.block_size, (index + 1) * self.block_size)
+        for name, pool in self.pools.items():
+            self.blocks[name][block] = pool[slot, :, span]
+
+    def load_block(self, block: int, slot: int, index: int) -> None:
+        span = slice(index * self.block_size, (index + 1) * self.block_size)
+        for name, pool in self.pools.items():
+            pool[slot, :, span] = self.blocks[name][block]

@@ -1,0 +1,80 @@
+"""Sampling parameters and the per-request sampler (numpy, on host logits)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0       # 0: greedy
+    top_k: int = 0                 # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()     # stop strings; the output is cut before them
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer ≥ 1 (got {self.max_tokens!r})")
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be ≥ 0 (got {self.temperature!r})")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an integer ≥ 0 (got {self.top_k!r})")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Sampler:
+    """Draws one token from a row of logits; owns the request's RNG so seeds reproduce."""
+
+    params: SamplingParams
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)
+
+    def sample(self, logits: np.ndarray) -> tuple[int, float | None]:
+        """(token, its log-probability under the model's distribution if asked)."""
+        logits = logits.astype(np.float64)  # [V]
+        p = self.params
+        if p.greedy:
+            token = int(np.argmax(logits))
+        else:
+            scaled = logits / p.temperature
+            if p.top_k:
+                kth = np.partition(scaled, -p.top_k)[-p.top_k]
+                scaled = np.where(scaled < kth, -np.inf, scaled)
+            probs = _softmax(scaled)
+            if p.top_p < 1.0:
+                order = np.argsort(-probs, kind="stable")
+                cumulative = np.cumsum(probs[order])
+                keep = order[: int(np.searchsorted(cumulative, p.top_p) + 1)]
+                mask = np.zeros_like(probs, dtype=bool)
+                mask[keep] = True
+                probs = np.where(mask, probs, 0.0)
+                probs /= probs.sum()
+            token = int(self.rng.choice(len(probs), p=probs))
+        logprob = float(np.log(_softmax(logits)[token])) if p.logprobs else None
+        return token, logprob
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()

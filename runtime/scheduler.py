@@ -1,0 +1,234 @@
+"""In-flight batching scheduler: plain Python, no engine, testable with exact asserts.
+
+Every call to ``schedule()`` returns one engine ``Step`` (a prefill chunk or a decode of
+every decoding request) plus the cache operations to apply first (slot moves, prefix-block
+saves and loads). ``commit()`` takes the step's sampled tokens and advances requests.
+Waiting requests are admitted FCFS whenever a slot is free; prefill and decode steps
+alternate while both have work, so new prompts start soon and running ones keep flowing.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .prefix_cache import PrefixCache
+from .sampling import SamplingParams
+from .slots import Move, SlotTable
+
+
+class Phase(Enum):
+    waiting = "waiting"
+    prefilling = "prefilling"
+    decoding = "decoding"
+    finished = "finished"
+
+
+class StepKind(Enum):
+    prefill = "prefill"
+    decode = "decode"
+
+
+class Batching(Enum):
+    inflight = "inflight"
+    static = "static"   # a new wave starts only when the whole previous wave has finished
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    computed: int = 0                 # tokens whose K/V are in the slot
+    phase: Phase = Phase.waiting
+    finish_reason: str | None = None
+    cached_tokens: int = 0            # prompt tokens loaded from the prefix cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class SaveBlock:
+    """Store slot positions [index*bs, (index+1)*bs) into prefix block ``block``."""
+    slot: int
+    index: int
+    block: int
+
+
+@dataclass(frozen=True)
+class LoadBlock:
+    """Copy prefix block ``block`` into slot positions [index*bs, (index+1)*bs)."""
+    block: int
+    slot: int
+    index: int
+
+
+CacheOp = Move | SaveBlock | LoadBlock
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: StepKind
+    first_slot: int            # rows bind slots [first_slot, first_slot + len(rids))
+    rids: tuple[str, ...]
+    tokens: tuple[tuple[int, ...], ...]   # new tokens per row
+    starts: tuple[int, ...]               # write_index per row (= tokens already cached)
+    samples: tuple[bool, ...]             # whether a row's logits yield a token this step
+
+    @property
+    def seq_len(self) -> int:
+        return max(len(t) for t in self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+@dataclass
+class Plan:
+    ops: list[CacheOp]
+    step: Step | None
+
+
+class Scheduler:
+    def __init__(self, capacity: int, max_seq_len: int, max_chunk: int, token_budget: int | None = None,
+                 prefix_cache: PrefixCache | None = None, eos_token_ids: tuple[int, ...] = (),
+                 batching: Batching = Batching.inflight):
+        self.slots = SlotTable(capacity)
+        self.max_seq_len, self.max_chunk = max_seq_len, max_chunk
+        self.token_budget = token_budget or max_chunk
+        self.prefix_cache = prefix_cache
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.batching = batching
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self._pending: list[CacheOp] = []
+        self._last_kind: StepKind | None = None
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queues a request; refuses one that can never run, touching nothing else."""
+        if request.rid in self.requests:
+            raise ValueError(f"request id {request.rid!r} is already in use")
+        if not request.prompt:
+            raise ValueError(f"request {request.rid}: empty prompt")
+        need = len(request.prompt) + request.params.max_tokens
+        if need > self.max_seq_len:
+            raise ValueError(f"request {request.rid}: prompt of {len(request.prompt)} tokens + max_tokens "
+                             f"{request.params.max_tokens} = {need} exceeds the engine's max_seq_len "
+                             f"{self.max_seq_len}")
+        self.requests[request.rid] = request
+        self.waiting.append(request)
+
+    def finish(self, rid: str, reason: str) -> None:
+        """Ends a request now (stop string, abort); frees its slot at the next schedule."""
+        request = self.requests[rid]
+        if request.phase == Phase.finished:
+            return
+        if request.phase == Phase.waiting:
+            self.waiting.remove(request)
+        else:
+            self._pending += self.slots.release(rid)
+        request.phase, request.finish_reason = Phase.finished, reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.slots.num_active > 0
+
+    def pop_finished(self) -> list[Request]:
+        done = [r for r in self.requests.values() if r.phase == Phase.finished]
+        for r in done:
+            del self.requests[r.rid]
+        return done
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        self._admit()
+        ops, self._pending = self._pending, []
+        prefill = self._prefill_step()
+        decode = self._decode_step()
+        step = prefill or decode
+        if prefill and decode and self._last_kind == StepKind.prefill:
+            step = decode  # alternate while both have work
+        self._last_kind = step.kind if step else None
+        return Plan(ops=ops, step=step)
+
+    def _admit(self) -> None:
+        if self.batching == Batching.static and self.slots.num_active:
+            return
+        while self.waiting and self.slots.free:
+            request = self.waiting.popleft()
+            slot = self.slots.admit(request.rid)
+            request.phase = Phase.prefilling
+            if self.prefix_cache is not None:
+                blocks = self.prefix_cache.match(request.prompt)
+                self._pending += [LoadBlock(block, slot, index) for index, block in enumerate(blocks)]
+                request.computed = request.cached_tokens = len(blocks) * self.prefix_cache.block_size
+
+    def _prefill_step(self) -> Step | None:
+        rows, seq, budget = [], 0, self.token_budget
+        for rid in self.slots.prefilling():
+            request = self.requests[rid]
+            take = min(len(request.prompt) - request.computed, self.max_chunk, budget)
+            # Rows are padded to the step's longest chunk; every padded write must stay in the cache.
+            if take <= 0 or any(r.computed + max(seq, take) > self.max_seq_len for r, _ in rows + [(request, take)]):
+                break
+            rows.append((request, take))
+            seq, budget = max(seq, take), budget - take
+        if not rows:
+            return None
+        return Step(kind=StepKind.prefill, first_slot=self.slots.num_decoding,
+                    rids=tuple(r.rid for r, _ in rows),
+                    tokens=tuple(tuple(r.prompt[r.computed:r.computed + take]) for r, take in rows),
+                    starts=tuple(r.computed for r, _ in rows),
+                    samples=tuple(r.computed + take == len(r.prompt) for r, take in rows))
+
+    def _decode_step(self) -> Step | None:
+        rids = self.slots.decoding()
+        if not rids:
+            return None
+        requests = [self.requests[rid] for rid in rids]
+        return Step(kind=StepKind.decode, first_slot=0, rids=tuple(rids),
+                    tokens=tuple((r.tokens[-1],) for r in requests),
+                    starts=tuple(r.computed for r in requests), samples=(True,) * len(rids))
+
+    # -- results ------------------------------------------------------------------------------
+    def commit(self, step: Step, sampled: dict[str, int]) -> list[tuple[Request, int]]:
+        """Advances the step's requests; ``sampled`` maps request id → new token for rows that sample.
+
+        Returns (request, token) for every new token, in row order.
+        """
+        emitted = []
+        for rid, tokens, does_sample in zip(step.rids, step.tokens, step.samples):
+            request = self.requests[rid]
+            request.computed += len(tokens)
+            if step.kind == StepKind.prefill and does_sample:
+                self._pending += self.slots.promote(rid)
+                request.phase = Phase.decoding
+                self._save_prompt_blocks(request)
+            if not does_sample:
+                continue
+            token = sampled[rid]
+            request.output.append(token)
+            emitted.append((request, token))
+            reason = self._finish_reason(request, token)
+            if reason:
+                self.finish(rid, reason)
+        return emitted
+
+    def _save_prompt_blocks(self, request: Request) -> None:
+        if self.prefix_cache is None:
+            return
+        slot = self.slots.slot_of(request.rid)
+        for index, block in self.prefix_cache.insert(request.prompt):
+            self._pending.append(SaveBlock(slot, index, block))
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(request.output) >= params.max_tokens:
+            return "length"
+        return None

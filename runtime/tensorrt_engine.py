@@ -1,0 +1,162 @@
+"""GPU backend: the rank's TensorRT engine, driven with cuda-python.
+
+KV pools and step I/O live in device memory. Each step binds ``pool + first_slot * slot``
+as both ``past_*`` and ``present_*`` (the engine's KV-cache update writes in place).
+Decode steps are padded to the manifest's CUDA-graph batch buckets and replayed as CUDA
+graphs once captured: the bucket's addresses and shapes never change (decode binds slots
+from 0). Prefill uses the second optimization profile, eagerly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .engine import step_arrays
+from .engine_dir import EngineDir, check_gpu_target
+from .scheduler import Step, StepKind
+
+_ELEMENT = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def tensorrt_available(engine_dir: EngineDir) -> str | None:
+    """None when this machine can run TensorRT engines, else the reason it cannot."""
+    try:
+        import tensorrt  # noqa: F401
+        from cuda.bindings import runtime as cudart
+    except Exception as exc:  # not installed, or its CUDA libraries are missing
+        return f"TensorRT is not usable here ({type(exc).__name__}: {exc})"
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or count == 0:
+        return "no CUDA GPU is visible"
+    return None
+
+
+def _ok(result):
+    from cuda.bindings import runtime as cudart
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"CUDA error: {cudart.cudaGetErrorString(err)[1].decode()}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class TensorRTEngine:
+    name = "tensorrt"
+
+    def __init__(self, engine_dir: EngineDir, prefix_blocks: int = 0, block_size: int = 16, rank: int = 0,
+                 device: int = 0):
+        import tensorrt as trt
+        from cuda.bindings import runtime as cudart
+
+        self.trt, self.cudart, self.dir, self.block_size = trt, cudart, engine_dir, block_size
+        _ok(cudart.cudaSetDevice(device))
+        props = _ok(cudart.cudaGetDeviceProperties(device))
+        check_gpu_target(engine_dir, rank, "tensorrt", trt.__version__, f"sm{props.major}{props.minor}")
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(engine_dir.rank_file(rank, "engine").read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"TensorRT could not deserialize {engine_dir.rank_file(rank, 'engine')}")
+        self.stream = _ok(cudart.cudaStreamCreate())
+        self.contexts = {}
+        for kind, profile in ((StepKind.decode, 0), (StepKind.prefill, 1)):
+            context = self.engine.create_execution_context()
+            context.set_optimization_profile_async(profile, self.stream)
+            self.contexts[kind] = context
+        d = engine_dir
+        self.element = np.dtype(_ELEMENT[d.dtype]).itemsize
+        self.slot_bytes = d.num_kv_heads * d.max_seq_len * d.head_dim * self.element
+        self.block_bytes = d.num_kv_heads * block_size * d.head_dim * self.element
+        self.cache_names = [f"{kind}_{layer}" for layer in range(d.num_layers) for kind in ("key", "value")]
+        self.pools = {n: self._alloc((d.max_batch_size + 1) * self.slot_bytes, zero=True) for n in self.cache_names}
+        self.blocks = {n: self._alloc(max(1, prefix_blocks) * self.block_bytes) for n in self.cache_names}
+        b, s, s_max = d.max_batch_size, d.max_input_len, d.max_seq_len
+        sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
+                 "attention_mask": b * s * s_max, "logits_index": b * 8}
+        self.inputs = {name: self._alloc(size) for name, size in sizes.items()}
+        self.logits = self._alloc(b * d.vocab_size * 4)
+        self.buckets = sorted(d.cuda_graph_batch_sizes)
+        self.graphs: dict[int, object] = {}
+
+    def _alloc(self, nbytes: int, zero: bool = False) -> int:
+        ptr = _ok(self.cudart.cudaMalloc(nbytes))
+        if zero:
+            _ok(self.cudart.cudaMemset(ptr, 0, nbytes))
+        return int(ptr)
+
+    def _bucket(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def step(self, step: Step) -> np.ndarray:
+        cudart = self.cudart
+        rows = len(step.rids)
+        bucket = self._bucket(rows) if step.kind == StepKind.decode else None
+        arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
+        batch = arrays.input_ids.shape[0]
+        for name, value in arrays.as_dict().items():
+            value = np.ascontiguousarray(value)
+            _ok(cudart.cudaMemcpyAsync(self.inputs[name], value.ctypes.data, value.nbytes,
+                                       cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+        context = self.contexts[step.kind]
+        if bucket is not None and bucket in self.graphs:
+            _ok(cudart.cudaGraphLaunch(self.graphs[bucket], self.stream))
+        else:
+            self._bind(context, arrays, step.first_slot)
+            if not context.execute_async_v3(self.stream):
+                raise RuntimeError("TensorRT execution failed")
+            if bucket is not None:
+                self.graphs[bucket] = self._capture(context)
+        out = np.empty((batch, 1, self.dir.vocab_size), np.float32)
+        _ok(cudart.cudaMemcpyAsync(out.ctypes.data, self.logits, out.nbytes,
+                                   cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        _ok(cudart.cudaStreamSynchronize(self.stream))
+        return out[:rows, 0]
+
+    def _bind(self, context, arrays, first_slot: int) -> None:
+        for name, value in arrays.as_dict().items():
+            context.set_input_shape(name, value.shape)
+            context.set_tensor_address(name, self.inputs[name])
+        batch = arrays.input_ids.shape[0]
+        shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
+        for name in self.cache_names:
+            address = self.pools[name] + first_slot * self.slot_bytes
+            context.set_input_shape(f"past_{name}", shape)
+            context.set_tensor_address(f"past_{name}", address)
+            context.set_tensor_address(f"present_{name}", address)
+        context.set_tensor_address("logits", self.logits)
+
+    def _capture(self, context):
+        cudart = self.cudart
+        _ok(cudart.cudaStreamBeginCapture(self.stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
+        context.execute_async_v3(self.stream)
+        graph = _ok(cudart.cudaStreamEndCapture(self.stream))
+        return _ok(cudart.cudaGraphInstantiate(graph, 0))
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        for pool in self.pools.values():
+            _ok(self.cudart.cudaMemcpyAsync(pool + dst * self.slot_bytes, pool + src * self.slot_bytes, self.slot_bytes,
+                                            self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+
+    def _copy_span(self, dst: int, dst_pitch: int, src: int, src_pitch: int) -> None:
+        width = self.block_size * self.dir.head_dim * self.element
+        _ok(self.cudart.cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, self.dir.num_kv_heads,
+                                          self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+
+    def save_block(self, slot: int, index: int, block: int) -> None:
+        row = self.dir.max_seq_len * self.dir.head_dim * self.element
+        offset = index * self.block_size * self.dir.head_dim * self.element
+        for name in self.cache_names:
+            self._copy_span(self.blocks[name] + block * self.block_bytes, self.block_bytes // self.dir.num_kv_heads,
+                            self.pools[name] + slot * self.slot_bytes + offset, row)
+
+    def load_block(self, block: int, slot: int, index: int) -> None:
+        row = self.dir.max_seq_len * self.dir.head_dim * self.element
+        offset = index * self.block_size * self.dir.head_dim * self.element
+        for name in self.cache_names:
+            self._copy_span(self.pools[name] + slot * self.slot_bytes + offset, row,
+                            self.blocks[name] + block * self.block_bytes, self.block_bytes // self.dir.num_kv_heads)
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            self.cudart.cudaGraphExecDestroy(graph)
+        for ptr in [*self.pools.values(), *self.blocks.values(), *self.inputs.values(), self.logits]:
+            self.cudart.cudaFree(ptr)
+        self.cudart.cudaStreamDestroy(self.stream)

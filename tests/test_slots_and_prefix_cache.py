@@ -1,0 +1,83 @@
+"""Slot table and prefix cache: exact slot ids, moves, block ids and eviction order."""
+from __future__ import annotations
+
+import pytest
+
+from trtbuild.runtime.prefix_cache import PrefixCache, block_hashes
+from trtbuild.runtime.slots import Move, SlotTable
+
+
+def test_admission_fills_slots_in_order_and_refuses_when_full():
+    table = SlotTable(3)
+    assert [table.admit(r) for r in "abc"] == [0, 1, 2]
+    assert table.free == 0 and table.prefilling() == ["a", "b", "c"] and table.decoding() == []
+    with pytest.raises(RuntimeError, match="no free KV slot"):
+        table.admit("d")
+
+
+def test_promotion_keeps_decoding_slots_first_swapping_through_scratch():
+    table = SlotTable(4)
+    for r in "abc":
+        table.admit(r)
+    assert table.promote("a") == []                    # already at the first prefilling slot
+    assert table.promote("c") == [Move(2, 4), Move(1, 2), Move(4, 1)]  # swap c(2) with b(1) via scratch 4
+    assert table.decoding() == ["a", "c"] and table.prefilling() == ["b"]
+    assert (table.slot_of("c"), table.slot_of("b")) == (1, 2)
+
+
+def test_release_compacts_both_groups():
+    table = SlotTable(5)
+    for r in "abcde":
+        table.admit(r)
+    for r in "abc":
+        table.promote(r)                               # decoding a b c | prefilling d e
+    assert table.release("a") == [Move(2, 0), Move(4, 2)]  # c fills a's hole; e moves down to c's old slot
+    assert table.decoding() == ["c", "b"] and table.prefilling() == ["e", "d"]
+    assert table.num_decoding == 2 and table.num_active == 4
+    assert table.release("d") == []  # d holds the last slot: nothing moves
+    assert table.release("c") == [Move(1, 0), Move(2, 1)]
+    assert table.decoding() == ["b"] and table.prefilling() == ["e"]
+    assert [table.slot_of("b"), table.slot_of("e")] == [0, 1]
+
+
+def test_release_of_prefilling_request_moves_the_last_slot_into_its_place():
+    table = SlotTable(4)
+    for r in "abcd":
+        table.admit(r)
+    table.promote("a")
+    assert table.release("b") == [Move(3, 1)]
+    assert table.prefilling() == ["d", "c"] and table.slot_of("d") == 1
+
+
+def test_block_hashes_chain_over_the_whole_prefix():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7], 2)
+    b = block_hashes([9, 2, 3, 4], 2)
+    assert len(a) == 3 and len(b) == 2
+    assert a[1] != b[1]  # same block tokens, different prefix
+
+
+def test_match_leaves_the_last_prompt_token_to_compute():
+    cache = PrefixCache(block_size=2, capacity=8)
+    assert cache.insert([1, 2, 3, 4, 5]) == [(0, 0), (1, 1)]
+    assert cache.match([1, 2, 3, 4, 9]) == [0, 1]
+    assert cache.match([1, 2, 3, 4]) == [0]            # block 1 would leave nothing to compute
+    assert cache.match([1, 2, 7, 7, 7]) == [0]
+    assert cache.match([5, 5, 5]) == []
+    assert (cache.stats.hits, cache.stats.misses) == (4, 2)
+
+
+def test_insert_skips_cached_blocks_and_evicts_least_recently_used():
+    cache = PrefixCache(block_size=2, capacity=3)
+    assert cache.insert([1, 1, 2, 2]) == [(0, 0), (1, 1)]
+    assert cache.insert([1, 1, 2, 2, 3, 3]) == [(2, 2)]   # first two blocks already cached
+    assert cache.match([1, 1, 9]) == [0]                  # touches block 0: LRU order is now 1, 2, 0
+    assert cache.insert([7, 7, 8, 8]) == [(0, 1), (1, 2)]  # evicts block 1 then block 2
+    assert cache.stats.evictions == 2
+    assert cache.match([1, 1, 2, 2, 3, 3, 0]) == [0]       # its second block is gone
+    assert cache.match([7, 7, 8, 8, 0]) == [1, 2]
+
+
+def test_blocks_of_one_insert_never_evict_each_other():
+    cache = PrefixCache(block_size=1, capacity=2)
+    assert cache.insert([1, 2, 3, 4]) == [(0, 0), (1, 1)]  # no room for a third: stops, evicts none of its own
+    assert len(cache) == 2 and cache.stats.evictions == 0
