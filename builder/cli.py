@@ -18,8 +18,23 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# Runtime commands: imported only when invoked, so `trtbuild build` never loads the runtime.
+LAZY_COMMANDS = {"run": "trtbuild.runtime.cli:run", "bench": "trtbuild.runtime.cli:bench"}
+
+
 class _Group(click.Group):
     """Prints UserError as one line and exits 2; lets --log-level debug show tracebacks."""
+
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
+
+    def get_command(self, ctx, name):
+        if name in LAZY_COMMANDS:
+            import importlib
+
+            module, attr = LAZY_COMMANDS[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx):
         try:
@@ -40,6 +55,8 @@ def main() -> None:
     Example:
       trtbuild build specs/tiny-code.yaml -o build/tiny-code
       trtbuild inspect build/tiny-code
+      trtbuild run build/tiny-code --prompt "def fibonacci(n):"
+      trtbuild bench build/tiny-code --workload skewed
     """
 
 

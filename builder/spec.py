@@ -134,8 +134,15 @@ class Spec(_Section):
     passes: PassesSection = PassesSection()
     parallel: ParallelSection = ParallelSection()
     quantization: QuantizationSection = QuantizationSection()
-    speculative: None = Field(None, description="reserved for Medusa heads")
+    speculative: dict | None = Field(None, description="reserved for Medusa heads")
     runtime: RuntimeSection = RuntimeSection()
+
+    @field_validator("speculative")
+    @classmethod
+    def _reserved(cls, value):
+        if value is not None:
+            raise ValueError("reserved: speculative decoding (Medusa) is not implemented yet; remove this section")
+        return value
 
     @property
     def arch(self) -> ArchConfig:
@@ -255,7 +262,7 @@ def _spec_error(exc: ValidationError) -> SpecError:
                                f"{', '.join(fields)}")
     if kind == "missing":
         return SpecError(path, "required")
-    if kind == "enum":
+    if kind in ("enum", "literal_error"):
         return SpecError(path, f"{err['input']!r} is not valid; valid: {err['ctx']['expected']}")
     ctx_err = err.get("ctx", {}).get("error")
     if isinstance(ctx_err, _FieldError):

@@ -63,3 +63,17 @@ def write_spec(path: Path, checkpoint: Path, **sections) -> Path:
         spec.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory) -> Path:
+    """specs/tiny-code.yaml built once through the CLI (with a dump of the fused graph)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-code"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
+                           "-o", str(out), "--dump-after", "fuse_attention"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "engine rank0" in proc.stderr and "rank0" in proc.stdout  # progress and the summary table
+    return out

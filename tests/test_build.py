@@ -23,16 +23,6 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(
            "for i in range(", "    return self._"]
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny-code"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
-                           "-o", str(out), "--dump-after", "fuse_attention"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "engine rank0" in proc.stderr and "rank0" in proc.stdout  # progress and the summary table
-    return out
-
-
 def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
     manifest = json.loads((tiny_engine / "manifest.json").read_text())
     assert manifest["schema_version"] == 1

@@ -1,0 +1,102 @@
+"""Runtime commands of the ``trtbuild`` CLI (registered lazily by trtbuild.builder.cli)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+BACKENDS = click.Choice(["auto", "tensorrt", "onnxruntime"])
+
+
+def _load(out: Path, backend: str, threads: int, prefix_cache: bool | None = None, batching: str = "inflight"):
+    from .engine_dir import EngineDirError
+    from .llm import LLM
+    from .scheduler import Batching
+
+    try:
+        return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching))
+    except (EngineDirError, ValueError) as exc:
+        _fail(str(exc))
+
+
+def _fail(message: str):
+    """One line on stderr, exit code 2: the user's input is what needs fixing."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="New tokens (default: the spec's runtime.max_tokens).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None, help="0 is greedy (default: the spec's).")
+@click.option("--top-k", type=click.IntRange(min=0), default=None)
+@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=None)
+@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the output ends before it.")
+@click.option("--stream", is_flag=True, help="Print tokens as they are produced.")
+@click.option("--backend", type=BACKENDS, default="auto", show_default=True,
+              help="tensorrt runs rankN.engine on a GPU; onnxruntime runs rankN.onnx on CPU.")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
+def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str, threads: int):
+    """Generate a completion of --prompt with the engines in OUT.
+
+    \b
+    Example:
+      trtbuild run build/tiny-code --prompt "def fibonacci(n):" --max-tokens 48 --stream
+    """
+    llm = _load(out, backend, threads)
+    overrides = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=top_p).items() if v is not None}
+    try:
+        params = llm.default_params(seed=seed, stop=tuple(stop), **overrides)
+        if stream:
+            click.echo(prompt, nl=False)
+            for delta in llm.stream(prompt, params):
+                click.echo(delta.text, nl=False)
+            click.echo()
+            return
+        (completion,) = llm.generate([prompt], params)
+    except ValueError as exc:
+        _fail(str(exc))
+    click.echo(prompt + completion.text)
+    click.echo(f"[{len(completion.token_ids)} tokens, {completion.finish_reason}, backend {llm.backend}, "
+               f"ttft {completion.ttft_s * 1000:.1f} ms]", err=True)
+
+
+@click.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--workload", default="skewed", show_default=True,
+              help="A preset (skewed, uniform, shared-prefix) or a JSON-lines file of {prompt, max_tokens}.")
+@click.option("--mode", type=click.Choice(["inflight", "static"]), default="inflight", show_default=True,
+              help="static admits a new batch only when the whole previous batch has finished.")
+@click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
+@click.option("--backend", type=BACKENDS, default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, threads: int, as_json: bool):
+    """Serve a workload from OUT and report requests/s, output tokens/s, TTFT and inter-token latency.
+
+    \b
+    Example:
+      trtbuild bench build/tiny-code --workload skewed --mode static
+    """
+    from . import bench as benchmark
+
+    llm = _load(out, backend, threads, prefix_cache=prefix_cache == "on", batching=mode)
+    d = llm.engine_dir
+    try:
+        load = (benchmark.load_workload(Path(workload), llm.tokenizer) if Path(workload).is_file()
+                else benchmark.preset(workload, d.vocab_size, d.max_seq_len))
+        result = benchmark.run(llm, load)
+    except ValueError as exc:
+        _fail(f"--workload: {exc}")
+    figures = {"mode": mode, "prefix_cache": prefix_cache, "backend": llm.backend, **result.as_dict()}
+    if as_json:
+        click.echo(json.dumps(figures, indent=2))
+        return
+    width = max(map(len, figures))
+    for key, value in figures.items():
+        click.echo(f"{key.ljust(width)}  {value}")

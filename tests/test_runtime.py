@@ -1,0 +1,148 @@
+"""The runtime on the bundled model's engine dir (ONNX Runtime backend): tokens equal transformers'."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from trtbuild.runtime.engine_dir import EngineDirError, load
+from trtbuild.runtime.llm import LLM, AsyncLLM
+from trtbuild.runtime.sampling import SamplingParams
+
+from conftest import TINY_CODE
+from ort_greedy import transformers_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n        self.",
+           "    for i in range(len(", "# Copyright", "def __repr__(self):\n        return '<%s %r>' % (",
+           "from collections import", "x"]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine):
+    return LLM(tiny_engine, backend="onnxruntime", threads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    ids = [llm.tokenizer.encode(p).ids for p in PROMPTS]
+    return dict(zip(PROMPTS, transformers_greedy(TINY_CODE, ids, GREEDY.max_tokens)))
+
+
+def test_single_request_matches_transformers(llm, reference):
+    (out,) = llm.generate([PROMPTS[0]], GREEDY)
+    assert out.token_ids == reference[PROMPTS[0]] and out.finish_reason == "length"
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_eight_prompts_of_different_lengths_in_one_batch(llm, reference):
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS]
+
+
+def test_requests_arriving_mid_decode_join_and_match(llm, reference):
+    first = [llm.submit(p, GREEDY) for p in PROMPTS[:3]]
+    for _ in range(6):
+        llm.step()
+    later = [llm.submit(p, GREEDY) for p in PROMPTS[3:]]
+    done = {c.rid: c for c in llm.run_until_done()}
+    assert [done[r].token_ids for r in first + later] == [reference[p] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prefix_cache_on_and_off_give_the_same_tokens(tiny_engine, prefix_cache):
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2, prefix_cache=prefix_cache)
+    shared = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n" * 2
+    prompts = [shared + tail for tail in ("    return", "    if", "    parser.add_argument(")]
+    first = llm.generate(prompts[:1], GREEDY)
+    rest = llm.generate(prompts[1:], GREEDY)
+    ids = [llm.tokenizer.encode(p).ids for p in prompts]
+    assert [o.token_ids for o in first + rest] == transformers_greedy(TINY_CODE, ids, GREEDY.max_tokens)
+    cached = [o.cached_tokens for o in rest]
+    if prefix_cache:
+        assert all(c >= 32 for c in cached) and llm.scheduler.prefix_cache.stats.hits >= 4
+    else:
+        assert cached == [0, 0]
+
+
+def test_sampling_is_reproducible_with_a_seed_and_stops_on_strings(llm):
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.95, seed=7, ignore_eos=True)
+    a, b = llm.generate([PROMPTS[0], PROMPTS[0]], [params, params])
+    assert a.token_ids == b.token_ids
+    full = llm.generate([PROMPTS[2]], GREEDY)[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    (cut,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True))
+    assert cut.finish_reason == "stop" and stop not in cut.text and full.startswith(cut.text)
+
+
+def test_logprobs_are_reported(llm):
+    (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, logprobs=True, ignore_eos=True))
+    assert len(out.logprobs) == 4 and all(lp <= 0 for lp in out.logprobs)
+
+
+def test_streaming_sync_and_async_give_the_final_text(llm):
+    (whole,) = llm.generate([PROMPTS[4]], GREEDY)
+    pieces = list(llm.stream(PROMPTS[4], GREEDY))
+    assert "".join(p.text for p in pieces) == whole.text and pieces[-1].finished
+
+    async def collect():
+        stream = AsyncLLM(llm)
+        return await asyncio.gather(*(_join(stream.stream(p, GREEDY)) for p in (PROMPTS[4], PROMPTS[5])))
+
+    texts = asyncio.run(collect())
+    assert texts[0] == whole.text and texts[1] == llm.generate([PROMPTS[5]], GREEDY)[0].text
+
+
+async def _join(stream) -> str:
+    return "".join([delta.text async for delta in stream])
+
+
+def test_bad_requests_are_refused_without_disturbing_others(llm, reference):
+    with pytest.raises(ValueError, match="prompt 1: empty"):
+        llm.generate([PROMPTS[0], ""], GREEDY)
+    with pytest.raises(ValueError, match=r"exceeds max_seq_len 1024"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1024))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0)
+    rid = llm.submit(PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="exceeds the engine's max_seq_len"):
+        llm.submit(PROMPTS[1], SamplingParams(max_tokens=5000))
+    (done,) = llm.run_until_done()
+    assert done.rid == rid and done.token_ids == reference[PROMPTS[0]]
+
+
+def test_engine_dir_is_verified_before_use(tiny_engine, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_engine, copy)
+    with open(copy / "rank0.onnx.data", "r+b") as handle:
+        handle.seek(100)
+        handle.write(b"\x01\x02\x03")
+    with pytest.raises(EngineDirError, match="rank0.onnx.data: sha256 differs from the manifest"):
+        load(copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineDirError, match="schema_version 99, this runtime reads 1"):
+        load(copy, verify_hashes=False)
+
+
+def test_cli_run_and_bench(tiny_engine):
+    run = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(tiny_engine), "--prompt",
+                          "def fibonacci(n):", "--max-tokens", "12", "--backend", "onnxruntime"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("def fibonacci(n):") and "backend onnxruntime" in run.stderr
+    bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(tiny_engine), "--prompt", "x",
+                          "--max-tokens", "4096"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: prompt 0:") and "Traceback" not in bad.stderr
+    bench = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "bench", str(tiny_engine), "--workload",
+                            "uniform", "--json", "--backend", "onnxruntime"], capture_output=True, text=True)
+    assert bench.returncode == 0, bench.stderr
+    figures = json.loads(bench.stdout)
+    assert figures["requests"] == 16 and figures["output_tokens_per_s"] > 0 and figures["ttft_ms_p99"] > 0

@@ -1,0 +1,26 @@
+"""The TensorRT backend on a GPU: same greedy tokens as transformers. Skipped without a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from trtbuild.runtime.engine_dir import load
+from trtbuild.runtime.tensorrt_engine import tensorrt_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def test_tensorrt_backend_matches_transformers(tiny_engine):
+    reason = tensorrt_available(load(tiny_engine, verify_hashes=False))
+    if reason:
+        pytest.skip(f"needs an NVIDIA GPU with TensorRT: {reason}")
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    from conftest import TINY_CODE
+    from ort_greedy import transformers_greedy
+
+    llm = LLM(tiny_engine, backend="tensorrt")
+    prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    ids = [o.prompt_token_ids for o in outs]
+    assert [o.token_ids for o in outs] == transformers_greedy(TINY_CODE, ids, 16)
