@@ -120,8 +120,9 @@ def _numerics_reference(spec: Spec, exported, progress: Progress) -> tuple[dict,
     if spec.model.dtype == DType.bfloat16:
         progress.say("  numerics check skipped: ONNX Runtime's CPU kernels do not cover bfloat16")
         return None
-    if exported.model.ByteSize() > numerics.MAX_IN_MEMORY_BYTES:
-        progress.say("  numerics check skipped: the graph is over ONNX Runtime's 2 GB in-memory limit "
+    if exported.model.ByteSize() > numerics.MAX_NUMERICS_BYTES:
+        progress.say(f"  numerics check skipped: the graph is over {numerics.MAX_NUMERICS_BYTES >> 20} MiB, where "
+                     "running every pass in ONNX Runtime would double the build's memory "
                      "(set passes.numerics: false to silence this)")
         return None
     inputs = numerics.seeded_inputs(spec)

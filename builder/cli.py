@@ -57,6 +57,7 @@ def main() -> None:
       trtbuild inspect build/tiny-code
       trtbuild run build/tiny-code --prompt "def fibonacci(n):"
       trtbuild bench build/tiny-code --workload skewed
+      trtbuild plan specs/llama-3-8b.yaml --gpu H100-SXM
     """
 
 
@@ -137,6 +138,58 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
         click.echo(json.dumps({"manifest": manifest, "passes": chosen}, indent=2))
         return
     click.echo(render(out, manifest, chosen, detail=pass_name is not None))
+
+
+@main.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--gpu", default="H100-SXM", show_default=True, help="GPU from the table (trtbuild plan --list-gpus).")
+@click.option("--gpus", type=click.IntRange(min=1), default=None, help="GPUs available (default: the tensor parallelism).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4"]), default=None,
+              help="Precision of the roofline figures (default: the spec's dtype, else fp16).")
+@click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor parallelism (default: the spec's, else 1).")
+@click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size (default: the spec's max_batch_size, else 1).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None,
+              help="Tokens per sequence (default: the spec's max_seq_len, else the model's context).")
+@click.option("--list-gpus", is_flag=True, help="Print the GPU table and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus: bool, as_json: bool):
+    """Diagnose the bottleneck before building: memory per rank and the roofline of prefill and decode.
+
+    SOURCE is a spec (YAML) or a checkpoint dir holding at least config.json (no weights needed).
+
+    \b
+    Example:
+      trtbuild plan specs/llama-3-8b.yaml --gpu L40S
+      trtbuild plan /models/Llama-2-70b-hf --gpu A100-80GB --precision int8
+    """
+    from .frontend.checkpoint import arch_config
+    from .plan import Plan, find_gpu, gpu_table, param_counts, render, workload_for
+    from .spec import load_spec
+
+    if list_gpus:
+        for entry in gpu_table().values():
+            click.echo(f"{entry['name']:<10} {entry['sm']:<6} {entry['memory_gb']:>4} GB  {entry['bandwidth_gbps']:>5} GB/s  "
+                       f"{entry['tflops']['float16']:>6} TFLOP/s fp16  ({entry['source']})")
+        return
+    spec = None
+    if source.is_dir():
+        arch = arch_config(source)
+    elif source.is_file():
+        spec = load_spec(source)
+        arch = spec.arch
+    else:
+        raise UserError(f"{source}: neither a spec file nor a checkpoint dir")
+    dtype_precision = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+    precision = precision or (dtype_precision[spec.model.dtype.value] if spec else "fp16")
+    tp = tp or (spec.parallel.tensor if spec else 1)
+    if arch.num_heads % tp:
+        raise UserError(f"--tp: {tp} does not divide num_attention_heads={arch.num_heads}")
+    gpus = gpus or tp
+    if tp > gpus:
+        raise UserError(f"--tp: {tp} is more than --gpus {gpus}")
+    result = Plan(arch=arch, gpu=find_gpu(gpu), gpus=gpus, tp=tp, precision=precision,
+                  workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch))
+    click.echo(json.dumps(result.as_dict(), indent=2) if as_json else render(result))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class ArchConfig(BaseModel):
     tie_word_embeddings: bool
     qk_norm: bool
     sliding_window: int | None
+    attention_bias: bool = False
 
     @property
     def group_size(self) -> int:
@@ -80,6 +81,8 @@ def arch_config(checkpoint: Path) -> ArchConfig:
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=window,
+        # Qwen2 always has q/k/v biases; Llama-style configs say so in attention_bias.
+        attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
     )
 
 

@@ -1,0 +1,323 @@
+"""``trtbuild plan``: memory and roofline figures for a model on a GPU, before building.
+
+Every figure is arithmetic on the checkpoint's config.json and the GPU table
+(builder/data/gpus.json); nothing is loaded or run. Conventions:
+- weights: embeddings (and an untied lm_head) stay 16-bit in every mode, as the quantization
+  passes exclude them; int8 adds an fp16 scale per output channel, int4 one per group of 128;
+- KV cache in the engine's dtype (16-bit; 32-bit for float32 specs);
+- decode reads every weight once per step (shared by the batch) and each sequence's KV at a
+  mean context of half of max_seq_len; the floor time is the larger of bytes / bandwidth
+  and FLOPs / peak;
+- a rank fits when weights + KV + workspace ≤ 90 % of its memory.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+from .errors import UserError
+from .frontend.checkpoint import ArchConfig
+from .progress import table
+
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+# Weight-only int4 runs its GEMMs in 16-bit after dequantization; fp32 GEMMs run as TF32.
+_TFLOPS_KEY = {"fp32": "tf32", "fp16": "float16", "bf16": "bfloat16", "fp8": "fp8", "int8": "int8", "int4": "float16"}
+INT4_GROUP = 128
+HEADROOM = 0.9
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    sm: str
+    memory_bytes: float
+    bandwidth: float            # bytes/s
+    tflops: dict
+    interconnect: dict
+    source: str
+
+    def peak_flops(self, precision: str) -> float:
+        value = self.tflops.get(_TFLOPS_KEY[precision])
+        return (value if value is not None else self.tflops["float16"]) * 1e12
+
+
+def gpu_table() -> dict[str, dict]:
+    data = json.loads(resources.files(__package__).joinpath("data/gpus.json").read_text())
+    return {g["name"]: g for g in data["gpus"]}
+
+
+def find_gpu(name: str) -> Gpu:
+    table = gpu_table()
+    key = name.lower()
+    for entry in table.values():
+        if key == entry["name"].lower() or key in entry["aliases"]:
+            return Gpu(entry["name"], entry["sm"], entry["memory_gb"] * GB, entry["bandwidth_gbps"] * GB,
+                       entry["tflops"], entry["interconnect"], entry["source"])
+    raise UserError(f"--gpu: unknown GPU {name!r}; valid: {', '.join(table)}")
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int   # input embedding table
+    head: int        # lm_head (0 when tied to the embedding)
+    linear: int      # q/k/v/o and MLP projections: what quantization shrinks
+    other: int       # norms and biases
+    linear_rows: int  # output channels over all linear layers (int8 scales)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.head + self.linear + self.other
+
+    @property
+    def matmul(self) -> int:
+        """Parameters a token multiplies through (the lm_head included, the embedding gather not)."""
+        return self.linear + (self.head or self.embedding)
+
+
+def param_counts(arch: ArchConfig) -> ParamCounts:
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
+    rows_per_layer = q + 2 * kv + h + 2 * arch.intermediate_size + h
+    other = arch.num_layers * (2 * h + (2 * hd if arch.qk_norm else 0) + ((q + 2 * kv) if arch.attention_bias else 0)) + h
+    embedding = arch.vocab_size * h
+    return ParamCounts(embedding=embedding, head=0 if arch.tie_word_embeddings else embedding,
+                       linear=arch.num_layers * per_layer, other=other, linear_rows=arch.num_layers * rows_per_layer)
+
+
+def weight_bytes(counts: ParamCounts, precision: str) -> float:
+    if precision == "fp32":
+        return 4.0 * counts.total
+    fixed = 2 * (counts.embedding + counts.head + counts.other)
+    linear = {"fp16": 2.0 * counts.linear, "bf16": 2.0 * counts.linear, "fp8": 1.0 * counts.linear,
+              "int8": counts.linear + 2.0 * counts.linear_rows,
+              "int4": 0.5 * counts.linear + 2.0 * counts.linear / INT4_GROUP}[precision]
+    return fixed + linear
+
+
+def kv_bytes_per_token(arch: ArchConfig, element_bytes: int) -> int:
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    max_batch: int
+    max_seq_len: int
+    max_input_len: int
+    kv_element_bytes: int
+    prefix_cache: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    arch: ArchConfig
+    gpu: Gpu
+    gpus: int
+    tp: int
+    precision: str
+    workload: Workload
+    counts: ParamCounts
+
+    # -- memory ------------------------------------------------------------------------------
+    def weights(self, precision: str | None = None) -> float:
+        return weight_bytes(self.counts, precision or self.precision)
+
+    @property
+    def kv_per_token(self) -> int:
+        return kv_bytes_per_token(self.arch, self.workload.kv_element_bytes)
+
+    @property
+    def kv_total(self) -> float:
+        return self.kv_per_token * self.workload.max_batch * self.workload.max_seq_len
+
+    @property
+    def workspace(self) -> float:
+        w, a = self.workload, self.arch
+        tokens = w.max_batch * w.max_input_len
+        return tokens * (4 * a.hidden_size + 2 * a.intermediate_size) * 2 + w.max_batch * a.vocab_size * 4
+
+    def per_rank(self, precision: str | None = None, tp: int | None = None) -> float:
+        tp = tp or self.tp
+        return (self.weights(precision) + self.kv_total) / tp + self.workspace
+
+    def fits(self, precision: str | None = None, tp: int | None = None) -> bool:
+        return self.per_rank(precision, tp) <= HEADROOM * self.gpu.memory_bytes
+
+    def min_gpus(self, precision: str) -> int | None:
+        n = 1
+        while n <= 64:
+            if self.arch.num_heads % n == 0 and self.fits(precision, n):
+                return n
+            n *= 2
+        return None
+
+    # -- roofline -------------------------------------------------------------------------------
+    @property
+    def prefill_flops_per_token(self) -> float:
+        """2 FLOPs per matmul parameter; attention adds attention_flops_per_context_token × context."""
+        return 2.0 * self.counts.matmul
+
+    @property
+    def attention_flops_per_context_token(self) -> float:
+        return 4.0 * self.arch.num_layers * self.arch.num_heads * self.arch.head_dim
+
+    @property
+    def mean_context(self) -> int:
+        return self.workload.max_seq_len // 2
+
+    def decode_bytes(self, batch: int) -> float:
+        """Bytes one decode step reads on one rank: the weights once, each sequence's KV."""
+        return (self.weights() + batch * self.mean_context * self.kv_per_token) / self.tp
+
+    def decode_flops(self, batch: int) -> float:
+        per_token = self.prefill_flops_per_token + self.attention_flops_per_context_token * self.mean_context
+        return batch * per_token / self.tp
+
+    def decode_floor_s(self, batch: int) -> float:
+        peak = self.gpu.peak_flops(self.precision)
+        return max(self.decode_bytes(batch) / self.gpu.bandwidth, self.decode_flops(batch) / peak)
+
+    def weights_floor_s(self) -> float:
+        """Batch-1 decode floor: streaming this rank's weights once at peak bandwidth."""
+        return self.weights() / self.tp / self.gpu.bandwidth
+
+    def ridge_batch(self) -> int | None:
+        """Smallest decode batch whose step is compute-bound, or None if KV reads keep it memory-bound."""
+        peak, bw = self.gpu.peak_flops(self.precision), self.gpu.bandwidth
+        flops_per_seq = self.decode_flops(1) * self.tp
+        kv_per_seq = self.mean_context * self.kv_per_token
+        margin = flops_per_seq / peak - kv_per_seq / bw
+        if margin <= 0:
+            return None
+        return max(1, int(-(-(self.weights() / bw) // margin)))
+
+    def prefill_compute_bound_from(self) -> int:
+        """Tokens per step from which prefill is compute-bound (weights amortized over the chunk)."""
+        peak, bw = self.gpu.peak_flops(self.precision), self.gpu.bandwidth
+        return max(1, int(self.weights() / bw * peak / self.prefill_flops_per_token) + 1)
+
+    def prefill_s(self, tokens: int) -> float:
+        peak = self.gpu.peak_flops(self.precision)
+        flops = tokens * self.prefill_flops_per_token + self.attention_flops_per_context_token * tokens * tokens / 2
+        return max(flops / peak, self.weights() / self.gpu.bandwidth) / self.tp
+
+    # -- advice ---------------------------------------------------------------------------------
+    def recommendations(self) -> list[dict]:
+        out = []
+        fp = self.precision if self.precision in ("fp32", "bf16") else "fp16"
+        tp_fp = self.min_gpus(fp)
+        out.append(_rec(
+            f"smallest tensor parallelism that fits at {fp}: "
+            + (f"{tp_fp} × {self.gpu.name}" if tp_fp else f"none up to 64 × {self.gpu.name}"),
+            f"{self.per_rank(fp, tp_fp or 64) / GB:.1f} GB per rank of {self.gpu.memory_bytes / GB:.0f} GB"))
+        if self.fits(fp, 1):
+            out.append(_rec("fits one GPU unquantized: quantize only to speed up bandwidth-bound decode",
+                            f"{self.per_rank(fp, 1) / GB:.1f} GB of {self.gpu.memory_bytes / GB:.0f} GB"))
+        else:
+            one = next((p for p in ("fp8", "int8", "int4") if self.fits(p, 1) and self._supports(p)), None)
+            out.append(_rec(f"quantization that fits one {self.gpu.name}: {one}" if one else
+                            f"no quantization fits one {self.gpu.name}; int4 needs {self.min_gpus('int4')}",
+                            f"{self.per_rank(one or 'int4', 1) / GB:.1f} GB per GPU"))
+        ridge = self.ridge_batch()
+        batch = self.workload.max_batch
+        if ridge is None:
+            out.append(_rec("decode stays bandwidth-bound at every batch size (KV reads grow with the batch)",
+                            f"{self.kv_per_token * self.mean_context / 1e6:.1f} MB of KV per sequence per step"))
+        else:
+            out.append(_rec(f"decode stops being bandwidth-bound at batch {ridge}",
+                            f"{self.weights() / GB:.1f} GB of weights per step vs "
+                            f"{self.gpu.peak_flops(self.precision) / 1e12:.0f} TFLOP/s"))
+        bound = ridge is None or batch < ridge
+        step = self.decode_floor_s(batch)
+        out.append(_rec(
+            (f"Medusa helps at max_batch_size {batch}: decode is bandwidth-bound, so scoring a tree of "
+             f"candidates costs little more than one token") if bound else
+            (f"Medusa does not help at max_batch_size {batch}: decode is compute-bound; keep it for small batches"),
+            f"decode floor {step * 1e3:.2f} ms/step at batch {batch}, compute "
+            f"{self.decode_flops(batch) / self.gpu.peak_flops(self.precision) * 1e3:.2f} ms of it"))
+        saved = self.prefill_s(512)
+        out.append(_rec(
+            ("prefix caching pays: " if self.workload.prefix_cache else
+             "prefix caching is off in the runtime config; turn it on if prompts share prefixes: ")
+            + "a cached 512-token prefix skips its prefill", f"{saved * 1e3:.2f} ms of prefill per request"))
+        return out
+
+    def _supports(self, precision: str) -> bool:
+        return self.gpu.tflops.get(_TFLOPS_KEY[precision]) is not None
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.arch.architecture, "gpu": self.gpu.name, "gpus": self.gpus, "tp": self.tp,
+            "precision": self.precision, "parameters": self.counts.total,
+            "weight_bytes": {p: round(self.weights(p)) for p in PRECISIONS},
+            "kv_bytes_per_token": self.kv_per_token, "kv_bytes_total": round(self.kv_total),
+            "workspace_bytes": round(self.workspace),
+            "per_rank_bytes": {p: round(self.per_rank(p)) for p in PRECISIONS},
+            "fits": {p: self.fits(p) for p in PRECISIONS},
+            "min_gpus": {p: self.min_gpus(p) for p in PRECISIONS},
+            "prefill_flops_per_token": self.prefill_flops_per_token,
+            "attention_flops_per_context_token": self.attention_flops_per_context_token,
+            "decode_bytes_per_token_batch1": round(self.decode_bytes(1)),
+            "decode_floor_ms": round(self.weights_floor_s() * 1e3, 4),
+            "decode_floor_ms_batch1": round(self.decode_floor_s(1) * 1e3, 4),
+            "decode_floor_ms_max_batch": round(self.decode_floor_s(self.workload.max_batch) * 1e3, 4),
+            "ridge_batch": self.ridge_batch(),
+            "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
+            "workload": self.workload.__dict__,
+            "recommendations": self.recommendations(),
+        }
+
+
+def _rec(text: str, figure: str) -> dict:
+    return {"recommendation": text, "figure": figure}
+
+
+def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = None,
+                 seq_len: int | None = None, precision: str = "fp16") -> Workload:
+    """The spec's limits, or for a bare checkpoint one sequence of its full context."""
+    kv_bytes = 4 if precision == "fp32" else 2
+    if spec is not None:
+        b = spec.build
+        return Workload(max_batch=batch or b.max_batch_size, max_seq_len=seq_len or b.max_seq_len,
+                        max_input_len=min(b.max_input_len, seq_len or b.max_seq_len), kv_element_bytes=kv_bytes,
+                        prefix_cache=spec.runtime.prefix_cache)
+    seq = seq_len or arch.max_position_embeddings
+    return Workload(max_batch=batch or 1, max_seq_len=seq, max_input_len=min(512, seq), kv_element_bytes=kv_bytes,
+                    prefix_cache=True)
+
+
+def render(plan: Plan) -> str:
+    a, g, w = plan.arch, plan.gpu, plan.workload
+    lines = [
+        f"model      {a.architecture}: {plan.counts.total / 1e9:.3f} B parameters, {a.num_layers} layers, "
+        f"hidden {a.hidden_size}, heads {a.num_heads}/{a.num_kv_heads} kv, vocab {a.vocab_size}",
+        f"gpu        {plan.gpus} × {g.name} ({g.sm}): {g.memory_bytes / GB:.0f} GB, {g.bandwidth / GB:.0f} GB/s, "
+        f"{g.peak_flops(plan.precision) / 1e12:.0f} TFLOP/s {plan.precision}; tensor parallel {plan.tp}",
+        f"workload   batch {w.max_batch} × {w.max_seq_len} tokens (prefill chunks ≤ {w.max_input_len})",
+        "",
+        "memory (per rank: weights/tp + KV/tp + workspace; fits = within 90 % of the GPU)",
+    ]
+    rows = [[p, f"{plan.weights(p) / GB:.2f}", f"{plan.per_rank(p) / GB:.2f}", "yes" if plan.fits(p) else "no",
+             str(plan.min_gpus(p) or "> 64")] for p in PRECISIONS]
+    lines += ["  " + line for line in table(rows, ["precision", "weights GB", "per rank GB", "fits", "min GPUs"]).splitlines()]
+    lines += [
+        f"KV cache: {plan.kv_per_token / 1024:.1f} KiB per token; {plan.kv_total / GB:.2f} GB for "
+        f"{w.max_batch} × {w.max_seq_len}; workspace ≈ {plan.workspace / GB:.2f} GB",
+        "",
+        "roofline",
+        f"  prefill: {plan.prefill_flops_per_token / 1e9:.3f} GFLOP per token (+ "
+        f"{plan.attention_flops_per_context_token / 1e6:.3f} MFLOP per context token); compute-bound for "
+        f"chunks of ≥ {plan.prefill_compute_bound_from()} tokens",
+        f"  decode:  {plan.decode_bytes(1) / GB:.3f} GB read per step at batch 1 (mean context {plan.mean_context}); "
+        f"floor {plan.decode_floor_s(1) * 1e3:.3f} ms at batch 1 (weights alone {plan.weights_floor_s() * 1e3:.3f} ms), "
+        f"{plan.decode_floor_s(w.max_batch) * 1e3:.3f} ms at batch {w.max_batch}",
+        f"  decode is {'bandwidth' if (plan.ridge_batch() or 10**9) > w.max_batch else 'compute'}-bound at batch "
+        f"{w.max_batch}; compute-bound from batch {plan.ridge_batch() or 'never'}",
+        "",
+        "recommendations",
+    ]
+    lines += [f"  - {r['recommendation']} [{r['figure']}]" for r in plan.recommendations()]
+    return "\n".join(lines)
+
