@@ -47,13 +47,14 @@ def test_heldout_perplexity_matches_the_card():
 
 def test_greedy_continuations_look_like_python(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    prompts = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
+    # Prompts end before the newline: the tokenizer merges "\n" with the next line's indentation.
+    prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef main():"]
     words = set()
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         text = tokenizer.decode(out[0, ids.shape[1]:])
-        assert text.startswith(("    ", "        ")), (prompt, text)  # the body is indented
+        assert text.startswith("\n    "), (prompt, text)  # the body follows, indented
         words |= {w for w in text.replace("(", " ").replace(":", " ").split() if keyword.iskeyword(w)}
     assert len(words) >= 3, words

@@ -32,12 +32,14 @@ EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "ensure
                  "turtledemo", "__pycache__", "tkinter", "pydoc_data", "encodings"}
 HELD_OUT_BYTES = 600_000
 
+# Prompts end before a newline: the BPE merges a newline with the next line's indentation
+# ("\n    " is one token), so a prompt ending in "\n" cuts a token in half.
 PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\n\n\ndef list_files(path):\n",
-    "class Stack:\n    def __init__(self):\n",
+    "def fibonacci(n):",
+    "import os\n\n\ndef list_files(path):",
+    "class Stack:\n    def __init__(self):",
     "    for i in range(len(",
-    "def __repr__(self):\n        return ",
+    "def __repr__(self):",
 ]
 
 
@@ -200,6 +202,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--card-only", action="store_true",
+                    help="rewrite the model card of an already trained --out (samples and perplexity recomputed)")
     args = ap.parse_args()
 
     random.seed(args.seed)
@@ -215,6 +219,10 @@ def main() -> None:
     print(f"corpus: {len(train_files)} train files ({sum(map(len, train_texts)) / 1e6:.1f} MB), "
           f"{len(held_files)} held-out files ({sum(map(len, held_texts)) / 1e6:.2f} MB) from {root}",
           flush=True)
+
+    if args.card_only:
+        rewrite_card(args, train_files, held_files, root)
+        return
 
     t_start = time.time()
     tokenizer = train_tokenizer(train_texts, args.vocab)
@@ -246,6 +254,21 @@ def main() -> None:
         "parameters": n_params, "train_minutes": round(train_minutes, 1),
         "train_tokens": int(data.size), "steps": args.steps, "final_loss": curve[-1][1],
     }
+    (out / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_card(out, args, results, train_files, held_files, root, samples)
+    print(json.dumps(results, indent=2))
+
+
+def rewrite_card(args, train_files, held_files, root) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out: Path = args.out
+    results = json.loads((out / "eval_results.json").read_text())
+    full = perplexity(out, out / "heldout.txt")
+    quick = perplexity(out, out / "heldout.txt", max_tokens=16384)
+    results.update(heldout_perplexity=full.perplexity, heldout_perplexity_16k=quick.perplexity)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    samples = greedy_samples(model, AutoTokenizer.from_pretrained(out))
     (out / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
     write_card(out, args, results, train_files, held_files, root, samples)
     print(json.dumps(results, indent=2))
@@ -299,6 +322,9 @@ Held-out files ({len(held_files)}), committed as `heldout.txt` joined by `<|endo
 Figures are also in `eval_results.json`.
 
 ## Greedy continuations (48 new tokens)
+Prompts end before a newline: the tokenizer merges a newline with the next line's indentation
+(`"\\n    "` is one token), so a prompt ending in `"\\n"` splits a token and reads as odd text.
+
 {sample_md}
 """
     (out / "README.md").write_text(card)
