@@ -94,3 +94,22 @@ def test_fewer_matches_than_the_architecture_has_is_an_error():
         fuse_rmsnorm(gs.import_onnx(graphs.rmsnorm()), ctx)
     with pytest.raises(PassError, match=r"fuse_attention matched 0 of the 2 sites"):
         fuse_attention(gs.import_onnx(graphs.rmsnorm()), ctx)
+
+
+def test_canonicalize_folds_constants_drops_dead_nodes_and_names_nodes():
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trtbuild.builder.passes.canonicalize import canonicalize
+
+    nodes = [helper.make_node("Add", ["c1", "c2"], ["c3"]),             # constant: folded
+             helper.make_node("Mul", ["x", "c3"], ["y"]),
+             helper.make_node("Neg", ["x"], ["unused"], name="dead")]   # feeds nothing: removed
+    inits = [numpy_helper.from_array(np.float32(2.0), "c1"), numpy_helper.from_array(np.float32(3.0), "c2")]
+    model = graphs._model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], inits)
+    result = canonicalize(gs.import_onnx(model), CTX)
+    out = gs.export_onnx(result.graph)
+    assert result.modified and [n.op_type for n in out.graph.node] == ["Mul"]
+    assert out.graph.node[0].name == "/model/Mul"
+    x = {"x": np.arange(4, dtype=np.float32)}
+    np.testing.assert_allclose(run_onnx(out, x)["y"], x["x"] * 5.0)
