@@ -4,21 +4,20 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import onnx
-import onnx_graphsurgeon as gs
 
 from . import numerics
 from .emit.engine_dir import staged
 from .emit.manifest import io_table, tool_versions, write_manifest
-from .emit.tensorrt import EngineReport, build_engine, check_targets, optimization_profiles, peak_rss_bytes, resolve_flavor
-from .frontend.export import export_step
+from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
+from .emit.rank_onnx import save_graph
+from .frontend.export import export_step, load_graph
+from .isolate import map_isolated, run_isolated
 from .passes import PIPELINE, PassContext
 from .passes.manager import NumericsGate, PassManager, to_onnx
-from .progress import Progress
+from .progress import Progress, human_bytes, peak_rss_bytes
 from .spec import DType, Spec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -55,29 +54,35 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                  f"targets {', '.join(spec.build.targets) or 'portable'})")
     with staged(options.out) as tmp:
         manager_for = _manager_factory(disabled, options, tmp, progress)
+        workdir = tmp / ".export"
+        workdir.mkdir()
         with progress.stage("export (torch.export → ONNX)"):
-            exported = export_step(spec)
-        reference = _numerics_reference(spec, exported, progress)
-        del exported.step  # the torch reference is computed; free its weights before the next stages
+            exported = run_isolated(_export_stage, spec, workdir)
+        child_peaks = [exported.peak_rss_bytes]
+        progress.say(f"  export process peak RSS {human_bytes(exported.peak_rss_bytes)}")
+        if exported.note:
+            progress.say(f"  {exported.note}")
+        reference = exported.reference
         records: list[dict] = []
         cuda_graph_plan: list[int] = []
         for rank in range(spec.world_size):
             with progress.stage(f"passes (rank {rank})"):
-                gate = NumericsGate(*reference, spec.passes.atol, spec.passes.rtol) if reference else None
-                run = manager_for(gate).run(gs.import_onnx(exported.model), PassContext.for_spec(spec, rank))
+                gate = (NumericsGate(*reference, spec.passes.atol, spec.passes.rtol, workdir=workdir)
+                        if reference else None)
+                run = manager_for(gate, exported.data_path).run(load_graph(exported.path),
+                                                                PassContext.for_spec(spec, rank))
             with progress.stage(f"write rank{rank}.onnx"):
                 model = to_onnx(run.graph, run.provenance)
-                onnx.save_model(model, tmp / f"rank{rank}.onnx", save_as_external_data=True,
-                                all_tensors_to_one_file=True, location=f"rank{rank}.onnx.data",
-                                size_threshold=1024)
-                io = io_table(onnx.load(tmp / f"rank{rank}.onnx", load_external_data=False))
+                save_graph(model, tmp / f"rank{rank}.onnx", exported.data_path)
+                io = io_table(model)
             records += run.records
             if "plan_cuda_graphs" in run.results:
                 cuda_graph_plan = run.results["plan_cuda_graphs"].stats["cuda_graph_batch_sizes"]
             del run, model
-        del exported
+        shutil.rmtree(workdir)
         gc.collect()
         engines = _build_engines(spec, flavor, tmp, options.jobs, progress)
+        child_peaks += [e.peak_rss_bytes for e in engines]
         with progress.stage("manifest"):
             _copy_tokenizer(spec.model.checkpoint, tmp)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -102,41 +107,61 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                 "tokenizer": "tokenizer.json",
             })
     return BuildSummary(out=options.out, stages=progress.stages, engines=engines,
-                        peak_rss_bytes=peak_rss_bytes(), pass_records=records, manifest=manifest)
+                        peak_rss_bytes=max([peak_rss_bytes(), *child_peaks]), pass_records=records, manifest=manifest)
+
+
+@dataclass(frozen=True)
+class _Exported:
+    """What the export subprocess hands back: paths, and the numerics reference if any."""
+
+    path: Path
+    data_path: Path
+    output_names: list[str]
+    reference: tuple[dict, dict] | None
+    note: str | None
+    peak_rss_bytes: int
+
+
+def _export_stage(spec: Spec, workdir: Path) -> _Exported:
+    """Runs in a subprocess: export, then torch eager's outputs on the seeded inputs."""
+    exported = export_step(spec, workdir)
+    reference, note = _numerics_reference(spec, exported)
+    return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
+                     reference=reference, note=note, peak_rss_bytes=peak_rss_bytes())
 
 
 def _manager_factory(disabled, options: BuildOptions, tmp: Path, progress: Progress):
-    def make(gate: NumericsGate | None) -> PassManager:
-        return PassManager(PIPELINE, disabled=disabled, dump_after=options.dump_after,
-                           dump_dir=tmp / "dumps", numerics=gate, on_record=progress.pass_record)
-    make(None)  # check ordering constraints and pass names before the slow export
+    def make(gate: NumericsGate | None, weights: Path | None) -> PassManager:
+        return PassManager(PIPELINE, disabled=disabled, dump_after=options.dump_after, dump_dir=tmp / "dumps",
+                           numerics=gate, weights=weights, on_record=progress.pass_record)
+    make(None, None)  # check ordering constraints and pass names before the slow export
     return make
 
 
-def _numerics_reference(spec: Spec, exported, progress: Progress) -> tuple[dict, dict] | None:
-    """Seeded inputs and torch eager's outputs on them, or None where the check cannot run."""
+def _numerics_reference(spec: Spec, exported) -> tuple[tuple[dict, dict] | None, str | None]:
+    """(seeded inputs, torch eager's outputs on them), or None and why the check cannot run."""
     if not spec.passes.numerics:
-        return None
+        return None, None
     if spec.model.dtype == DType.bfloat16:
-        progress.say("  numerics check skipped: ONNX Runtime's CPU kernels do not cover bfloat16")
-        return None
-    if exported.model.ByteSize() > numerics.MAX_NUMERICS_BYTES:
-        progress.say(f"  numerics check skipped: the graph is over {numerics.MAX_NUMERICS_BYTES >> 20} MiB, where "
-                     "running every pass in ONNX Runtime would double the build's memory "
-                     "(set passes.numerics: false to silence this)")
-        return None
+        return None, "numerics check skipped: ONNX Runtime's CPU kernels do not cover bfloat16"
+    if exported.weight_bytes > numerics.MAX_NUMERICS_BYTES:
+        return None, (f"numerics check skipped: the weights are over {numerics.MAX_NUMERICS_BYTES >> 20} MiB, where "
+                      "running every pass in ONNX Runtime would double the build's memory "
+                      "(set passes.numerics: false to silence this)")
     inputs = numerics.seeded_inputs(spec)
-    names = [o.name for o in exported.model.graph.output]
-    return inputs, numerics.run_torch(exported.step, inputs, names)
+    return (inputs, numerics.run_torch(exported.step, inputs, exported.output_names)), None
 
 
 def _build_engines(spec: Spec, flavor, tmp: Path, jobs: int, progress: Progress) -> list[EngineReport]:
-    def one(rank: int) -> EngineReport:
-        with progress.stage(f"engine rank{rank} ({flavor.name})"):
-            return build_engine(tmp / f"rank{rank}.onnx", tmp / f"rank{rank}.engine", spec, flavor)
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, range(spec.world_size)))
+    """Each rank's engine in its own subprocess (up to ``jobs`` at once): builder memory is per process."""
+    ranks = list(range(spec.world_size))
+    with progress.stage(f"engine {', '.join(f'rank{r}' for r in ranks)} ({flavor.name})"):
+        reports = map_isolated(build_engine_job, [(tmp / f"rank{r}.onnx", tmp / f"rank{r}.engine", spec, flavor.name)
+                                                  for r in ranks], jobs)
+    for rank, report in zip(ranks, reports):
+        progress.say(f"  rank{rank}.engine: {human_bytes(report.bytes)}, builder process peak RSS "
+                     f"{human_bytes(report.peak_rss_bytes)}")
+    return reports
 
 
 def _copy_tokenizer(checkpoint: Path, out: Path) -> None:

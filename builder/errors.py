@@ -9,5 +9,8 @@ class SpecError(UserError):
     """A spec field is invalid; ``path`` is its dotted YAML path."""
 
     def __init__(self, path: str, message: str):
-        self.path = path
+        self.path, self.message = path, message
         super().__init__(f"{path}: {message}" if path else message)
+
+    def __reduce__(self):  # so the error crosses from a build subprocess intact
+        return (type(self), (self.path, self.message))

@@ -5,6 +5,7 @@ One comparator with named statistics (max_abs, max_rel = max_abs / max|reference
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -60,14 +61,16 @@ def _numpy_dtype(dtype: torch.dtype):
             torch.bfloat16: np.dtype("bfloat16")}[dtype]
 
 
-def run_onnx(model: onnx.ModelProto, inputs: dict[str, np.ndarray], threads: int = 0) -> dict[str, np.ndarray]:
+def run_onnx(model: onnx.ModelProto | Path, inputs: dict[str, np.ndarray], threads: int = 0) -> dict[str, np.ndarray]:
+    """Runs a model (in memory, or a file whose external weights lie beside it) on ``inputs``."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    source = str(model) if isinstance(model, Path) else model.SerializeToString()
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     feed = {i.name: inputs[i.name] for i in session.get_inputs()}
     return dict(zip(names, session.run(names, feed)))

@@ -1,6 +1,7 @@
 """Progress lines on stderr for long work, and the final summary table."""
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from contextlib import contextmanager
@@ -31,7 +32,8 @@ class Progress:
         yield
         seconds = time.perf_counter() - start
         self.stages.append((name, seconds))
-        self.say(f"✓ {name} ({seconds:.1f} s)")
+        self.say(f"✓ {name} ({seconds:.1f} s, RSS {human_bytes(current_rss_bytes())}, "
+                 f"peak so far {human_bytes(peak_rss_bytes())})")
 
     def pass_record(self, record: dict) -> None:
         parts = [f"  rank {record['rank']} {record['pass']:<17}", f"{record['ms']:8.1f} ms",
@@ -58,3 +60,13 @@ def human_bytes(n: int) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * resource.getpagesize()

@@ -7,13 +7,13 @@ ahead of time on a machine without one, for the compute capabilities in ``build.
 from __future__ import annotations
 
 import importlib
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 from ..errors import SpecError, UserError
+from ..progress import peak_rss_bytes
 from ..spec import RTX_TARGETS, Backend, DType, Spec
 
 
@@ -55,6 +55,14 @@ def resolve_flavor(backend: Backend) -> Flavor:
         raise SpecError("build.backend", f"{backend.value}: no TensorRT flavour can build here; "
                                          "pip install tensorrt-rtx (builds without a GPU)")
     return Flavor("tensorrt-rtx", rtx)
+
+
+def flavor_by_name(name: str) -> Flavor:
+    """The flavour a parent process resolved, re-imported in a build subprocess."""
+    module = _import({"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[name])
+    if module is None:
+        raise UserError(f"{name} cannot be imported in the engine-build process")
+    return Flavor(name, module)
 
 
 def check_targets(spec: Spec, flavor: Flavor) -> None:
@@ -152,6 +160,12 @@ def build_engine(onnx_path: Path, engine_path: Path, spec: Spec, flavor: Flavor)
                         peak_rss_bytes=peak_rss_bytes())
 
 
+def build_engine_job(job: tuple[Path, Path, Spec, str]) -> EngineReport:
+    """``build_engine`` in a build subprocess: this module imports no torch, so the child stays lean."""
+    onnx_path, engine_path, spec, flavor_name = job
+    return build_engine(onnx_path, engine_path, spec, flavor_by_name(flavor_name))
+
+
 def _make_attention_decomposable(network, trt) -> None:
     """FP32 attention has no fused kernel: allow TensorRT to decompose it (seen needed with RTX 1.7)."""
     for index in range(network.num_layers):
@@ -168,7 +182,3 @@ def _set_rtx_targets(config, spec: Spec, trt) -> None:
     config.num_compute_capabilities = len(targets)
     for index, target in enumerate(targets):
         config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), index)
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -8,8 +8,12 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import onnx
+import onnx_graphsurgeon as gs
 import torch
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from ..spec import Spec
 from .checkpoint import load_model
@@ -21,10 +25,17 @@ NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 @dataclass
 class ExportedStep:
-    """The exported graph and the torch module it came from (the numerics reference)."""
+    """The exported graph on disk (weights as external data beside it) and the torch module
+    it came from (the numerics reference, dropped once that is computed)."""
 
-    model: onnx.ModelProto
-    step: LlamaStep
+    path: Path
+    step: LlamaStep | None
+    output_names: list[str]
+    weight_bytes: int
+
+    @property
+    def data_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".data")
 
 
 def example_inputs(spec: Spec, batch: int, seq: int, rows: int) -> tuple[torch.Tensor, ...]:
@@ -39,7 +50,9 @@ def example_inputs(spec: Spec, batch: int, seq: int, rows: int) -> tuple[torch.T
             mask, torch.full((batch, rows), seq - 1, dtype=torch.int64), *past)
 
 
-def export_step(spec: Spec) -> ExportedStep:
+def export_step(spec: Spec, workdir: Path) -> ExportedStep:
+    """Exports the step to ``workdir/step.onnx``; weights stream to ``step.onnx.data`` so the
+    graph never holds a second in-memory copy of them."""
     arch = spec.arch
     hf_model = load_model(spec.model.checkpoint, spec.model.dtype.torch)
     step = LlamaStep(hf_model, arch, spec.build.max_seq_len).eval()
@@ -58,9 +71,29 @@ def export_step(spec: Spec) -> ExportedStep:
             step, args, dynamo=True, dynamic_shapes=dynamic, opset_version=OPSET, optimize=True,
             input_names=list(INPUT_NAMES) + cache_names(arch.num_layers, "past"),
             output_names=["logits"] + cache_names(arch.num_layers, "present"), verbose=False)
-    model = program.model_proto
+        path = Path(workdir) / "step.onnx"
+        program.save(path, external_data=True)
+    del program
+    model = onnx.load(path, load_external_data=False)  # structure only: a few MB at most
     name_nodes(model.graph)
-    return ExportedStep(model=model, step=step)
+    onnx.save_model(model, path)
+    weights = sum(p.numel() * p.element_size() for p in step.parameters())
+    return ExportedStep(path=path, step=step, output_names=[o.name for o in model.graph.output], weight_bytes=weights)
+
+
+def load_graph(path: Path, inline_below: int = 1 << 20) -> gs.Graph:
+    """The graph at ``path`` for passes: large weights stay external (read lazily by whoever
+    needs them), tensors under ``inline_below`` bytes (scalars, shapes, rotary tables) are
+    read in so passes can inspect them."""
+    model = onnx.load(path, load_external_data=False)
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            length = int({e.key: e.value for e in tensor.external_data}.get("length", inline_below))
+            if length < inline_below:
+                load_external_data_for_tensor(tensor, str(Path(path).parent))
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
+    return gs.import_onnx(model)
 
 
 @contextlib.contextmanager

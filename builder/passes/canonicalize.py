@@ -10,10 +10,16 @@ import onnx_graphsurgeon as gs
 from .base import PassContext, PassResult
 
 
+# Larger folded results (e.g. the transpose of a tied embedding) would duplicate weights, and the
+# big weights stay on disk (external data) while passes run: those nodes are left to the engine.
+FOLD_LIMIT_BYTES = 1 << 20
+
+
 def canonicalize(graph: gs.Graph, ctx: PassContext) -> PassResult:
     before = len(graph.nodes)
     with contextlib.redirect_stdout(io.StringIO()):
-        graph.fold_constants(error_ok=False).cleanup(remove_unused_graph_inputs=False).toposort()
+        graph.fold_constants(error_ok=False, size_threshold=FOLD_LIMIT_BYTES)
+        graph.cleanup(remove_unused_graph_inputs=False).toposort()
     unnamed = 0
     used = Counter(node.name for node in graph.nodes if node.name)
     for node in graph.nodes:

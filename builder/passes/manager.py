@@ -15,6 +15,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .. import numerics
+from ..emit.rank_onnx import save_graph
 from ..errors import UserError
 from .base import Pass, PassContext, PassError, PassResult
 
@@ -30,12 +31,19 @@ class RunResult:
 class NumericsGate:
     """Runs each pass's output and compares with the previous graph and with torch eager."""
 
-    def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float):
+    def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None):
+        """``workdir`` holds the export's weight file when the graph's weights are external."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
+        self.workdir = workdir
         self.previous: dict | None = None  # outputs of the graph before the current pass
 
     def __call__(self, graph: gs.Graph, pass_name: str, ran_before: list[str]) -> dict:
-        outputs = numerics.run_onnx(gs.export_onnx(graph), self.inputs)
+        model = gs.export_onnx(graph)
+        if self.workdir is not None:  # external weights resolve relative to the model file
+            path = self.workdir / "numerics.onnx"
+            onnx.save_model(model, path)
+            model = path
+        outputs = numerics.run_onnx(model, self.inputs)
         vs_torch = numerics.compare(outputs, self.reference)
         vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
         self.previous = outputs
@@ -55,7 +63,7 @@ class NumericsGate:
 class PassManager:
     def __init__(self, passes: tuple[Pass, ...], disabled: frozenset[str] = frozenset(),
                  dump_after: frozenset[str] = frozenset(), dump_dir: Path | None = None,
-                 numerics: NumericsGate | None = None,
+                 numerics: NumericsGate | None = None, weights: Path | None = None,
                  on_record: Callable[[dict], None] = lambda record: None):
         known = {p.name for p in passes}
         for name in (*disabled, *dump_after):
@@ -63,6 +71,7 @@ class PassManager:
                 raise UserError(f"unknown pass {name!r}; passes: {', '.join(p.name for p in passes)}")
         self.passes, self.disabled, self.dump_after = passes, disabled, dump_after
         self.dump_dir, self.numerics, self.on_record = dump_dir, numerics, on_record
+        self.weights = weights  # the export's external weight file, for dumps
         self.check_order()
 
     @property
@@ -109,9 +118,7 @@ class PassManager:
                 record["numerics"] = self.numerics(graph, p.name, ran)
             if self.dump_dir is not None and (p.name in self.dump_after or "all" in self.dump_after):
                 path = self.dump_dir / f"rank{ctx.rank}" / f"{index:03d}_{p.name}.onnx"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                onnx.save_model(to_onnx(graph, provenance), path, save_as_external_data=True,
-                                location=path.name + ".data", size_threshold=1024)
+                save_graph(to_onnx(graph, provenance), path, self.weights)
                 record["dump"] = str(path.relative_to(self.dump_dir.parent))
             results[p.name] = result
             records.append(record)
