@@ -70,7 +70,7 @@ def main() -> None:
 @click.option("--disable-pass", multiple=True, metavar="PASS",
               help="Skip PASS (added to the spec's passes.disable). Repeatable.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Rank engines built at once (each needs its own builder memory).")
+              help="Rank engines built at once (each in its own process, with its own builder memory).")
 @click.option("--log-level", type=click.Choice(["error", "info", "debug"]), default="info", show_default=True,
               help="error: only errors and the summary; debug: skipped fusion sites and tracebacks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")

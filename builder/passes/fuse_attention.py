@@ -3,8 +3,9 @@
 Before: ``present_k = ScatterElements(past_k, slots, k, axis=2)`` (same for v), the caches
 repeated to every query head (GQA), ``softmax(where(!mask, min, q @ kᵀ * scale)) @ v``.
 After: ``present_k = TensorScatter(past_k, k, write_index)`` (in place in TensorRT) and
-``Attention(q, present_k, present_v, attention_mask, nonpad_kv_seqlen=kv_length)``, which
-does the head grouping and the length mask itself.
+``Attention(q, present_k[:, :, :L], present_v[:, :, :L], attention_mask[..., :L],
+nonpad_kv_seqlen=kv_length)`` with ``L = max(kv_length)``; Attention does the head grouping
+and the per-row length mask itself.
 """
 from __future__ import annotations
 
@@ -66,6 +67,32 @@ def _input(graph: gs.Graph, name: str) -> gs.Variable:
     return next(t for t in graph.inputs if t.name == name)
 
 
+def _shared(graph: gs.Graph, name: str, build) -> gs.Variable:
+    """One node per graph named ``name`` (made by ``build`` the first time), its output reused."""
+    for node in graph.nodes:
+        if node.name == name:
+            return node.outputs[0]
+    node = build()
+    graph.nodes.append(node)
+    return node.outputs[0]
+
+
+def _used_length(graph: gs.Graph) -> gs.Variable:
+    """max(kv_length) as a 1-D slice end: attention reads only the filled part of the caches."""
+    def build():
+        out = gs.Variable("kv_used_length", dtype=np.int64, shape=[1])
+        return new_node("ReduceMax", "/model/attention/kv_used_length", [_input(graph, "kv_length")],
+                        {"keepdims": 1}, [out])
+    return _shared(graph, "/model/attention/kv_used_length", build)
+
+
+def _slice_cache(graph: gs.Graph, tensor, axis: int, name: str) -> tuple[gs.Node, gs.Variable]:
+    zero = gs.Constant("kv_slice_start", np.array([0], np.int64))
+    axes = gs.Constant(f"kv_slice_axis_{axis}", np.array([axis], np.int64))
+    out = gs.Variable(f"{tensor.name}_used", dtype=tensor.dtype)
+    return new_node("Slice", name, [tensor, zero, _used_length(graph), axes], outputs=[out]), out
+
+
 def _replace(found: Match, graph: gs.Graph, ctx) -> list[gs.Node]:
     nodes = []
     write_index = _input(graph, "write_index")
@@ -78,9 +105,17 @@ def _replace(found: Match, graph: gs.Graph, ctx) -> list[gs.Node]:
                               [found[f"past_{name}"], found[f"new_{name}"], write_index],
                               {"axis": -2, "mode": "linear"}, [present]))
         presents[name] = present
+    # Attention reads the caches only up to the longest valid length in the batch: positions
+    # past every row's kv_length are masked anyway, and S_max can be far longer than any row.
+    used = {}
+    for name in ("k", "v"):
+        node, used[name] = _slice_cache(graph, presents[name], 2, f"{found.scope}/Slice_{name}")
+        nodes.append(node)
+    mask = _shared(graph, "/model/attention/mask_used",
+                   lambda: _slice_cache(graph, _input(graph, "attention_mask"), 3, "/model/attention/mask_used")[0])
     scale = float(np.asarray(constant_value(found["scale"])).reshape(-1)[0])
-    inputs = [found["q"], presents["k"], presents["v"], _input(graph, "attention_mask"),
-              gs.Variable.empty(), gs.Variable.empty(), _input(graph, "kv_length")]
+    inputs = [found["q"], used["k"], used["v"], mask, gs.Variable.empty(), gs.Variable.empty(),
+              _input(graph, "kv_length")]
     nodes.append(new_node("Attention", f"{found.scope}/Attention", inputs, {"scale": scale}))
     return nodes
 
