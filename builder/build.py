@@ -1,7 +1,6 @@
 """``trtbuild build``: spec → export → passes per rank → rank ONNX + engine → engine dir."""
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -80,34 +79,36 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                 cuda_graph_plan = run.results["plan_cuda_graphs"].stats["cuda_graph_batch_sizes"]
             del run, model
         shutil.rmtree(workdir)
-        gc.collect()
         engines = _build_engines(spec, flavor, tmp, options.jobs, progress)
         child_peaks += [e.peak_rss_bytes for e in engines]
         with progress.stage("manifest"):
             _copy_tokenizer(spec.model.checkpoint, tmp)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            manifest = write_manifest(tmp, {
-                "spec": spec.model_dump(mode="json"),
-                "spec_sha256": spec.sha256(),
-                "model": spec.arch.model_dump(),
-                "tensorrt": {"flavor": flavor.name, "version": flavor.version},
-                "targets": list(spec.build.targets) or ["portable"],
-                "tools": tool_versions(),
-                "ranks": [{"rank": r, "engine": f"rank{r}.engine", "onnx": f"rank{r}.onnx",
-                           "onnx_data": f"rank{r}.onnx.data"} for r in range(spec.world_size)],
-                "io": io,
-                "limits": {"max_batch_size": spec.build.max_batch_size,
-                           "max_input_len": spec.build.max_input_len,
-                           "max_seq_len": spec.build.max_seq_len},
-                "profiles": [{"name": name, "shapes": {k: [list(s) for s in v] for k, v in shapes.items()
-                                                       if k in ("input_ids", "logits_index")}}
-                             for name, shapes in zip(("decode", "prefill"), optimization_profiles(spec))],
-                "cuda_graph_batch_sizes": cuda_graph_plan,
-                "passes": [r["pass"] for r in records if r["rank"] == 0],
-                "tokenizer": "tokenizer.json",
-            })
+            manifest = write_manifest(tmp, _manifest_body(spec, flavor, io, records, cuda_graph_plan))
     return BuildSummary(out=options.out, stages=progress.stages, engines=engines,
                         peak_rss_bytes=max([peak_rss_bytes(), *child_peaks]), pass_records=records, manifest=manifest)
+
+
+def _manifest_body(spec: Spec, flavor, io: list[dict], records: list[dict], cuda_graph_plan: list[int]) -> dict:
+    return {
+        "spec": spec.model_dump(mode="json"),
+        "spec_sha256": spec.sha256(),
+        "model": spec.arch.model_dump(),
+        "tensorrt": {"flavor": flavor.name, "version": flavor.version},
+        "targets": list(spec.build.targets) or ["portable"],
+        "tools": tool_versions(),
+        "ranks": [{"rank": r, "engine": f"rank{r}.engine", "onnx": f"rank{r}.onnx",
+                   "onnx_data": f"rank{r}.onnx.data"} for r in range(spec.world_size)],
+        "io": io,
+        "limits": {"max_batch_size": spec.build.max_batch_size, "max_input_len": spec.build.max_input_len,
+                   "max_seq_len": spec.build.max_seq_len},
+        "profiles": [{"name": name, "shapes": {k: [list(s) for s in v] for k, v in shapes.items()
+                                               if k in ("input_ids", "logits_index")}}
+                     for name, shapes in zip(("decode", "prefill"), optimization_profiles(spec))],
+        "cuda_graph_batch_sizes": cuda_graph_plan,
+        "passes": [r["pass"] for r in records if r["rank"] == 0],
+        "tokenizer": "tokenizer.json",
+    }
 
 
 @dataclass(frozen=True)

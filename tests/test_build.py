@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import onnx
 import pytest
@@ -14,7 +13,7 @@ from trtbuild.builder.emit.manifest import verify_files
 from trtbuild.builder.progress import Progress, Verbosity
 from trtbuild.builder.spec import load_spec
 
-from conftest import REPO, TINY_CODE, write_spec
+from conftest import TINY_CODE, write_spec
 from ort_greedy import greedy, transformers_greedy
 
 pytestmark = pytest.mark.slow

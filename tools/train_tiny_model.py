@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import sysconfig
