@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+from trtbuild.builder.progress import table as format_table  # noqa: E402
 # ~0.5 B parameters: Llama-style GQA, 16 layers of hidden 1536, vocabulary 32000.
 LARGE = dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096,
@@ -96,11 +98,7 @@ def main() -> None:
         table.append([row["model"], *[f"{per_stage.get(n, 0):.1f}" for n in stage_names], f"{row['wall_s']:.1f}",
                       str(row["target_s"]), f"{sum(e['bytes'] for e in row['engines']) / 2**20:.1f}",
                       f"{row['peak_rss_bytes'] / 2**30:.2f}", f"{row['peak_rss_bytes'] / row['weight_bytes_fp16']:.2f}x"])
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for i, r in enumerate(table):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(format_table(table[1:], header))
 
 
 if __name__ == "__main__":

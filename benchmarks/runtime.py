@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 
 def build_engine(out: Path) -> None:
@@ -112,11 +112,7 @@ def main() -> None:
     header = ["comparison", "ours", "baseline", "ratio", "target", "met"]
     table = [header] + [[r["comparison"], f"{r['ours']:.1f}", f"{r['baseline']:.1f}", f"{r['ratio']:.2f}x",
                          f">= {r['target']}x", "yes" if r["meets_target"] else "NO"] for r in results]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(format_table(table[1:], header))
     print(f"\nruntime overhead at batch 8: {100 * overhead:.1f}% of step-loop time outside Engine.step")
     print(f"in-flight: TTFT p50/p99 {inflight.ttft_ms[0]:.0f}/{inflight.ttft_ms[1]:.0f} ms, "
           f"ITL p50/p99 {inflight.itl_ms[0]:.1f}/{inflight.itl_ms[1]:.1f} ms; static: TTFT p50/p99 "

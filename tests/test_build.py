@@ -109,3 +109,13 @@ def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "broke numerics" in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]
+
+
+def test_cli_json_summary_is_the_only_stdout(checkpoints, tmp_path):
+    spec_path = write_spec(tmp_path / "spec.yaml", checkpoints["llama"])
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec_path), "-o",
+                           str(tmp_path / "out"), "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert [s["stage"].split(" ")[0] for s in summary["stages"]] == ["export", "passes", "write", "engine", "manifest"]
+    assert summary["engines"][0]["bytes"] > 0 and summary["peak_rss_bytes"] > 0

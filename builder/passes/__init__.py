@@ -1,4 +1,8 @@
 """Graph passes over the ONNX step graph, in pipeline order."""
+from onnx_graphsurgeon.logger import G_LOGGER
+
+# onnx-graphsurgeon logs to stdout; warnings there would corrupt `trtbuild build --json`.
+G_LOGGER.severity = G_LOGGER.ERROR
 from .base import Pass, PassContext, PassError, PassResult
 from .canonicalize import canonicalize
 from .fuse_attention import fuse_attention

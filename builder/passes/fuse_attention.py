@@ -87,8 +87,8 @@ def _used_length(graph: gs.Graph) -> gs.Variable:
 
 
 def _slice_cache(graph: gs.Graph, tensor, axis: int, name: str) -> tuple[gs.Node, gs.Variable]:
-    zero = gs.Constant("kv_slice_start", np.array([0], np.int64))
-    axes = gs.Constant(f"kv_slice_axis_{axis}", np.array([axis], np.int64))
+    zero = gs.Constant(f"{name}/start", np.array([0], np.int64))
+    axes = gs.Constant(f"{name}/axis", np.array([axis], np.int64))
     out = gs.Variable(f"{tensor.name}_used", dtype=tensor.dtype)
     return new_node("Slice", name, [tensor, zero, _used_length(graph), axes], outputs=[out]), out
 
