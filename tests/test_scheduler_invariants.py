@@ -1,0 +1,79 @@
+"""Randomized workloads through the scheduler, slot table and prefix cache against a cache
+model that records which token sits at each slot position: before every step, each row's
+slot must hold exactly its request's history, whatever moves, saves and loads came before."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtbuild.runtime.prefix_cache import PrefixCache
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.scheduler import LoadBlock, Request, SaveBlock, Scheduler
+from trtbuild.runtime.slots import Move
+
+
+class TokenCache:
+    """Stands in for the KV pools: position p of a slot holds the token whose K/V would be there."""
+
+    def __init__(self, slots: int, length: int, blocks: int, block_size: int):
+        self.pool = np.full((slots + 1, length), -1)
+        self.blocks = np.full((max(blocks, 1), block_size), -1)
+        self.bs = block_size
+
+    def apply(self, op) -> None:
+        if isinstance(op, Move):
+            self.pool[op.dst] = self.pool[op.src]
+        elif isinstance(op, SaveBlock):
+            self.blocks[op.block] = self.pool[op.slot, op.index * self.bs:(op.index + 1) * self.bs]
+        elif isinstance(op, LoadBlock):
+            self.pool[op.slot, op.index * self.bs:(op.index + 1) * self.bs] = self.blocks[op.block]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("prefix", [True, False])
+def test_every_step_sees_exactly_its_history(seed, prefix):
+    rng = np.random.default_rng(seed)
+    capacity, s_max, bs = 4, 96, 4
+    cache = PrefixCache(bs, 12) if prefix else None
+    sched = Scheduler(capacity=capacity, max_seq_len=s_max, max_chunk=16, token_budget=24, prefix_cache=cache,
+                      eos_token_ids=(0,))
+    model = TokenCache(capacity, s_max, 12 if prefix else 0, bs)
+    shared = rng.integers(1, 50, size=20).tolist()
+    expected_lengths, pending, finished = {}, 30, []
+    for step_index in range(5000):
+        while pending and rng.random() < 0.3:   # requests arrive while others run
+            prompt = (shared[: rng.integers(0, 21)] + rng.integers(1, 50, size=rng.integers(1, 30)).tolist())
+            max_tokens = int(rng.integers(1, 20))
+            rid = f"r{30 - pending}"
+            sched.add(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            expected_lengths[rid] = max_tokens
+            pending -= 1
+        if not sched.has_work():
+            if not pending:
+                break
+            continue
+        plan = sched.schedule()
+        for op in plan.ops:
+            model.apply(op)
+        step = plan.step
+        if step is None:
+            continue
+        assert step.first_slot + len(step.rids) <= capacity
+        sampled = {}
+        for row, (rid, tokens, start) in enumerate(zip(step.rids, step.tokens, step.starts)):
+            request = sched.requests[rid]
+            slot = step.first_slot + row
+            assert sched.slots.slot_of(rid) == slot
+            history = request.tokens[:start]
+            assert model.pool[slot, :start].tolist() == history, (seed, step_index, rid)
+            assert start + step.seq_len <= s_max        # padded writes stay inside the cache
+            model.pool[slot, start:start + len(tokens)] = tokens
+            if step.samples[row]:
+                sampled[rid] = int(rng.integers(1, 50))
+        sched.commit(step, sampled)
+        finished += sched.pop_finished()
+    assert not pending and not sched.has_work()
+    assert sorted(r.rid for r in finished) == sorted(expected_lengths)
+    assert all(len(r.output) == expected_lengths[r.rid] and r.finish_reason == "length" for r in finished)
+    if prefix:
+        assert cache.stats.hits > 0
