@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimi
 from .emit.rank_onnx import save_graph
 from .frontend.export import export_step, load_graph
 from .isolate import map_isolated, run_isolated
+from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from .passes import PIPELINE, PassContext
 from .passes.manager import NumericsGate, PassManager, to_onnx
 from .progress import Progress, human_bytes, peak_rss_bytes
@@ -64,12 +66,14 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         reference = exported.reference
         records: list[dict] = []
         cuda_graph_plan: list[int] = []
+        quantized, quant_report = (load_quantized(exported.quantized_path) if exported.quantized_path
+                                   else (None, None))
         for rank in range(spec.world_size):
             with progress.stage(f"passes (rank {rank})"):
-                gate = (NumericsGate(*reference, spec.passes.atol, spec.passes.rtol, workdir=workdir)
-                        if reference else None)
-                run = manager_for(gate, exported.data_path).run(load_graph(exported.path),
-                                                                PassContext.for_spec(spec, rank))
+                gate = (NumericsGate(*reference, spec.passes.atol, spec.passes.rtol, workdir=workdir,
+                                     quantized_reference=exported.quantized_reference) if reference else None)
+                context = PassContext.for_spec(spec, rank, quantized, quant_report)
+                run = manager_for(gate, exported.data_path).run(load_graph(exported.path), context)
             with progress.stage(f"write rank{rank}.onnx"):
                 model = to_onnx(run.graph, run.provenance)
                 save_graph(model, tmp / f"rank{rank}.onnx", exported.data_path)
@@ -121,14 +125,26 @@ class _Exported:
     reference: tuple[dict, dict] | None
     note: str | None
     peak_rss_bytes: int
+    quantized_path: Path | None = None       # codes and scales per layer (safetensors)
+    quantized_reference: dict | None = None  # torch eager outputs with the dequantized weights
 
 
 def _export_stage(spec: Spec, workdir: Path) -> _Exported:
-    """Runs in a subprocess: export, then torch eager's outputs on the seeded inputs."""
+    """Runs in a subprocess: export, torch eager's outputs on the seeded inputs, and the
+    weight quantization the spec asks for (with the outputs of the dequantized model)."""
     exported = export_step(spec, workdir)
     reference, note = _numerics_reference(spec, exported)
+    quantized_path, quantized_reference = None, None
+    if spec.quantization.bits:
+        quantized_path = workdir / "quantized.safetensors"
+        say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731  (stdout may be JSON)
+        quantize_checkpoint(exported.hf_model, spec, quantized_path, progress=say)
+        if reference is not None:
+            apply_dequantized(exported.hf_model, load_quantized(quantized_path)[0])
+            quantized_reference = numerics.run_torch(exported.step, reference[0], exported.output_names)
     return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
-                     reference=reference, note=note, peak_rss_bytes=peak_rss_bytes())
+                     reference=reference, note=note, peak_rss_bytes=peak_rss_bytes(),
+                     quantized_path=quantized_path, quantized_reference=quantized_reference)
 
 
 def _manager_factory(disabled, options: BuildOptions, tmp: Path, progress: Progress):

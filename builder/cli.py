@@ -18,7 +18,8 @@ def _version() -> str:
 
 
 # Runtime commands: imported only when invoked, so `trtbuild build` never loads the runtime.
-LAZY_COMMANDS = {"run": "trtbuild.runtime.cli:run", "bench": "trtbuild.runtime.cli:bench"}
+LAZY_COMMANDS = {"run": "trtbuild.runtime.cli:run", "bench": "trtbuild.runtime.cli:bench",
+                 "eval": "trtbuild.runtime.cli:evaluate"}
 
 
 class _Group(click.Group):
@@ -144,7 +145,7 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
 @click.option("--gpu", default="H100-SXM", show_default=True, help="GPU from the table (trtbuild plan --list-gpus).")
 @click.option("--gpus", type=click.IntRange(min=1), default=None, help="GPUs available (default: the tensor parallelism).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4"]), default=None,
-              help="Precision of the roofline figures (default: the spec's dtype, else fp16).")
+              help="Precision of the roofline figures (default: the spec's quantization or dtype, else fp16).")
 @click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor parallelism (default: the spec's, else 1).")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size (default: the spec's max_batch_size, else 1).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None,
@@ -179,7 +180,8 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
     else:
         raise UserError(f"{source}: neither a spec file nor a checkpoint dir")
     dtype_precision = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-    precision = precision or (dtype_precision[spec.model.dtype.value] if spec else "fp16")
+    quantized = {8: "int8", 4: "int4"}.get(spec.quantization.bits) if spec else None
+    precision = precision or quantized or (dtype_precision[spec.model.dtype.value] if spec else "fp16")
     tp = tp or (spec.parallel.tensor if spec else 1)
     if arch.num_heads % tp:
         raise UserError(f"--tp: {tp} does not divide num_attention_heads={arch.num_heads}")

@@ -67,6 +67,9 @@ def run_onnx(model: onnx.ModelProto | Path, inputs: dict[str, np.ndarray], threa
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    # Basic optimizations only: the extended ones rewrite DequantizeLinear→MatMul into
+    # MatMulNBits, which may quantize activations; the check is of the graph, not of ORT's kernels.
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     if threads:
         options.intra_op_num_threads = threads
     source = str(model) if isinstance(model, Path) else model.SerializeToString()

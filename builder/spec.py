@@ -41,7 +41,8 @@ class Backend(str, Enum):
     tensorrt_rtx = "tensorrt-rtx"
 
 
-PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "plan_cuda_graphs")
+PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
+              "plan_cuda_graphs")
 
 
 class _Section(BaseModel):
@@ -114,8 +115,23 @@ class ParallelSection(_Section):
     pipeline: Literal[1] = Field(1, description="reserved: pipeline parallelism is not implemented")
 
 
+class CalibrationSection(_Section):
+    data: Path = Field(description="text file(s) to calibrate on; relative to the spec file")
+    samples: int = Field(32, ge=1)
+    seq_len: int = Field(256, ge=8)
+
+
 class QuantizationSection(_Section):
-    mode: Literal["none"] = "none"
+    mode: Literal["none", "int8_weight_only", "int4_weight_only", "w8a8", "fp8", "nvfp4"] = "none"
+    algorithm: Literal["rtn", "awq", "gptq"] = "rtn"
+    group_size: int = Field(128, ge=8)
+    calibration: CalibrationSection | None = None
+    kv_cache: Literal["auto", "fp16", "int8", "fp8"] = "auto"
+    exclude: tuple[str, ...] = ("lm_head",)
+
+    @property
+    def bits(self) -> int | None:
+        return {"int8_weight_only": 8, "int4_weight_only": 4}.get(self.mode)
 
 
 class RuntimeSection(_Section):
@@ -193,6 +209,11 @@ class Spec(_Section):
         model = spec.model.model_copy(update={"checkpoint": checkpoint})
         model._arch = arch
         spec = spec.model_copy(update={"model": model})
+        calibration = spec.quantization.calibration
+        if calibration is not None and not calibration.data.is_absolute():
+            calibration = calibration.model_copy(update={"data": (Path(base_dir) / calibration.data).resolve()})
+            spec = spec.model_copy(update={"quantization": spec.quantization.model_copy(
+                update={"calibration": calibration})})
         _check_against_checkpoint(spec)
         return spec
 
@@ -225,9 +246,54 @@ def _check_against_checkpoint(spec: Spec) -> None:
         raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
                                              f"sliding_window={arch.sliding_window}, which trtbuild does "
                                              "not implement; use at most that")
+    _check_quantization(spec)
     if spec.model.dtype == DType.float32 and "sm75" in spec.build.targets:
         raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
                                          "float16 or drop sm75")
+
+
+def linear_names(arch: ArchConfig) -> list[str]:
+    """Module paths of the linear layers the quantizer may touch, as transformers names them."""
+    names = [f"layers.{i}.{part}" for i in range(arch.num_layers)
+             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return names + ["lm_head"]
+
+
+def _check_quantization(spec: Spec) -> None:
+    q, arch, targets = spec.quantization, spec.arch, spec.build.targets
+    if q.mode == "fp8" and (not targets or any(int(t[2:]) < 89 for t in targets)):
+        raise SpecError("quantization.mode", f"fp8 needs every build target to be sm89 or newer; build.targets is "
+                                             f"{list(targets) or 'portable'}")
+    if q.mode == "nvfp4" and (not targets or any(t not in ("sm120", "sm121") for t in targets)):
+        raise SpecError("quantization.mode", f"nvfp4 needs sm120/sm121 targets only; build.targets is "
+                                             f"{list(targets) or 'portable'}")
+    if q.mode in ("w8a8", "fp8", "nvfp4"):
+        raise SpecError("quantization.mode", f"{q.mode} is not implemented yet; valid now: none, "
+                                             "int8_weight_only, int4_weight_only")
+    if q.kv_cache in ("int8", "fp8"):
+        raise SpecError("quantization.kv_cache", f"{q.kv_cache} is not implemented yet; use auto or fp16")
+    if q.mode == "none":
+        return
+    if q.mode == "int8_weight_only" and q.algorithm != "rtn":
+        raise SpecError("quantization.algorithm", f"{q.algorithm} applies to int4_weight_only; int8 weight-only "
+                                                  "uses rtn (per output channel)")
+    if q.mode == "int4_weight_only":
+        for field, dim in (("hidden_size", arch.hidden_size), ("intermediate_size", arch.intermediate_size),
+                           ("num_attention_heads × head_dim", arch.num_heads * arch.head_dim)):
+            if dim % q.group_size:
+                raise SpecError("quantization.group_size", f"{q.group_size} does not divide {field}={dim}")
+    if q.algorithm in ("awq", "gptq"):
+        if q.calibration is None:
+            raise SpecError("quantization.calibration", f"required for algorithm {q.algorithm}: "
+                                                        "{data: TEXT_FILE, samples: N, seq_len: L}")
+        if not q.calibration.data.is_file():
+            raise SpecError("quantization.calibration.data", f"{q.calibration.data} is not a file")
+    names = linear_names(arch)
+    for pattern in q.exclude:
+        if not any(pattern in name for name in names):
+            raise SpecError("quantization.exclude", f"{pattern!r} matches no linear layer "
+                                                    f"(names look like {names[0]}, lm_head)")
 
 
 class _FieldError(ValueError):

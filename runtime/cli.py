@@ -100,3 +100,36 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
     width = max(map(len, figures))
     for key, value in figures.items():
         click.echo(f"{key.ljust(width)}  {value}")
+
+
+@click.command(name="eval")
+@click.argument("target", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), required=True, help="Text file to score.")
+@click.option("--context", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per window.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Score only the first N tokens.")
+@click.option("--reference", type=click.Path(path_type=Path), default=None,
+              help="Checkpoint or engine dir to compare top-1 predictions with (greedy agreement).")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
+@click.option("--json", "as_json", is_flag=True)
+def evaluate(target: Path, data: Path, context: int, max_tokens, reference, threads: int, as_json: bool):
+    """Perplexity of TARGET (an engine dir, run in ONNX Runtime, or a checkpoint dir) on --data.
+
+    \b
+    Example:
+      trtbuild eval build/tiny-int4 --data models/tiny-code/heldout.txt --reference models/tiny-code
+    """
+    from .evaluate import evaluate as run_eval
+
+    if not data.is_file():
+        _fail(f"--data: {data} is not a file")
+    try:
+        result = run_eval(target, data, context, max_tokens, reference, threads)
+    except ValueError as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(result.as_dict(), indent=2))
+        return
+    line = f"{target}: perplexity {result.perplexity:.3f} over {result.tokens} tokens (windows of {result.context})"
+    if result.agreement is not None:
+        line += f"; greedy agreement with {reference}: {100 * result.agreement:.1f}%"
+    click.echo(line)

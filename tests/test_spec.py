@@ -69,7 +69,7 @@ def test_defaults_and_explicit_buckets():
     ({"build": {"backend": "trt"}}, "build.backend: 'trt' is not valid"),
     ({"passes": {"disable": ["fuse_attn"]}},
      "passes.disable: unknown pass 'fuse_attn' (did you mean 'fuse_attention'?)"),
-    ({"quantization": {"mode": "int4_weight_only"}}, "quantization.mode: 'int4_weight_only' is not valid; valid: 'none'"),
+    ({"quantization": {"mode": "int2"}}, "quantization.mode: 'int2' is not valid; valid: 'none', 'int8_weight_only'"),
     ({"speculative": {"medusa": {}}}, "speculative: reserved"),
     ({"parallel": {"pipeline": 2}}, "parallel.pipeline: 2 is not valid; valid: 1"),
     ({"bulid": {"max_batch_size": 2}}, "bulid: unknown key (did you mean 'build'?)"),

@@ -1,37 +1,46 @@
-"""Write a graph whose large weights live in the export's external-data file.
+"""Write a graph with its large tensors in one external-data file beside it.
 
-The weights are never re-serialized: external tensors are re-pointed at ``<name>.data``
-beside the new file, which is a hard link to (or, across file systems, a copy of) the
-export's weight file. Graphs with only in-memory tensors (hand-built ones) save as they are.
+Tensors still external (the export's weight file) are copied range by range, tensors made in
+memory by passes (quantized weights) are written out, small ones stay inline: memory holds one
+tensor at a time, and the data file holds exactly what the graph references, in graph order
+(so the same graph gives the same bytes).
 """
 from __future__ import annotations
 
-import os
-import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import onnx
 
+INLINE_BELOW = 1024  # bytes
+
 
 def save_graph(model: onnx.ModelProto, path: Path, weights: Path | None) -> None:
     path = Path(path)
-    data_name = f"{path.name}.data"
-    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    for tensor in external:
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = data_name
     path.parent.mkdir(parents=True, exist_ok=True)
-    if external:
-        if weights is None:
-            raise ValueError(f"{path}: the graph has external weights but no weight file was given")
-        _link_or_copy(Path(weights), path.parent / data_name)
+    data_name = f"{path.name}.data"
+    data_path = path.parent / data_name
+    offset = 0
+    with open(data_path, "wb") as out, (open(weights, "rb") if weights else nullcontext()) as source:
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                if source is None:
+                    raise ValueError(f"{path}: tensor {tensor.name} is external but no weight file was given")
+                info = {e.key: e.value for e in tensor.external_data}
+                source.seek(int(info.get("offset", 0)))
+                data = source.read(int(info["length"]))
+            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= INLINE_BELOW:
+                data = tensor.raw_data
+                tensor.ClearField("raw_data")
+            else:
+                continue
+            out.write(data)
+            del tensor.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(data)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            offset += len(data)
+    if offset == 0:
+        data_path.unlink()
     onnx.save_model(model, path)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    dst.unlink(missing_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:  # another file system
-        shutil.copyfile(src, dst)

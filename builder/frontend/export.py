@@ -32,6 +32,7 @@ class ExportedStep:
     step: LlamaStep | None
     output_names: list[str]
     weight_bytes: int
+    hf_model: torch.nn.Module | None = None  # the transformers model the step's modules belong to
 
     @property
     def data_path(self) -> Path:
@@ -78,7 +79,8 @@ def export_step(spec: Spec, workdir: Path) -> ExportedStep:
     name_nodes(model.graph)
     onnx.save_model(model, path)
     weights = sum(p.numel() * p.element_size() for p in step.parameters())
-    return ExportedStep(path=path, step=step, output_names=[o.name for o in model.graph.output], weight_bytes=weights)
+    return ExportedStep(path=path, step=step, output_names=[o.name for o in model.graph.output], weight_bytes=weights,
+                        hf_model=hf_model)
 
 
 def load_graph(path: Path, inline_below: int = 1 << 20) -> gs.Graph:

@@ -9,6 +9,7 @@ from .fuse_attention import fuse_attention
 from .fuse_rmsnorm import fuse_rmsnorm
 from .fuse_rotary import fuse_rotary
 from .plan_cuda_graphs import plan_cuda_graphs
+from .quantize_weights import quantize_weights
 
 PIPELINE: tuple[Pass, ...] = (
     Pass("canonicalize", canonicalize, description="constant folding, dead nodes, names"),
@@ -16,6 +17,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse_rotary", fuse_rotary, requires=("canonicalize",), description="→ RotaryEmbedding"),
     Pass("fuse_attention", fuse_attention, requires=("canonicalize",),
          description="→ TensorScatter + Attention (GQA, bool mask, nonpad_kv_seqlen)"),
+    Pass("quantize_weights", quantize_weights, requires=("canonicalize",), quantizes=True,
+         description="→ DequantizeLinear (int8 per channel, int4 block-wise) feeding each MatMul"),
     Pass("plan_cuda_graphs", plan_cuda_graphs, description="decode batch buckets for CUDA graphs"),
 )
 

@@ -20,10 +20,14 @@ class PassContext:
     rank: int
     rng: np.random.Generator
     arch: ArchConfig | None = None  # None for hand-built graphs: no expected match counts
+    quantized: dict | None = None     # layer name → QuantizedLinear, when the spec quantizes
+    quant_report: dict | None = None  # layer name → weight/output errors measured on the checkpoint
 
     @classmethod
-    def for_spec(cls, spec: Spec, rank: int) -> "PassContext":
-        return cls(spec=spec, rank=rank, rng=np.random.default_rng(rank), arch=spec.arch)
+    def for_spec(cls, spec: Spec, rank: int, quantized: dict | None = None,
+                 quant_report: dict | None = None) -> "PassContext":
+        return cls(spec=spec, rank=rank, rng=np.random.default_rng(rank), arch=spec.arch,
+                   quantized=quantized, quant_report=quant_report)
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Pass:
     run: Callable[[gs.Graph, PassContext], PassResult]
     requires: tuple[str, ...] = ()  # passes that must be enabled and run earlier
     description: str = ""
+    quantizes: bool = False         # from here on, numerics compare against the quantized torch model
 
 
 class PassError(UserError):

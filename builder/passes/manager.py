@@ -31,23 +31,29 @@ class RunResult:
 class NumericsGate:
     """Runs each pass's output and compares with the previous graph and with torch eager."""
 
-    def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None):
-        """``workdir`` holds the export's weight file when the graph's weights are external."""
+    def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
+                 quantized_reference: dict | None = None):
+        """``workdir`` holds the export's weight file when the graph's weights are external;
+        ``quantized_reference`` is torch eager with the dequantized weights, the reference once
+        a pass has quantized (quantization error is measured, not a pass's mistake)."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
-        self.workdir = workdir
+        self.workdir, self.quantized_reference = workdir, quantized_reference
         self.previous: dict | None = None  # outputs of the graph before the current pass
 
-    def __call__(self, graph: gs.Graph, pass_name: str, ran_before: list[str]) -> dict:
+    def __call__(self, graph: gs.Graph, pass_name: str, ran_before: list[str], quantized: bool = False) -> dict:
         model = gs.export_onnx(graph)
         if self.workdir is not None:  # external weights resolve relative to the model file
             path = self.workdir / "numerics.onnx"
             onnx.save_model(model, path)
             model = path
         outputs = numerics.run_onnx(model, self.inputs)
-        vs_torch = numerics.compare(outputs, self.reference)
+        reference = self.quantized_reference if quantized and self.quantized_reference else self.reference
+        vs_torch = numerics.compare(outputs, reference)
         vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
         self.previous = outputs
         record = {"vs_torch": numerics.worst(vs_torch)}
+        if quantized and self.quantized_reference:
+            record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference))
         if vs_previous is not None:
             record["vs_previous"] = numerics.worst(vs_previous)
         bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, self.rtol)}
@@ -95,7 +101,9 @@ class PassManager:
         results: dict[str, PassResult] = {}
         records: list[dict] = []
         ran: list[str] = []
+        quantized = False
         for index, p in enumerate(self.enabled, start=1):
+            quantized = quantized or p.quantizes
             before = _histogram(graph)
             start = time.perf_counter()
             try:
@@ -115,7 +123,7 @@ class PassManager:
                       "ops_before": before, "ops_after": _histogram(graph),
                       "nodes_before": sum(before.values()), "nodes_after": len(graph.nodes), **result.stats}
             if self.numerics is not None and (result.modified or index == 1):
-                record["numerics"] = self.numerics(graph, p.name, ran)
+                record["numerics"] = self.numerics(graph, p.name, ran, quantized)
             if self.dump_dir is not None and (p.name in self.dump_after or "all" in self.dump_after):
                 path = self.dump_dir / f"rank{ctx.rank}" / f"{index:03d}_{p.name}.onnx"
                 save_graph(to_onnx(graph, provenance), path, self.weights)

@@ -1,0 +1,1 @@
+"""Weight quantization: algorithms (torch, on the checkpoint's linear layers) and calibration."""

@@ -1,0 +1,108 @@
+"""Symmetric weight quantizers for one linear layer ``y = x @ W.T`` (W: [out, in]).
+
+Each returns a ``QuantizedLinear``: integer codes, scales and (AWQ) an input-channel scale
+folded into the activations. Codes are what ``DequantizeLinear`` expands back:
+int8 per output channel, int4 per group of ``group`` input channels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT_RANGE = {8: 127, 4: 7}
+
+
+@dataclass
+class QuantizedLinear:
+    codes: torch.Tensor           # int8 [out, in], values in [-qmax, qmax]
+    scales: torch.Tensor          # float32 [out] (int8) or [out, in // group] (int4)
+    bits: int
+    group: int | None             # None: per output channel
+    input_scale: torch.Tensor | None = None  # AWQ: x is divided by it, W was multiplied by it
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the engine computes with, [out, in], in the original input space."""
+        if self.group is None:
+            w = self.codes.float() * self.scales[:, None]
+        else:
+            out_features, in_features = self.codes.shape
+            w = (self.codes.float().view(out_features, -1, self.group) * self.scales[:, :, None]).view(out_features, in_features)
+        return w / self.input_scale[None, :] if self.input_scale is not None else w
+
+
+def _scales(w: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:
+    qmax = INT_RANGE[bits]
+    if group is None:
+        return w.abs().amax(dim=1).clamp(min=1e-8) / qmax                       # [out]
+    return w.view(w.shape[0], -1, group).abs().amax(dim=2).clamp(min=1e-8) / qmax  # [out, in/g]
+
+
+def _expand(scales: torch.Tensor, group: int | None, in_features: int) -> torch.Tensor:
+    return scales[:, None].expand(-1, in_features) if group is None else scales.repeat_interleave(group, dim=1)
+
+
+def rtn(w: torch.Tensor, bits: int, group: int | None) -> QuantizedLinear:
+    """Round to nearest with absmax scales: the baseline."""
+    w = w.float()
+    scales = _scales(w, bits, group)
+    qmax = INT_RANGE[bits]
+    codes = torch.clamp(torch.round(w / _expand(scales, group, w.shape[1])), -qmax, qmax).to(torch.int8)
+    return QuantizedLinear(codes=codes, scales=scales, bits=bits, group=group)
+
+
+def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int | None, damp: float = 0.01,
+         block: int = 128) -> QuantizedLinear:
+    """GPTQ: quantize input columns in order, spreading each column's rounding error over the
+    columns not yet quantized through the inverse Hessian (H = Xᵀ X of the layer's inputs)."""
+    w = w.float().clone()
+    out_features, in_features = w.shape
+    h = hessian.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_features)
+    # Upper Cholesky factor of H⁻¹: row i holds the update weights for columns after i.
+    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    qmax = INT_RANGE[bits]
+    # Per-channel scales come from the weights as they are; group scales from each group's
+    # weights after the errors of earlier columns were folded in (a block is one group).
+    scales = _scales(w, bits, None) if group is None else torch.zeros(out_features, in_features // group)
+    codes = torch.zeros_like(w, dtype=torch.int8)
+    step = group or block
+    for start in range(0, in_features, step):
+        end = min(start + step, in_features)
+        w_block = w[:, start:end].clone()
+        if group is not None:
+            scales[:, start // group] = w_block.abs().amax(dim=1).clamp(min=1e-8) / qmax
+        scale = scales if group is None else scales[:, start // group]
+        errors = torch.zeros_like(w_block)
+        h_block = h_inv[start:end, start:end]
+        for i in range(end - start):
+            q = torch.clamp(torch.round(w_block[:, i] / scale), -qmax, qmax)
+            codes[:, start + i] = q.to(torch.int8)
+            error = (w_block[:, i] - q * scale) / h_block[i, i]
+            w_block[:, i:] -= error[:, None] * h_block[i, i:][None, :]
+            errors[:, i] = error
+        w[:, end:] -= errors @ h_inv[start:end, end:]
+    return QuantizedLinear(codes=codes, scales=scales, bits=bits, group=group)
+
+
+def awq(w: torch.Tensor, x_abs_mean: torch.Tensor, x_sample: torch.Tensor, bits: int, group: int | None,
+        grid: int = 20) -> QuantizedLinear:
+    """AWQ: scale salient input channels up before rounding (s = mean|x|^α, α searched on
+    calibration activations to minimize the layer's output error), divide x by s at run time."""
+    w = w.float()
+    x = x_sample.float()                    # [n, in]
+    reference = x @ w.T                     # [n, out]
+    best, best_error = None, float("inf")
+    for step in range(grid + 1):
+        alpha = step / grid
+        s = x_abs_mean.float().clamp(min=1e-5).pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()  # keep scales around 1
+        candidate = rtn(w * s[None, :], bits, group)
+        candidate.input_scale = s
+        error = ((x @ candidate.dequantize().T) - reference).pow(2).mean().item()
+        if error < best_error:
+            best, best_error = candidate, error
+    return best

@@ -1,0 +1,85 @@
+"""Quantize a checkpoint's linear layers as the spec asks; runs where the torch model lives.
+
+The result is written with safetensors (codes, scales, AWQ input scales, per layer) for the
+``quantize_weights`` graph pass, with each layer's relative weight error and (when there is
+calibration data) relative output error on a calibration batch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..spec import Spec, linear_names
+from .algorithms import QuantizedLinear, awq, gptq, rtn
+from .calibrate import calibration_batches, collect
+
+
+def selected_layers(spec: Spec) -> list[str]:
+    return [n for n in linear_names(spec.arch) if not any(p in n for p in spec.quantization.exclude)]
+
+
+def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=print) -> dict[str, dict]:
+    q = spec.quantization
+    names = selected_layers(spec)
+    stats = {}
+    if q.calibration is not None:
+        batches = calibration_batches(spec.model.checkpoint, q.calibration.data, q.calibration.samples,
+                                      q.calibration.seq_len)
+        stats = collect(model, names, batches, progress)
+    modules = dict(model.named_modules())
+    tensors, report = {}, {}
+    group = q.group_size if q.bits == 4 else None
+    for index, name in enumerate(names):
+        weight = modules[name if name == "lm_head" else f"model.{name}"].weight.detach().float()  # [out, in]
+        if q.algorithm == "gptq":
+            result = gptq(weight, stats[name].hessian, q.bits, group)
+        elif q.algorithm == "awq":
+            result = awq(weight, stats[name].abs_mean, stats[name].sample_rows, q.bits, group)
+        else:
+            result = rtn(weight, q.bits, group)
+        report[name] = _errors(weight, result, stats[name].sample_rows if name in stats else None)
+        tensors[f"{name}.codes"] = result.codes.contiguous()
+        tensors[f"{name}.scales"] = result.scales.contiguous()
+        if result.input_scale is not None:
+            tensors[f"{name}.input_scale"] = result.input_scale.contiguous()
+        progress(f"  quantized {name} ({index + 1}/{len(names)}, {q.mode}, {q.algorithm})")
+    save_file(tensors, str(out), metadata={"bits": str(q.bits), "group": str(group or 0),
+                                           "report": json.dumps(report)})
+    return report
+
+
+def load_quantized(path: Path) -> tuple[dict[str, QuantizedLinear], dict[str, dict]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        meta = handle.metadata()
+    tensors = load_file(str(path))
+    bits, group = int(meta["bits"]), int(meta["group"]) or None
+    layers = {}
+    for key in tensors:
+        if key.endswith(".codes"):
+            name = key[: -len(".codes")]
+            layers[name] = QuantizedLinear(codes=tensors[key], scales=tensors[f"{name}.scales"], bits=bits,
+                                           group=group, input_scale=tensors.get(f"{name}.input_scale"))
+    return layers, json.loads(meta["report"])
+
+
+def _errors(weight: torch.Tensor, result: QuantizedLinear, x: torch.Tensor | None) -> dict:
+    dequantized = result.dequantize()
+    errors = {"weight_rel_error": round(((dequantized - weight).norm() / weight.norm()).item(), 6)}
+    if x is not None:
+        reference = x @ weight.T
+        errors["output_rel_error"] = round(((x @ dequantized.T - reference).norm() / reference.norm()).item(), 6)
+    return errors
+
+
+def apply_dequantized(model: torch.nn.Module, layers: dict[str, QuantizedLinear]) -> None:
+    """Replaces each quantized layer's weight by what the engine computes with (simulated quantization)."""
+    modules = dict(model.named_modules())
+    for name, layer in layers.items():
+        module = modules[name if name == "lm_head" else f"model.{name}"]
+        with torch.no_grad():
+            module.weight.copy_(layer.dequantize().to(module.weight.dtype))

@@ -1,0 +1,105 @@
+"""Quantization: spec refusals, the quantize_weights pass on hand-built graphs, an int4 build end to end."""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from trtbuild.builder.errors import SpecError
+from trtbuild.builder.numerics import run_onnx
+from trtbuild.builder.passes import PassContext, PassError
+from trtbuild.builder.passes.quantize_weights import quantize_weights
+from trtbuild.builder.quant.algorithms import awq, rtn
+from trtbuild.builder.spec import Spec
+
+from conftest import REPO, TINY_CODE
+
+CALIB = REPO / "models" / "tiny-code" / "heldout.txt"  # any text will do for validation tests
+
+
+def spec_with(**quantization) -> dict:
+    return {"model": {"checkpoint": str(TINY_CODE), "dtype": "float32"},
+            "build": {"max_input_len": 64, "max_seq_len": 512, "targets": ["sm80", "sm89"]},
+            "quantization": quantization}
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"mode": "fp8"}, "quantization.mode: fp8 needs every build target to be sm89 or newer"),
+    ({"mode": "nvfp4"}, "quantization.mode: nvfp4 needs sm120/sm121 targets only"),
+    ({"mode": "w8a8"}, "quantization.mode: w8a8 is not implemented yet"),
+    ({"mode": "int8_weight_only", "kv_cache": "int8"}, "quantization.kv_cache: int8 is not implemented yet"),
+    ({"mode": "int8_weight_only", "algorithm": "awq"}, "quantization.algorithm: awq applies to int4_weight_only"),
+    ({"mode": "int4_weight_only", "group_size": 96}, "quantization.group_size: 96 does not divide hidden_size=256"),
+    ({"mode": "int4_weight_only", "algorithm": "gptq"}, "quantization.calibration: required for algorithm gptq"),
+    ({"mode": "int4_weight_only", "algorithm": "awq", "calibration": {"data": "/nonexistent.txt"}},
+     "quantization.calibration.data: /nonexistent.txt is not a file"),
+    ({"mode": "int4_weight_only", "exclude": ["lm_haed"]}, "quantization.exclude: 'lm_haed' matches no linear layer"),
+])
+def test_quantization_refusals_name_the_field(quantization, message):
+    with pytest.raises(SpecError) as info:
+        Spec.from_dict(spec_with(**quantization))
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_valid_int4_spec_resolves_calibration_path(tmp_path):
+    (tmp_path / "calib.txt").write_text("x = 1\n" * 100)
+    spec = Spec.from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
+                                    calibration={"data": "calib.txt"}), base_dir=tmp_path)
+    assert spec.quantization.bits == 4 and spec.quantization.calibration.data == tmp_path / "calib.txt"
+
+
+def matmul_graph(w: np.ndarray) -> gs.Graph:
+    """x [4, in] @ W [in, out], the way the exporter writes a Linear, named like one."""
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="/model/layers.0/mlp/up_proj/MatMul")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, w.shape[0]])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, w.shape[1]])],
+                              [numpy_helper.from_array(w, "w")])
+    return gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]))
+
+
+@pytest.mark.parametrize("make", [lambda w, x: rtn(w, 8, None), lambda w, x: rtn(w, 4, 32),
+                                  lambda w, x: awq(w, x.abs().mean(0), x, 4, 32)])
+def test_quantize_weights_computes_what_the_quantizer_simulates(make):
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)                        # [out, in] as in torch
+    x = torch.randn(4, 64)
+    layer = make(w, x)
+    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"layers.0.mlp.up_proj": layer})
+    result = quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx)
+    assert result.stats["matches"] == 1
+    model = gs.export_onnx(result.graph)
+    ops = sorted(n.op_type for n in model.graph.node)
+    assert ops == (["DequantizeLinear", "MatMul", "Mul"] if layer.input_scale is not None else ["DequantizeLinear", "MatMul"])
+    y = run_onnx(model, {"x": x.numpy()})["y"]
+    np.testing.assert_allclose(y, (x @ layer.dequantize().T).numpy(), atol=1e-4)
+
+
+def test_quantize_weights_fails_when_a_layer_is_missing():
+    w = torch.randn(16, 64)
+    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0),
+                      quantized={"layers.0.mlp.up_proj": rtn(w, 8, None), "layers.0.mlp.down_proj": rtn(w, 8, None)})
+    with pytest.raises(PassError, match=r"quantize_weights matched 1 of the 2 layers to quantize; not found: \['layers.0.mlp.down_proj'\]"):
+        quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx)
+
+
+@pytest.mark.slow
+def test_int4_gptq_build_keeps_most_greedy_tokens(tmp_path):
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+    from trtbuild.runtime.evaluate import evaluate
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text((REPO / "tools" / "train_tiny_model.py").read_text() * 20)  # code, and not held-out text
+    spec = Spec.from_dict({**spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
+                                       calibration={"data": str(calib), "samples": 8, "seq_len": 256}),
+                           "build": {"max_input_len": 256, "max_seq_len": 1024, "targets": ["sm89"]}})
+    summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
+    record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
+    assert record["matches"] == 42 and record["numerics"]["ok"]
+    assert all("output_rel_error" in v for v in record["layers"].values())
+    result = evaluate(tmp_path / "out", CALIB, 512, 4096, reference=TINY_CODE)
+    base = evaluate(TINY_CODE, CALIB, 512, 4096)
+    assert result.agreement >= 0.9, result           # top-1 agreement with the float model
+    assert result.perplexity <= base.perplexity * 1.05, (result, base)
