@@ -3,7 +3,8 @@
 
     python benchmarks/quantization.py [--json] [--max-tokens N]
 
-Builds tiny-code unquantized and per weight-only mode/algorithm, then measures, in this run:
+Builds tiny-code unquantized, per weight-only mode/algorithm and W8A8 SmoothQuant (alpha 0.5),
+then measures, in this run:
 held-out perplexity (trtbuild eval: the rank ONNX in ONNX Runtime, windows of 512 tokens) and
 its change vs unquantized, greedy (top-1) agreement with the unquantized checkpoint, weight
 bytes (float tensors counted at 16 bit, integer codes as stored) vs fp16, build time, and ONNX
@@ -32,7 +33,8 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 MODES = [("none", "-", None), ("int8_weight_only", "rtn", None),
          ("int4_weight_only", "rtn", 128), ("int4_weight_only", "awq", 128), ("int4_weight_only", "gptq", 128),
-         ("int4_weight_only", "rtn", 64), ("int4_weight_only", "awq", 64), ("int4_weight_only", "gptq", 64)]
+         ("int4_weight_only", "rtn", 64), ("int4_weight_only", "awq", 64), ("int4_weight_only", "gptq", 64),
+         ("w8a8", "rtn", None)]
 
 
 def calibration_text(path: Path, limit: int = 400_000) -> Path:
@@ -88,7 +90,8 @@ def main() -> None:
         tmp = Path(tmp)
         calib = calibration_text(tmp / "calibration.txt")
         for mode, algorithm, group in MODES:
-            name = mode if mode == "none" else f"{mode}-{algorithm}" + (f"-g{group}" if group else "")
+            name = {"none": "none", "w8a8": "w8a8-smoothquant-a0.5"}.get(mode) or (
+                f"{mode}-{algorithm}" + (f"-g{group}" if group else ""))
             spec = tmp / f"{name}.yaml"
             quant = ("" if mode == "none" else
                      f"quantization: {{mode: {mode}, algorithm: {algorithm}, group_size: {group or 128}, "

@@ -126,6 +126,9 @@ def evaluate(target: Path, data: Path, context: int = 512, max_tokens: int | Non
     from tokenizers import Tokenizer
 
     tokenizer_dir = Path(target)
+    for path in (tokenizer_dir, *([Path(reference)] if reference else [])):
+        if not (is_engine_dir(path) or (path / "config.json").is_file()):
+            raise ValueError(f"{path}: neither an engine dir (manifest.json) nor a checkpoint dir (config.json)")
     ids = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(Path(data).read_text(encoding="utf-8")).ids
     batches = windows(ids, context, max_tokens)
     scores = score(Path(target), batches, threads)

@@ -28,7 +28,8 @@ def spec_with(**quantization) -> dict:
 @pytest.mark.parametrize("quantization, message", [
     ({"mode": "fp8"}, "quantization.mode: fp8 needs every build target to be sm89 or newer"),
     ({"mode": "nvfp4"}, "quantization.mode: nvfp4 needs sm120/sm121 targets only"),
-    ({"mode": "w8a8"}, "quantization.mode: w8a8 is not implemented yet"),
+    ({"mode": "w8a8"}, "quantization.calibration: required for mode w8a8"),
+    ({"mode": "fp8", "calibration": {"data": str(CALIB)}}, "quantization.mode: fp8 needs every build target"),
     ({"mode": "int8_weight_only", "kv_cache": "int8"}, "quantization.kv_cache: int8 is not implemented yet"),
     ({"mode": "int8_weight_only", "algorithm": "awq"}, "quantization.algorithm: awq applies to int4_weight_only"),
     ({"mode": "int4_weight_only", "group_size": 96}, "quantization.group_size: 96 does not divide hidden_size=256"),
@@ -85,15 +86,18 @@ def test_quantize_weights_fails_when_a_layer_is_missing():
 
 
 @pytest.mark.slow
-def test_int4_gptq_build_keeps_most_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("quantization", [
+    {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64},
+    {"mode": "w8a8", "smoothquant_alpha": 0.5},
+])
+def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.runtime.evaluate import evaluate
 
     calib = tmp_path / "calib.txt"
     calib.write_text((REPO / "tools" / "train_tiny_model.py").read_text() * 20)  # code, and not held-out text
-    spec = Spec.from_dict({**spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
-                                       calibration={"data": str(calib), "samples": 8, "seq_len": 256}),
+    spec = Spec.from_dict({**spec_with(**quantization, calibration={"data": str(calib), "samples": 8, "seq_len": 256}),
                            "build": {"max_input_len": 256, "max_seq_len": 1024, "targets": ["sm89"]}})
     summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
     record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
@@ -103,3 +107,41 @@ def test_int4_gptq_build_keeps_most_greedy_tokens(tmp_path):
     base = evaluate(TINY_CODE, CALIB, 512, 4096)
     assert result.agreement >= 0.9, result           # top-1 agreement with the float model
     assert result.perplexity <= base.perplexity * 1.05, (result, base)
+
+
+def norm_then_two_matmuls(w1: np.ndarray, w2: np.ndarray, norm_weight: np.ndarray) -> gs.Graph:
+    """RMSNormalization → q_proj and k_proj MatMuls, as after fuse_rmsnorm."""
+    nodes = [helper.make_node("RMSNormalization", ["x", "g"], ["h"], axis=-1, epsilon=1e-5,
+                              name="/model/layers.0/input_layernorm/RMSNormalization"),
+             helper.make_node("MatMul", ["h", "w1"], ["y1"], name="/model/layers.0/self_attn/q_proj/MatMul"),
+             helper.make_node("MatMul", ["h", "w2"], ["y2"], name="/model/layers.0/self_attn/k_proj/MatMul")]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [4, w1.shape[0]])],
+                              [helper.make_tensor_value_info("y1", f, [4, w1.shape[1]]),
+                               helper.make_tensor_value_info("y2", f, [4, w2.shape[1]])],
+                              [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"),
+                               numpy_helper.from_array(norm_weight, "g")])
+    return gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]))
+
+
+def test_smoothquant_folds_into_the_norm_and_quantizes_activations():
+    from trtbuild.builder.quant.algorithms import smoothquant
+
+    torch.manual_seed(3)
+    w1, w2, g = torch.randn(8, 32), torch.randn(16, 32), torch.rand(32) + 0.5
+    x = torch.randn(4, 32)
+    x[:, 3] *= 20  # an outlier channel
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g
+    (l1, l2), s = smoothquant([w1, w2], h.abs().amax(0), alpha=0.5)
+    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0),
+                      quantized={"layers.0.self_attn.q_proj": l1, "layers.0.self_attn.k_proj": l2})
+    result = quantize_weights(norm_then_two_matmuls(w1.T.contiguous().numpy(), w2.T.contiguous().numpy(), g.numpy()), ctx)
+    model = gs.export_onnx(result.graph)
+    ops = sorted(n.op_type for n in model.graph.node)
+    # no Mul: 1/s went into the norm's weight; one activation Q/DQ pair shared by both MatMuls
+    assert ops == ["DequantizeLinear", "DequantizeLinear", "DequantizeLinear", "MatMul", "MatMul",
+                   "QuantizeLinear", "RMSNormalization"]
+    out = run_onnx(model, {"x": x.numpy()})
+    for name, layer in (("y1", l1), ("y2", l2)):
+        expected = layer.fake_quantize_input(h) @ layer.dequantize().T
+        np.testing.assert_allclose(out[name], expected.numpy(), atol=2e-3, rtol=1e-3)

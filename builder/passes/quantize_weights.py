@@ -1,7 +1,9 @@
-"""quantize_weights: MatMul(x, W) → MatMul(x [/ s], DequantizeLinear(W_q, scale)) for each layer
+"""quantize_weights: MatMul(x, W) → MatMul(x', DequantizeLinear(W_q, scale)) for each layer
 the spec quantizes (codes and scales come from trtbuild.builder.quant, computed on the
 checkpoint). INT8: per output channel (axis 1); INT4: blocks of ``group`` input rows
-(axis 0, block_size). AWQ's per-input-channel scale ``s`` becomes a Mul on the activations.
+(axis 0, block_size). A per-input-channel scale ``s`` (AWQ, SmoothQuant) is folded into the
+producing RMSNorm's weight when every consumer shares it, else x' = x / s by a Mul; W8A8 adds
+a QuantizeLinear/DequantizeLinear pair on x' (int8, static per-tensor scale).
 """
 from __future__ import annotations
 
@@ -26,18 +28,58 @@ def _constant(name: str, values: np.ndarray) -> gs.Constant:
     return gs.Constant(name, LazyValues(numpy_helper.from_array(values, name)))
 
 
+def _foldable(node: gs.Node, layer, layers: dict) -> bool:
+    """SmoothQuant's migration applies when x comes from an RMSNormalization whose every consumer
+    is a quantized MatMul with this same input scale s (decided on the graph before any rewrite)."""
+    x = node.inputs[0]
+    norm = x.inputs[0] if len(x.inputs) == 1 else None
+    if layer.input_scale is None or norm is None or norm.op != "RMSNormalization" \
+            or not isinstance(norm.inputs[1], gs.Constant):
+        return False
+    for consumer in x.outputs:
+        other = layers.get(module_of(consumer.name)) if consumer.op == "MatMul" else None
+        if other is None or other.input_scale is None or not np.array_equal(other.input_scale.numpy(),
+                                                                           layer.input_scale.numpy()):
+            return False
+    return True
+
+
+def _fold_into_norm(node: gs.Node, layer, folded: set[int], dtype) -> None:
+    """Divides the producing norm's weight by s (once per norm) instead of scaling x at run time."""
+    norm = node.inputs[0].inputs[0]
+    if id(norm) not in folded:
+        weight = norm.inputs[1]
+        norm.inputs[1] = gs.Constant(f"{weight.name}.smoothed",
+                                     (np.asarray(weight.values) / layer.input_scale.numpy()).astype(dtype))
+        folded.add(id(norm))
+
+
+def _fake_quantized(graph: gs.Graph, x, scale: float, dtype, scope: str, shared: dict) -> gs.Variable:
+    """QuantizeLinear → DequantizeLinear of ``x`` (int8, zero point 0), one pair per tensor and scale."""
+    key = (x.name, scale)
+    if key not in shared:
+        a = gs.Constant(f"{x.name}.act_scale", np.array(scale, dtype=dtype))
+        zero = gs.Constant(f"{x.name}.act_zero", np.array(0, dtype=np.int8))
+        q = gs.Variable(f"{x.name}.act_q", dtype=np.int8)
+        dq = gs.Variable(f"{x.name}.act_dq", dtype=dtype)
+        graph.nodes.append(new_node("QuantizeLinear", f"{scope}/QuantizeLinear_act", [x, a, zero], outputs=[q]))
+        graph.nodes.append(new_node("DequantizeLinear", f"{scope}/DequantizeLinear_act", [q, a, zero], outputs=[dq]))
+        shared[key] = dq
+    return shared[key]
+
+
 def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     layers = ctx.quantized or {}
     if not layers:
         return PassResult(graph=graph, modified=False, stats={"matches": 0, "mode": "none"})
     done, skipped = {}, {}
-    for node in list(graph.nodes):
-        if node.op != "MatMul":
-            continue
-        name = module_of(node.name)
-        layer = layers.get(name)
-        if layer is None:
-            continue
+    folded: set[int] = set()
+    shared_qdq: dict[tuple[str, float], gs.Variable] = {}
+    targets = [(node, module_of(node.name)) for node in graph.nodes
+               if node.op == "MatMul" and module_of(node.name) in layers]
+    fold = {id(node): _foldable(node, layers[name], layers) for node, name in targets}
+    for node, name in targets:
+        layer = layers[name]
         weight = node.inputs[1]
         if not isinstance(weight, gs.Constant) or tuple(weight.shape) != tuple(layer.codes.shape[::-1]):
             skipped[node.name] = f"weight is not a constant of shape {tuple(layer.codes.shape[::-1])}"
@@ -56,11 +98,16 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
                                     [_constant(f"{name}.weight_q", codes), gs.Constant(f"{name}.weight_scale", scales)],
                                     attrs, [dequantized]))
         node.inputs[1] = dequantized
-        if layer.input_scale is not None:  # AWQ: x / s feeds the scaled weights
+        if fold[id(node)]:
+            _fold_into_norm(node, layer, folded, dtype)
+        elif layer.input_scale is not None:
+            # AWQ (or a smoothing scale with no norm to absorb it): x / s feeds the scaled weights
             scaled = gs.Variable(f"{name}.input_scaled", dtype=dtype)
             inverse = gs.Constant(f"{name}.input_scale_inv", (1.0 / layer.input_scale.numpy()).astype(dtype))
             graph.nodes.append(new_node("Mul", f"{scope}/ActivationScale", [node.inputs[0], inverse], outputs=[scaled]))
             node.inputs[0] = scaled
+        if layer.activation_scale is not None:  # W8A8: int8 activations with a static per-tensor scale
+            node.inputs[0] = _fake_quantized(graph, node.inputs[0], layer.activation_scale, dtype, scope, shared_qdq)
         done[name] = (ctx.quant_report or {}).get(name, {})
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     if len(done) != len(layers):

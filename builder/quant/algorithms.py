@@ -19,7 +19,16 @@ class QuantizedLinear:
     scales: torch.Tensor          # float32 [out] (int8) or [out, in // group] (int4)
     bits: int
     group: int | None             # None: per output channel
-    input_scale: torch.Tensor | None = None  # AWQ: x is divided by it, W was multiplied by it
+    input_scale: torch.Tensor | None = None  # AWQ/SmoothQuant: x is divided by it, W was multiplied by it
+    activation_scale: float | None = None    # W8A8: x / input_scale is quantized to int8 with this scale
+
+    def fake_quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the engine feeds the GEMM, expressed in the original input space (W8A8)."""
+        smoothed = x / self.input_scale if self.input_scale is not None else x
+        if self.activation_scale is not None:
+            a = self.activation_scale
+            smoothed = torch.clamp(torch.round(smoothed / a), -127, 127) * a
+        return smoothed * self.input_scale if self.input_scale is not None else smoothed
 
     def dequantize(self) -> torch.Tensor:
         """The weight the engine computes with, [out, in], in the original input space."""
@@ -106,3 +115,19 @@ def awq(w: torch.Tensor, x_abs_mean: torch.Tensor, x_sample: torch.Tensor, bits:
         if error < best_error:
             best, best_error = candidate, error
     return best
+
+
+def smoothquant(weights: list[torch.Tensor], x_amax: torch.Tensor, alpha: float) -> tuple[list[QuantizedLinear], torch.Tensor]:
+    """SmoothQuant W8A8 for linears that share one input: per-input-channel scales
+    s = max|x|^α / max|W|^(1-α) move activation outliers into the weights; weights are then
+    int8 per output channel, activations int8 per tensor with a static scale from calibration.
+    Returns the layers and s (the caller folds 1/s into whatever produces x)."""
+    w_amax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0).clamp(min=1e-5)  # [in]
+    s = (x_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
+    activation_scale = float((x_amax.float() / s).max().clamp(min=1e-8) / 127)
+    layers = []
+    for w in weights:
+        layer = rtn(w.float() * s[None, :], 8, None)
+        layer.input_scale, layer.activation_scale = s, activation_scale
+        layers.append(layer)
+    return layers, s

@@ -13,6 +13,7 @@ SAMPLE_ROWS = 512  # input rows kept per layer for AWQ's search and the output-e
 class InputStats:
     hessian: torch.Tensor            # Σ xᵀx, float32 [in, in]
     abs_sum: torch.Tensor            # Σ |x| per input channel
+    abs_max: torch.Tensor | None = None  # max |x| per input channel
     rows: int = 0
     sample: list[torch.Tensor] = field(default_factory=list)
 
@@ -51,6 +52,8 @@ def collect(model: torch.nn.Module, names: list[str], batches: torch.Tensor, pro
                 entry = stats[name] = InputStats(torch.zeros(x.shape[1], x.shape[1]), torch.zeros(x.shape[1]))
             entry.hessian += x.T @ x
             entry.abs_sum += x.abs().sum(dim=0)
+            channel_max = x.abs().amax(dim=0)
+            entry.abs_max = channel_max if entry.abs_max is None else torch.maximum(entry.abs_max, channel_max)
             entry.rows += x.shape[0]
             if sum(len(s) for s in entry.sample) < SAMPLE_ROWS:
                 entry.sample.append(x[:: max(1, x.shape[0] // 64)])

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..spec import Spec, linear_names
-from .algorithms import QuantizedLinear, awq, gptq, rtn
+from .algorithms import QuantizedLinear, awq, gptq, rtn, smoothquant
 from .calibrate import calibration_batches, collect
 
 
@@ -32,9 +32,13 @@ def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=
     modules = dict(model.named_modules())
     tensors, report = {}, {}
     group = q.group_size if q.bits == 4 else None
+    weight_of = lambda n: modules[n if n == "lm_head" else f"model.{n}"].weight.detach().float()  # noqa: E731 [out, in]
+    smoothed = _smoothquant_groups(names, stats, weight_of, q.smoothquant_alpha) if q.mode == "w8a8" else {}
     for index, name in enumerate(names):
-        weight = modules[name if name == "lm_head" else f"model.{name}"].weight.detach().float()  # [out, in]
-        if q.algorithm == "gptq":
+        weight = weight_of(name)
+        if name in smoothed:
+            result = smoothed[name]
+        elif q.algorithm == "gptq":
             result = gptq(weight, stats[name].hessian, q.bits, group)
         elif q.algorithm == "awq":
             result = awq(weight, stats[name].abs_mean, stats[name].sample_rows, q.bits, group)
@@ -44,9 +48,11 @@ def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=
         tensors[f"{name}.codes"] = result.codes.contiguous()
         tensors[f"{name}.scales"] = result.scales.contiguous()
         if result.input_scale is not None:
-            tensors[f"{name}.input_scale"] = result.input_scale.contiguous()
+            tensors[f"{name}.input_scale"] = result.input_scale.clone()  # layers may share one s
+        if result.activation_scale is not None:
+            tensors[f"{name}.activation_scale"] = torch.tensor([result.activation_scale])
         progress(f"  quantized {name} ({index + 1}/{len(names)}, {q.mode}, {q.algorithm})")
-    save_file(tensors, str(out), metadata={"bits": str(q.bits), "group": str(group or 0),
+    save_file(tensors, str(out), metadata={"bits": str(q.bits or 8), "group": str(group or 0),
                                            "report": json.dumps(report)})
     return report
 
@@ -62,9 +68,27 @@ def load_quantized(path: Path) -> tuple[dict[str, QuantizedLinear], dict[str, di
     for key in tensors:
         if key.endswith(".codes"):
             name = key[: -len(".codes")]
+            activation = tensors.get(f"{name}.activation_scale")
             layers[name] = QuantizedLinear(codes=tensors[key], scales=tensors[f"{name}.scales"], bits=bits,
-                                           group=group, input_scale=tensors.get(f"{name}.input_scale"))
+                                           group=group, input_scale=tensors.get(f"{name}.input_scale"),
+                                           activation_scale=None if activation is None else float(activation[0]))
     return layers, json.loads(meta["report"])
+
+
+def _smoothquant_groups(names, stats, weight_of, alpha: float) -> dict[str, QuantizedLinear]:
+    """W8A8 for every layer: linears fed by the same RMSNorm (q/k/v; gate/up) share one
+    smoothing scale, which the quantize_weights pass folds into that norm's weight."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        shared = leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        key = f"{name.rsplit('.', 2)[0]}.{'attn_in' if leaf in ('q_proj', 'k_proj', 'v_proj') else 'mlp_in'}" if shared else name
+        groups.setdefault(key, []).append(name)
+    out = {}
+    for members in groups.values():
+        layers, _ = smoothquant([weight_of(n) for n in members], stats[members[0]].abs_max, alpha)
+        out.update(zip(members, layers))
+    return out
 
 
 def _errors(weight: torch.Tensor, result: QuantizedLinear, x: torch.Tensor | None) -> dict:
@@ -72,14 +96,19 @@ def _errors(weight: torch.Tensor, result: QuantizedLinear, x: torch.Tensor | Non
     errors = {"weight_rel_error": round(((dequantized - weight).norm() / weight.norm()).item(), 6)}
     if x is not None:
         reference = x @ weight.T
-        errors["output_rel_error"] = round(((x @ dequantized.T - reference).norm() / reference.norm()).item(), 6)
+        output = result.fake_quantize_input(x) @ dequantized.T
+        errors["output_rel_error"] = round(((output - reference).norm() / reference.norm()).item(), 6)
     return errors
 
 
 def apply_dequantized(model: torch.nn.Module, layers: dict[str, QuantizedLinear]) -> None:
-    """Replaces each quantized layer's weight by what the engine computes with (simulated quantization)."""
+    """Makes the model compute what the engine will (simulated quantization): dequantized
+    weights, and for W8A8 fake-quantized inputs."""
     modules = dict(model.named_modules())
     for name, layer in layers.items():
         module = modules[name if name == "lm_head" else f"model.{name}"]
         with torch.no_grad():
             module.weight.copy_(layer.dequantize().to(module.weight.dtype))
+        if layer.activation_scale is not None:
+            module.register_forward_pre_hook(
+                lambda mod, args, layer=layer: (layer.fake_quantize_input(args[0].float()).to(args[0].dtype),))
