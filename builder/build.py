@@ -71,7 +71,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         for rank in range(spec.world_size):
             with progress.stage(f"passes (rank {rank})"):
                 gate = (NumericsGate(*reference, spec.passes.atol, spec.passes.rtol, workdir=workdir,
-                                     quantized_reference=exported.quantized_reference) if reference else None)
+                                     quantized_reference=exported.quantized_reference,
+                                     quantized_rtol=spec.passes.quantized_rtol) if reference else None)
                 context = PassContext.for_spec(spec, rank, quantized, quant_report)
                 run = manager_for(gate, exported.data_path).run(load_graph(exported.path), context)
             with progress.stage(f"write rank{rank}.onnx"):

@@ -99,6 +99,9 @@ class PassesSection(_Section):
     numerics: bool = Field(True, description="run each pass's graph in ONNX Runtime and compare")
     atol: float = Field(1e-3, gt=0)
     rtol: float = Field(1e-2, gt=0)
+    # After quantization the reference is torch with the same fake quantization; activation
+    # rounding can land on the other side of a step there, so outputs get a looser bound.
+    quantized_rtol: float = Field(5e-2, gt=0)
 
     @field_validator("disable")
     @classmethod

@@ -32,12 +32,13 @@ class NumericsGate:
     """Runs each pass's output and compares with the previous graph and with torch eager."""
 
     def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
-                 quantized_reference: dict | None = None):
+                 quantized_reference: dict | None = None, quantized_rtol: float | None = None):
         """``workdir`` holds the export's weight file when the graph's weights are external;
         ``quantized_reference`` is torch eager with the dequantized weights, the reference once
         a pass has quantized (quantization error is measured, not a pass's mistake)."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
         self.workdir, self.quantized_reference = workdir, quantized_reference
+        self.quantized_rtol = quantized_rtol or rtol
         self.previous: dict | None = None  # outputs of the graph before the current pass
 
     def __call__(self, graph: gs.Graph, pass_name: str, ran_before: list[str], quantized: bool = False) -> dict:
@@ -56,13 +57,14 @@ class NumericsGate:
             record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference))
         if vs_previous is not None:
             record["vs_previous"] = numerics.worst(vs_previous)
-        bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, self.rtol)}
+        rtol = self.quantized_rtol if quantized and self.quantized_reference else self.rtol
+        bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, rtol)}
         record["ok"] = not bad
         if bad:
             name, stat = max(bad.items(), key=lambda kv: kv[1].max_abs)
             raise PassError(f"pass {pass_name} broke numerics: {name} max_abs {stat.max_abs:.3g} "
                             f"(max_rel {stat.max_rel:.3g}) vs torch exceeds atol {self.atol} / rtol "
-                            f"{self.rtol}{_after(ran_before)}")
+                            f"{rtol}{_after(ran_before)}")
         return record
 
 
