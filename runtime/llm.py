@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from .engine import Engine
+from .detokenize import IncrementalDecoder
 from .engine_dir import EngineDir, load
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
@@ -49,6 +50,7 @@ class Delta:
 class _Live:
     request: Request
     sampler: Sampler
+    decoder: IncrementalDecoder
     arrival_s: float
     first_token_s: float | None = None
     text: str = ""
@@ -128,7 +130,7 @@ class LLM:
         request = Request(rid=rid, prompt=tokens, params=params)
         with self._lock:
             self.scheduler.add(request)
-            self._live[rid] = _Live(request, Sampler(params), time.perf_counter())
+            self._live[rid] = _Live(request, Sampler(params), IncrementalDecoder(self.tokenizer), time.perf_counter())
         return rid
 
     def generate(self, prompts: list[str] | str | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -218,15 +220,19 @@ class LLM:
         now = time.perf_counter()
         if live.first_token_s is None:
             live.first_token_s = now
-        text = self.tokenizer.decode(request.output)
-        stop_at = min((i for i in (text.find(s) for s in request.params.stop) if i >= 0), default=-1)
-        if stop_at >= 0:
-            text = text[:stop_at]
-            self.scheduler.finish(request.rid, "stop")
-        piece = text[len(live.text):] if text.startswith(live.text) else text
-        live.text = text
-        return Delta(rid=request.rid, text=piece, token_id=token, finished=request.finish_reason is not None,
-                     finish_reason=request.finish_reason)
+        before = len(live.text)
+        live.text += live.decoder.push(request.output)
+        stops, stopped_by_string = request.params.stop, False
+        if stops:  # search only where a stop string could newly complete
+            start = max(0, before - max(map(len, stops)) + 1)
+            stop_at = min((i for i in (live.text.find(s, start) for s in stops) if i >= 0), default=-1)
+            if stop_at >= 0:
+                live.text, stopped_by_string = live.text[:stop_at], True
+                self.scheduler.finish(request.rid, "stop")
+        if request.finish_reason is not None and not stopped_by_string:
+            live.text += live.decoder.flush(request.output)  # text held back mid-character, if any
+        return Delta(rid=request.rid, text=live.text[before:], token_id=token,
+                     finished=request.finish_reason is not None, finish_reason=request.finish_reason)
 
     def _complete(self, request: Request) -> Completion:
         live = self._live.pop(request.rid)
