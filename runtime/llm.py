@@ -141,14 +141,14 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or self.default_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
-            self._check(prompt, p, index)
-        rids = [self.submit(prompt, p) for prompt, p in zip(prompts, params_list)]
+        token_lists = [self.tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompts]
+        for index, (tokens, p) in enumerate(zip(token_lists, params_list)):
+            self._check(tokens, p, index)
+        rids = [self.submit(tokens, p) for tokens, p in zip(token_lists, params_list)]
         done = {c.rid: c for c in self.run_until_done()}
         return [done[rid] for rid in rids]
 
-    def _check(self, prompt, params: SamplingParams, index: int) -> None:
-        tokens = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt
+    def _check(self, tokens: list[int], params: SamplingParams, index: int) -> None:
         limit = self.engine_dir.max_seq_len
         if not tokens:
             raise ValueError(f"prompt {index}: empty")

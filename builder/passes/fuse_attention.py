@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .fusion import Fusion, Match, new_node
+from .fusion import Fusion, Match, new_node, shared_node
 from .pattern import Constant, Either, Op, Optional, Tensor, ancestors_include, constant_value, producer
 
 
@@ -67,23 +67,13 @@ def _input(graph: gs.Graph, name: str) -> gs.Variable:
     return next(t for t in graph.inputs if t.name == name)
 
 
-def _shared(graph: gs.Graph, name: str, build) -> gs.Variable:
-    """One node per graph named ``name`` (made by ``build`` the first time), its output reused."""
-    for node in graph.nodes:
-        if node.name == name:
-            return node.outputs[0]
-    node = build()
-    graph.nodes.append(node)
-    return node.outputs[0]
-
-
 def _used_length(graph: gs.Graph) -> gs.Variable:
     """max(kv_length) as a 1-D slice end: attention reads only the filled part of the caches."""
     def build():
         out = gs.Variable("kv_used_length", dtype=np.int64, shape=[1])
         return new_node("ReduceMax", "/model/attention/kv_used_length", [_input(graph, "kv_length")],
                         {"keepdims": 1}, [out])
-    return _shared(graph, "/model/attention/kv_used_length", build)
+    return shared_node(graph, "/model/attention/kv_used_length", build)
 
 
 def _slice_cache(graph: gs.Graph, tensor, axis: int, name: str) -> tuple[gs.Node, gs.Variable]:
@@ -111,7 +101,7 @@ def _replace(found: Match, graph: gs.Graph, ctx) -> list[gs.Node]:
     for name in ("k", "v"):
         node, used[name] = _slice_cache(graph, presents[name], 2, f"{found.scope}/Slice_{name}")
         nodes.append(node)
-    mask = _shared(graph, "/model/attention/mask_used",
+    mask = shared_node(graph, "/model/attention/mask_used",
                    lambda: _slice_cache(graph, _input(graph, "attention_mask"), 3, "/model/attention/mask_used")[0])
     scale = float(np.asarray(constant_value(found["scale"])).reshape(-1)[0])
     inputs = [found["q"], used["k"], used["v"], mask, gs.Variable.empty(), gs.Variable.empty(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .fusion import Fusion, Match, new_node
+from .fusion import Fusion, Match, new_node, shared_node
 from .pattern import Constant, Either, Op, Optional, Tensor, constant_value, match
 
 
@@ -69,13 +69,11 @@ def _check(found: Match, ctx) -> str | None:
 
 def _positions_int64(graph: gs.Graph) -> gs.Variable:
     """One shared int64 view of position_ids (the contract feeds int32; the op wants int64)."""
-    for node in graph.nodes:
-        if node.name == "/model/rotary/position_ids_int64":
-            return node.outputs[0]
-    positions = next(t for t in graph.inputs if t.name == "position_ids")
-    out = gs.Variable("position_ids_int64", dtype=np.int64, shape=positions.shape)
-    graph.nodes.append(new_node("Cast", "/model/rotary/position_ids_int64", [positions], {"to": 7}, [out]))
-    return out
+    def build() -> gs.Node:
+        positions = next(t for t in graph.inputs if t.name == "position_ids")
+        out = gs.Variable("position_ids_int64", dtype=np.int64, shape=positions.shape)
+        return new_node("Cast", "/model/rotary/position_ids_int64", [positions], {"to": 7}, [out])
+    return shared_node(graph, "/model/rotary/position_ids_int64", build)
 
 
 def _replace(found: Match, graph: gs.Graph, ctx) -> list[gs.Node]:

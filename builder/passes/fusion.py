@@ -79,6 +79,17 @@ class Fusion:
         return PassResult(graph=graph, modified=bool(matches), stats=stats)
 
 
+def shared_node(graph: gs.Graph, name: str, build: Callable[[], gs.Node]) -> gs.Variable:
+    """The output of the one node named ``name`` in ``graph``, made by ``build`` the first time
+    (for what every match of a fusion needs once, e.g. an int64 view of position_ids)."""
+    for node in graph.nodes:
+        if node.name == name:
+            return node.outputs[0]
+    node = build()
+    graph.nodes.append(node)
+    return node.outputs[0]
+
+
 def new_node(op: str, name: str, inputs: list, attrs: dict | None = None, outputs: list | None = None) -> gs.Node:
     return gs.Node(op=op, name=name, attrs=attrs or {}, inputs=inputs, outputs=outputs or [])
 
