@@ -15,6 +15,8 @@ from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimi
 from .emit.rank_onnx import save_graph
 from .frontend.export import export_step, load_graph
 from .isolate import map_isolated, run_isolated
+from .medusa.heads import load_heads, read_heads_config
+from .medusa.tree import rank_accuracy
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from .passes import PIPELINE, PassContext
 from .passes.manager import NumericsGate, PassManager, to_onnx
@@ -111,9 +113,26 @@ def _manifest_body(spec: Spec, flavor, io: list[dict], records: list[dict], cuda
                                                if k in ("input_ids", "logits_index")}}
                      for name, shapes in zip(("decode", "prefill"), optimization_profiles(spec))],
         "cuda_graph_batch_sizes": cuda_graph_plan,
+        "medusa": _medusa_manifest(spec),
         "passes": [r["pass"] for r in records if r["rank"] == 0],
         "tokenizer": "tokenizer.json",
     }
+
+
+def _medusa_manifest(spec: Spec) -> dict | None:
+    """What the runtime needs to speculate: head count, the tree (likeliest path first, so
+    every prefix is a tree) and the heads' measured accuracy (the runtime's prior)."""
+    medusa = spec.medusa
+    if medusa is None:
+        return None
+    config = read_heads_config(medusa.heads)
+    return {"num_heads": medusa.num_heads, "num_layers": config.num_layers,
+            "tree": [list(path) for path in medusa.choices], "tree_size": medusa.tree_size,
+            "topk_accuracy": [list(row) for row in config.topk_accuracy] if config.topk_accuracy else None,
+            # P(rank r of head k is right): the runtime's prior for choosing a tree size.
+            "rank_accuracy": [[round(p, 5) for p in row]
+                              for row in rank_accuracy(config.topk_accuracy, medusa.num_heads)],
+            "output": "medusa_logits"}
 
 
 @dataclass(frozen=True)
@@ -142,7 +161,7 @@ def _export_stage(spec: Spec, workdir: Path) -> _Exported:
         quantize_checkpoint(exported.hf_model, spec, quantized_path, progress=say)
         if reference is not None:
             apply_dequantized(exported.hf_model, load_quantized(quantized_path)[0])
-            quantized_reference = numerics.run_torch(exported.step, reference[0], exported.output_names)
+            quantized_reference = _torch_outputs(spec, exported, reference[0])
     return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
                      reference=reference, note=note, peak_rss_bytes=peak_rss_bytes(),
                      quantized_path=quantized_path, quantized_reference=quantized_reference)
@@ -167,7 +186,21 @@ def _numerics_reference(spec: Spec, exported) -> tuple[tuple[dict, dict] | None,
                       "running every pass in ONNX Runtime would double the build's memory "
                       "(set passes.numerics: false to silence this)")
     inputs = numerics.seeded_inputs(spec)
-    return (inputs, numerics.run_torch(exported.step, inputs, exported.output_names)), None
+    return (inputs, _torch_outputs(spec, exported, inputs)), None
+
+
+def _torch_outputs(spec: Spec, exported, inputs: dict) -> dict:
+    """Torch eager's outputs on ``inputs``; with Medusa, the heads' logits (numpy reference)
+    on the final-norm hidden state the step computed, so attach_medusa is checked too."""
+    captured = {}
+    handle = exported.step.norm.register_forward_hook(lambda module, args, out: captured.update(hidden=out))
+    try:
+        outputs = numerics.run_torch(exported.step, inputs, exported.output_names)
+    finally:
+        handle.remove()
+    if spec.medusa is not None:
+        outputs["medusa_logits"] = load_heads(spec.medusa.heads).logits(captured["hidden"].float().numpy())
+    return outputs
 
 
 def _build_engines(spec: Spec, flavor, tmp: Path, jobs: int, progress: Progress) -> list[EngineReport]:

@@ -195,3 +195,51 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
 
 if __name__ == "__main__":
     main()
+
+
+@main.group()
+def medusa() -> None:
+    """Medusa speculative-decoding heads: train them for a checkpoint."""
+
+
+@medusa.command("train")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
+              help="Text file to train on (tokenized with the checkpoint's tokenizer). Repeatable.")
+@click.option("--heads", type=int, default=4, show_default=True, help="Number of heads K (head k guesses token t+k+2).")
+@click.option("--layers", type=int, default=1, show_default=True, help="Residual blocks per head.")
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Heads dir to write.")
+@click.option("--steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--sequences", type=click.IntRange(min=4), default=640, show_default=True,
+              help="Sequences of --seq-len tokens taken from the data (5% held out for accuracy).")
+@click.option("--seq-len", type=int, default=256, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Sequences per step.")
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--self-distill/--no-self-distill", default=True, show_default=True,
+              help="Train on the model's own greedy continuations of data prompts (what greedy verification accepts).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, steps: int, sequences: int,
+                 seq_len: int, batch: int, lr: float, self_distill: bool, seed: int):
+    """Train Medusa-1 heads on a frozen CHECKPOINT; writes the public Medusa layout.
+
+    OUT gets medusa_lm_head.safetensors and config.json (medusa_num_heads,
+    medusa_num_layers, and each head's held-out top-1..top-10 accuracy, which the
+    build uses to shape its default tree).
+
+    \b
+    Example:
+      trtbuild medusa train models/tiny-code --data train.txt --heads 4 -o models/tiny-code/medusa
+    """
+    from .medusa.train import TrainOptions, train_heads
+    from .progress import table
+
+    if not (checkpoint / "config.json").is_file():
+        raise UserError(f"{checkpoint}: not a checkpoint dir (no config.json)")
+    options = TrainOptions(heads=heads, layers=layers, seq_len=seq_len, sequences=sequences, steps=steps,
+                           batch=batch, lr=lr, self_distill=self_distill, seed=seed)
+    report = train_heads(checkpoint, list(data), out, options, progress=lambda m: click.echo(m, err=True))
+    rows = [[f"head {k} (t+{k + 2})", f"{acc[0]:.3f}", f"{acc[4]:.3f}", f"{acc[9]:.3f}"]
+            for k, acc in enumerate(report.heads.topk_accuracy)]
+    click.echo(table(rows, ["head", "top-1", "top-5", "top-10"]))
+    click.echo(f"\n{report.train_tokens} training tokens, {report.eval_tokens} held-out, final loss "
+               f"{report.final_loss:.3f}, {report.seconds:.0f} s; heads written to {out}")

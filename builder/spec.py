@@ -41,7 +41,7 @@ class Backend(str, Enum):
     tensorrt_rtx = "tensorrt-rtx"
 
 
-PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
+PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights", "attach_medusa",
               "plan_cuda_graphs")
 
 
@@ -139,6 +139,35 @@ class QuantizationSection(_Section):
         return {"int8_weight_only": 8, "int4_weight_only": 4, "w8a8": 8}.get(self.mode)
 
 
+class MedusaSection(_Section):
+    heads: Path = Field(description="Medusa heads dir (public layout); relative to the spec file")
+    num_heads: int = Field(ge=1, le=16, description="K: must equal the heads' medusa_num_heads")
+    tree: Literal["default"] | tuple[tuple[int, ...], ...] = Field(
+        "default", description="default: grown from the heads' measured accuracy; or paths of ranks")
+    tree_nodes: int = Field(63, ge=1, le=255, description="nodes of the default tree (the root not counted)")
+    _choices: tuple[tuple[int, ...], ...] = PrivateAttr(default=())
+    _accuracy: tuple[tuple[float, ...], ...] | None = PrivateAttr(default=None)
+
+    @property
+    def choices(self) -> tuple[tuple[int, ...], ...]:
+        """The tree to build, likeliest path first (every prefix is a tree)."""
+        assert self._choices, "Spec was not validated through load_spec/Spec.from_dict"
+        return self._choices
+
+    @property
+    def topk_accuracy(self) -> tuple[tuple[float, ...], ...] | None:
+        return self._accuracy
+
+    @property
+    def tree_size(self) -> int:
+        """Tokens of one verification step: the root plus every choice."""
+        return 1 + len(self.choices)
+
+
+class SpeculativeSection(_Section):
+    medusa: MedusaSection | None = None
+
+
 class RuntimeSection(_Section):
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
@@ -155,15 +184,8 @@ class Spec(_Section):
     passes: PassesSection = PassesSection()
     parallel: ParallelSection = ParallelSection()
     quantization: QuantizationSection = QuantizationSection()
-    speculative: dict | None = Field(None, description="reserved for Medusa heads")
+    speculative: SpeculativeSection = SpeculativeSection()
     runtime: RuntimeSection = RuntimeSection()
-
-    @field_validator("speculative")
-    @classmethod
-    def _reserved(cls, value):
-        if value is not None:
-            raise ValueError("reserved: speculative decoding (Medusa) is not implemented yet; remove this section")
-        return value
 
     @property
     def arch(self) -> ArchConfig:
@@ -175,8 +197,17 @@ class Spec(_Section):
 
     @property
     def max_step_tokens(self) -> int:
-        """Largest S of one step: a prefill chunk (later also a Medusa tree)."""
-        return self.build.max_input_len
+        """Largest S of one step: a prefill chunk or a Medusa tree."""
+        return max(self.build.max_input_len, self.verify_tokens)
+
+    @property
+    def medusa(self) -> MedusaSection | None:
+        return self.speculative.medusa
+
+    @property
+    def verify_tokens(self) -> int:
+        """S of a Medusa verification step (1 without Medusa: plain decode)."""
+        return self.medusa.tree_size if self.medusa else 1
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
@@ -219,6 +250,9 @@ class Spec(_Section):
             calibration = calibration.model_copy(update={"data": (Path(base_dir) / calibration.data).resolve()})
             spec = spec.model_copy(update={"quantization": spec.quantization.model_copy(
                 update={"calibration": calibration})})
+        if spec.medusa is not None:
+            spec = spec.model_copy(update={"speculative": SpeculativeSection(
+                medusa=_resolve_medusa(spec.medusa, spec.arch, Path(base_dir)))})
         _check_against_checkpoint(spec)
         return spec
 
@@ -252,9 +286,45 @@ def _check_against_checkpoint(spec: Spec) -> None:
                                              f"sliding_window={arch.sliding_window}, which trtbuild does "
                                              "not implement; use at most that")
     _check_quantization(spec)
+    if spec.medusa is not None and spec.verify_tokens > spec.build.max_seq_len:
+        raise SpecError("speculative.medusa.tree", f"{spec.verify_tokens} tokens per verification exceed "
+                                                   f"build.max_seq_len={spec.build.max_seq_len}")
     if spec.model.dtype == DType.float32 and "sm75" in spec.build.targets:
         raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
                                          "float16 or drop sm75")
+
+
+def _resolve_medusa(section: MedusaSection, arch: ArchConfig, base_dir: Path) -> MedusaSection:
+    """Checks the heads dir against the checkpoint and fixes the tree (computed once, here)."""
+    from .medusa.heads import read_heads_config
+    from .medusa.tree import check_tree, default_tree, ordered, rank_accuracy
+
+    heads = section.heads if section.heads.is_absolute() else (base_dir / section.heads).resolve()
+    try:
+        config = read_heads_config(heads)
+    except UserError as exc:
+        raise SpecError("speculative.medusa.heads", str(exc)) from None
+    if config.num_heads != section.num_heads:
+        raise SpecError("speculative.medusa.num_heads", f"{section.num_heads}, but {heads} has "
+                                                        f"medusa_num_heads={config.num_heads}")
+    for name, got, want in (("hidden_size", config.hidden_size, arch.hidden_size),
+                            ("vocab_size", config.vocab_size, arch.vocab_size)):
+        if got != want:
+            raise SpecError("speculative.medusa.heads", f"{heads} has {name}={got}, the checkpoint {want}: "
+                                                        "these heads were trained for another model")
+    accuracy = rank_accuracy(config.topk_accuracy, section.num_heads)
+    if section.tree == "default":
+        choices = default_tree(accuracy, section.tree_nodes)
+    else:
+        problem = check_tree(section.tree, section.num_heads)
+        if problem:
+            raise SpecError("speculative.medusa.tree", problem)
+        if not section.tree:
+            raise SpecError("speculative.medusa.tree", "empty; give at least [[0]] or use default")
+        choices = ordered(section.tree, accuracy)
+    resolved = section.model_copy(update={"heads": heads})
+    resolved._choices, resolved._accuracy = choices, config.topk_accuracy
+    return resolved
 
 
 def linear_names(arch: ArchConfig) -> list[str]:

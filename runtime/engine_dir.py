@@ -59,6 +59,11 @@ class EngineDir:
         return self.manifest["cuda_graph_batch_sizes"]
 
     @property
+    def medusa(self) -> dict | None:
+        """num_heads, tree (likeliest path first), rank_accuracy; None without Medusa heads."""
+        return self.manifest.get("medusa")
+
+    @property
     def runtime_defaults(self) -> dict:
         return self.manifest["spec"].get("runtime", {})
 

@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-from .engine import Engine
+from .engine import Engine, StepOutput
+from .medusa import Accepted, Tree, accept_greedy, accept_typical
+from .speculation import AcceptanceModel, SpeculationPolicy, StepTimes, calibrate
 from .detokenize import IncrementalDecoder
 from .engine_dir import EngineDir, load
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
-from .scheduler import Batching, LoadBlock, Plan, Request, SaveBlock, Scheduler
+from .scheduler import (Batching, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
+                        StepKind)
 from .slots import Move
 
 
@@ -27,6 +30,8 @@ class Completion:
     finish_reason: str
     logprobs: list[float] | None
     cached_tokens: int
+    decode_steps: int        # engine steps that produced this request's tokens after the first
+    accepted_tokens: int     # Medusa guesses accepted (each saved one decode step)
     arrival_s: float
     first_token_s: float
     finish_s: float
@@ -53,6 +58,8 @@ class _Live:
     decoder: IncrementalDecoder
     arrival_s: float
     first_token_s: float | None = None
+    decode_steps: int = 0
+    accepted_tokens: int = 0
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
 
@@ -93,7 +100,9 @@ class LLM:
     def __init__(self, engine_dir: str | Path, backend: str = "auto", threads: int = 0,
                  prefix_cache: bool | None = None, prefix_cache_blocks: int | None = None, block_size: int = 16,
                  batching: Batching = Batching.inflight, token_budget: int | None = None,
-                 verify: bool = True):
+                 verify: bool = True, medusa_tree_size: int | None = None):
+        """``medusa_tree_size``: for engine dirs with Medusa heads, None picks the tree prefix per
+        batch from measured step times and acceptance; an int pins it (0: no speculation)."""
         from tokenizers import Tokenizer
 
         self.engine_dir = load(Path(engine_dir), verify_hashes=verify)
@@ -109,9 +118,23 @@ class LLM:
             token_budget=token_budget, prefix_cache=PrefixCache(block_size, blocks) if use_prefix else None,
             eos_token_ids=d.eos_token_ids(), batching=batching)
         self.stats = RuntimeStats()
+        self.speculation = self._speculation(medusa_tree_size)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+
+    def _speculation(self, fixed: int | None) -> SpeculationPolicy | None:
+        medusa = self.engine_dir.medusa
+        if medusa is None:
+            if fixed:
+                raise ValueError(f"medusa_tree_size {fixed}: {self.engine_dir.path} was built without Medusa heads")
+            return None
+        tree = Tree(tuple(tuple(path) for path in medusa["tree"]))
+        acceptance = AcceptanceModel(medusa["rank_accuracy"])
+        if fixed is not None:
+            return SpeculationPolicy(tree, acceptance, StepTimes(), fixed)
+        times = calibrate(self.engine, tree, self.engine_dir.max_batch_size)
+        return SpeculationPolicy(tree, acceptance, times)
 
     @property
     def backend(self) -> str:
@@ -185,26 +208,80 @@ class LLM:
             if plan.step is not None:
                 step = plan.step
                 engine_start = time.perf_counter()
-                logits = self.engine.step(step)  # [B, V]
-                self.stats.engine_s += time.perf_counter() - engine_start
+                out = self.engine.step(step)
+                seconds = time.perf_counter() - engine_start
+                self.stats.engine_s += seconds
                 self.stats.steps += 1
-                if step.kind.value == "prefill":
+                if step.kind == StepKind.prefill:
                     self.stats.prefill_steps += 1
                 else:
                     self.stats.decode_steps += 1
-                sampled = {}
-                for row, (rid, samples) in enumerate(zip(step.rids, step.samples)):
-                    if samples:
-                        live = self._live[rid]
-                        token, logprob = live.sampler.sample(logits[row])
-                        sampled[rid] = token
-                        if logprob is not None:
-                            live.logprobs.append(logprob)
-                for request, token in self.scheduler.commit(step, sampled):
-                    deltas.append(self._detokenize(request, token))
+                deltas = self._sample_and_commit(step, out)
+                if self.speculation is not None and step.kind == StepKind.decode:
+                    self.speculation.times.observe(len(step.rids), step.seq_len, seconds,
+                                                   time.perf_counter() - start)
             finished = [self._complete(r) for r in self.scheduler.pop_finished()]
             self.stats.loop_s += time.perf_counter() - start
         return deltas, finished
+
+    def _sample_and_commit(self, step: Step, out: StepOutput) -> list[Delta]:
+        """Accepts each verifying row's path, samples every row's next token, commits, and
+        drafts the next guesses from the heads' logits at each row's last accepted node."""
+        sampled: dict[str, int] = {}
+        accepted: dict[str, Accepted] = {}
+        heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
+        trees = step.trees or (None,) * len(step.rids)
+        policy = self.speculation
+        if policy is not None and step.kind == StepKind.decode:
+            if step.verifies:
+                policy.stats.verify_steps += 1
+                policy.stats.tree_sizes[step.seq_len] += 1
+            else:
+                policy.stats.plain_steps += 1
+        for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, trees)):
+            if not samples:
+                continue
+            live = self._live[rid]
+            node = 0
+            if tree is not None:
+                params, tokens, logits = live.sampler.params, list(step.tokens[row]), out.logits[row, :tree.size]
+                path = (accept_greedy(tree, tokens, logits) if params.greedy
+                        else accept_typical(tree, tokens, logits, params.temperature))
+                accepted[rid], node = path, path.last_node
+                policy.record(tree, path)
+                live.accepted_tokens += len(path.nodes)
+                if params.logprobs:
+                    live.logprobs += [live.sampler.logprob(logits[tree.parents[n]], tokens[n]) for n in path.nodes]
+            if step.kind == StepKind.decode:
+                live.decode_steps += 1
+            token, logprob = live.sampler.sample(out.logits[row, node])
+            sampled[rid] = token
+            if logprob is not None:
+                live.logprobs.append(logprob)
+            if out.medusa is not None:
+                heads_at[rid] = out.medusa[row, node]
+        deltas, stopped = [], set()
+        for request, token in self.scheduler.commit(step, sampled, accepted):
+            if request.rid in stopped:  # a stop string ended it earlier in this step's tokens
+                continue
+            delta = self._detokenize(request, token)
+            deltas.append(delta)
+            if delta.finished:
+                stopped.add(request.rid)
+        if policy is not None and heads_at:
+            self._draft(policy, heads_at)
+        return deltas
+
+    def _draft(self, policy: SpeculationPolicy, heads_at: dict) -> None:
+        decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
+        size = policy.choose(len(decoding))
+        if size == 0:
+            return
+        tree = policy.prefix(size)
+        for request in decoding:
+            medusa = heads_at.get(request.rid)
+            if medusa is not None and request.phase == Phase.decoding:
+                request.draft = Draft(tree, tuple(tree.candidates(request.tokens[-1], medusa)[1:]))
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:
@@ -214,6 +291,8 @@ class LLM:
                 self.engine.save_block(op.slot, op.index, op.block)
             elif isinstance(op, LoadBlock):
                 self.engine.load_block(op.block, op.slot, op.index)
+            elif isinstance(op, KeepPath):
+                self.engine.keep_path(op.slot, op.start, op.nodes)
 
     def _detokenize(self, request: Request, token: int) -> Delta:
         live = self._live[request.rid]
@@ -239,8 +318,9 @@ class LLM:
         now = time.perf_counter()
         return Completion(rid=request.rid, prompt_token_ids=request.prompt, token_ids=list(request.output),
                           text=live.text, finish_reason=request.finish_reason or "abort",
-                          logprobs=live.logprobs if request.params.logprobs else None,
-                          cached_tokens=request.cached_tokens, arrival_s=live.arrival_s,
+                          logprobs=live.logprobs[:len(request.output)] if request.params.logprobs else None,
+                          cached_tokens=request.cached_tokens, decode_steps=live.decode_steps,
+                          accepted_tokens=live.accepted_tokens, arrival_s=live.arrival_s,
                           first_token_s=live.first_token_s or now, finish_s=now)
 
 

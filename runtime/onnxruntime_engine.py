@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from .engine import step_arrays
+from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
 from .scheduler import Step
 
@@ -39,20 +39,31 @@ class OnnxRuntimeEngine:
         self.pools = {n: np.zeros((engine_dir.max_batch_size + 1, *slot_shape), dtype) for n in self.cache_names}
         block_shape = (engine_dir.num_kv_heads, block_size, engine_dir.head_dim)
         self.blocks = {n: np.zeros((prefix_blocks, *block_shape), dtype) for n in self.cache_names}
+        self.has_medusa = any(o.name == "medusa_logits" for o in self.session.get_outputs())
 
-    def step(self, step: Step) -> np.ndarray:
+    def step(self, step: Step) -> StepOutput:
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_cpu_input(name, value)
         binding.bind_output("logits")  # first, so it is get_outputs()[0]
+        if self.has_medusa:
+            binding.bind_output("medusa_logits")  # second
         rows = slice(step.first_slot, step.first_slot + len(step.rids))
         for name in self.cache_names:
             view = ort.OrtValue.ortvalue_from_numpy(self.pools[name][rows])  # shares the pool's memory
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()[:, 0]  # [B, V]
+        outputs = binding.get_outputs()
+        return StepOutput(logits=outputs[0].numpy(),  # [B, R, V]
+                          medusa=outputs[1].numpy() if self.has_medusa else None)  # [B, R, K, V]
+
+    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
+        source = start + np.asarray(nodes)
+        for pool in self.pools.values():
+            cache = pool[slot]  # [H_kv, S_max, D]
+            cache[:, start + 1:start + 1 + len(nodes)] = cache[:, source]  # the gather copies first
 
     def copy_slot(self, src: int, dst: int) -> None:
         for pool in self.pools.values():

@@ -75,6 +75,12 @@ class Sampler:
         return token, logprob
 
 
+    @staticmethod
+    def logprob(logits: np.ndarray, token: int) -> float:
+        """log p(token) under the model's (untempered) distribution."""
+        return float(np.log(_softmax(logits.astype(np.float64))[token]))
+
+
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - np.max(x))
     return e / e.sum()

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from .medusa import Accepted, Tree
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .slots import Move, SlotTable
@@ -44,10 +45,27 @@ class Request:
     phase: Phase = Phase.waiting
     finish_reason: str | None = None
     cached_tokens: int = 0            # prompt tokens loaded from the prefix cache
+    draft: "Draft | None" = None      # Medusa guesses to verify at the next decode step
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A tree of guessed tokens following the request's last token (``tokens[i]`` is node i + 1)."""
+    tree: Tree
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KeepPath:
+    """After a verification: move the K/V at slot positions ``start + nodes[i]`` to ``start + 1 + i``
+    (the accepted path, written in tree order, becomes contiguous after the root at ``start``)."""
+    slot: int
+    start: int
+    nodes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -66,7 +84,7 @@ class LoadBlock:
     index: int
 
 
-CacheOp = Move | SaveBlock | LoadBlock
+CacheOp = Move | SaveBlock | LoadBlock | KeepPath
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,12 @@ class Step:
     tokens: tuple[tuple[int, ...], ...]   # new tokens per row
     starts: tuple[int, ...]               # write_index per row (= tokens already cached)
     samples: tuple[bool, ...]             # whether a row's logits yield a token this step
+    trees: tuple[Tree | None, ...] = ()   # per row, the Medusa tree its tokens form (verification)
+
+    @property
+    def verifies(self) -> bool:
+        """A verification step: logits at every position (R = S), tree masks per row."""
+        return any(tree is not None for tree in self.trees)
 
     @property
     def seq_len(self) -> int:
@@ -190,32 +214,51 @@ class Scheduler:
         if not rids:
             return None
         requests = [self.requests[rid] for rid in rids]
+        drafts = [r.draft for r in requests]
+        seq = 1 + max((len(d.tokens) for d in drafts if d is not None), default=0)
+        # Every row writes S positions (padding included): near max_seq_len, plain steps.
+        if seq > 1 and any(r.computed + seq > self.max_seq_len for r in requests):
+            drafts = [None] * len(requests)
+        trees = tuple(d.tree if d is not None else None for d in drafts)
         return Step(kind=StepKind.decode, first_slot=0, rids=tuple(rids),
-                    tokens=tuple((r.tokens[-1],) for r in requests),
-                    starts=tuple(r.computed for r in requests), samples=(True,) * len(rids))
+                    tokens=tuple((r.tokens[-1], *(d.tokens if d is not None else ())) for r, d in zip(requests, drafts)),
+                    starts=tuple(r.computed for r in requests), samples=(True,) * len(rids),
+                    trees=trees if any(t is not None for t in trees) else ())
 
     # -- results ------------------------------------------------------------------------------
-    def commit(self, step: Step, sampled: dict[str, int]) -> list[tuple[Request, int]]:
-        """Advances the step's requests; ``sampled`` maps request id → new token for rows that sample.
+    def commit(self, step: Step, sampled: dict[str, int],
+               accepted: dict[str, Accepted] | None = None) -> list[tuple[Request, int]]:
+        """Advances the step's requests; ``sampled`` maps request id → new token for rows that sample,
+        ``accepted`` a verifying row's accepted guesses (which come before its sampled token).
 
         Returns (request, token) for every new token, in row order.
         """
         emitted = []
-        for rid, tokens, does_sample in zip(step.rids, step.tokens, step.samples):
+        trees = step.trees or (None,) * len(step.rids)
+        for row, (rid, tokens, does_sample, tree) in enumerate(zip(step.rids, step.tokens, step.samples, trees)):
             request = self.requests[rid]
-            request.computed += len(tokens)
+            request.draft = None
+            path = accepted.get(rid) if accepted and tree is not None else None
+            path = path or Accepted((), ())
+            # The root and the accepted nodes are now cached; rejected nodes are garbage past kv_length.
+            request.computed += len(tokens) if tree is None else 1 + len(path.nodes)
             if step.kind == StepKind.prefill and does_sample:
                 self._pending += self.slots.promote(rid)
                 request.phase = Phase.decoding
                 self._save_prompt_blocks(request)
             if not does_sample:
                 continue
-            token = sampled[rid]
-            request.output.append(token)
-            emitted.append((request, token))
-            reason = self._finish_reason(request, token)
-            if reason:
-                self.finish(rid, reason)
+            for token in (*path.tokens, sampled[rid]):
+                request.output.append(token)
+                emitted.append((request, token))
+                reason = self._finish_reason(request, token)
+                if reason:
+                    self.finish(rid, reason)
+                    break
+            else:
+                if path.nodes != tuple(range(1, len(path.nodes) + 1)):
+                    # slot_of, not the step's row: a release earlier in this loop may have moved it.
+                    self._pending.append(KeepPath(self.slots.slot_of(rid), step.starts[row], path.nodes))
         return emitted
 
     def _save_prompt_blocks(self, request: Request) -> None:

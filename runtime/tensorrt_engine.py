@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .engine import step_arrays
+from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir, check_gpu_target
 from .scheduler import Step, StepKind
 
@@ -68,13 +68,17 @@ class TensorRTEngine:
         self.cache_names = [f"{kind}_{layer}" for layer in range(d.num_layers) for kind in ("key", "value")]
         self.pools = {n: self._alloc((d.max_batch_size + 1) * self.slot_bytes, zero=True) for n in self.cache_names}
         self.blocks = {n: self._alloc(max(1, prefix_blocks) * self.block_bytes) for n in self.cache_names}
-        b, s, s_max = d.max_batch_size, d.max_input_len, d.max_seq_len
+        # A Medusa verification scores the whole tree: S and R up to its size.
+        self.num_heads = d.medusa["num_heads"] if d.medusa else 0
+        rows = d.medusa["tree_size"] if d.medusa else 1
+        b, s, s_max = d.max_batch_size, max(d.max_input_len, rows), d.max_seq_len
         sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
-                 "attention_mask": b * s * s_max, "logits_index": b * 8}
+                 "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
         self.inputs = {name: self._alloc(size) for name, size in sizes.items()}
-        self.logits = self._alloc(b * d.vocab_size * 4)
+        self.logits = self._alloc(b * rows * d.vocab_size * 4)
+        self.medusa = self._alloc(b * rows * self.num_heads * d.vocab_size * 4) if self.num_heads else None
         self.buckets = sorted(d.cuda_graph_batch_sizes)
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[tuple[int, int], object] = {}  # (batch bucket, S) → CUDA graph
 
     def _alloc(self, nbytes: int, zero: bool = False) -> int:
         ptr = _ok(self.cudart.cudaMalloc(nbytes))
@@ -85,30 +89,36 @@ class TensorRTEngine:
     def _bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
-    def step(self, step: Step) -> np.ndarray:
+    def step(self, step: Step) -> StepOutput:
         cudart = self.cudart
         rows = len(step.rids)
         bucket = self._bucket(rows) if step.kind == StepKind.decode else None
         arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
-        batch = arrays.input_ids.shape[0]
+        batch, logit_rows = arrays.input_ids.shape[0], arrays.logits_index.shape[1]
+        key = (bucket, step.seq_len)
         for name, value in arrays.as_dict().items():
             value = np.ascontiguousarray(value)
             _ok(cudart.cudaMemcpyAsync(self.inputs[name], value.ctypes.data, value.nbytes,
                                        cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
         context = self.contexts[step.kind]
-        if bucket is not None and bucket in self.graphs:
-            _ok(cudart.cudaGraphLaunch(self.graphs[bucket], self.stream))
+        if bucket is not None and key in self.graphs:
+            _ok(cudart.cudaGraphLaunch(self.graphs[key], self.stream))
         else:
             self._bind(context, arrays, step.first_slot)
             if not context.execute_async_v3(self.stream):
                 raise RuntimeError("TensorRT execution failed")
             if bucket is not None:
-                self.graphs[bucket] = self._capture(context)
-        out = np.empty((batch, 1, self.dir.vocab_size), np.float32)
-        _ok(cudart.cudaMemcpyAsync(out.ctypes.data, self.logits, out.nbytes,
+                self.graphs[key] = self._capture(context)
+        logits = np.empty((batch, logit_rows, self.dir.vocab_size), np.float32)
+        _ok(cudart.cudaMemcpyAsync(logits.ctypes.data, self.logits, logits.nbytes,
                                    cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        medusa = None
+        if self.medusa is not None:
+            medusa = np.empty((batch, logit_rows, self.num_heads, self.dir.vocab_size), np.float32)
+            _ok(cudart.cudaMemcpyAsync(medusa.ctypes.data, self.medusa, medusa.nbytes,
+                                       cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         _ok(cudart.cudaStreamSynchronize(self.stream))
-        return out[:rows, 0]
+        return StepOutput(logits=logits[:rows], medusa=None if medusa is None else medusa[:rows])
 
     def _bind(self, context, arrays, first_slot: int) -> None:
         for name, value in arrays.as_dict().items():
@@ -122,6 +132,8 @@ class TensorRTEngine:
             context.set_tensor_address(f"past_{name}", address)
             context.set_tensor_address(f"present_{name}", address)
         context.set_tensor_address("logits", self.logits)
+        if self.medusa is not None:
+            context.set_tensor_address("medusa_logits", self.medusa)
 
     def _capture(self, context):
         cudart = self.cudart
@@ -134,6 +146,16 @@ class TensorRTEngine:
         for pool in self.pools.values():
             _ok(self.cudart.cudaMemcpyAsync(pool + dst * self.slot_bytes, pool + src * self.slot_bytes, self.slot_bytes,
                                             self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+
+    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
+        d, cudart = self.dir, self.cudart
+        position, row = d.head_dim * self.element, d.max_seq_len * d.head_dim * self.element
+        for name in self.cache_names:
+            base = self.pools[name] + slot * self.slot_bytes
+            for i, node in enumerate(nodes):  # in order: node ≥ i + 1, so no source is overwritten first
+                _ok(cudart.cudaMemcpy2DAsync(base + (start + 1 + i) * position, row, base + (start + node) * position,
+                                             row, position, d.num_kv_heads,
+                                             cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
 
     def _copy_span(self, dst: int, dst_pitch: int, src: int, src_pitch: int) -> None:
         width = self.block_size * self.dir.head_dim * self.element
@@ -157,6 +179,7 @@ class TensorRTEngine:
     def close(self) -> None:
         for graph in self.graphs.values():
             self.cudart.cudaGraphExecDestroy(graph)
-        for ptr in [*self.pools.values(), *self.blocks.values(), *self.inputs.values(), self.logits]:
+        for ptr in [*self.pools.values(), *self.blocks.values(), *self.inputs.values(), self.logits,
+                    *([self.medusa] if self.medusa is not None else [])]:
             self.cudart.cudaFree(ptr)
         self.cudart.cudaStreamDestroy(self.stream)

@@ -100,7 +100,8 @@ def _file_writer(trt, handle):
 
 
 def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], ...]]]:
-    """min/opt/max shapes per input: decode (S = 1) and prefill (S up to max_input_len)."""
+    """min/opt/max shapes per input: decode (S = 1, or up to a Medusa tree's size, with logits
+    at every position) and prefill (S up to max_input_len, logits at the last token)."""
     arch, b_max, s_max = spec.arch, spec.build.max_batch_size, spec.build.max_seq_len
     chunk = spec.max_step_tokens
     cache = (arch.num_kv_heads, s_max, arch.head_dim)
@@ -119,9 +120,9 @@ def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], .
                 shapes[f"past_{kind}_{layer}"] = tuple((b, *cache) for b in batch)
         return shapes
 
-    decode_opt = spec.cuda_graph_batch_sizes[-1]
+    decode_opt, verify = spec.cuda_graph_batch_sizes[-1], spec.verify_tokens
     return [
-        profile(seq=(1, 1, 1), batch=(1, decode_opt, b_max), rows=(1, 1, 1)),
+        profile(seq=(1, 1, verify), batch=(1, decode_opt, b_max), rows=(1, 1, verify)),
         profile(seq=(1, max(1, chunk // 2), chunk), batch=(1, 1, b_max), rows=(1, 1, chunk)),
     ]
 

@@ -1,0 +1,1 @@
+"""Medusa heads: the public checkpoint format, training (Medusa-1), and the default tree."""

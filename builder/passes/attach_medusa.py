@@ -1,0 +1,80 @@
+"""attach_medusa: add the Medusa heads to the graph and the ``medusa_logits`` output.
+
+The heads read what the LM head reads: the final-norm hidden state at ``logits_index``
+[B, R, D], so they too run only on the rows that need logits. Head k is
+``h = x + SiLU(x W_j + b_j)`` per residual block, then ``h W_out`` [B, R, V]; the heads are
+stacked on axis 2 into ``medusa_logits`` [B, R, K, V] (float32, like ``logits``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+import ml_dtypes
+
+from ..medusa.heads import load_heads
+from .base import PassContext, PassError, PassResult
+from .fusion import new_node
+
+
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _lm_head_matmul(graph: gs.Graph) -> gs.Node:
+    logits = next((o for o in graph.outputs if o.name == "logits"), None)
+    if logits is None or not logits.inputs:
+        raise PassError("attach_medusa: the graph has no 'logits' output")
+    node = logits.inputs[0]
+    while node.op == "Cast" and node.inputs[0].inputs:
+        node = node.inputs[0].inputs[0]
+    if node.op != "MatMul":
+        raise PassError(f"attach_medusa: 'logits' comes from {node.op} {node.name}, not the LM head's MatMul")
+    return node
+
+
+def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
+    medusa = ctx.spec.medusa if ctx.spec is not None else None
+    if medusa is None:
+        return PassResult(graph=graph, modified=False, stats={"medusa_heads": 0})
+    heads = load_heads(medusa.heads)
+    lm_head = _lm_head_matmul(graph)
+    hidden = lm_head.inputs[0]  # [B, R, D] after the final norm
+    logits = next(o for o in graph.outputs if o.name == "logits")
+    dtype = np.dtype(_NUMPY_DTYPES[ctx.spec.model.dtype.value])
+    per_head = []
+    for k, (blocks, out) in enumerate(zip(heads.blocks, heads.out)):
+        h = hidden
+        for j, (weight, bias) in enumerate(blocks):
+            scope = f"/medusa_head.{k}/{j}"
+            w = gs.Constant(f"medusa_head.{k}.{j}.linear.weight", np.ascontiguousarray(weight.T, dtype))
+            b = gs.Constant(f"medusa_head.{k}.{j}.linear.bias", bias.astype(dtype))
+            z, pre, gate, act, res = (gs.Variable(f"{scope}/{n}", dtype=dtype)
+                                      for n in ("MatMul_out", "Add_out", "Sigmoid_out", "Mul_out", "Residual_out"))
+            graph.nodes += [new_node("MatMul", f"{scope}/MatMul", [h, w], outputs=[z]),
+                            new_node("Add", f"{scope}/Add", [z, b], outputs=[pre]),
+                            new_node("Sigmoid", f"{scope}/Sigmoid", [pre], outputs=[gate]),
+                            new_node("Mul", f"{scope}/SiLU", [pre, gate], outputs=[act]),
+                            new_node("Add", f"{scope}/Residual", [h, act], outputs=[res])]
+            h = res
+        scope = f"/medusa_head.{k}/out"
+        w_out = gs.Constant(f"medusa_head.{k}.{heads.num_layers}.weight", np.ascontiguousarray(out.T, dtype))
+        head_logits = gs.Variable(f"{scope}/MatMul_out", dtype=dtype)
+        expanded = gs.Variable(f"{scope}/Unsqueeze_out", dtype=dtype)
+        axes = gs.Constant(f"medusa_head.{k}.unsqueeze_axes", np.array([2], np.int64))
+        graph.nodes += [new_node("MatMul", f"{scope}/MatMul", [h, w_out], outputs=[head_logits]),
+                        new_node("Unsqueeze", f"{scope}/Unsqueeze", [head_logits, axes], outputs=[expanded])]
+        per_head.append(expanded)
+    batch, rows, vocab = logits.shape
+    shape = [batch, rows, heads.num_heads, vocab]
+    stacked = gs.Variable("/medusa/Concat_out", dtype=dtype)
+    graph.nodes.append(new_node("Concat", "/medusa/Concat", per_head, {"axis": 2}, outputs=[stacked]))
+    output = gs.Variable("medusa_logits", dtype=np.float32, shape=shape)
+    if dtype == np.float32:
+        graph.nodes.append(new_node("Identity", "/medusa/Output", [stacked], outputs=[output]))
+    else:
+        graph.nodes.append(new_node("Cast", "/medusa/Output", [stacked], {"to": 1}, outputs=[output]))
+    graph.outputs.insert(1, output)
+    params = sum(w.size + b.size for blocks in heads.blocks for w, b in blocks) + sum(o.size for o in heads.out)
+    return PassResult(graph=graph, modified=True, stats={
+        "medusa_heads": heads.num_heads, "medusa_layers": heads.num_layers, "medusa_params": int(params),
+        "tree_size": medusa.tree_size})

@@ -1,0 +1,235 @@
+"""Whether and how much to speculate: Medusa only pays when verifying T tokens costs little
+more than decoding one.
+
+On a bandwidth-bound device (a GPU at small batch) a step's time hardly grows with its
+tokens; on a compute-bound one (a CPU, or a GPU at large batch) it grows with B × T. The
+policy keeps two measurements: the engine's step time by (rows, tokens per row), calibrated
+at load and refined from every decode step, and each (head, rank)'s acceptance, starting
+from the heads' held-out accuracy and updated from every verification. For a batch of B
+rows it picks the tree prefix n maximising expected tokens per second,
+(1 + E[accepted | n]) / t(B, 1 + n), and n = 0 (plain decoding) unless that beats it.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .medusa import Accepted, Tree
+
+PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
+MIN_GAIN = 1.10       # speculate only for an expected ≥ 10 % more tokens per second (timings are noisy)
+RECENT = 15           # step times kept per (B, S): the median of these is the estimate
+REDECIDE_EVERY = 16   # decode steps between re-choosing a batch size's tree (choosing costs ~1 ms)
+
+
+class AcceptanceModel:
+    """P(a node is accepted | its parent was), per (head, rank): prior plus observed counts."""
+
+    def __init__(self, rank_accuracy: list[list[float]]):
+        self.prior = [list(row) for row in rank_accuracy]
+        width = max(len(row) for row in self.prior)
+        self.hits = np.zeros((len(self.prior), width))
+        self.trials = np.zeros((len(self.prior), width))
+
+    def probability(self, head: int, rank: int) -> float:
+        row = self.prior[head]
+        prior = row[rank] if rank < len(row) else row[-1] * 0.5 ** (rank - len(row) + 1)
+        if rank >= self.hits.shape[1]:
+            return prior
+        return float((self.hits[head, rank] + PRIOR_WEIGHT * prior) / (self.trials[head, rank] + PRIOR_WEIGHT))
+
+    def record(self, tree: Tree, accepted: Accepted) -> None:
+        """Counts a trial for every node whose parent was accepted (the root always is)."""
+        reached = {0, *accepted.nodes}
+        for node in range(1, tree.size):
+            if tree.parents[node] in reached:
+                path = tree.choices[node - 1]
+                head, rank = len(path) - 1, path[-1]
+                if rank < self.hits.shape[1]:
+                    self.trials[head, rank] += 1
+                    self.hits[head, rank] += node in reached
+
+    def path_probabilities(self, choices: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], float]:
+        """P(the whole path is accepted) for each choice (and its ancestors)."""
+        probs = {(): 1.0}
+        for path in sorted(choices, key=len):
+            probs[path] = probs[path[:-1]] * self.probability(len(path) - 1, path[-1])
+        return probs
+
+    def expected_accepted(self, tree: Tree) -> np.ndarray:
+        """[N + 1]: expected accepted guesses with the first n choices of ``tree``, n = 0..N."""
+        probs = self.path_probabilities(tree.choices)
+        return np.cumsum([0.0, *(probs[path] for path in tree.choices)])
+
+
+class StepTimes:
+    """Step seconds by (rows B, tokens per row S): the engine's, interpolated between measured
+    points, plus the host's per-row work around it (acceptance, drafting, K/V moves), which
+    for a verification is several times a plain step's and matters when steps take ~ms."""
+
+    def __init__(self):
+        self.table: dict[int, dict[int, float]] = {}
+        self._recent: dict[tuple[int, int], deque] = {}
+        self._host_per_row: dict[bool, deque] = {False: deque([0.0], maxlen=RECENT),
+                                                 True: deque([0.0], maxlen=RECENT)}
+
+    def observe(self, batch: int, seq: int, seconds: float, loop_seconds: float | None = None) -> None:
+        """Medians of recent steps: robust to the odd slow step (GC, the OS) on a busy host."""
+        recent = self._recent.setdefault((batch, seq), deque(maxlen=RECENT))
+        recent.append(seconds)
+        self.table.setdefault(batch, {})[seq] = float(np.median(recent))
+        if loop_seconds is not None:
+            self._host_per_row[seq > 1].append(max(0.0, loop_seconds - seconds) / batch)
+
+    def estimate(self, batch: int, seq: int) -> float:
+        return self.engine_estimate(batch, seq) + batch * float(np.median(self._host_per_row[seq > 1]))
+
+    def engine_estimate(self, batch: int, seq: int) -> float:
+        sizes = sorted(self.table)
+        if not sizes:
+            raise ValueError("no step times measured")
+        below = max((b for b in sizes if b <= batch), default=sizes[0])
+        above = min((b for b in sizes if b >= batch), default=sizes[-1])
+        low, high = self._along_seq(below, seq), self._along_seq(above, seq)
+        if above == below:
+            return low * (batch / below if batch > below else 1.0)  # beyond the table: rows scale time
+        return low + (high - low) * (batch - below) / (above - below)
+
+    def _along_seq(self, batch: int, seq: int) -> float:
+        points = sorted(self.table[batch].items())
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        if len(xs) == 1:
+            return ys[0] * max(1.0, seq / xs[0])
+        if seq >= xs[-1]:  # extrapolate with the last segment's slope
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + max(slope, 0.0) * (seq - xs[-1])
+        return float(np.interp(seq, xs, ys))
+
+
+@dataclass
+class SpeculationStats:
+    verify_steps: int = 0
+    plain_steps: int = 0            # decode steps where speculation stepped aside
+    verified_rows: int = 0
+    accepted_tokens: int = 0        # guesses kept: each is a decode step saved for its request
+    head_tried: list[int] = field(default_factory=list)
+    head_accepted: list[int] = field(default_factory=list)
+    tree_sizes: Counter = field(default_factory=Counter)  # verification steps by S
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Tokens a verifying row gains per engine step: accepted guesses + the sampled one."""
+        return 1 + self.accepted_tokens / self.verified_rows if self.verified_rows else 1.0
+
+    def head_acceptance(self) -> list[float]:
+        """Per head: how often its guess was accepted when the previous head's was."""
+        return [a / t if t else 0.0 for a, t in zip(self.head_accepted, self.head_tried)]
+
+    def as_dict(self) -> dict:
+        return {"verify_steps": self.verify_steps, "plain_steps": self.plain_steps,
+                "verified_rows": self.verified_rows, "accepted_tokens": self.accepted_tokens,
+                "mean_tokens_per_step": round(self.mean_accepted_per_step, 3), "steps_saved": self.accepted_tokens,
+                "head_acceptance": [round(a, 3) for a in self.head_acceptance()],
+                "tree_sizes": dict(sorted(self.tree_sizes.items()))}
+
+
+class SpeculationPolicy:
+    """Chooses each decode batch's tree; ``fixed`` pins the size (0 turns speculation off).
+
+    Adaptive mode also re-orders the built tree by the current acceptance estimates (every
+    ``REORDER_EVERY`` verifications), so a prefix of n choices is the n likeliest paths now,
+    not at build time: e.g. deeper chains when later heads agree more often than expected."""
+
+    REORDER_EVERY = 32
+
+    def __init__(self, tree: Tree, acceptance: AcceptanceModel, times: StepTimes, fixed: int | None = None):
+        if fixed is not None and not 0 <= fixed <= len(tree.choices):
+            raise ValueError(f"medusa tree size {fixed}: valid 0 (off) to {len(tree.choices)} (the built tree)")
+        self.tree, self.acceptance, self.times, self.fixed = tree, acceptance, times, fixed
+        self.stats = SpeculationStats(head_tried=[0] * tree.depth, head_accepted=[0] * tree.depth)
+        self._order = tree.choices
+        self._trees: dict[tuple, Tree] = {}
+        self._since_reorder = 0
+        self._decided: dict[int, tuple[int, int]] = {}  # batch → (choices, decode steps it stands for)
+
+    def prefix(self, n: int) -> Tree:
+        """The first n choices in the current order, as a tree (cached)."""
+        choices = self._order[:n]
+        if choices not in self._trees:
+            if len(self._trees) > 512:
+                self._trees.clear()
+            self._trees[choices] = Tree(choices)
+        return self._trees[choices]
+
+    def choose(self, batch: int) -> int:
+        """Number of tree choices to verify for a decode batch of ``batch`` rows (0: plain)."""
+        if self.fixed is not None or batch == 0:
+            return self.fixed or 0
+        size, left = self._decided.get(batch, (0, 0))
+        if left > 0:
+            self._decided[batch] = (size, left - 1)
+            return size
+        size = self._best(batch)
+        self._decided[batch] = (size, REDECIDE_EVERY)
+        return size
+
+    def _best(self, batch: int) -> int:
+        expected = self.acceptance.expected_accepted(self.prefix(len(self._order)))  # [N + 1]
+        rates = [(1 + expected[n]) / self.times.estimate(batch, 1 + n) for n in range(len(expected))]
+        best = int(np.argmax(rates))
+        return best if rates[best] >= MIN_GAIN * rates[0] else 0
+
+    def _reorder(self) -> None:
+        probs = self.acceptance.path_probabilities(self.tree.choices)
+        # A path is never likelier than its parent (probabilities ≤ 1): parents stay first.
+        self._order = tuple(sorted(self.tree.choices, key=lambda p: (-probs[p], len(p), p)))
+
+    def record(self, tree: Tree, accepted: Accepted) -> None:
+        self.acceptance.record(tree, accepted)
+        self._since_reorder += 1
+        if self.fixed is None and self._since_reorder >= self.REORDER_EVERY:
+            self._reorder()
+            self._since_reorder = 0
+        stats = self.stats
+        stats.verified_rows += 1
+        stats.accepted_tokens += len(accepted.nodes)
+        # Head h was tried when the path reached depth h and that node has guesses below it.
+        for head in range(tree.depth):
+            parent = 0 if head == 0 else accepted.nodes[head - 1] if head <= len(accepted.nodes) else None
+            if parent is None or not tree.children[parent]:
+                break
+            stats.head_tried[head] += 1
+            stats.head_accepted[head] += len(accepted.nodes) > head
+
+
+def calibrate(engine, tree: Tree, max_batch: int, repeats: int = 3) -> StepTimes:
+    """Times verification steps of B rows × (1 + n) tokens into the still-free slots at load.
+
+    The steps are shaped as real ones: n = 0 is a plain decode (logits at one row), n > 0 a
+    tree prefix with logits and head logits at every node, which is what makes them cost.
+    Each shape runs twice to warm up, then ``repeats`` times back to back (as a serving loop
+    repeats a shape); the median counts. Decode steps refine the table as they run."""
+    from .scheduler import Step, StepKind
+
+    batches = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch), max_batch})
+    sizes = sorted({*(n for n in (0, 1, 2, 4, 8, 16, 32, 64, 128) if n < tree.size), tree.size - 1})
+    steps = {(batch, n): Step(kind=StepKind.decode, first_slot=0,
+                              rids=tuple(f"calibrate-{i}" for i in range(batch)),
+                              tokens=((0,) * (1 + n),) * batch, starts=(0,) * batch, samples=(True,) * batch,
+                              trees=(tree.prefix(n),) * batch if n else ())
+             for batch in batches for n in sizes}
+    for _ in range(8):  # the process's first steps run cold (allocations, thread pool start)
+        engine.step(steps[(1, 0)])
+    times = StepTimes()
+    for (batch, n), step in steps.items():
+        values = []
+        for run in range(2 + repeats):
+            start = time.perf_counter()
+            engine.step(step)
+            if run >= 2:
+                values.append(time.perf_counter() - start)
+        times.observe(batch, 1 + n, float(np.median(values)))
+    return times
