@@ -193,8 +193,6 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else render(result))
 
 
-if __name__ == "__main__":
-    main()
 
 
 @main.group()
@@ -243,3 +241,7 @@ def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, ste
     click.echo(table(rows, ["head", "top-1", "top-5", "top-10"]))
     click.echo(f"\n{report.train_tokens} training tokens, {report.eval_tokens} held-out, final loss "
                f"{report.final_loss:.3f}, {report.seconds:.0f} s; heads written to {out}")
+
+
+if __name__ == "__main__":
+    main()

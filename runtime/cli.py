@@ -10,13 +10,21 @@ import click
 BACKENDS = click.Choice(["auto", "tensorrt", "onnxruntime"])
 
 
-def _load(out: Path, backend: str, threads: int, prefix_cache: bool | None = None, batching: str = "inflight"):
+MEDUSA_TREE_SIZE = click.option(
+    "--medusa-tree-size", type=click.IntRange(min=0), default=None,
+    help="Engine dirs with Medusa heads: guesses verified per step. Default: chosen per batch from "
+         "measured step times and acceptance (off where it does not pay); 0: no speculation.")
+
+
+def _load(out: Path, backend: str, threads: int, prefix_cache: bool | None = None, batching: str = "inflight",
+          medusa_tree_size: int | None = None):
     from .engine_dir import EngineDirError
     from .llm import LLM
     from .scheduler import Batching
 
     try:
-        return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching))
+        return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching),
+                   medusa_tree_size=medusa_tree_size)
     except (EngineDirError, ValueError) as exc:
         _fail(str(exc))
 
@@ -40,14 +48,16 @@ def _fail(message: str):
 @click.option("--backend", type=BACKENDS, default="auto", show_default=True,
               help="tensorrt runs rankN.engine on a GPU; onnxruntime runs rankN.onnx on CPU.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
-def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str, threads: int):
+@MEDUSA_TREE_SIZE
+def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str,
+        threads: int, medusa_tree_size):
     """Generate a completion of --prompt with the engines in OUT.
 
     \b
     Example:
       trtbuild run build/tiny-code --prompt "def fibonacci(n):" --max-tokens 48 --stream
     """
-    llm = _load(out, backend, threads)
+    llm = _load(out, backend, threads, medusa_tree_size=medusa_tree_size)
     overrides = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                        top_p=top_p).items() if v is not None}
     try:
@@ -62,8 +72,10 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
     except ValueError as exc:
         _fail(str(exc))
     click.echo(prompt + completion.text)
+    medusa = (f", {completion.decode_steps} decode steps ({completion.accepted_tokens} Medusa guesses accepted)"
+              if llm.speculation is not None else "")
     click.echo(f"[{len(completion.token_ids)} tokens, {completion.finish_reason}, backend {llm.backend}, "
-               f"ttft {completion.ttft_s * 1000:.1f} ms]", err=True)
+               f"ttft {completion.ttft_s * 1000:.1f} ms{medusa}]", err=True)
 
 
 @click.command()
@@ -75,8 +87,10 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
 @click.option("--backend", type=BACKENDS, default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
+@MEDUSA_TREE_SIZE
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, threads: int, as_json: bool):
+def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, threads: int, medusa_tree_size,
+          as_json: bool):
     """Serve a workload from OUT and report requests/s, output tokens/s, TTFT and inter-token latency.
 
     \b
@@ -85,7 +99,8 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
     """
     from . import bench as benchmark
 
-    llm = _load(out, backend, threads, prefix_cache=prefix_cache == "on", batching=mode)
+    llm = _load(out, backend, threads, prefix_cache=prefix_cache == "on", batching=mode,
+                medusa_tree_size=medusa_tree_size)
     d = llm.engine_dir
     try:
         load = (benchmark.load_workload(Path(workload), llm.tokenizer) if Path(workload).is_file()
@@ -94,6 +109,8 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
     except ValueError as exc:
         _fail(f"--workload: {exc}")
     figures = {"mode": mode, "prefix_cache": prefix_cache, "backend": llm.backend, **result.as_dict()}
+    if llm.speculation is not None:
+        figures["medusa"] = llm.speculation.stats.as_dict()
     if as_json:
         click.echo(json.dumps(figures, indent=2))
         return

@@ -14,6 +14,8 @@ from trtbuild.builder.spec import Spec, load_spec
 
 from conftest import REPO, TINY_CODE
 
+MEDUSA = TINY_CODE / "medusa"
+
 
 def spec_dict(**overrides) -> dict:
     data = {"model": {"checkpoint": str(TINY_CODE), "dtype": "float32"},
@@ -70,7 +72,17 @@ def test_defaults_and_explicit_buckets():
     ({"passes": {"disable": ["fuse_attn"]}},
      "passes.disable: unknown pass 'fuse_attn' (did you mean 'fuse_attention'?)"),
     ({"quantization": {"mode": "int2"}}, "quantization.mode: 'int2' is not valid; valid: 'none', 'int8_weight_only'"),
-    ({"speculative": {"medusa": {}}}, "speculative: reserved"),
+    ({"speculative": {"medusa": {"num_heads": 4}}}, "speculative.medusa.heads: required"),
+    ({"speculative": {"medusa": {"heads": "/nonexistent", "num_heads": 4}}},
+     "speculative.medusa.heads: /nonexistent: Medusa heads dir does not exist"),
+    ({"speculative": {"medusa": {"heads": str(MEDUSA), "num_heads": 3}}},
+     f"speculative.medusa.num_heads: 3, but {MEDUSA} has medusa_num_heads=4"),
+    ({"speculative": {"medusa": {"heads": str(MEDUSA), "num_heads": 4, "tree": [[0], [0, 0, 0]]}}},
+     "speculative.medusa.tree: [0, 0, 0] has no parent [0, 0] in the tree"),
+    ({"speculative": {"medusa": {"heads": str(MEDUSA), "num_heads": 4, "tree": [[0, 0, 0, 0, 0]]}}},
+     "speculative.medusa.tree: [0, 0, 0, 0, 0] is 5 deep but there are num_heads=4 heads"),
+    ({"speculative": {"medusa": {"heads": str(MEDUSA), "num_heads": 4, "tree": "big"}}},
+     "speculative.medusa.tree"),
     ({"parallel": {"pipeline": 2}}, "parallel.pipeline: 2 is not valid; valid: 1"),
     ({"bulid": {"max_batch_size": 2}}, "bulid: unknown key (did you mean 'build'?)"),
     ({"build": {"max_batch": 2}}, "build.max_batch: unknown key (did you mean 'max_batch_size'?)"),
@@ -119,3 +131,30 @@ def test_cli_reports_spec_error_with_exit_code_2(tmp_path):
     assert proc.stderr.strip() == "error: parallel.tensor: 3 does not divide num_key_value_heads=2"
     assert "Traceback" not in proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == [path]
+
+
+def test_medusa_section_resolves_the_tree(tmp_path):
+    spec = Spec.from_dict(spec_dict(speculative={"medusa": {"heads": str(MEDUSA), "num_heads": 4,
+                                                           "tree_nodes": 10}}))
+    assert len(spec.medusa.choices) == 10 and spec.medusa.choices[0] == (0,)
+    assert spec.verify_tokens == 11 and spec.max_step_tokens == spec.build.max_input_len
+    chosen = Spec.from_dict(spec_dict(speculative={"medusa": {"heads": str(MEDUSA), "num_heads": 4,
+                                                             "tree": [[1], [0, 0], [0]]}}))
+    assert chosen.medusa.choices == ((0,), (0, 0), (1,))  # likeliest first, parents first
+
+
+def test_medusa_heads_for_another_model_are_refused(tmp_path):
+    import numpy as np
+
+    from trtbuild.builder.medusa.heads import MedusaHeads, save_heads
+
+    rng = np.random.default_rng(0)
+    heads = MedusaHeads(blocks=((((rng.standard_normal((256, 256))), rng.standard_normal(256)),),) * 2,
+                        out=(rng.standard_normal((1000, 256)),) * 2)
+    save_heads(heads, tmp_path / "other")
+    message = error_of(spec_dict(speculative={"medusa": {"heads": str(tmp_path / "other"), "num_heads": 2}}))
+    assert message.startswith("speculative.medusa.heads:") and "vocab_size=1000, the checkpoint 4096" in message
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "medusa_lm_head.pt").write_bytes(b"\x80\x04")
+    message = error_of(spec_dict(speculative={"medusa": {"heads": str(tmp_path / "pickled"), "num_heads": 2}}))
+    assert "is a pickle, which trtbuild never loads" in message

@@ -1,0 +1,152 @@
+"""Medusa end to end: heads format, training CLI, the attach_medusa build, and greedy equality
+of speculative decoding with plain decoding on the bundled model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from trtbuild.builder.medusa.heads import MedusaHeads, load_heads, save_heads
+from trtbuild.builder.errors import UserError
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
+
+from conftest import REPO, TINY_CODE
+
+
+@pytest.fixture(scope="session")
+def medusa_engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines") / "tiny-code-medusa"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build",
+                           str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(TINY_CODE / "tokenizer.json"))
+    ids = tokenizer.encode((TINY_CODE / "heldout.txt").read_text()[:200_000]).ids
+    windows = [ids[i * 997:i * 997 + 16 + 3 * i] for i in range(8)]   # held-out, lengths 16..37
+    shared = ids[50_000:50_040]                                        # a 40-token shared prefix
+    return windows + [shared + ids[60_000 + 7 * i:60_000 + 7 * i + 5] for i in range(4)]
+
+
+def test_heads_round_trip_in_the_public_layout(tmp_path):
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(0)
+    heads = MedusaHeads(blocks=tuple(((rng.standard_normal((8, 8)), rng.standard_normal(8)),
+                                      (rng.standard_normal((8, 8)), rng.standard_normal(8))) for _ in range(3)),
+                        out=tuple(rng.standard_normal((20, 8)) for _ in range(3)),
+                        topk_accuracy=((0.5, 0.6),) * 3)
+    save_heads(heads, tmp_path / "heads")
+    keys = set(load_file(str(tmp_path / "heads" / "medusa_lm_head.safetensors")))
+    assert {"0.0.linear.weight", "0.1.linear.bias", "2.2.weight"} <= keys and len(keys) == 15
+    config = json.loads((tmp_path / "heads" / "config.json").read_text())
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
+    loaded = load_heads(tmp_path / "heads")
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    np.testing.assert_allclose(loaded.logits(x), heads.logits(x), rtol=1e-5)
+    assert loaded.logits(x).shape == (2, 3, 20)
+    # public checkpoints have only these two keys in config.json
+    (tmp_path / "heads" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 2}')
+    assert load_heads(tmp_path / "heads").topk_accuracy is None
+    (tmp_path / "heads" / "config.json").write_text('{"medusa_num_heads": 4, "medusa_num_layers": 2}')
+    with pytest.raises(UserError, match="tensor '3.0.linear.weight' missing"):
+        load_heads(tmp_path / "heads")
+
+
+def test_heads_reference_matches_torch_medusa_block(tmp_path):
+    import torch
+
+    heads = load_heads(TINY_CODE / "medusa")
+    x = np.random.default_rng(1).standard_normal((3, heads.hidden_size)).astype(np.float32)
+    (weight, bias), = heads.blocks[2]
+    h = torch.from_numpy(x)
+    h = h + torch.nn.functional.silu(h @ torch.from_numpy(weight).T + torch.from_numpy(bias))
+    expected = (h @ torch.from_numpy(heads.out[2]).T).numpy()
+    np.testing.assert_allclose(heads.logits(x)[:, 2], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_medusa_train_cli_end_to_end(tmp_path):
+    data = tmp_path / "train.txt"
+    data.write_text((TINY_CODE / "heldout.txt").read_text()[:40_000])
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "medusa", "train", str(TINY_CODE),
+                           "--data", str(data), "--heads", "2", "-o", str(tmp_path / "heads"), "--steps", "20",
+                           "--sequences", "24", "--seq-len", "64"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "head 1 (t+3)" in proc.stdout and "top-10" in proc.stdout
+    assert "self-distill" in proc.stderr and "step 20/20" in proc.stderr  # progress
+    heads = load_heads(tmp_path / "heads")
+    assert heads.num_heads == 2 and heads.vocab_size == 4096 and len(heads.topk_accuracy[0]) == 10
+    bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "medusa", "train", str(TINY_CODE),
+                          "--data", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "x")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("missing.txt: not a file")
+    assert not (tmp_path / "x").exists()
+
+
+def test_engine_dir_records_heads_and_tree(medusa_engine):
+    manifest = json.loads((medusa_engine / "manifest.json").read_text())
+    medusa = manifest["medusa"]
+    assert medusa["num_heads"] == 4 and medusa["tree_size"] == 64 and len(medusa["tree"]) == 63
+    assert medusa["tree"][0] == [0] and len(medusa["rank_accuracy"]) == 4
+    decode = manifest["profiles"][0]["shapes"]
+    assert decode["input_ids"][2] == [8, 64] and decode["logits_index"][2] == [8, 64]
+    outputs = [o.name for o in onnx.load(medusa_engine / "rank0.onnx", load_external_data=False).graph.output]
+    assert outputs[:2] == ["logits", "medusa_logits"]
+    records = [json.loads(line) for line in (medusa_engine / "passes.jsonl").read_text().splitlines()]
+    attach = next(r for r in records if r["pass"] == "attach_medusa")
+    assert attach["medusa_heads"] == 4 and attach["numerics"]["ok"]  # vs torch + the heads' numpy reference
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, prompts, batch):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for size in (0, 63, None):  # plain, the full tree, the adaptive choice
+        llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)
+        assert llm.scheduler.prefix_cache is not None
+        outputs[size] = [c.token_ids for i in range(0, len(prompts), batch)
+                         for c in llm.generate(prompts[i:i + batch], params)]
+        if size == 63:
+            stats = llm.speculation.stats
+            assert stats.verify_steps > 0 and stats.mean_accepted_per_step > 1.5
+            assert stats.tree_sizes.keys() <= {64} and len(stats.head_acceptance()) == 4
+    assert outputs[63] == outputs[0]
+    assert outputs[None] == outputs[0]
+
+
+def test_near_max_seq_len_falls_back_and_stays_exact(medusa_engine, prompts):
+    long_prompt = (prompts[0] * 80)[:1024 - 30]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=0).generate([long_prompt], params)
+    llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=8)
+    spec = llm.generate([long_prompt], params)
+    assert spec[0].token_ids == plain[0].token_ids and len(spec[0].token_ids) == 30
+    assert llm.speculation.stats.plain_steps > 0 and llm.speculation.stats.verify_steps > 0
+
+
+def test_sampling_with_typical_acceptance(medusa_engine, prompts):
+    params = SamplingParams(max_tokens=48, temperature=0.7, seed=3, ignore_eos=True, logprobs=True)
+    llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16)
+    first = llm.generate(prompts[:4], params)
+    again = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16).generate(prompts[:4], params)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]  # seeded: reproducible
+    for completion in first:
+        assert len(completion.token_ids) == 48 and len(completion.logprobs) == 48
+        assert all(lp <= 0 for lp in completion.logprobs)
+    assert sum(c.accepted_tokens for c in first) > 0
+
+
+def test_plain_engine_refuses_a_medusa_tree_size(tiny_engine):
+    with pytest.raises(ValueError, match="built without Medusa heads"):
+        LLM(tiny_engine, backend="onnxruntime", medusa_tree_size=4)

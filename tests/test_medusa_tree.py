@@ -1,0 +1,210 @@
+"""Medusa trees, acceptance, verification-step arrays and the scheduler's handling of them:
+exact asserts, no engine."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from trtbuild.builder.medusa.tree import check_tree, default_tree, ordered, rank_accuracy
+from trtbuild.runtime.engine import step_arrays
+from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy, accept_typical
+from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.scheduler import Draft, KeepPath, Phase, Request, Scheduler, StepKind
+from trtbuild.runtime.speculation import AcceptanceModel, SpeculationPolicy, StepTimes
+
+TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
+
+
+def onehot(vocab: int, *tokens: int) -> np.ndarray:
+    rows = np.zeros((len(tokens), vocab), np.float32)
+    rows[np.arange(len(tokens)), tokens] = 1.0
+    return rows
+
+
+def test_tree_structure():
+    assert TREE.size == 7 and TREE.depth == 3
+    assert TREE.parents == (-1, 0, 0, 1, 1, 2, 3)
+    assert TREE.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert TREE.children == ((1, 2), (3, 4), (5,), (6,), (), (), ())
+    assert TREE.top_k() == [2, 2, 1]
+    # row i: node i sees itself and its ancestors
+    assert TREE.ancestors.astype(int).tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1]]
+    assert TREE.prefix(2).choices == ((0,), (1,))
+
+
+@pytest.mark.parametrize("choices, message", [
+    (((0, 0),), "before its parent"),
+    (((0,), (0,)), "twice"),
+    (((),), "non-empty"),
+    (((0,), (-1,)), "ranks ≥ 0"),
+])
+def test_tree_refuses_malformed_choices(choices, message):
+    with pytest.raises(ValueError, match=message):
+        Tree(choices)
+
+
+def test_candidates_take_each_heads_ranked_guesses():
+    medusa = np.array([[0.1, 0.9, 0.5, 0.0],     # head 0: ranks → tokens 1, 2
+                       [0.7, 0.0, 0.0, 0.8],     # head 1: 3, 0
+                       [0.0, 0.0, 1.0, 0.0]])    # head 2: 2
+    assert TREE.candidates(9, medusa) == [9, 1, 2, 3, 0, 3, 2]
+
+
+def test_greedy_acceptance_walks_the_longest_agreeing_path():
+    tokens = [9, 1, 2, 3, 0, 3, 2]
+    # base argmax after: root → 1 (node 1), node 1 → 0 (node 4), node 4 → 3 (no child): stop
+    logits = onehot(10, 1, 0, 5, 5, 3, 5, 5)
+    assert accept_greedy(TREE, tokens, logits) == Accepted(nodes=(1, 4), tokens=(1, 0))
+    # root's argmax 7 matches no child: nothing accepted, the bonus is 7
+    assert accept_greedy(TREE, tokens, onehot(10, 7, 0, 0, 0, 0, 0, 0)) == Accepted((), ())
+    # the full depth-3 chain 1 → 3 → 2
+    assert accept_greedy(TREE, tokens, onehot(10, 1, 3, 5, 2, 5, 5, 5)).nodes == (1, 3, 6)
+    assert Accepted((1, 3, 6), (1, 3, 2)).last_node == 6 and Accepted((), ()).last_node == 0
+
+
+def test_typical_acceptance_takes_likely_guesses_only():
+    tokens = [9, 1, 2, 3, 0, 3, 2]
+    logits = np.full((7, 10), -10.0)
+    logits[0, 1], logits[0, 2] = 5.0, 4.0    # root: both children likely; 1 is likelier
+    logits[1, :] = 0.0                        # node 1: flat (high entropy), threshold low...
+    logits[1, 3] = -30.0                      # ...but child 3's token is very unlikely
+    logits[1, 0] = 3.0                        # child 4's token (0) likely
+    path = accept_typical(TREE, tokens, logits, temperature=1.0)
+    assert path.nodes == (1, 4)
+    cold = np.full((7, 10), -10.0)
+    cold[0, 7] = 10.0                         # root sure of a token no child holds
+    assert accept_typical(TREE, tokens, cold, temperature=0.7).nodes == ()
+
+
+def test_verification_step_arrays():
+    tree = Tree(((0,), (1,), (0, 0)))
+    sched = Scheduler(capacity=2, max_seq_len=16, max_chunk=8)
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [8])):
+        sched.add(Request(rid, prompt, SamplingParams(max_tokens=4)))
+    step = sched.schedule().step
+    sched.commit(step, {"a": 1, "b": 2})
+    sched.requests["a"].draft = Draft(tree, (11, 12, 13))
+    step = sched.schedule().step
+    assert step.kind == StepKind.decode and step.verifies
+    assert step.tokens == ((1, 11, 12, 13), (2,)) and step.starts == (3, 1)
+    arrays = step_arrays(step, max_seq_len=16)
+    assert arrays.position_ids.tolist() == [[3, 4, 4, 5], [1, 2, 3, 4]]  # tree depths; b continues
+    assert arrays.write_index.tolist() == [3, 1] and arrays.kv_length.tolist() == [7, 2]
+    assert arrays.logits_index.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    mask = arrays.attention_mask[0, 0, :, :8].astype(int).tolist()
+    assert mask == [[1, 1, 1, 1, 0, 0, 0, 0],
+                    [1, 1, 1, 1, 1, 0, 0, 0],
+                    [1, 1, 1, 1, 0, 1, 0, 0],
+                    [1, 1, 1, 1, 1, 0, 1, 0]]
+    assert arrays.attention_mask[1, 0, 0, :4].astype(int).tolist() == [1, 1, 0, 0]
+
+
+def test_commit_keeps_the_accepted_path_and_moves_its_kv():
+    tree = Tree(((0,), (1,), (1, 0)))
+    sched = Scheduler(capacity=2, max_seq_len=32, max_chunk=8)
+    sched.add(Request("a", [5, 6, 7], SamplingParams(max_tokens=10)))
+    sched.commit(sched.schedule().step, {"a": 1})
+    sched.requests["a"].draft = Draft(tree, (11, 12, 13))
+    step = sched.schedule().step
+    # node 2 (token 12) then node 3 (token 13) accepted; the bonus token is 20
+    emitted = sched.commit(step, {"a": 20}, {"a": Accepted((2, 3), (12, 13))})
+    request = sched.requests["a"]
+    assert [t for _, t in emitted] == [12, 13, 20]
+    assert request.output == [1, 12, 13, 20] and request.computed == 3 + 3 and request.draft is None
+    plan = sched.schedule()
+    assert plan.ops == [KeepPath(slot=0, start=3, nodes=(2, 3))]
+    assert plan.step.tokens == ((20,),) and plan.step.starts == (6,) and not plan.step.verifies
+
+
+def test_path_already_in_place_needs_no_move_and_eos_ends_mid_path():
+    tree = Tree(((0,), (0, 0)))
+    sched = Scheduler(capacity=1, max_seq_len=32, max_chunk=8, eos_token_ids=(0,))
+    sched.add(Request("a", [5], SamplingParams(max_tokens=10)))
+    sched.commit(sched.schedule().step, {"a": 1})
+    sched.requests["a"].draft = Draft(tree, (7, 0))
+    step = sched.schedule().step
+    emitted = sched.commit(step, {"a": 9}, {"a": Accepted((1, 2), (7, 0))})
+    assert [t for _, t in emitted] == [7, 0]  # eos accepted: the bonus token is dropped
+    request = sched.pop_finished()[0]
+    assert request.finish_reason == "stop" and request.output == [1, 7, 0]
+
+
+def test_near_max_seq_len_the_batch_decodes_plainly():
+    tree = Tree(((0,), (0, 0), (0, 0, 0)))
+    sched = Scheduler(capacity=2, max_seq_len=12, max_chunk=8)
+    sched.add(Request("a", [1] * 6, SamplingParams(max_tokens=6)))
+    sched.add(Request("b", [2] * 2, SamplingParams(max_tokens=4)))
+    step = sched.schedule().step
+    sched.commit(step, {"a": 3, "b": 4})
+    for rid in "ab":
+        sched.requests[rid].draft = Draft(tree, (5, 6, 7))
+    sched.requests["a"].computed = 9  # 9 + 4 tree tokens > 12: nobody verifies this step
+    step = sched.schedule().step
+    assert not step.verifies and step.tokens == ((3,), (4,))
+    assert sched.requests["a"].phase == Phase.decoding
+
+
+def test_keep_path_moves_kv_positions_in_order():
+    pool = np.arange(2 * 1 * 10 * 1, dtype=np.float32).reshape(2, 1, 10, 1)  # [slots, H, S_max, D]
+    engine = SimpleNamespace(pools={"key_0": pool})
+    OnnxRuntimeEngine.keep_path(engine, slot=1, start=2, nodes=(2, 5))
+    assert pool[1, 0, :, 0].tolist() == [10, 11, 12, 14, 17, 15, 16, 17, 18, 19]
+    assert pool[0, 0, :, 0].tolist() == list(range(10))
+
+
+def test_policy_speculates_only_when_it_pays():
+    tree = Tree(((0,), (0, 0), (0, 0, 0), (1,)))
+    acceptance = AcceptanceModel([[0.6, 0.2], [0.6, 0.2], [0.6, 0.2]])
+    assert acceptance.expected_accepted(tree).round(3).tolist() == [0.0, 0.6, 0.96, 1.176, 1.376]
+    flat, steep = StepTimes(), StepTimes()
+    for seq in (1, 2, 3, 4, 5):
+        flat.observe(1, seq, 0.010)            # bandwidth-bound: more tokens cost nothing
+        steep.observe(1, seq, 0.010 * seq)     # compute-bound: cost grows with tokens
+    assert SpeculationPolicy(tree, acceptance, flat).choose(1) == 4
+    assert SpeculationPolicy(tree, acceptance, steep).choose(1) == 0
+    assert SpeculationPolicy(tree, acceptance, steep, fixed=2).choose(1) == 2
+    with pytest.raises(ValueError, match="valid 0"):
+        SpeculationPolicy(tree, acceptance, flat, fixed=5)
+
+
+def test_acceptance_model_learns_from_verifications():
+    tree = Tree(((0,), (0, 0)))
+    model = AcceptanceModel([[0.5], [0.5]])
+    for _ in range(200):
+        model.record(tree, Accepted((1,), (3,)))  # head 0 always right, head 1 always wrong
+    assert model.probability(0, 0) > 0.95 and model.probability(1, 0) < 0.05
+    policy = SpeculationPolicy(tree, AcceptanceModel([[0.5], [0.5]]), StepTimes())
+    for _ in range(3):
+        policy.record(tree, Accepted((1, 2), (3, 4)))
+    policy.record(tree, Accepted((), ()))
+    assert policy.stats.head_tried == [4, 3] and policy.stats.head_accepted == [3, 3]
+    assert policy.stats.mean_accepted_per_step == 1 + 6 / 4
+
+
+def test_default_tree_is_grown_likeliest_first():
+    accuracy = rank_accuracy(((0.6, 0.7), (0.5, 0.6)), 2)  # exact-rank: [0.6, 0.1], [0.5, 0.1]
+    assert [[round(p, 3) for p in row] for row in accuracy] == [[0.6, 0.1], [0.5, 0.1]]
+    tree = default_tree(accuracy, 4)
+    assert tree == ((0,), (0, 0), (1,), (0, 1))  # 0.6, 0.3, 0.1, 0.06
+    assert ordered(((1,), (0, 1), (0,), (0, 0)), accuracy) == tree
+    assert Tree(default_tree(rank_accuracy(None, 4), 63)).size == 64  # generic prior for public heads
+
+
+@pytest.mark.parametrize("tree, message", [
+    (((0,), (0, 0, 0)), "no parent"),
+    (((0,), (0,)), "twice"),
+    (((0, 0, 0, 0, 0),), "num_heads=4"),
+    (((0,), (-2,)), "negative"),
+])
+def test_check_tree_messages(tree, message):
+    assert message in check_tree(tree, 4)
