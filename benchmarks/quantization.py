@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Quantization quality and cost on the bundled model.
 
-    python benchmarks/quantization.py [--json] [--max-tokens N]
+    python benchmarks/quantization.py [--json] [--max-tokens N] [--modes fp8-e4m3-per-tensor,...]
 
-Builds tiny-code unquantized, per weight-only mode/algorithm and W8A8 SmoothQuant (alpha 0.5),
-then measures, in this run:
+Builds tiny-code unquantized, per weight-only mode/algorithm, W8A8 SmoothQuant (alpha 0.5) and
+FP8 (E4M3 per-tensor weights and activations, sm89+ targets; ONNX Runtime runs its Q/DQ pairs
+literally, i.e. simulated FP8 at the engine's scales), then measures, in this run:
 held-out perplexity (trtbuild eval: the rank ONNX in ONNX Runtime, windows of 512 tokens) and
 its change vs unquantized, greedy (top-1) agreement with the unquantized checkpoint, weight
 bytes (float tensors counted at 16 bit, integer codes as stored) vs fp16, build time, and ONNX
@@ -34,7 +35,9 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 MODES = [("none", "-", None), ("int8_weight_only", "rtn", None),
          ("int4_weight_only", "rtn", 128), ("int4_weight_only", "awq", 128), ("int4_weight_only", "gptq", 128),
          ("int4_weight_only", "rtn", 64), ("int4_weight_only", "awq", 64), ("int4_weight_only", "gptq", 64),
-         ("w8a8", "rtn", None)]
+         ("w8a8", "rtn", None), ("fp8", "rtn", None)]
+# FP8 needs sm89+ targets (TensorRT-RTX refuses E4M3 for sm80/86); the others build for Ampere too.
+TARGETS = {"fp8": "[sm89, sm120]"}
 
 
 def calibration_text(path: Path, limit: int = 400_000) -> Path:
@@ -59,7 +62,7 @@ def weight_bytes(onnx_path: Path) -> int:
             total += 2 * count
         elif t.data_type == onnx.TensorProto.INT4:
             total += (count + 1) // 2
-        elif t.data_type == onnx.TensorProto.INT8:
+        elif t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.FLOAT8E4M3FN):
             total += count
     return total
 
@@ -81,6 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=65536, help="held-out tokens scored per mode")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of mode names (none is always run)")
     args = ap.parse_args()
     from trtbuild.runtime.evaluate import evaluate
 
@@ -90,14 +94,17 @@ def main() -> None:
         tmp = Path(tmp)
         calib = calibration_text(tmp / "calibration.txt")
         for mode, algorithm, group in MODES:
-            name = {"none": "none", "w8a8": "w8a8-smoothquant-a0.5"}.get(mode) or (
+            name = {"none": "none", "w8a8": "w8a8-smoothquant-a0.5", "fp8": "fp8-e4m3-per-tensor"}.get(mode) or (
                 f"{mode}-{algorithm}" + (f"-g{group}" if group else ""))
+            if args.modes and mode != "none" and name not in args.modes.split(","):
+                continue
             spec = tmp / f"{name}.yaml"
             quant = ("" if mode == "none" else
                      f"quantization: {{mode: {mode}, algorithm: {algorithm}, group_size: {group or 128}, "
                      f"calibration: {{data: {calib}, samples: 32, seq_len: 256}}}}\n")
             spec.write_text(f"model: {{checkpoint: {REPO / 'models' / 'tiny-code'}, dtype: float32}}\n"
-                            "build: {targets: [sm80, sm86, sm89], max_batch_size: 8, max_input_len: 256, "
+                            f"build: {{targets: {TARGETS.get(mode, '[sm80, sm86, sm89]')}, max_batch_size: 8, "
+                            "max_input_len: 256, "
                             "max_seq_len: 1024}\n" + quant)
             out = tmp / name
             start = time.perf_counter()

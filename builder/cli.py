@@ -79,7 +79,8 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
     """Build one TensorRT engine per rank from a deployment SPEC (YAML).
 
     Loads the spec's checkpoint, exports the step graph with torch.export, runs the pass
-    pipeline (canonicalize, fuse_rmsnorm, fuse_rotary, fuse_attention, plan_cuda_graphs)
+    pipeline (canonicalize, fuse_rmsnorm, fuse_rotary, fuse_attention, quantize_weights, attach_medusa,
+    plan_cuda_graphs)
     with a numerics check after each pass, and writes OUT/rank{N}.onnx, OUT/rank{N}.engine,
     OUT/passes.jsonl and OUT/manifest.json. Works without a GPU (TensorRT-RTX).
 
@@ -163,7 +164,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
       trtbuild plan /models/Llama-2-70b-hf --gpu A100-80GB --precision int8
     """
     from .frontend.checkpoint import arch_config
-    from .plan import Plan, find_gpu, gpu_table, param_counts, render, workload_for
+    from .plan import Plan, find_gpu, gpu_table, medusa_plan, param_counts, render, workload_for
     from .spec import load_spec
 
     if list_gpus:
@@ -189,7 +190,8 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
     if tp > gpus:
         raise UserError(f"--tp: {tp} is more than --gpus {gpus}")
     result = Plan(arch=arch, gpu=find_gpu(gpu), gpus=gpus, tp=tp, precision=precision,
-                  workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch))
+                  workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
+                  medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None)
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else render(result))
 
 

@@ -111,6 +111,25 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class MedusaPlan:
+    """The spec's heads and tree, with the heads' per-rank accuracy (the runtime's prior)."""
+    num_heads: int
+    num_layers: int
+    choices: tuple[tuple[int, ...], ...]
+    rank_accuracy: list[list[float]]
+
+    def expected_accepted(self) -> list[float]:
+        """Expected accepted guesses with the first n choices, n = 0..N (paths' products of accuracy)."""
+        from .medusa.tree import path_probability
+
+        total, out = 0.0, [0.0]
+        for path in self.choices:
+            total += path_probability(path, self.rank_accuracy)
+            out.append(total)
+        return out
+
+
+@dataclass(frozen=True)
 class Plan:
     arch: ArchConfig
     gpu: Gpu
@@ -119,6 +138,7 @@ class Plan:
     precision: str
     workload: Workload
     counts: ParamCounts
+    medusa: MedusaPlan | None = None
 
     # -- memory ------------------------------------------------------------------------------
     def weights(self, precision: str | None = None) -> float:
@@ -203,6 +223,33 @@ class Plan:
         flops = tokens * self.prefill_flops_per_token + self.attention_flops_per_context_token * tokens * tokens / 2
         return max(flops / peak, self.weights() / self.gpu.bandwidth) / self.tp
 
+    # -- Medusa -------------------------------------------------------------------------------
+    def medusa_params(self) -> int:
+        m, a = self.medusa, self.arch
+        return m.num_heads * (m.num_layers * (a.hidden_size ** 2 + a.hidden_size) + a.hidden_size * a.vocab_size)
+
+    def verify_floor_s(self, batch: int, tokens: int) -> float:
+        """Roofline of a step scoring ``tokens`` per row with logits and head logits at each:
+        weights (and heads) read once, KV per sequence, FLOPs for batch × tokens."""
+        peak = self.gpu.peak_flops(self.precision)
+        heads = self.medusa_params() if self.medusa else 0
+        head_bytes = heads * self.weights() / max(1, self.counts.total)
+        read = (self.weights() + head_bytes + batch * self.mean_context * self.kv_per_token) / self.tp
+        per_token = (self.prefill_flops_per_token + 2.0 * heads
+                     + self.attention_flops_per_context_token * self.mean_context)
+        return max(read / self.gpu.bandwidth, batch * tokens * per_token / self.tp / peak)
+
+    def medusa_choice(self, batch: int) -> tuple[int, float, float]:
+        """(tree choices, expected tokens per step, predicted decode speed-up) that maximise
+        tokens per second at ``batch`` — the runtime's rule, with roofline step times."""
+        expected = self.medusa.expected_accepted()
+        plain = 1.0 / self.verify_floor_s(batch, 1)
+        rates = [(1 + e) / self.verify_floor_s(batch, 1 + n) for n, e in enumerate(expected)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if rates[best] < 1.10 * plain:
+            return 0, 1.0, 1.0
+        return best, 1 + expected[best], rates[best] / plain
+
     # -- advice ---------------------------------------------------------------------------------
     def recommendations(self) -> list[dict]:
         out = []
@@ -267,11 +314,25 @@ class Plan:
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
             "workload": self.workload.__dict__,
             "recommendations": self.recommendations(),
+            "medusa": None if self.medusa is None else {
+                str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
+                                 (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))
+                for b in sorted({1, self.workload.max_batch})},
         }
 
 
 def _rec(text: str, figure: str) -> dict:
     return {"recommendation": text, "figure": figure}
+
+
+def medusa_plan(spec) -> MedusaPlan:
+    from .medusa.heads import read_heads_config
+    from .medusa.tree import rank_accuracy
+
+    m = spec.medusa
+    config = read_heads_config(m.heads)
+    return MedusaPlan(num_heads=m.num_heads, num_layers=config.num_layers, choices=m.choices,
+                      rank_accuracy=rank_accuracy(config.topk_accuracy, m.num_heads))
 
 
 def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = None,
@@ -319,5 +380,13 @@ def render(plan: Plan) -> str:
         "recommendations",
     ]
     lines += [f"  - {r['recommendation']} [{r['figure']}]" for r in plan.recommendations()]
+    if plan.medusa is not None:
+        lines += ["", f"medusa ({plan.medusa.num_heads} heads, tree of {len(plan.medusa.choices)}; acceptance from "
+                      "the heads' held-out accuracy, step times from the roofline)"]
+        for batch in sorted({1, w.max_batch}):
+            n, tokens, speedup = plan.medusa_choice(batch)
+            lines.append(f"  batch {batch}: " + (f"verify {n} guesses per step, {tokens:.2f} tokens/step, "
+                                                 f"predicted {speedup:.2f}x decode speed-up" if n else
+                                                 "speculation does not pay (a bigger step costs more than it saves)"))
     return "\n".join(lines)
 

@@ -136,7 +136,7 @@ class QuantizationSection(_Section):
     @property
     def bits(self) -> int | None:
         """Weight bits of the implemented modes (w8a8 weights are int8 too)."""
-        return {"int8_weight_only": 8, "int4_weight_only": 4, "w8a8": 8}.get(self.mode)
+        return {"int8_weight_only": 8, "int4_weight_only": 4, "w8a8": 8, "fp8": 8}.get(self.mode)
 
 
 class MedusaSection(_Section):
@@ -343,18 +343,18 @@ def _check_quantization(spec: Spec) -> None:
     if q.mode == "nvfp4" and (not targets or any(t not in ("sm120", "sm121") for t in targets)):
         raise SpecError("quantization.mode", f"nvfp4 needs sm120/sm121 targets only; build.targets is "
                                              f"{list(targets) or 'portable'}")
-    if q.mode in ("fp8", "nvfp4"):
-        raise SpecError("quantization.mode", f"{q.mode} is not implemented yet; valid now: none, "
-                                             "int8_weight_only, int4_weight_only, w8a8")
+    if q.mode == "nvfp4":
+        raise SpecError("quantization.mode", "nvfp4 is not implemented yet; valid now: none, "
+                                             "int8_weight_only, int4_weight_only, w8a8, fp8")
     if q.kv_cache in ("int8", "fp8"):
         raise SpecError("quantization.kv_cache", f"{q.kv_cache} is not implemented yet; use auto or fp16")
     if q.mode == "none":
         return
-    if q.mode in ("int8_weight_only", "w8a8") and q.algorithm != "rtn":
+    if q.mode in ("int8_weight_only", "w8a8", "fp8") and q.algorithm != "rtn":
         raise SpecError("quantization.algorithm", f"{q.algorithm} applies to int4_weight_only; {q.mode} "
                                                   "uses rtn (per output channel)")
-    if q.mode == "w8a8" and q.calibration is None:
-        raise SpecError("quantization.calibration", "required for mode w8a8 (static activation scales): "
+    if q.mode in ("w8a8", "fp8") and q.calibration is None:
+        raise SpecError("quantization.calibration", f"required for mode {q.mode} (static activation scales): "
                                                     "{data: TEXT_FILE, samples: N, seq_len: L}")
     if q.mode == "int4_weight_only":
         for field, dim in (("hidden_size", arch.hidden_size), ("intermediate_size", arch.intermediate_size),

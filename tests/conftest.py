@@ -77,3 +77,17 @@ def tiny_engine(tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stderr
     assert "engine rank0" in proc.stderr and "rank0" in proc.stdout  # progress and the summary table
     return out
+
+
+@pytest.fixture(scope="session")
+def medusa_engine(tmp_path_factory) -> Path:
+    """specs/tiny-code-medusa.yaml (the bundled model with its committed Medusa heads)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-code-medusa"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build",
+                           str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out

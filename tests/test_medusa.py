@@ -15,17 +15,7 @@ from trtbuild.builder.errors import UserError
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
-from conftest import REPO, TINY_CODE
-
-
-@pytest.fixture(scope="session")
-def medusa_engine(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engines") / "tiny-code-medusa"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build",
-                           str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out
+from conftest import TINY_CODE
 
 
 @pytest.fixture(scope="session")

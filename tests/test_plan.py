@@ -105,3 +105,24 @@ def test_cli_plan_json_and_errors(tmp_path):
 def test_unknown_gpu_lists_the_table():
     with pytest.raises(UserError, match="valid: A100-40GB, A100-80GB, H100-SXM, H100-PCIe, H200, L40S, RTX-4090, RTX-5090, B200"):
         find_gpu("TPU")
+
+
+def test_medusa_prediction_follows_the_roofline(tmp_path):
+    import dataclasses
+
+    from trtbuild.builder.plan import MedusaPlan
+
+    medusa = MedusaPlan(num_heads=4, num_layers=1, choices=((0,), (0, 0), (0, 0, 0), (1,)),
+                        rank_accuracy=[[0.6, 0.2]] * 4)
+    assert [round(e, 3) for e in medusa.expected_accepted()] == [0.0, 0.6, 0.96, 1.176, 1.376]
+    plan = dataclasses.replace(make_plan(config_dir(tmp_path, "llama-3-8b", LLAMA_3_8B), gpu="H100-SXM",
+                                         seq_len=256), medusa=medusa)
+    # batch 1 is bandwidth-bound: 5 tokens cost what 1 does, so the whole tree pays
+    n, tokens, speedup = plan.medusa_choice(1)
+    assert (n, round(tokens, 3)) == (4, 2.376) and speedup == pytest.approx(2.376, rel=0.01)
+    # at batch 1024 a step is compute-bound: 5× the tokens cost ~5× the time, so it steps aside
+    assert plan.medusa_choice(1024) == (0, 1.0, 1.0)
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan",
+                           str(REPO / "specs" / "tiny-code-medusa.yaml"), "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["medusa"]["1"]["tree_choices"] > 0

@@ -11,7 +11,7 @@ from trtbuild.builder.errors import SpecError
 from trtbuild.builder.numerics import run_onnx
 from trtbuild.builder.passes import PassContext, PassError
 from trtbuild.builder.passes.quantize_weights import quantize_weights
-from trtbuild.builder.quant.algorithms import awq, rtn
+from trtbuild.builder.quant.algorithms import awq, fp8_per_tensor, rtn
 from trtbuild.builder.spec import Spec
 
 from conftest import REPO, TINY_CODE
@@ -61,7 +61,8 @@ def matmul_graph(w: np.ndarray) -> gs.Graph:
 
 
 @pytest.mark.parametrize("make", [lambda w, x: rtn(w, 8, None), lambda w, x: rtn(w, 4, 32),
-                                  lambda w, x: awq(w, x.abs().mean(0), x, 4, 32)])
+                                  lambda w, x: awq(w, x.abs().mean(0), x, 4, 32),
+                                  lambda w, x: fp8_per_tensor(w, None)])
 def test_quantize_weights_computes_what_the_quantizer_simulates(make):
     torch.manual_seed(0)
     w = torch.randn(16, 64)                        # [out, in] as in torch
@@ -77,6 +78,24 @@ def test_quantize_weights_computes_what_the_quantizer_simulates(make):
     np.testing.assert_allclose(y, (x @ layer.dequantize().T).numpy(), atol=1e-4)
 
 
+def test_fp8_quantizes_weights_and_activations_per_tensor():
+    torch.manual_seed(1)
+    w, x = torch.randn(16, 64), torch.randn(4, 64) * 3
+    layer = fp8_per_tensor(w, float(x.abs().max()))
+    assert layer.fp8 and layer.scales.shape == (1,) and layer.codes.dtype == torch.float8_e4m3fn
+    assert layer.scales[0] == pytest.approx(float(w.abs().max()) / 448)
+    # E4M3 has 3 mantissa bits: relative rounding error at most 2^-4 per element
+    assert float(((layer.dequantize() - w).abs() / w.abs()).max()) <= 2 ** -4 + 1e-6
+    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"layers.0.mlp.up_proj": layer})
+    model = gs.export_onnx(quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx).graph)
+    assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear", "DequantizeLinear", "MatMul",
+                                                            "QuantizeLinear"]
+    weight = next(t for t in model.graph.initializer if t.name.endswith("weight_q"))
+    assert weight.data_type == TensorProto.FLOAT8E4M3FN and list(weight.dims) == [64, 16]
+    y = run_onnx(model, {"x": x.numpy()})["y"]
+    np.testing.assert_allclose(y, (layer.fake_quantize_input(x) @ layer.dequantize().T).numpy(), atol=1e-4)
+
+
 def test_quantize_weights_fails_when_a_layer_is_missing():
     w = torch.randn(16, 64)
     ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0),
@@ -89,6 +108,7 @@ def test_quantize_weights_fails_when_a_layer_is_missing():
 @pytest.mark.parametrize("quantization", [
     {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64},
     {"mode": "w8a8", "smoothquant_alpha": 0.5},
+    {"mode": "fp8"},  # E4M3 weights and activations: builds for sm89 with TensorRT-RTX, runs in ORT
 ])
 def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     from trtbuild.builder.build import BuildOptions, build

@@ -24,3 +24,19 @@ def test_tensorrt_backend_matches_transformers(tiny_engine):
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     ids = [o.prompt_token_ids for o in outs]
     assert [o.token_ids for o in outs] == transformers_greedy(TINY_CODE, ids, 16)
+
+
+def test_tensorrt_medusa_matches_plain_decoding(medusa_engine):
+    reason = tensorrt_available(load(medusa_engine, verify_hashes=False))
+    if reason:
+        pytest.skip(f"needs an NVIDIA GPU with TensorRT: {reason}")
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:"]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = LLM(medusa_engine, backend="tensorrt", medusa_tree_size=0).generate(prompts, params)
+    llm = LLM(medusa_engine, backend="tensorrt")
+    spec = llm.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    print("medusa on tensorrt:", llm.speculation.stats.as_dict())

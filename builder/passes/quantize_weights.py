@@ -3,13 +3,17 @@ the spec quantizes (codes and scales come from trtbuild.builder.quant, computed 
 checkpoint). INT8: per output channel (axis 1); INT4: blocks of ``group`` input rows
 (axis 0, block_size). A per-input-channel scale ``s`` (AWQ, SmoothQuant) is folded into the
 producing RMSNorm's weight when every consumer shares it, else x' = x / s by a Mul; W8A8 adds
-a QuantizeLinear/DequantizeLinear pair on x' (int8, static per-tensor scale).
+a QuantizeLinear/DequantizeLinear pair on x' (int8, static per-tensor scale). FP8: E4M3 codes
+with one per-tensor weight scale, and a float8 Q/DQ pair on x (static per-tensor scale from
+calibration amax); TensorRT runs those as FP8 GEMMs on sm89+, ONNX Runtime literally (which is
+the simulated quantization `trtbuild eval` measures).
 """
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
+import torch
 from onnx import numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
@@ -54,13 +58,14 @@ def _fold_into_norm(node: gs.Node, layer, folded: set[int], dtype) -> None:
         folded.add(id(norm))
 
 
-def _fake_quantized(graph: gs.Graph, x, scale: float, dtype, scope: str, shared: dict) -> gs.Variable:
+def _fake_quantized(graph: gs.Graph, x, scale: float, dtype, scope: str, shared: dict,
+                    code_dtype=np.int8) -> gs.Variable:
     """QuantizeLinear → DequantizeLinear of ``x`` (int8, zero point 0), one pair per tensor and scale."""
     key = (x.name, scale)
     if key not in shared:
         a = gs.Constant(f"{x.name}.act_scale", np.array(scale, dtype=dtype))
-        zero = gs.Constant(f"{x.name}.act_zero", np.array(0, dtype=np.int8))
-        q = gs.Variable(f"{x.name}.act_q", dtype=np.int8)
+        zero = gs.Constant(f"{x.name}.act_zero", np.array(0, dtype=code_dtype))
+        q = gs.Variable(f"{x.name}.act_q", dtype=code_dtype)
         dq = gs.Variable(f"{x.name}.act_dq", dtype=dtype)
         graph.nodes.append(new_node("QuantizeLinear", f"{scope}/QuantizeLinear_act", [x, a, zero], outputs=[q]))
         graph.nodes.append(new_node("DequantizeLinear", f"{scope}/DequantizeLinear_act", [q, a, zero], outputs=[dq]))
@@ -85,9 +90,12 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
             skipped[node.name] = f"weight is not a constant of shape {tuple(layer.codes.shape[::-1])}"
             continue
         dtype = np.dtype(weight.dtype)
-        codes = layer.codes.T.contiguous().numpy()              # [in, out]
+        codes = None if layer.fp8 else layer.codes.T.contiguous().numpy()  # [in, out]
         scales = layer.scales.numpy().astype(dtype)
-        if layer.bits == 4:
+        if layer.fp8:  # per-tensor: a scalar scale, no axis
+            codes = layer.codes.T.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+            scales, attrs = np.array(layer.scales[0].item(), dtype), {}
+        elif layer.bits == 4:
             codes, scales = codes.astype(ml_dtypes.int4), np.ascontiguousarray(scales.T)  # scales [in/g, out]
             attrs = {"axis": 0, "block_size": layer.group}
         else:
@@ -106,8 +114,9 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
             inverse = gs.Constant(f"{name}.input_scale_inv", (1.0 / layer.input_scale.numpy()).astype(dtype))
             graph.nodes.append(new_node("Mul", f"{scope}/ActivationScale", [node.inputs[0], inverse], outputs=[scaled]))
             node.inputs[0] = scaled
-        if layer.activation_scale is not None:  # W8A8: int8 activations with a static per-tensor scale
-            node.inputs[0] = _fake_quantized(graph, node.inputs[0], layer.activation_scale, dtype, scope, shared_qdq)
+        if layer.activation_scale is not None:  # W8A8 / FP8: activations with a static per-tensor scale
+            node.inputs[0] = _fake_quantized(graph, node.inputs[0], layer.activation_scale, dtype, scope, shared_qdq,
+                                             ml_dtypes.float8_e4m3fn if layer.fp8 else np.int8)
         done[name] = (ctx.quant_report or {}).get(name, {})
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     if len(done) != len(layers):

@@ -13,6 +13,9 @@ import torch
 INT_RANGE = {8: 127, 4: 7}
 
 
+FP8_MAX = 448.0  # largest finite float8 E4M3FN
+
+
 @dataclass
 class QuantizedLinear:
     codes: torch.Tensor           # int8 [out, in], values in [-qmax, qmax]
@@ -20,14 +23,22 @@ class QuantizedLinear:
     bits: int
     group: int | None             # None: per output channel
     input_scale: torch.Tensor | None = None  # AWQ/SmoothQuant: x is divided by it, W was multiplied by it
-    activation_scale: float | None = None    # W8A8: x / input_scale is quantized to int8 with this scale
+    activation_scale: float | None = None    # W8A8/FP8: x / input_scale is quantized with this scale
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 E4M3 codes with one per-tensor scale (weights and activations)."""
+        return self.codes.dtype == torch.float8_e4m3fn
 
     def fake_quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        """What the engine feeds the GEMM, expressed in the original input space (W8A8)."""
+        """What the engine feeds the GEMM, expressed in the original input space (W8A8, FP8)."""
         smoothed = x / self.input_scale if self.input_scale is not None else x
         if self.activation_scale is not None:
             a = self.activation_scale
-            smoothed = torch.clamp(torch.round(smoothed / a), -127, 127) * a
+            if self.fp8:  # QuantizeLinear saturates to ±448, then rounds to the nearest E4M3 value
+                smoothed = torch.clamp(smoothed / a, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * a
+            else:
+                smoothed = torch.clamp(torch.round(smoothed / a), -127, 127) * a
         return smoothed * self.input_scale if self.input_scale is not None else smoothed
 
     def dequantize(self) -> torch.Tensor:
@@ -38,6 +49,16 @@ class QuantizedLinear:
             out_features, in_features = self.codes.shape
             w = (self.codes.float().view(out_features, -1, self.group) * self.scales[:, :, None]).view(out_features, in_features)
         return w / self.input_scale[None, :] if self.input_scale is not None else w
+
+
+def fp8_per_tensor(w: torch.Tensor, input_amax: float | None) -> QuantizedLinear:
+    """FP8 E4M3 with absmax per-tensor scales (amax / 448) for the weight and, from calibration
+    amax, for the activations: the recipe TensorRT's FP8 GEMMs take."""
+    w = w.float()
+    scale = w.abs().max().clamp(min=1e-8) / FP8_MAX
+    codes = torch.clamp(w / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    activation = None if input_amax is None else max(float(input_amax), 1e-8) / FP8_MAX
+    return QuantizedLinear(codes=codes, scales=scale.reshape(1), bits=8, group=None, activation_scale=activation)
 
 
 def _scales(w: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:

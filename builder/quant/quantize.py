@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..spec import Spec, linear_names
-from .algorithms import QuantizedLinear, awq, gptq, rtn, smoothquant
+from .algorithms import QuantizedLinear, awq, fp8_per_tensor, gptq, rtn, smoothquant
 from .calibrate import calibration_batches, collect
 
 
@@ -38,6 +38,8 @@ def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=
         weight = weight_of(name)
         if name in smoothed:
             result = smoothed[name]
+        elif q.mode == "fp8":
+            result = fp8_per_tensor(weight, float(stats[name].abs_max.max()) if name in stats else None)
         elif q.algorithm == "gptq":
             result = gptq(weight, stats[name].hessian, q.bits, group)
         elif q.algorithm == "awq":
