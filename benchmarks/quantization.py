@@ -5,7 +5,8 @@
 
 Builds tiny-code unquantized, per weight-only mode/algorithm, W8A8 SmoothQuant (alpha 0.5) and
 FP8 (E4M3 per-tensor weights and activations, sm89+ targets; ONNX Runtime runs its Q/DQ pairs
-literally, i.e. simulated FP8 at the engine's scales), then measures, in this run:
+literally, i.e. simulated FP8 at the engine's scales) and NVFP4 weights (sm120; ONNX Runtime runs
+the FP4 weights folded to float by plugins/fp4.py, i.e. simulated), then measures, in this run:
 held-out perplexity (trtbuild eval: the rank ONNX in ONNX Runtime, windows of 512 tokens) and
 its change vs unquantized, greedy (top-1) agreement with the unquantized checkpoint, weight
 bytes (float tensors counted at 16 bit, integer codes as stored) vs fp16, build time, and ONNX
@@ -35,9 +36,9 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 MODES = [("none", "-", None), ("int8_weight_only", "rtn", None),
          ("int4_weight_only", "rtn", 128), ("int4_weight_only", "awq", 128), ("int4_weight_only", "gptq", 128),
          ("int4_weight_only", "rtn", 64), ("int4_weight_only", "awq", 64), ("int4_weight_only", "gptq", 64),
-         ("w8a8", "rtn", None), ("fp8", "rtn", None)]
-# FP8 needs sm89+ targets (TensorRT-RTX refuses E4M3 for sm80/86); the others build for Ampere too.
-TARGETS = {"fp8": "[sm89, sm120]"}
+         ("w8a8", "rtn", None), ("fp8", "rtn", None), ("nvfp4", "rtn", None)]
+# FP8 needs sm89+ targets (TensorRT-RTX refuses E4M3 for sm80/86), NVFP4 sm120; the rest build for Ampere too.
+TARGETS = {"fp8": "[sm89, sm120]", "nvfp4": "[sm120]"}
 
 
 def calibration_text(path: Path, limit: int = 400_000) -> Path:
@@ -60,7 +61,7 @@ def weight_bytes(onnx_path: Path) -> int:
         count = int(np.prod(t.dims)) if t.dims else 1
         if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
             total += 2 * count
-        elif t.data_type == onnx.TensorProto.INT4:
+        elif t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.FLOAT4E2M1):
             total += (count + 1) // 2
         elif t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.FLOAT8E4M3FN):
             total += count
@@ -94,7 +95,8 @@ def main() -> None:
         tmp = Path(tmp)
         calib = calibration_text(tmp / "calibration.txt")
         for mode, algorithm, group in MODES:
-            name = {"none": "none", "w8a8": "w8a8-smoothquant-a0.5", "fp8": "fp8-e4m3-per-tensor"}.get(mode) or (
+            name = {"none": "none", "w8a8": "w8a8-smoothquant-a0.5", "fp8": "fp8-e4m3-per-tensor",
+                    "nvfp4": "nvfp4-weights"}.get(mode) or (
                 f"{mode}-{algorithm}" + (f"-g{group}" if group else ""))
             if args.modes and mode != "none" and name not in args.modes.split(","):
                 continue

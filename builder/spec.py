@@ -136,7 +136,7 @@ class QuantizationSection(_Section):
     @property
     def bits(self) -> int | None:
         """Weight bits of the implemented modes (w8a8 weights are int8 too)."""
-        return {"int8_weight_only": 8, "int4_weight_only": 4, "w8a8": 8, "fp8": 8}.get(self.mode)
+        return {"int8_weight_only": 8, "int4_weight_only": 4, "w8a8": 8, "fp8": 8, "nvfp4": 4}.get(self.mode)
 
 
 class MedusaSection(_Section):
@@ -343,24 +343,26 @@ def _check_quantization(spec: Spec) -> None:
     if q.mode == "nvfp4" and (not targets or any(t not in ("sm120", "sm121") for t in targets)):
         raise SpecError("quantization.mode", f"nvfp4 needs sm120/sm121 targets only; build.targets is "
                                              f"{list(targets) or 'portable'}")
-    if q.mode == "nvfp4":
-        raise SpecError("quantization.mode", "nvfp4 is not implemented yet; valid now: none, "
-                                             "int8_weight_only, int4_weight_only, w8a8, fp8")
     if q.kv_cache in ("int8", "fp8"):
-        raise SpecError("quantization.kv_cache", f"{q.kv_cache} is not implemented yet; use auto or fp16")
+        raise SpecError("quantization.kv_cache", f"{q.kv_cache} caches do not build: TensorRT-RTX's KV-cache "
+                                                 "update (ONNX TensorScatter) takes only float16/bfloat16/float32 "
+                                                 "caches; use auto or fp16")
     if q.mode == "none":
         return
-    if q.mode in ("int8_weight_only", "w8a8", "fp8") and q.algorithm != "rtn":
+    if q.mode in ("int8_weight_only", "w8a8", "fp8", "nvfp4") and q.algorithm != "rtn":
         raise SpecError("quantization.algorithm", f"{q.algorithm} applies to int4_weight_only; {q.mode} "
                                                   "uses rtn (per output channel)")
     if q.mode in ("w8a8", "fp8") and q.calibration is None:
         raise SpecError("quantization.calibration", f"required for mode {q.mode} (static activation scales): "
                                                     "{data: TEXT_FILE, samples: N, seq_len: L}")
-    if q.mode == "int4_weight_only":
+    if q.mode in ("int4_weight_only", "nvfp4"):
+        group = 16 if q.mode == "nvfp4" else q.group_size  # NVFP4's block is fixed by the format
         for field, dim in (("hidden_size", arch.hidden_size), ("intermediate_size", arch.intermediate_size),
                            ("num_attention_heads × head_dim", arch.num_heads * arch.head_dim)):
-            if dim % q.group_size:
-                raise SpecError("quantization.group_size", f"{q.group_size} does not divide {field}={dim}")
+            if dim % group:
+                where = "quantization.mode" if q.mode == "nvfp4" else "quantization.group_size"
+                raise SpecError(where, f"{group} does not divide {field}={dim}" +
+                                (" (NVFP4 blocks are 16 input channels)" if q.mode == "nvfp4" else ""))
     if q.algorithm in ("awq", "gptq") or q.calibration is not None:
         if q.calibration is None:
             raise SpecError("quantization.calibration", f"required for algorithm {q.algorithm}: "

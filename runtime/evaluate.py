@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..plugins import fp4
+
 
 @dataclass(frozen=True)
 class Scores:
@@ -78,7 +80,7 @@ def score_engine(engine_dir: Path, batches: np.ndarray, threads: int = 0) -> Sco
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(d.rank_file(0, "onnx")), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(fp4.ort_source(d.rank_file(0, "onnx")), options, providers=["CPUExecutionProvider"])
     dtype = {"float32": np.float32, "float16": np.float16}[d.dtype]
     context = batches.shape[1] - 1
     if context > d.max_seq_len:

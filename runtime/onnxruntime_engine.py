@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from ..plugins import fp4
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
 from .scheduler import Step
@@ -30,7 +31,7 @@ class OnnxRuntimeEngine:
         options.intra_op_num_threads = threads
         # Spinning threads burn the cores the Python loop between steps needs.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(engine_dir.rank_file(rank, "onnx")), options,
+        self.session = ort.InferenceSession(fp4.ort_source(engine_dir.rank_file(rank, "onnx")), options,
                                             providers=["CPUExecutionProvider"])
         dtype = _DTYPES[engine_dir.dtype]
         slot_shape = (engine_dir.num_kv_heads, engine_dir.max_seq_len, engine_dir.head_dim)

@@ -30,7 +30,7 @@ def spec_with(**quantization) -> dict:
     ({"mode": "nvfp4"}, "quantization.mode: nvfp4 needs sm120/sm121 targets only"),
     ({"mode": "w8a8"}, "quantization.calibration: required for mode w8a8"),
     ({"mode": "fp8", "calibration": {"data": str(CALIB)}}, "quantization.mode: fp8 needs every build target"),
-    ({"mode": "int8_weight_only", "kv_cache": "int8"}, "quantization.kv_cache: int8 is not implemented yet"),
+    ({"mode": "int8_weight_only", "kv_cache": "int8"}, "quantization.kv_cache: int8 caches do not build: TensorRT-RTX's KV-cache update"),
     ({"mode": "int8_weight_only", "algorithm": "awq"}, "quantization.algorithm: awq applies to int4_weight_only"),
     ({"mode": "int4_weight_only", "group_size": 96}, "quantization.group_size: 96 does not divide hidden_size=256"),
     ({"mode": "int4_weight_only", "algorithm": "gptq"}, "quantization.calibration: required for algorithm gptq"),
@@ -96,6 +96,31 @@ def test_fp8_quantizes_weights_and_activations_per_tensor():
     np.testing.assert_allclose(y, (layer.fake_quantize_input(x) @ layer.dequantize().T).numpy(), atol=1e-4)
 
 
+def test_nvfp4_blocks_of_16_with_fp8_scales_and_a_simulated_cpu_path():
+    import ml_dtypes
+
+    from trtbuild.builder.quant.algorithms import nvfp4
+    from trtbuild.plugins import fp4
+
+    torch.manual_seed(2)
+    w, x = torch.randn(16, 64), torch.randn(4, 64)
+    layer = nvfp4(w)
+    assert layer.nvfp4 and layer.group == 16 and layer.scales.shape == (16, 4)
+    grid = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
+    assert set(layer.codes.abs().unique().tolist()) <= grid                     # E2M1 values
+    scales = layer.scales.numpy()
+    assert np.array_equal(scales.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), scales)  # E4M3 values
+    assert float((layer.dequantize() - w).norm() / w.norm()) < 0.12            # ~4-bit error
+    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"layers.0.mlp.up_proj": layer})
+    model = gs.export_onnx(quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx).graph)
+    assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear", "DequantizeLinear", "MatMul"]
+    assert fp4.has_fp4(model)
+    simulated = fp4.simulate(model)
+    assert not fp4.has_fp4(simulated) and [n.op_type for n in simulated.graph.node] == ["MatMul"]
+    y = run_onnx(simulated, {"x": x.numpy()})["y"]
+    np.testing.assert_allclose(y, (x @ layer.dequantize().T).numpy(), atol=1e-4)
+
+
 def test_quantize_weights_fails_when_a_layer_is_missing():
     w = torch.randn(16, 64)
     ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0),
@@ -109,7 +134,8 @@ def test_quantize_weights_fails_when_a_layer_is_missing():
     {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64},
     {"mode": "w8a8", "smoothquant_alpha": 0.5},
     {"mode": "fp8"},  # E4M3 weights and activations: builds for sm89 with TensorRT-RTX, runs in ORT
-])
+    {"mode": "nvfp4"},  # FP4 weights: builds for sm120; ORT runs it simulated (plugins/fp4.py)
+], ids=["int4-gptq-g64", "w8a8", "fp8", "nvfp4"])
 def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
@@ -118,7 +144,8 @@ def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     calib = tmp_path / "calib.txt"
     calib.write_text((REPO / "tools" / "train_tiny_model.py").read_text() * 20)  # code, and not held-out text
     spec = Spec.from_dict({**spec_with(**quantization, calibration={"data": str(calib), "samples": 8, "seq_len": 256}),
-                           "build": {"max_input_len": 256, "max_seq_len": 1024, "targets": ["sm89"]}})
+                           "build": {"max_input_len": 256, "max_seq_len": 1024,
+                                     "targets": ["sm120"] if quantization["mode"] == "nvfp4" else ["sm89"]}})
     summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
     record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
     assert record["matches"] == 42 and record["numerics"]["ok"]

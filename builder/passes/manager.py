@@ -15,6 +15,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .. import numerics
+from ...plugins import fp4
 from ..emit.rank_onnx import save_graph
 from ..errors import UserError
 from .base import Pass, PassContext, PassError, PassResult
@@ -43,6 +44,8 @@ class NumericsGate:
 
     def __call__(self, graph: gs.Graph, pass_name: str, ran_before: list[str], quantized: bool = False) -> dict:
         model = gs.export_onnx(graph)
+        if fp4.has_fp4(model):  # ONNX Runtime has no FP4 kernels: fold to float weights (simulated)
+            model = fp4.simulate(model)
         if self.workdir is not None:  # external weights resolve relative to the model file
             path = self.workdir / "numerics.onnx"
             onnx.save_model(model, path)

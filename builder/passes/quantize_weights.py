@@ -6,7 +6,9 @@ producing RMSNorm's weight when every consumer shares it, else x' = x / s by a M
 a QuantizeLinear/DequantizeLinear pair on x' (int8, static per-tensor scale). FP8: E4M3 codes
 with one per-tensor weight scale, and a float8 Q/DQ pair on x (static per-tensor scale from
 calibration amax); TensorRT runs those as FP8 GEMMs on sm89+, ONNX Runtime literally (which is
-the simulated quantization `trtbuild eval` measures).
+the simulated quantization `trtbuild eval` measures). NVFP4 (weight-only): FLOAT4E2M1 codes,
+block_size 16, whose scales are themselves DequantizeLinear(FP8 block scales, global scale);
+ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (plugins/fp4.py).
 """
 from __future__ import annotations
 
@@ -90,9 +92,18 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
             skipped[node.name] = f"weight is not a constant of shape {tuple(layer.codes.shape[::-1])}"
             continue
         dtype = np.dtype(weight.dtype)
-        codes = None if layer.fp8 else layer.codes.T.contiguous().numpy()  # [in, out]
-        scales = layer.scales.numpy().astype(dtype)
-        if layer.fp8:  # per-tensor: a scalar scale, no axis
+        codes = None if layer.fp8 or layer.nvfp4 else layer.codes.T.contiguous().numpy()  # [in, out]
+        scales = None if layer.nvfp4 else layer.scales.numpy().astype(dtype)
+        if layer.nvfp4:  # FP4 codes in blocks of 16 inputs; FP8 block scales × a global scale
+            codes = layer.codes.T.contiguous().numpy().astype(ml_dtypes.float4_e2m1fn)       # [in, out]
+            blocks = np.ascontiguousarray(layer.scales.T.numpy()).astype(ml_dtypes.float8_e4m3fn)  # [in/16, out]
+            scales = gs.Variable(f"{name}.weight_scale", dtype=dtype)
+            graph.nodes.append(new_node("DequantizeLinear", f"{node.name.rsplit('/', 1)[0]}/DequantizeLinear_scale",
+                                        [_constant(f"{name}.weight_block_scale", blocks),
+                                         gs.Constant(f"{name}.weight_global_scale",
+                                                     np.array(layer.global_scale, dtype))], {}, [scales]))
+            attrs = {"axis": 0, "block_size": layer.group}
+        elif layer.fp8:  # per-tensor: a scalar scale, no axis
             codes = layer.codes.T.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
             scales, attrs = np.array(layer.scales[0].item(), dtype), {}
         elif layer.bits == 4:
@@ -103,7 +114,8 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
         scope = node.name.rsplit("/", 1)[0]
         dequantized = gs.Variable(f"{name}.weight_dq", dtype=dtype, shape=list(weight.shape))
         graph.nodes.append(new_node("DequantizeLinear", f"{scope}/DequantizeLinear",
-                                    [_constant(f"{name}.weight_q", codes), gs.Constant(f"{name}.weight_scale", scales)],
+                                    [_constant(f"{name}.weight_q", codes),
+                                     scales if layer.nvfp4 else gs.Constant(f"{name}.weight_scale", scales)],
                                     attrs, [dequantized]))
         node.inputs[1] = dequantized
         if fold[id(node)]:

@@ -1,13 +1,14 @@
 """Symmetric weight quantizers for one linear layer ``y = x @ W.T`` (W: [out, in]).
 
-Each returns a ``QuantizedLinear``: integer codes, scales and (AWQ) an input-channel scale
-folded into the activations. Codes are what ``DequantizeLinear`` expands back:
-int8 per output channel, int4 per group of ``group`` input channels.
+Each returns a ``QuantizedLinear``: codes, scales and (AWQ) an input-channel scale folded
+into the activations. Codes are what ``DequantizeLinear`` expands back: int8 per output
+channel, int4 per group of ``group`` input channels, FP8 per tensor, NVFP4 per 16 inputs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 INT_RANGE = {8: 127, 4: 7}
@@ -24,6 +25,11 @@ class QuantizedLinear:
     group: int | None             # None: per output channel
     input_scale: torch.Tensor | None = None  # AWQ/SmoothQuant: x is divided by it, W was multiplied by it
     activation_scale: float | None = None    # W8A8/FP8: x / input_scale is quantized with this scale
+    global_scale: float | None = None        # NVFP4: codes are FP4 values, scales FP8 values × this
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.global_scale is not None
 
     @property
     def fp8(self) -> bool:
@@ -43,6 +49,8 @@ class QuantizedLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The weight the engine computes with, [out, in], in the original input space."""
+        if self.nvfp4:
+            return self.codes.float() * self.scales.repeat_interleave(self.group, dim=1) * self.global_scale
         if self.group is None:
             w = self.codes.float() * self.scales[:, None]
         else:
@@ -59,6 +67,26 @@ def fp8_per_tensor(w: torch.Tensor, input_amax: float | None) -> QuantizedLinear
     codes = torch.clamp(w / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     activation = None if input_amax is None else max(float(input_amax), 1e-8) / FP8_MAX
     return QuantizedLinear(codes=codes, scales=scale.reshape(1), bits=8, group=None, activation_scale=activation)
+
+
+FP4_MAX, NVFP4_BLOCK = 6.0, 16
+
+
+def nvfp4(w: torch.Tensor) -> QuantizedLinear:
+    """NVFP4: E2M1 codes in blocks of 16 input channels, each block's scale an E4M3 value, times
+    one float32 global scale (amax / (448 · 6)) so the block scales use FP8's whole range."""
+    import ml_dtypes
+
+    w = w.float()
+    out_features, in_features = w.shape
+    global_scale = max(float(w.abs().max()), 1e-8) / (FP8_MAX * FP4_MAX)
+    blocks = w.view(out_features, -1, NVFP4_BLOCK)                               # [out, in/16, 16]
+    block_scale = (blocks.abs().amax(dim=2) / FP4_MAX / global_scale).clamp(max=FP8_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn).float().clamp(min=2 ** -9)  # representable, non-zero
+    scaled = (blocks / (block_scale * global_scale)[:, :, None]).clamp(-FP4_MAX, FP4_MAX)
+    codes = torch.from_numpy(scaled.numpy().astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    return QuantizedLinear(codes=codes.view(out_features, in_features), scales=block_scale, bits=4,
+                           group=NVFP4_BLOCK, global_scale=global_scale)
 
 
 def _scales(w: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..spec import Spec, linear_names
-from .algorithms import QuantizedLinear, awq, fp8_per_tensor, gptq, rtn, smoothquant
+from .algorithms import QuantizedLinear, awq, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
 from .calibrate import calibration_batches, collect
 
 
@@ -38,6 +38,8 @@ def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=
         weight = weight_of(name)
         if name in smoothed:
             result = smoothed[name]
+        elif q.mode == "nvfp4":
+            result = nvfp4(weight)
         elif q.mode == "fp8":
             result = fp8_per_tensor(weight, float(stats[name].abs_max.max()) if name in stats else None)
         elif q.algorithm == "gptq":
@@ -53,7 +55,10 @@ def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=
             tensors[f"{name}.input_scale"] = result.input_scale.clone()  # layers may share one s
         if result.activation_scale is not None:
             tensors[f"{name}.activation_scale"] = torch.tensor([result.activation_scale])
+        if result.global_scale is not None:
+            tensors[f"{name}.global_scale"] = torch.tensor([result.global_scale], dtype=torch.float64)
         progress(f"  quantized {name} ({index + 1}/{len(names)}, {q.mode}, {q.algorithm})")
+    group = 16 if q.mode == "nvfp4" else group
     save_file(tensors, str(out), metadata={"bits": str(q.bits or 8), "group": str(group or 0),
                                            "report": json.dumps(report)})
     return report
@@ -71,9 +76,11 @@ def load_quantized(path: Path) -> tuple[dict[str, QuantizedLinear], dict[str, di
         if key.endswith(".codes"):
             name = key[: -len(".codes")]
             activation = tensors.get(f"{name}.activation_scale")
+            global_scale = tensors.get(f"{name}.global_scale")
             layers[name] = QuantizedLinear(codes=tensors[key], scales=tensors[f"{name}.scales"], bits=bits,
                                            group=group, input_scale=tensors.get(f"{name}.input_scale"),
-                                           activation_scale=None if activation is None else float(activation[0]))
+                                           activation_scale=None if activation is None else float(activation[0]),
+                                           global_scale=None if global_scale is None else float(global_scale[0]))
     return layers, json.loads(meta["report"])
 
 
