@@ -33,10 +33,16 @@ from train_tiny_model import corpus_files, read_text, split_files  # noqa: E402
 
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 
-MODES = [("none", "-", None), ("int8_weight_only", "rtn", None),
-         ("int4_weight_only", "rtn", 128), ("int4_weight_only", "awq", 128), ("int4_weight_only", "gptq", 128),
-         ("int4_weight_only", "rtn", 64), ("int4_weight_only", "awq", 64), ("int4_weight_only", "gptq", 64),
-         ("w8a8", "rtn", None), ("fp8", "rtn", None), ("nvfp4", "rtn", None)]
+# (row name, quantization fields); "all" rows also quantize lm_head and the embeddings (int8 rows).
+MODES = [("none", None)]
+MODES += [("int8_weight_only-rtn", {"mode": "int8_weight_only"})]
+MODES += [(f"int4_weight_only-{alg}-g{g}", {"mode": "int4_weight_only", "algorithm": alg, "group_size": g})
+          for g in (128, 64) for alg in ("rtn", "awq", "gptq")]
+MODES += [("w8a8-smoothquant-a0.5", {"mode": "w8a8"}), ("fp8-e4m3-per-tensor", {"mode": "fp8"}),
+          ("nvfp4-weights", {"mode": "nvfp4"}),
+          ("int8-all", {"mode": "int8_weight_only", "exclude": [], "quantize_embeddings": True}),
+          ("int4-gptq-g64-all", {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64, "exclude": [],
+                                 "quantize_embeddings": True})]
 # FP8 needs sm89+ targets (TensorRT-RTX refuses E4M3 for sm80/86), NVFP4 sm120; the rest build for Ampere too.
 TARGETS = {"fp8": "[sm89, sm120]", "nvfp4": "[sm120]"}
 
@@ -94,16 +100,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         calib = calibration_text(tmp / "calibration.txt")
-        for mode, algorithm, group in MODES:
-            name = {"none": "none", "w8a8": "w8a8-smoothquant-a0.5", "fp8": "fp8-e4m3-per-tensor",
-                    "nvfp4": "nvfp4-weights"}.get(mode) or (
-                f"{mode}-{algorithm}" + (f"-g{group}" if group else ""))
-            if args.modes and mode != "none" and name not in args.modes.split(","):
+        for name, fields in MODES:
+            if args.modes and fields and name not in args.modes.split(","):
                 continue
             spec = tmp / f"{name}.yaml"
-            quant = ("" if mode == "none" else
-                     f"quantization: {{mode: {mode}, algorithm: {algorithm}, group_size: {group or 128}, "
-                     f"calibration: {{data: {calib}, samples: 32, seq_len: 256}}}}\n")
+            mode = fields["mode"] if fields else "none"
+            quant = "" if not fields else "quantization: " + json.dumps(
+                {**fields, "calibration": {"data": str(calib), "samples": 32, "seq_len": 256}}) + "\n"
             spec.write_text(f"model: {{checkpoint: {REPO / 'models' / 'tiny-code'}, dtype: float32}}\n"
                             f"build: {{targets: {TARGETS.get(mode, '[sm80, sm86, sm89]')}, max_batch_size: 8, "
                             "max_input_len: 256, "
@@ -132,7 +135,7 @@ def main() -> None:
                        ["mode", "perplexity", "Δ vs none", "top-1 agree", "weights", "vs fp16", "build s",
                         "tok/s b1", "tok/s b8"]))
     print(f"\n(held-out: first {args.max_tokens} tokens of models/tiny-code/heldout.txt; "
-          "weights: float tensors at 16 bit, int codes as stored; lm_head and embeddings stay float)")
+          "weights: float tensors at 16 bit, codes as stored; lm_head and embeddings stay float except in *-all rows)")
 
 
 if __name__ == "__main__":

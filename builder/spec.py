@@ -132,6 +132,7 @@ class QuantizationSection(_Section):
     kv_cache: Literal["auto", "fp16", "int8", "fp8"] = "auto"
     exclude: tuple[str, ...] = ("lm_head",)
     smoothquant_alpha: float = Field(0.5, ge=0.0, le=1.0, description="w8a8: migration strength")
+    quantize_embeddings: bool = Field(False, description="int8 per-row embedding table (DequantizeLinear → Gather)")
 
     @property
     def bits(self) -> int | None:
@@ -347,6 +348,12 @@ def _check_quantization(spec: Spec) -> None:
         raise SpecError("quantization.kv_cache", f"{q.kv_cache} caches do not build: TensorRT-RTX's KV-cache "
                                                  "update (ONNX TensorScatter) takes only float16/bfloat16/float32 "
                                                  "caches; use auto or fp16")
+    if q.quantize_embeddings and q.mode not in ("int8_weight_only", "int4_weight_only", "w8a8"):
+        raise SpecError("quantization.quantize_embeddings", f"applies to int8_weight_only, int4_weight_only and "
+                                                            f"w8a8 (int8 rows); mode is {q.mode}")
+    if q.quantize_embeddings and arch.tie_word_embeddings:
+        raise SpecError("quantization.quantize_embeddings", "the checkpoint ties its embeddings to lm_head "
+                                                            "(tie_word_embeddings): quantize lm_head instead")
     if q.mode == "none":
         return
     if q.mode in ("int8_weight_only", "w8a8", "fp8", "nvfp4") and q.algorithm != "rtn":

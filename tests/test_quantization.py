@@ -32,6 +32,7 @@ def spec_with(**quantization) -> dict:
     ({"mode": "fp8", "calibration": {"data": str(CALIB)}}, "quantization.mode: fp8 needs every build target"),
     ({"mode": "int8_weight_only", "kv_cache": "int8"}, "quantization.kv_cache: int8 caches do not build: TensorRT-RTX's KV-cache update"),
     ({"mode": "int8_weight_only", "algorithm": "awq"}, "quantization.algorithm: awq applies to int4_weight_only"),
+    ({"mode": "none", "quantize_embeddings": True}, "quantization.quantize_embeddings: applies to int8_weight_only"),
     ({"mode": "int4_weight_only", "group_size": 96}, "quantization.group_size: 96 does not divide hidden_size=256"),
     ({"mode": "int4_weight_only", "algorithm": "gptq"}, "quantization.calibration: required for algorithm gptq"),
     ({"mode": "int4_weight_only", "algorithm": "awq", "calibration": {"data": "/nonexistent.txt"}},
@@ -119,6 +120,31 @@ def test_nvfp4_blocks_of_16_with_fp8_scales_and_a_simulated_cpu_path():
     assert not fp4.has_fp4(simulated) and [n.op_type for n in simulated.graph.node] == ["MatMul"]
     y = run_onnx(simulated, {"x": x.numpy()})["y"]
     np.testing.assert_allclose(y, (x @ layer.dequantize().T).numpy(), atol=1e-4)
+
+
+def test_embedding_table_becomes_int8_rows_dequantized_then_gathered():
+    torch.manual_seed(4)
+    table = torch.randn(32, 8)                                           # [V, D]
+    layer = rtn(table, 8, None)
+    node = helper.make_node("Gather", ["embed_tokens.weight", "ids"], ["h"], name="/model/embed_tokens/Gather")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT32, [2, 3])],
+                              [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 3, 8])],
+                              [numpy_helper.from_array(table.numpy(), "embed_tokens.weight")])
+    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"embed_tokens": layer})
+    result = quantize_weights(gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])), ctx)
+    assert result.stats["matches"] == 1
+    model = gs.export_onnx(result.graph)
+    assert [n.op_type for n in model.graph.node] == ["DequantizeLinear", "Gather"]  # TensorRT's accepted order
+    ids = np.array([[0, 5, 31], [7, 7, 1]], np.int32)
+    h = run_onnx(model, {"ids": ids})["h"]
+    np.testing.assert_allclose(h, layer.dequantize().numpy()[ids], atol=1e-6)
+
+
+def test_tied_embeddings_are_not_quantized_twice(checkpoints):
+    message = str(pytest.raises(SpecError, Spec.from_dict, {
+        "model": {"checkpoint": str(checkpoints["qwen2"]), "dtype": "float32"}, "build": {"max_seq_len": 512},
+        "quantization": {"mode": "int8_weight_only", "quantize_embeddings": True}}).value)
+    assert message.startswith("quantization.quantize_embeddings: the checkpoint ties its embeddings")
 
 
 def test_quantize_weights_fails_when_a_layer_is_missing():

@@ -75,6 +75,23 @@ def _fake_quantized(graph: gs.Graph, x, scale: float, dtype, scope: str, shared:
     return shared[key]
 
 
+def _quantize_embedding(graph: gs.Graph, layer, ctx: PassContext) -> dict:
+    """Gather(table) → Gather(DequantizeLinear(int8 codes, per-row scales)): TensorRT only takes
+    int8 constants that feed a DequantizeLinear, so the table is dequantized, then gathered."""
+    gather = next((n for n in graph.nodes if n.op == "Gather" and module_of(n.name) == "embed_tokens"
+                   and isinstance(n.inputs[0], gs.Constant)), None)
+    if gather is None or tuple(gather.inputs[0].shape) != tuple(layer.codes.shape):
+        raise PassError(f"quantize_weights: no embedding Gather over a constant of shape {tuple(layer.codes.shape)}")
+    dtype = np.dtype(gather.inputs[0].dtype)
+    table = gs.Variable("embed_tokens.weight_dq", dtype=dtype, shape=list(layer.codes.shape))
+    graph.nodes.append(new_node("DequantizeLinear", "/model/embed_tokens/DequantizeLinear",
+                                [_constant("embed_tokens.weight_q", layer.codes.numpy()),
+                                 gs.Constant("embed_tokens.weight_scale", layer.scales.numpy().astype(dtype))],
+                                {"axis": 0}, [table]))
+    gather.inputs[0] = table
+    return (ctx.quant_report or {}).get("embed_tokens", {})
+
+
 def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     layers = ctx.quantized or {}
     if not layers:
@@ -82,6 +99,8 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     done, skipped = {}, {}
     folded: set[int] = set()
     shared_qdq: dict[tuple[str, float], gs.Variable] = {}
+    if "embed_tokens" in layers:
+        done["embed_tokens"] = _quantize_embedding(graph, layers["embed_tokens"], ctx)
     targets = [(node, module_of(node.name)) for node in graph.nodes
                if node.op == "MatMul" and module_of(node.name) in layers]
     fold = {id(node): _foldable(node, layers[name], layers) for node, name in targets}

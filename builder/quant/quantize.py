@@ -58,6 +58,11 @@ def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=
         if result.global_scale is not None:
             tensors[f"{name}.global_scale"] = torch.tensor([result.global_scale], dtype=torch.float64)
         progress(f"  quantized {name} ({index + 1}/{len(names)}, {q.mode}, {q.algorithm})")
+    if q.quantize_embeddings:  # int8 per vocabulary row, whatever the linears' mode
+        table = modules["model.embed_tokens"].weight.detach().float()  # [V, D]
+        result = rtn(table, 8, None)
+        report["embed_tokens"] = _errors(table, result, None)
+        tensors["embed_tokens.codes"], tensors["embed_tokens.scales"] = result.codes.contiguous(), result.scales
     group = 16 if q.mode == "nvfp4" else group
     save_file(tensors, str(out), metadata={"bits": str(q.bits or 8), "group": str(group or 0),
                                            "report": json.dumps(report)})
@@ -77,8 +82,10 @@ def load_quantized(path: Path) -> tuple[dict[str, QuantizedLinear], dict[str, di
             name = key[: -len(".codes")]
             activation = tensors.get(f"{name}.activation_scale")
             global_scale = tensors.get(f"{name}.global_scale")
-            layers[name] = QuantizedLinear(codes=tensors[key], scales=tensors[f"{name}.scales"], bits=bits,
-                                           group=group, input_scale=tensors.get(f"{name}.input_scale"),
+            embedding = name == "embed_tokens"  # int8 per row in every mode
+            layers[name] = QuantizedLinear(codes=tensors[key], scales=tensors[f"{name}.scales"],
+                                           bits=8 if embedding else bits, group=None if embedding else group,
+                                           input_scale=tensors.get(f"{name}.input_scale"),
                                            activation_scale=None if activation is None else float(activation[0]),
                                            global_scale=None if global_scale is None else float(global_scale[0]))
     return layers, json.loads(meta["report"])
