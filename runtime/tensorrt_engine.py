@@ -92,7 +92,10 @@ class TensorRTEngine:
     def step(self, step: Step) -> StepOutput:
         cudart = self.cudart
         rows = len(step.rids)
-        bucket = self._bucket(rows) if step.kind == StepKind.decode else None
+        # Plain decode pads to a CUDA-graph bucket; dummy rows write the last position of free or
+        # prefilling slots, which no prompt reaches. A verification writes S positions, which a
+        # long prompt still prefilling could own: it runs eagerly at its exact batch instead.
+        bucket = self._bucket(rows) if step.kind == StepKind.decode and not step.verifies else None
         arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
         batch, logit_rows = arrays.input_ids.shape[0], arrays.logits_index.shape[1]
         key = (bucket, step.seq_len)
