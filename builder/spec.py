@@ -119,7 +119,12 @@ class ParallelSection(_Section):
 
 
 class CalibrationSection(_Section):
-    data: Path = Field(description="text file(s) to calibrate on; relative to the spec file")
+    data: tuple[Path, ...] = Field(description="text file(s) to calibrate on; relative to the spec file")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_or_more(cls, value):
+        return [value] if isinstance(value, (str, Path)) else value
     samples: int = Field(32, ge=1)
     seq_len: int = Field(256, ge=8)
 
@@ -247,8 +252,9 @@ class Spec(_Section):
         model._arch = arch
         spec = spec.model_copy(update={"model": model})
         calibration = spec.quantization.calibration
-        if calibration is not None and not calibration.data.is_absolute():
-            calibration = calibration.model_copy(update={"data": (Path(base_dir) / calibration.data).resolve()})
+        if calibration is not None:
+            calibration = calibration.model_copy(update={"data": tuple(
+                path if path.is_absolute() else (Path(base_dir) / path).resolve() for path in calibration.data)})
             spec = spec.model_copy(update={"quantization": spec.quantization.model_copy(
                 update={"calibration": calibration})})
         if spec.medusa is not None:
@@ -374,8 +380,11 @@ def _check_quantization(spec: Spec) -> None:
         if q.calibration is None:
             raise SpecError("quantization.calibration", f"required for algorithm {q.algorithm}: "
                                                         "{data: TEXT_FILE, samples: N, seq_len: L}")
-        if not q.calibration.data.is_file():
-            raise SpecError("quantization.calibration.data", f"{q.calibration.data} is not a file")
+        for path in q.calibration.data:
+            if not path.is_file():
+                raise SpecError("quantization.calibration.data", f"{path} is not a file")
+        if not q.calibration.data:
+            raise SpecError("quantization.calibration.data", "no files given")
     names = linear_names(arch)
     for pattern in q.exclude:
         if not any(pattern in name for name in names):

@@ -49,7 +49,14 @@ def test_valid_int4_spec_resolves_calibration_path(tmp_path):
     (tmp_path / "calib.txt").write_text("x = 1\n" * 100)
     spec = Spec.from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
                                     calibration={"data": "calib.txt"}), base_dir=tmp_path)
-    assert spec.quantization.bits == 4 and spec.quantization.calibration.data == tmp_path / "calib.txt"
+    assert spec.quantization.bits == 4 and spec.quantization.calibration.data == (tmp_path / "calib.txt",)
+    (tmp_path / "more.txt").write_text("y = 2\n" * 100)
+    several = Spec.from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
+                                       calibration={"data": ["calib.txt", "more.txt"]}), base_dir=tmp_path)
+    assert several.quantization.calibration.data == (tmp_path / "calib.txt", tmp_path / "more.txt")
+    with pytest.raises(SpecError, match="quantization.calibration.data: .*missing.txt is not a file"):
+        Spec.from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
+                                 calibration={"data": ["calib.txt", "missing.txt"]}), base_dir=tmp_path)
 
 
 def matmul_graph(w: np.ndarray) -> gs.Graph:

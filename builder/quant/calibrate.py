@@ -26,15 +26,18 @@ class InputStats:
         return torch.cat(self.sample)[:SAMPLE_ROWS]
 
 
-def calibration_batches(checkpoint: Path, data: Path, samples: int, seq_len: int) -> torch.Tensor:
-    """``samples`` non-overlapping windows of ``seq_len`` tokens from the text, [N, L]."""
+def calibration_batches(checkpoint: Path, data: tuple[Path, ...], samples: int, seq_len: int) -> torch.Tensor:
+    """``samples`` non-overlapping windows of ``seq_len`` tokens from the texts (in order), [N, L]."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
-    ids = tokenizer.encode(Path(data).read_text(encoding="utf-8", errors="replace")).ids
+    ids: list[int] = []
+    for path in data:
+        ids += tokenizer.encode(Path(path).read_text(encoding="utf-8", errors="replace")).ids
     windows = min(samples, len(ids) // seq_len)
     if windows == 0:
-        raise ValueError(f"{data}: {len(ids)} tokens is fewer than one calibration window of {seq_len}")
+        names = ", ".join(str(p) for p in data)
+        raise ValueError(f"{names}: {len(ids)} tokens is fewer than one calibration window of {seq_len}")
     return torch.tensor(ids[: windows * seq_len]).view(windows, seq_len)
 
 
