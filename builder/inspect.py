@@ -43,6 +43,10 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool) -> str:
         f"limits       batch ≤ {limits['max_batch_size']}, input ≤ {limits['max_input_len']}, "
         f"sequence ≤ {limits['max_seq_len']}; CUDA-graph buckets {manifest['cuda_graph_batch_sizes']}",
         f"spec sha256  {manifest['spec_sha256'][:16]}…",
+        *([f"medusa       {m['num_heads']} heads × {m['num_layers']} block(s); tree of {len(m['tree'])} guesses "
+           f"(verification S = {m['tree_size']}); output {m['output']}"] if (m := manifest.get("medusa")) else []),
+        f"quantization {(q := manifest['spec'].get('quantization', {})).get('mode', 'none')}"
+        + (f" ({q.get('algorithm')})" if q.get("mode") == "int4_weight_only" else ""),
         f"files        {len(manifest['files'])}, "
         f"{human_bytes(sum(f['bytes'] for f in manifest['files'].values()))}, "
         + ("all hashes verify" if not bad else f"MISMATCH: {', '.join(bad)}"),

@@ -96,6 +96,9 @@ def test_engine_dir_records_heads_and_tree(medusa_engine):
     records = [json.loads(line) for line in (medusa_engine / "passes.jsonl").read_text().splitlines()]
     attach = next(r for r in records if r["pass"] == "attach_medusa")
     assert attach["medusa_heads"] == 4 and attach["numerics"]["ok"]  # vs torch + the heads' numpy reference
+    shown = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(medusa_engine)],
+                           capture_output=True, text=True).stdout
+    assert "medusa       4 heads × 1 block(s); tree of 63 guesses (verification S = 64)" in shown
 
 
 @pytest.mark.parametrize("batch", [1, 4, 8])
