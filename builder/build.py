@@ -15,8 +15,7 @@ from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimi
 from .emit.rank_onnx import save_graph
 from .frontend.export import export_step, load_graph
 from .isolate import map_isolated, run_isolated
-from .medusa.heads import load_heads, read_heads_config
-from .medusa.tree import rank_accuracy
+from .medusa.heads import load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from .passes import PIPELINE, PassContext
 from .passes.manager import NumericsGate, PassManager, to_onnx
@@ -125,13 +124,12 @@ def _medusa_manifest(spec: Spec) -> dict | None:
     medusa = spec.medusa
     if medusa is None:
         return None
-    config = read_heads_config(medusa.heads)
-    return {"num_heads": medusa.num_heads, "num_layers": config.num_layers,
+    accuracy = medusa.topk_accuracy
+    return {"num_heads": medusa.num_heads, "num_layers": medusa.num_layers,
             "tree": [list(path) for path in medusa.choices], "tree_size": medusa.tree_size,
-            "topk_accuracy": [list(row) for row in config.topk_accuracy] if config.topk_accuracy else None,
+            "topk_accuracy": [list(row) for row in accuracy] if accuracy else None,
             # P(rank r of head k is right): the runtime's prior for choosing a tree size.
-            "rank_accuracy": [[round(p, 5) for p in row]
-                              for row in rank_accuracy(config.topk_accuracy, medusa.num_heads)],
+            "rank_accuracy": [[round(p, 5) for p in row] for row in medusa.rank_accuracy],
             "output": "medusa_logits"}
 
 

@@ -326,13 +326,9 @@ def _rec(text: str, figure: str) -> dict:
 
 
 def medusa_plan(spec) -> MedusaPlan:
-    from .medusa.heads import read_heads_config
-    from .medusa.tree import rank_accuracy
-
     m = spec.medusa
-    config = read_heads_config(m.heads)
-    return MedusaPlan(num_heads=m.num_heads, num_layers=config.num_layers, choices=m.choices,
-                      rank_accuracy=rank_accuracy(config.topk_accuracy, m.num_heads))
+    return MedusaPlan(num_heads=m.num_heads, num_layers=m.num_layers, choices=m.choices,
+                      rank_accuracy=m.rank_accuracy)
 
 
 def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = None,

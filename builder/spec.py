@@ -153,6 +153,8 @@ class MedusaSection(_Section):
     tree_nodes: int = Field(63, ge=1, le=255, description="nodes of the default tree (the root not counted)")
     _choices: tuple[tuple[int, ...], ...] = PrivateAttr(default=())
     _accuracy: tuple[tuple[float, ...], ...] | None = PrivateAttr(default=None)
+    _rank_accuracy: list[list[float]] = PrivateAttr(default_factory=list)
+    _num_layers: int = PrivateAttr(default=1)
 
     @property
     def choices(self) -> tuple[tuple[int, ...], ...]:
@@ -162,7 +164,18 @@ class MedusaSection(_Section):
 
     @property
     def topk_accuracy(self) -> tuple[tuple[float, ...], ...] | None:
+        """The heads' held-out top-1..top-n accuracy, if their config records it."""
         return self._accuracy
+
+    @property
+    def rank_accuracy(self) -> list[list[float]]:
+        """P(rank r of head k is right): what trees are grown and ordered by."""
+        return self._rank_accuracy
+
+    @property
+    def num_layers(self) -> int:
+        """Residual blocks per head (the heads' medusa_num_layers)."""
+        return self._num_layers
 
     @property
     def tree_size(self) -> int:
@@ -331,6 +344,7 @@ def _resolve_medusa(section: MedusaSection, arch: ArchConfig, base_dir: Path) ->
         choices = ordered(section.tree, accuracy)
     resolved = section.model_copy(update={"heads": heads})
     resolved._choices, resolved._accuracy = choices, config.topk_accuracy
+    resolved._rank_accuracy, resolved._num_layers = accuracy, config.num_layers
     return resolved
 
 

@@ -230,7 +230,6 @@ class LLM:
         sampled: dict[str, int] = {}
         accepted: dict[str, Accepted] = {}
         heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
-        trees = step.trees or (None,) * len(step.rids)
         policy = self.speculation
         if policy is not None and step.kind == StepKind.decode:
             if step.verifies:
@@ -238,7 +237,7 @@ class LLM:
                 policy.stats.tree_sizes[step.seq_len] += 1
             else:
                 policy.stats.plain_steps += 1
-        for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, trees)):
+        for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
             if not samples:
                 continue
             live = self._live[rid]

@@ -98,6 +98,11 @@ class Step:
     trees: tuple[Tree | None, ...] = ()   # per row, the Medusa tree its tokens form (verification)
 
     @property
+    def row_trees(self) -> tuple[Tree | None, ...]:
+        """Each row's tree, None for rows that decode plainly."""
+        return self.trees or (None,) * len(self.rids)
+
+    @property
     def verifies(self) -> bool:
         """A verification step: logits at every position (R = S), tree masks per row."""
         return any(tree is not None for tree in self.trees)
@@ -234,8 +239,8 @@ class Scheduler:
         Returns (request, token) for every new token, in row order.
         """
         emitted = []
-        trees = step.trees or (None,) * len(step.rids)
-        for row, (rid, tokens, does_sample, tree) in enumerate(zip(step.rids, step.tokens, step.samples, trees)):
+        for row, (rid, tokens, does_sample, tree) in enumerate(zip(step.rids, step.tokens, step.samples,
+                                                                   step.row_trees)):
             request = self.requests[rid]
             request.draft = None
             path = accepted.get(rid) if accepted and tree is not None else None
