@@ -279,7 +279,7 @@ class LLM:
         tree = policy.prefix(size)
         for request in decoding:
             medusa = heads_at.get(request.rid)
-            if medusa is not None and request.phase == Phase.decoding:
+            if medusa is not None and request.phase == Phase.decoding and request.params.speculative:
                 request.draft = Draft(tree, tuple(tree.candidates(request.tokens[-1], medusa)[1:]))
 
     def _apply(self, plan: Plan) -> None:

@@ -17,6 +17,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()     # stop strings; the output is cut before them
     ignore_eos: bool = False
     logprobs: bool = False
+    speculative: bool = True       # Medusa engines: verify the heads' guesses for this request
 
     def __post_init__(self):
         problems = []

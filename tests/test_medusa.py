@@ -118,6 +118,17 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
     assert outputs[None] == outputs[0]
 
 
+def test_requests_with_and_without_speculation_share_steps(medusa_engine, prompts):
+    plain = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=0).generate(
+        prompts[:4], SamplingParams(max_tokens=32, ignore_eos=True))
+    llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=8)
+    params = [SamplingParams(max_tokens=32, ignore_eos=True, speculative=i % 2 == 0) for i in range(4)]
+    mixed = llm.generate(prompts[:4], params)
+    assert [c.token_ids for c in mixed] == [c.token_ids for c in plain]
+    assert [c.accepted_tokens > 0 for c in mixed] == [True, False, True, False]
+    assert mixed[1].decode_steps == 31 and mixed[0].decode_steps < 31  # plain rows: one token per step
+
+
 def test_near_max_seq_len_falls_back_and_stays_exact(medusa_engine, prompts):
     long_prompt = (prompts[0] * 80)[:1024 - 30]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
