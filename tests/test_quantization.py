@@ -187,6 +187,10 @@ def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     base = evaluate(TINY_CODE, CALIB, 512, 4096)
     assert result.agreement >= 0.9, result           # top-1 agreement with the float model
     assert result.perplexity <= base.perplexity * 1.05, (result, base)
+    from trtbuild.runtime.llm import LLM               # the CPU runtime serves it too (NVFP4: simulated)
+    from trtbuild.runtime.sampling import SamplingParams
+    (completion,) = LLM(tmp_path / "out", backend="onnxruntime").generate(["def f(x):"], SamplingParams(max_tokens=4))
+    assert len(completion.token_ids) == 4
 
 
 def norm_then_two_matmuls(w1: np.ndarray, w2: np.ndarray, norm_weight: np.ndarray) -> gs.Graph:
