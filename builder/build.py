@@ -15,7 +15,7 @@ from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimi
 from .emit.rank_onnx import save_graph
 from .frontend.export import export_step, load_graph
 from .isolate import map_isolated, run_isolated
-from .medusa.heads import load_heads
+from .medusa.heads import MedusaHeads, load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from .passes import PIPELINE, PassContext
 from .passes.manager import NumericsGate, PassManager, to_onnx
@@ -151,7 +151,9 @@ def _export_stage(spec: Spec, workdir: Path) -> _Exported:
     """Runs in a subprocess: export, torch eager's outputs on the seeded inputs, and the
     weight quantization the spec asks for (with the outputs of the dequantized model)."""
     exported = export_step(spec, workdir)
-    reference, note = _numerics_reference(spec, exported)
+    inputs, note = _numerics_inputs(spec, exported)
+    heads = load_heads(spec.medusa.heads) if spec.medusa is not None and inputs is not None else None
+    reference = (inputs, _torch_outputs(exported, inputs, heads)) if inputs is not None else None
     quantized_path, quantized_reference = None, None
     if spec.quantization.bits:
         quantized_path = workdir / "quantized.safetensors"
@@ -159,7 +161,7 @@ def _export_stage(spec: Spec, workdir: Path) -> _Exported:
         quantize_checkpoint(exported.hf_model, spec, quantized_path, progress=say)
         if reference is not None:
             apply_dequantized(exported.hf_model, load_quantized(quantized_path)[0])
-            quantized_reference = _torch_outputs(spec, exported, reference[0])
+            quantized_reference = _torch_outputs(exported, inputs, heads)
     return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
                      reference=reference, note=note, peak_rss_bytes=peak_rss_bytes(),
                      quantized_path=quantized_path, quantized_reference=quantized_reference)
@@ -173,8 +175,8 @@ def _manager_factory(disabled, options: BuildOptions, tmp: Path, progress: Progr
     return make
 
 
-def _numerics_reference(spec: Spec, exported) -> tuple[tuple[dict, dict] | None, str | None]:
-    """(seeded inputs, torch eager's outputs on them), or None and why the check cannot run."""
+def _numerics_inputs(spec: Spec, exported) -> tuple[dict | None, str | None]:
+    """The seeded inputs of the numerics check, or None and why the check cannot run."""
     if not spec.passes.numerics:
         return None, None
     if spec.model.dtype == DType.bfloat16:
@@ -183,11 +185,10 @@ def _numerics_reference(spec: Spec, exported) -> tuple[tuple[dict, dict] | None,
         return None, (f"numerics check skipped: the weights are over {numerics.MAX_NUMERICS_BYTES >> 20} MiB, where "
                       "running every pass in ONNX Runtime would double the build's memory "
                       "(set passes.numerics: false to silence this)")
-    inputs = numerics.seeded_inputs(spec)
-    return (inputs, _torch_outputs(spec, exported, inputs)), None
+    return numerics.seeded_inputs(spec), None
 
 
-def _torch_outputs(spec: Spec, exported, inputs: dict) -> dict:
+def _torch_outputs(exported, inputs: dict, heads: MedusaHeads | None) -> dict:
     """Torch eager's outputs on ``inputs``; with Medusa, the heads' logits (numpy reference)
     on the final-norm hidden state the step computed, so attach_medusa is checked too."""
     captured = {}
@@ -196,8 +197,8 @@ def _torch_outputs(spec: Spec, exported, inputs: dict) -> dict:
         outputs = numerics.run_torch(exported.step, inputs, exported.output_names)
     finally:
         handle.remove()
-    if spec.medusa is not None:
-        outputs["medusa_logits"] = load_heads(spec.medusa.heads).logits(captured["hidden"].float().numpy())
+    if heads is not None:
+        outputs["medusa_logits"] = heads.logits(captured["hidden"].float().numpy())
     return outputs
 
 

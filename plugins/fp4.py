@@ -34,11 +34,10 @@ def simulate(model: onnx.ModelProto) -> onnx.ModelProto:
         codes = numpy_helper.to_array(codes_init).astype(np.float32)              # [in, out]
         scale_node = producers[node.input[1]]                                      # DQ(block scales, global)
         blocks = numpy_helper.to_array(inits[scale_node.input[0]]).astype(np.float32)
-        global_scale = numpy_helper.to_array(inits[scale_node.input[1]]).astype(np.float32)
+        global_scale = numpy_helper.to_array(inits[scale_node.input[1]])  # in the model's float type
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        scales = np.repeat(blocks * global_scale, attrs["block_size"], axis=attrs.get("axis", 1))
-        # the weight takes the global scale's dtype: the model's float type
-        weight = (codes * scales).astype(onnx.helper.tensor_dtype_to_np_dtype(inits[scale_node.input[1]].data_type))
+        scales = np.repeat(blocks * global_scale.astype(np.float32), attrs["block_size"], axis=attrs.get("axis", 1))
+        weight = (codes * scales).astype(global_scale.dtype)
         new.append(numpy_helper.from_array(weight, node.output[0]))
         drop.update({id(node), id(scale_node)})
     if not new:

@@ -232,11 +232,7 @@ class LLM:
         heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
         policy = self.speculation
         if policy is not None and step.kind == StepKind.decode:
-            if step.verifies:
-                policy.stats.verify_steps += 1
-                policy.stats.tree_sizes[step.seq_len] += 1
-            else:
-                policy.stats.plain_steps += 1
+            policy.count_step(step.verifies, step.seq_len)
         for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
             if not samples:
                 continue

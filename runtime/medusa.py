@@ -70,16 +70,17 @@ class Tree:
             kids[self.parents[node]].append(node)
         return tuple(tuple(k) for k in kids)
 
-    def top_k(self) -> list[int]:
+    @cached_property
+    def top_k(self) -> tuple[int, ...]:
         """How many ranks each head must supply."""
         need = [0] * self.depth
         for path in self.choices:
             need[len(path) - 1] = max(need[len(path) - 1], path[-1] + 1)
-        return need
+        return tuple(need)
 
     def candidates(self, root: int, medusa_logits: np.ndarray) -> list[int]:
         """Tokens of all nodes, root first, from one position's head logits [K, V]."""
-        ranked = [_top_k(medusa_logits[head], k) for head, k in enumerate(self.top_k())]
+        ranked = [_top_k(medusa_logits[head], k) for head, k in enumerate(self.top_k)]
         return [root, *(int(ranked[len(path) - 1][path[-1]]) for path in self.choices)]
 
 

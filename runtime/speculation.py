@@ -189,7 +189,16 @@ class SpeculationPolicy:
         # A path is never likelier than its parent (probabilities ≤ 1): parents stay first.
         self._order = tuple(sorted(self.tree.choices, key=lambda p: (-probs[p], len(p), p)))
 
+    def count_step(self, verifies: bool, seq_len: int) -> None:
+        """One decode step: a verification of ``seq_len`` tokens per row, or plain."""
+        if verifies:
+            self.stats.verify_steps += 1
+            self.stats.tree_sizes[seq_len] += 1
+        else:
+            self.stats.plain_steps += 1
+
     def record(self, tree: Tree, accepted: Accepted) -> None:
+        """One row's verification: acceptance estimates and the per-head metrics."""
         self.acceptance.record(tree, accepted)
         self._since_reorder += 1
         if self.fixed is None and self._since_reorder >= self.REORDER_EVERY:

@@ -29,7 +29,7 @@ def test_tree_structure():
     assert TREE.parents == (-1, 0, 0, 1, 1, 2, 3)
     assert TREE.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert TREE.children == ((1, 2), (3, 4), (5,), (6,), (), (), ())
-    assert TREE.top_k() == [2, 2, 1]
+    assert TREE.top_k == (2, 2, 1)
     # row i: node i sees itself and its ancestors
     assert TREE.ancestors.astype(int).tolist() == [
         [1, 0, 0, 0, 0, 0, 0],
