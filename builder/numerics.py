@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 import torch
 
+from ..contract import onnxruntime as ort_config
+from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
 from .spec import Spec
 
 # The check runs each pass's graph in-memory in ONNX Runtime, which holds a second copy of
@@ -28,48 +30,28 @@ class Stats:
 
 
 def seeded_inputs(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
-    """Two sequences mid-generation: one at position 0, one with cached tokens, causal masks."""
+    """Two sequences mid-generation, logits at every position: one at position 0, one with
+    random K/V already cached (causal masks)."""
     arch, s_max = spec.arch, spec.build.max_seq_len
     rng = np.random.default_rng(seed)
     seq = max(1, min(4, spec.max_step_tokens, s_max // 2))
-    write = np.array([0, min(3, s_max - seq)], dtype=np.int64)
-    batch = len(write)
-    positions = (write[:, None] + np.arange(seq)[None, :]).astype(np.int32)  # [B, S]
-    mask = np.arange(s_max)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, S_max]
-    dtype = {"float32": np.float32, "float16": np.float16}[spec.model.dtype.value]  # bf16 skips the check
-    inputs = {
-        "input_ids": rng.integers(0, arch.vocab_size, size=(batch, seq), dtype=np.int32),
-        "position_ids": positions,
-        "write_index": write,
-        "kv_length": write + seq,
-        "attention_mask": mask,
-        "logits_index": np.stack([np.full(batch, seq - 1), np.zeros(batch)], axis=1).astype(np.int64),
-    }
-    for layer in range(arch.num_layers):
-        for kind in ("key", "value"):
-            cache = np.zeros((batch, arch.num_kv_heads, s_max, arch.head_dim), dtype=dtype)
-            for b in range(batch):
-                cache[b, :, : write[b]] = rng.standard_normal((arch.num_kv_heads, write[b], arch.head_dim))
-            inputs[f"past_{kind}_{layer}"] = cache
+    starts = [0, min(3, s_max - seq)]
+    tokens = rng.integers(0, arch.vocab_size, size=(len(starts), seq)).tolist()
+    inputs = step_arrays(tokens, starts, s_max, all_logits=True).as_dict()
+    dtype = CACHE_DTYPES[spec.model.dtype.value]  # bf16 skips the check
+    shape = CacheShape(arch.num_kv_heads, s_max, arch.head_dim)
+    for name in cache_names(arch.num_layers):
+        cache = shape.zeros(len(starts), dtype)
+        for b, start in enumerate(starts):
+            cache[b, :, :start] = rng.standard_normal((arch.num_kv_heads, start, arch.head_dim))
+        inputs[f"past_{name}"] = cache
     return inputs
 
 
 def run_onnx(model: onnx.ModelProto | Path, inputs: dict[str, np.ndarray], threads: int = 0) -> dict[str, np.ndarray]:
-    """Runs a model (in memory, or a file whose external weights lie beside it) on ``inputs``."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    # Basic optimizations only: the extended ones rewrite DequantizeLinear→MatMul into
-    # MatMulNBits, which may quantize activations; the check is of the graph, not of ORT's kernels.
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    if threads:
-        options.intra_op_num_threads = threads
-    source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    feed = {i.name: inputs[i.name] for i in session.get_inputs()}
-    return dict(zip(names, session.run(names, feed)))
+    """Runs a model (in memory, or a file whose external weights lie beside it) on ``inputs``,
+    in the ONNX Runtime configuration the runtime and ``trtbuild eval`` use."""
+    return ort_config.run(ort_config.session(model, threads), inputs)
 
 
 def run_torch(step: torch.nn.Module, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
+from ..contract.medusa import MIN_GAIN
 from .errors import UserError
 from .frontend.checkpoint import ArchConfig
 from .progress import table
@@ -120,7 +121,7 @@ class MedusaPlan:
 
     def expected_accepted(self) -> list[float]:
         """Expected accepted guesses with the first n choices, n = 0..N (paths' products of accuracy)."""
-        from .medusa.tree import path_probability
+        from ..contract.medusa import path_probability
 
         total, out = 0.0, [0.0]
         for path in self.choices:
@@ -246,7 +247,7 @@ class Plan:
         plain = 1.0 / self.verify_floor_s(batch, 1)
         rates = [(1 + e) / self.verify_floor_s(batch, 1 + n) for n, e in enumerate(expected)]
         best = max(range(len(rates)), key=rates.__getitem__)
-        if rates[best] < 1.10 * plain:
+        if rates[best] < MIN_GAIN * plain:
             return 0, 1.0, 1.0
         return best, 1 + expected[best], rates[best] / plain
 

@@ -1,4 +1,4 @@
-"""The Engine protocol both backends satisfy, and the step-input arrays of the engine contract."""
+"""The Engine protocol both backends satisfy; a scheduler step as the contract's arrays."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +6,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..contract.step import StepArrays
+from ..contract.step import step_arrays as contract_step_arrays
 from .scheduler import Step
 
 
@@ -37,50 +39,6 @@ class Engine(Protocol):
     def load_block(self, block: int, slot: int, index: int) -> None: ...
 
 
-@dataclass(frozen=True)
-class StepArrays:
-    """Host arrays of one step, shaped per the engine contract."""
-
-    input_ids: np.ndarray       # int32 [B, S]
-    position_ids: np.ndarray    # int32 [B, S]
-    write_index: np.ndarray     # int64 [B]
-    kv_length: np.ndarray       # int64 [B]
-    attention_mask: np.ndarray  # bool [B, 1, S, S_max]
-    logits_index: np.ndarray    # int64 [B, R]: R = 1, or R = S when verifying
-
-    def as_dict(self) -> dict[str, np.ndarray]:
-        return dict(self.__dict__)
-
-
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:
-    """Right-padded arrays for ``step``; ``pad_batch`` adds dummy rows up to a CUDA-graph bucket.
-
-    Padded tokens continue each row's positions; the scheduler guarantees their writes stay
-    inside the cache. Dummy rows (decode only) write the last S cache positions of slots that
-    are free or still prefilling, positions those slots cannot hold yet (a prompt plus its
-    max_tokens fits in max_seq_len), so no live K/V is touched. A row verifying a Medusa tree
-    writes its nodes in tree order at start + i, takes positions start + depth, and sees the
-    cache before ``start`` plus its own ancestors.
-    """
-    rows, seq = len(step.rids), step.seq_len
-    batch = max(rows, pad_batch or rows)
-    ids = np.zeros((batch, seq), np.int32)
-    starts = np.full(batch, max_seq_len - seq, np.int64)
-    lengths = np.full(batch, max_seq_len, np.int64)
-    last = np.zeros((batch, 1), np.int64)
-    for row, (tokens, start) in enumerate(zip(step.tokens, step.starts)):
-        ids[row, : len(tokens)] = tokens
-        starts[row], lengths[row], last[row, 0] = start, start + len(tokens), len(tokens) - 1
-    slots = starts[:, None] + np.arange(seq)[None, :]  # [B, S] where each token's K/V is written
-    mask = np.arange(max_seq_len)[None, None, None, :] <= slots[:, None, :, None]  # [B, 1, S, S_max]
-    positions = slots.copy()
-    if step.verifies:
-        for row, tree in enumerate(step.trees):
-            if tree is None:
-                continue
-            start, size = starts[row], tree.size
-            positions[row, :size] = start + tree.depths
-            mask[row, 0, :size, start:start + size] = tree.ancestors
-        last = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()  # [B, S]
-    return StepArrays(input_ids=ids, position_ids=positions.astype(np.int32), write_index=starts,
-                      kv_length=lengths, attention_mask=mask, logits_index=last)
+    """The contract's arrays for a scheduler step (``pad_batch``: a CUDA-graph bucket)."""
+    return contract_step_arrays(step.tokens, step.starts, max_seq_len, pad_batch=pad_batch, trees=step.trees)

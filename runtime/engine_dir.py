@@ -1,12 +1,11 @@
 """Load and verify an engine dir written by ``trtbuild build`` (the manifest is the contract)."""
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+from ..contract.manifest import SCHEMA_VERSION, sha256_file
 
 
 class EngineDirError(Exception):
@@ -96,7 +95,7 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
             file = path / name
             if not file.is_file():
                 raise EngineDirError(f"{file}: missing (listed in the manifest)")
-            if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
+            if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
                 raise EngineDirError(f"{file}: sha256 differs from the manifest; the engine dir is corrupt "
                                      "or was modified: rebuild or re-copy it")
     return EngineDir(path=path, manifest=manifest)
@@ -116,10 +115,3 @@ def check_gpu_target(engine_dir: EngineDir, rank: int, flavor: str, version: str
         raise EngineDirError(f"rank{rank}.engine was built for {', '.join(targets)}; this GPU is "
                              f"{compute_capability}: rebuild with build.targets including {compute_capability}")
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()

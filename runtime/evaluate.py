@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..contract import onnxruntime as ort_config
+from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
 from ..plugins import fp4
 
 
@@ -72,16 +74,12 @@ def score_checkpoint(checkpoint: Path, batches: np.ndarray, batch: int = 8) -> S
 def score_engine(engine_dir: Path, batches: np.ndarray, threads: int = 0) -> Scores:
     """Each window is fed in chunks of max_input_len tokens through the slot caches, with logits
     requested for every position (logits_index = all rows), exactly as the engine would run it."""
-    import onnxruntime as ort
-
     from .engine_dir import load
 
     d = load(engine_dir)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(fp4.ort_source(d.rank_file(0, "onnx")), options, providers=["CPUExecutionProvider"])
-    dtype = {"float32": np.float32, "float16": np.float16}[d.dtype]
+    session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads)
+    dtype = CACHE_DTYPES[d.dtype]
+    shape = CacheShape(d.num_kv_heads, d.max_seq_len, d.head_dim)
     context = batches.shape[1] - 1
     if context > d.max_seq_len:
         raise ValueError(f"--context {context} exceeds the engine's max_seq_len {d.max_seq_len}")
@@ -89,19 +87,12 @@ def score_engine(engine_dir: Path, batches: np.ndarray, threads: int = 0) -> Sco
     for start in range(0, len(batches), d.max_batch_size):
         group = batches[start:start + d.max_batch_size]
         b = len(group)
-        caches = {f"past_{k}_{l}": np.zeros((b, d.num_kv_heads, d.max_seq_len, d.head_dim), dtype)
-                  for l in range(d.num_layers) for k in ("key", "value")}
+        caches = {f"past_{name}": shape.zeros(b, dtype) for name in cache_names(d.num_layers)}
         rows = []
         for begin in range(0, context, d.max_input_len):
             end = min(begin + d.max_input_len, context)
-            s = end - begin
-            positions = np.broadcast_to(np.arange(begin, end, dtype=np.int32), (b, s))
-            feeds = {"input_ids": group[:, begin:end].astype(np.int32), "position_ids": np.ascontiguousarray(positions),
-                     "write_index": np.full(b, begin, np.int64), "kv_length": np.full(b, end, np.int64),
-                     "attention_mask": np.arange(d.max_seq_len)[None, None, None, :] <= positions[:, None, :, None],
-                     "logits_index": np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy(), **caches}
-            names = [o.name for o in session.get_outputs()]
-            out = dict(zip(names, session.run(names, feeds)))
+            arrays = step_arrays(group[:, begin:end].tolist(), [begin] * b, d.max_seq_len, all_logits=True)
+            out = ort_config.run(session, {**arrays.as_dict(), **caches})
             caches = {name: out[name.replace("past_", "present_")] for name in caches}
             rows.append(out["logits"])                                     # [b, s, V]
         logits = np.concatenate(rows, axis=1)                              # [b, C, V]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from ..contract import onnxruntime as ort_config
+from ..contract.step import CACHE_DTYPES, cache_names
 from ..plugins import fp4
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
 from .scheduler import Step
-
-_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class OnnxRuntimeEngine:
@@ -22,20 +22,14 @@ class OnnxRuntimeEngine:
 
     def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
                  rank: int = 0):
-        if engine_dir.dtype not in _DTYPES:
+        if engine_dir.dtype not in CACHE_DTYPES:
             raise ValueError(f"the onnxruntime backend runs float32 and float16 engine dirs; this one is "
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
         self.engine_dir, self.block_size = engine_dir, block_size
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.intra_op_num_threads = threads
-        # Spinning threads burn the cores the Python loop between steps needs.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(fp4.ort_source(engine_dir.rank_file(rank, "onnx")), options,
-                                            providers=["CPUExecutionProvider"])
-        dtype = _DTYPES[engine_dir.dtype]
+        self.session = ort_config.session(fp4.ort_source(engine_dir.rank_file(rank, "onnx")), threads)
+        dtype = CACHE_DTYPES[engine_dir.dtype]
         slot_shape = (engine_dir.num_kv_heads, engine_dir.max_seq_len, engine_dir.head_dim)
-        self.cache_names = [f"{kind}_{layer}" for layer in range(engine_dir.num_layers) for kind in ("key", "value")]
+        self.cache_names = cache_names(engine_dir.num_layers)
         # +1: the scratch slot the slot table swaps through.
         self.pools = {n: np.zeros((engine_dir.max_batch_size + 1, *slot_shape), dtype) for n in self.cache_names}
         block_shape = (engine_dir.num_kv_heads, block_size, engine_dir.head_dim)

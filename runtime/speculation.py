@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..contract.medusa import MIN_GAIN, rank_probability
 from .medusa import Accepted, Tree
 
 PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
-MIN_GAIN = 1.10       # speculate only for an expected ≥ 10 % more tokens per second (timings are noisy)
 RECENT = 15           # step times kept per (B, S): the median of these is the estimate
 REDECIDE_EVERY = 16   # decode steps between re-choosing a batch size's tree (choosing costs ~1 ms)
 
@@ -37,8 +37,7 @@ class AcceptanceModel:
         self.trials = np.zeros((len(self.prior), width))
 
     def probability(self, head: int, rank: int) -> float:
-        row = self.prior[head]
-        prior = row[rank] if rank < len(row) else row[-1] * 0.5 ** (rank - len(row) + 1)
+        prior = rank_probability(self.prior[head], rank)
         if rank >= self.hits.shape[1]:
             return prior
         return float((self.hits[head, rank] + PRIOR_WEIGHT * prior) / (self.trials[head, rank] + PRIOR_WEIGHT))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..contract.step import cache_names
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir, check_gpu_target
 from .scheduler import Step, StepKind
@@ -65,7 +66,7 @@ class TensorRTEngine:
         self.element = np.dtype(_ELEMENT[d.dtype]).itemsize
         self.slot_bytes = d.num_kv_heads * d.max_seq_len * d.head_dim * self.element
         self.block_bytes = d.num_kv_heads * block_size * d.head_dim * self.element
-        self.cache_names = [f"{kind}_{layer}" for layer in range(d.num_layers) for kind in ("key", "value")]
+        self.cache_names = cache_names(d.num_layers)
         self.pools = {n: self._alloc((d.max_batch_size + 1) * self.slot_bytes, zero=True) for n in self.cache_names}
         self.blocks = {n: self._alloc(max(1, prefix_blocks) * self.block_bytes) for n in self.cache_names}
         # A Medusa verification scores the whole tree: S and R up to its size.

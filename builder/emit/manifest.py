@@ -1,29 +1,21 @@
 """manifest.json: what the runtime needs to trust and drive an engine dir.
 
-The schema is the only thing builder and runtime share; bump SCHEMA_VERSION on any
-incompatible change.
+The schema (trtbuild.contract) is the only thing builder and runtime share; bump its
+SCHEMA_VERSION on any incompatible change.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib import metadata
 from pathlib import Path
 
 import onnx
 
-SCHEMA_VERSION = 1
+from ...contract.manifest import SCHEMA_VERSION, sha256_file
+
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT32: "int32",
            onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def file_table(root: Path) -> dict[str, dict]:

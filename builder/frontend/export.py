@@ -17,7 +17,8 @@ from onnx.external_data_helper import load_external_data_for_tensor
 
 from ..spec import Spec
 from .checkpoint import load_model
-from .step_model import INPUT_NAMES, LlamaStep, cache_names
+from ...contract.step import INPUT_NAMES, io_cache_names
+from .step_model import LlamaStep
 
 OPSET = 24
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -70,8 +71,8 @@ def export_step(spec: Spec, workdir: Path) -> ExportedStep:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             step, args, dynamo=True, dynamic_shapes=dynamic, opset_version=OPSET, optimize=True,
-            input_names=list(INPUT_NAMES) + cache_names(arch.num_layers, "past"),
-            output_names=["logits"] + cache_names(arch.num_layers, "present"), verbose=False)
+            input_names=list(INPUT_NAMES) + io_cache_names(arch.num_layers, "past"),
+            output_names=["logits"] + io_cache_names(arch.num_layers, "present"), verbose=False)
         path = Path(workdir) / "step.onnx"
         program.save(path, external_data=True)
     del program

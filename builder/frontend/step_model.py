@@ -14,11 +14,7 @@ from torch import nn
 
 from .checkpoint import ArchConfig
 
-INPUT_NAMES = ("input_ids", "position_ids", "write_index", "kv_length", "attention_mask", "logits_index")
 
-
-def cache_names(num_layers: int, prefix: str) -> list[str]:
-    return [f"{prefix}_{kind}_{layer}" for layer in range(num_layers) for kind in ("key", "value")]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

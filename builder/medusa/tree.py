@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import heapq
 
+from ...contract.medusa import path_probability
+
 # Heads without measured accuracy (public checkpoints that record none): a conservative
 # guess per head of the chance that its rank-r token is right, decaying with distance.
 GENERIC_TOP1 = (0.55, 0.35, 0.25, 0.18, 0.13)
@@ -28,14 +30,6 @@ def rank_accuracy(topk_accuracy: tuple[tuple[float, ...], ...] | None, num_heads
         exact = [cumulative[0], *(b - a for a, b in zip(cumulative, cumulative[1:]))]
         rows.append([max(p, 1e-4) for p in exact])
     return rows
-
-
-def path_probability(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
-    p = 1.0
-    for head, rank in enumerate(path):
-        row = accuracy[head]
-        p *= row[rank] if rank < len(row) else row[-1] * 0.5 ** (rank - len(row) + 1)
-    return p
 
 
 def default_tree(accuracy: list[list[float]], nodes: int) -> tuple[tuple[int, ...], ...]:

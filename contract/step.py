@@ -1,0 +1,107 @@
+"""The engine step's I/O: names, dtypes, shapes, and the host arrays of one step.
+
+inputs  ``input_ids``/``position_ids`` int32 [B, S], ``write_index``/``kv_length`` int64 [B],
+        ``attention_mask`` bool [B, 1, S, S_max], ``logits_index`` int64 [B, R],
+        ``past_{key,value}_{l}`` [B, H_kv, S_max, D] (updated in place)
+outputs ``logits`` float32 [B, R, V], ``medusa_logits`` [B, R, K, V] with heads,
+        ``present_{key,value}_{l}`` (the same buffers as the past caches)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+INPUT_NAMES = ("input_ids", "position_ids", "write_index", "kv_length", "attention_mask", "logits_index")
+LOGITS, MEDUSA_LOGITS = "logits", "medusa_logits"
+CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}  # what ONNX Runtime runs on CPU
+
+
+def cache_names(num_layers: int) -> list[str]:
+    """``key_0, value_0, key_1, …``: prefix with ``past_``/``present_`` for the graph's names."""
+    return [f"{kind}_{layer}" for layer in range(num_layers) for kind in ("key", "value")]
+
+
+def io_cache_names(num_layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}_{name}" for name in cache_names(num_layers)]
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """One slot of one layer's cache: [H_kv, S_max, D] (H_kv is per rank in a sharded engine)."""
+
+    num_kv_heads: int
+    max_seq_len: int
+    head_dim: int
+
+    @property
+    def slot(self) -> tuple[int, int, int]:
+        return (self.num_kv_heads, self.max_seq_len, self.head_dim)
+
+    def zeros(self, batch: int, dtype) -> np.ndarray:
+        return np.zeros((batch, *self.slot), dtype)  # [B, H_kv, S_max, D]
+
+
+class TreeRows(Protocol):
+    """A Medusa tree as a verification row needs it (runtime.medusa.Tree satisfies this)."""
+
+    size: int
+    depths: np.ndarray     # [T] depth of each node (root 0)
+    ancestors: np.ndarray  # bool [T, T]: node i sees node j
+
+
+@dataclass(frozen=True)
+class StepArrays:
+    """Host arrays of one step, shaped per the engine contract."""
+
+    input_ids: np.ndarray       # int32 [B, S]
+    position_ids: np.ndarray    # int32 [B, S]
+    write_index: np.ndarray     # int64 [B]
+    kv_length: np.ndarray       # int64 [B]
+    attention_mask: np.ndarray  # bool [B, 1, S, S_max]
+    logits_index: np.ndarray    # int64 [B, R]
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return dict(self.__dict__)
+
+
+def causal_mask(slots: np.ndarray, max_seq_len: int) -> np.ndarray:
+    """bool [B, 1, S, S_max]: the token written at ``slots[b, s]`` sees cache positions ≤ it."""
+    return np.arange(max_seq_len)[None, None, None, :] <= slots[:, None, :, None]
+
+
+def step_arrays(tokens: Sequence[Sequence[int]], starts: Sequence[int], max_seq_len: int,
+                pad_batch: int | None = None, trees: Sequence[TreeRows | None] = (),
+                all_logits: bool = False) -> StepArrays:
+    """Right-padded arrays for rows of new ``tokens`` written from ``starts`` (tokens cached).
+
+    Logits: each row's last real token (R = 1), or every position (R = S) with ``all_logits``
+    or when a row verifies a tree. ``pad_batch`` adds dummy rows up to a CUDA-graph bucket:
+    they write the last S cache positions of slots that are free or still prefilling, which
+    no prompt can hold yet (a prompt plus its max_tokens fits in max_seq_len), so no live K/V
+    is touched. Padded tokens continue each row's positions; the scheduler keeps their writes
+    inside the cache. A row verifying a tree writes its nodes in tree order at start + i,
+    takes positions start + depth, and sees the cache before ``start`` plus its ancestors.
+    """
+    rows, seq = len(tokens), max(len(t) for t in tokens)
+    batch = max(rows, pad_batch or rows)
+    ids = np.zeros((batch, seq), np.int32)
+    write = np.full(batch, max_seq_len - seq, np.int64)
+    lengths = np.full(batch, max_seq_len, np.int64)
+    last = np.zeros((batch, 1), np.int64)
+    for row, (row_tokens, start) in enumerate(zip(tokens, starts)):
+        ids[row, : len(row_tokens)] = row_tokens
+        write[row], lengths[row], last[row, 0] = start, start + len(row_tokens), len(row_tokens) - 1
+    slots = write[:, None] + np.arange(seq)[None, :]  # [B, S] where each token's K/V is written
+    mask = causal_mask(slots, max_seq_len)            # [B, 1, S, S_max]
+    positions = slots.copy()
+    for row, tree in enumerate(trees):
+        if tree is not None:
+            start, size = write[row], tree.size
+            positions[row, :size] = start + tree.depths
+            mask[row, 0, :size, start:start + size] = tree.ancestors
+    if all_logits or any(tree is not None for tree in trees):
+        last = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()  # [B, S]
+    return StepArrays(input_ids=ids, position_ids=positions.astype(np.int32), write_index=write,
+                      kv_length=lengths, attention_mask=mask, logits_index=last)
