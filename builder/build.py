@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import numerics
 from .emit.engine_dir import staged
-from .emit.manifest import io_table, tool_versions, write_manifest
+from ..contract.tensor_parallel import kv_heads
+from .emit.manifest import graph_metadata, io_table, tool_versions, write_manifest
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
 from .emit.rank_onnx import save_graph
 from .frontend.export import export_step, load_graph
@@ -18,7 +19,9 @@ from .isolate import map_isolated, run_isolated
 from .medusa.heads import MedusaHeads, load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from .passes import PIPELINE, PassContext
-from .passes.manager import NumericsGate, PassManager, to_onnx
+from .passes.instruments import to_onnx
+from .passes.manager import PassManager
+from .passes.numerics_gate import NumericsGate
 from .progress import Progress, human_bytes, peak_rss_bytes
 from .spec import DType, Spec
 
@@ -64,38 +67,48 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         progress.say(f"  export process peak RSS {human_bytes(exported.peak_rss_bytes)}")
         if exported.note:
             progress.say(f"  {exported.note}")
-        reference = exported.reference
-        records: list[dict] = []
-        cuda_graph_plan: list[int] = []
         quantized, quant_report = (load_quantized(exported.quantized_path) if exported.quantized_path
                                    else (None, None))
-        for rank in range(spec.world_size):
-            with progress.stage(f"passes (rank {rank})"):
-                gate = (NumericsGate(*reference, spec.passes.atol, spec.passes.rtol, workdir=workdir,
-                                     quantized_reference=exported.quantized_reference,
-                                     quantized_rtol=spec.passes.quantized_rtol) if reference else None)
-                context = PassContext.for_spec(spec, rank, quantized, quant_report)
-                run = manager_for(gate, exported.data_path).run(load_graph(exported.path), context)
+        gate = (NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol, workdir=workdir,
+                             quantized_reference=exported.quantized_reference,
+                             quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads)
+                if exported.reference else None)
+        context = PassContext.for_spec(spec, quantized, quant_report, weights_dir=workdir)
+        label = "passes" if spec.world_size == 1 else f"passes (whole model, then {spec.world_size} ranks)"
+        with progress.stage(label):
+            run = manager_for(gate).run(load_graph(exported.path), context)
+        records = run.records
+        ranks: list[dict] = []
+        cuda_graph_plan: list[int] = []
+        for rank, (graph, provenance) in enumerate(zip(run.graphs, run.provenance)):
             with progress.stage(f"write rank{rank}.onnx"):
-                model = to_onnx(run.graph, run.provenance)
-                save_graph(model, tmp / f"rank{rank}.onnx", exported.data_path)
-                io = io_table(model)
-            records += run.records
-            if "plan_cuda_graphs" in run.results:
-                cuda_graph_plan = run.results["plan_cuda_graphs"].stats["cuda_graph_batch_sizes"]
-            del run, model
+                model = to_onnx(graph, provenance)
+                save_graph(model, tmp / f"rank{rank}.onnx", workdir)
+            cuda_graph_plan = json.loads(graph_metadata(model).get("cuda_graph_batch_sizes", "[]"))
+            ranks.append(_rank_entry(spec, rank, model, tmp))
+            del model
+        del run
         shutil.rmtree(workdir)
         engines = _build_engines(spec, flavor, tmp, options.jobs, progress)
         child_peaks += [e.peak_rss_bytes for e in engines]
         with progress.stage("manifest"):
             _copy_tokenizer(spec.model.checkpoint, tmp)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            manifest = write_manifest(tmp, _manifest_body(spec, flavor, io, records, cuda_graph_plan))
+            manifest = write_manifest(tmp, _manifest_body(spec, flavor, ranks, records, cuda_graph_plan))
     return BuildSummary(out=options.out, stages=progress.stages, engines=engines,
                         peak_rss_bytes=max([peak_rss_bytes(), *child_peaks]), pass_records=records, manifest=manifest)
 
 
-def _manifest_body(spec: Spec, flavor, io: list[dict], records: list[dict], cuda_graph_plan: list[int]) -> dict:
+def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
+    """What the runtime needs per rank: its files, KV heads, I/O table and weight bytes."""
+    data = out / f"rank{rank}.onnx.data"
+    heads = kv_heads(rank, spec.world_size, spec.arch.num_kv_heads)
+    return {"rank": rank, "engine": f"rank{rank}.engine", "onnx": f"rank{rank}.onnx",
+            "onnx_data": f"rank{rank}.onnx.data", "num_kv_heads": len(heads), "kv_heads": [heads.start, heads.stop],
+            "weight_bytes": data.stat().st_size if data.is_file() else 0, "io": io_table(model)}
+
+
+def _manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], cuda_graph_plan: list[int]) -> dict:
     return {
         "spec": spec.model_dump(mode="json"),
         "spec_sha256": spec.sha256(),
@@ -103,9 +116,8 @@ def _manifest_body(spec: Spec, flavor, io: list[dict], records: list[dict], cuda
         "tensorrt": {"flavor": flavor.name, "version": flavor.version},
         "targets": list(spec.build.targets) or ["portable"],
         "tools": tool_versions(),
-        "ranks": [{"rank": r, "engine": f"rank{r}.engine", "onnx": f"rank{r}.onnx",
-                   "onnx_data": f"rank{r}.onnx.data"} for r in range(spec.world_size)],
-        "io": io,
+        "tensor_parallel": spec.world_size,
+        "ranks": ranks,
         "limits": {"max_batch_size": spec.build.max_batch_size, "max_input_len": spec.build.max_input_len,
                    "max_seq_len": spec.build.max_seq_len},
         "profiles": [{"name": name, "shapes": {k: [list(s) for s in v] for k, v in shapes.items()
@@ -113,7 +125,7 @@ def _manifest_body(spec: Spec, flavor, io: list[dict], records: list[dict], cuda
                      for name, shapes in zip(("decode", "prefill"), optimization_profiles(spec))],
         "cuda_graph_batch_sizes": cuda_graph_plan,
         "medusa": _medusa_manifest(spec),
-        "passes": [r["pass"] for r in records if r["rank"] == 0],
+        "passes": list(dict.fromkeys(r["pass"] for r in records)),
         "tokenizer": "tokenizer.json",
     }
 
@@ -168,10 +180,10 @@ def _export_stage(spec: Spec, workdir: Path) -> _Exported:
 
 
 def _manager_factory(disabled, options: BuildOptions, tmp: Path, progress: Progress):
-    def make(gate: NumericsGate | None, weights: Path | None) -> PassManager:
+    def make(gate: NumericsGate | None) -> PassManager:
         return PassManager(PIPELINE, disabled=disabled, dump_after=options.dump_after, dump_dir=tmp / "dumps",
-                           numerics=gate, weights=weights, on_record=progress.pass_record)
-    make(None, None)  # check ordering constraints and pass names before the slow export
+                           numerics=gate, weights_dir=tmp / ".export", on_record=progress.pass_record)
+    make(None)  # check ordering constraints and pass names before the slow export
     return make
 
 

@@ -24,10 +24,12 @@ def select(records: list[dict], rank: int | None, pass_name: str | None) -> list
     known = sorted({r["pass"] for r in records})
     if pass_name is not None and pass_name not in known:
         raise UserError(f"--pass: no pass {pass_name!r} in this build's log; passes: {', '.join(known)}")
-    ranks = sorted({r["rank"] for r in records})
+    ranks = sorted({r["rank"] for r in records if r["rank"] is not None})
     if rank is not None and rank not in ranks:
         raise UserError(f"--rank: {rank} is not a rank of this build; ranks: {', '.join(map(str, ranks))}")
-    return [r for r in records if (rank is None or r["rank"] == rank) and (pass_name is None or r["pass"] == pass_name)]
+    # Passes before the tensor-parallel split ran once for every rank (rank None, "all").
+    return [r for r in records if (rank is None or r["rank"] in (rank, None))
+            and (pass_name is None or r["pass"] == pass_name)]
 
 
 def render(out: Path, manifest: dict, records: list[dict], detail: bool) -> str:
@@ -43,6 +45,9 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool) -> str:
         f"limits       batch ≤ {limits['max_batch_size']}, input ≤ {limits['max_input_len']}, "
         f"sequence ≤ {limits['max_seq_len']}; CUDA-graph buckets {manifest['cuda_graph_batch_sizes']}",
         f"spec sha256  {manifest['spec_sha256'][:16]}…",
+        f"ranks        {len(manifest['ranks'])} (tensor parallel), per rank: "
+        + "; ".join(f"rank{r['rank']} {r['num_kv_heads']} KV head(s), weights {human_bytes(r['weight_bytes'])}"
+                    for r in manifest["ranks"]),
         *([f"medusa       {m['num_heads']} heads × {m['num_layers']} block(s); tree of {len(m['tree'])} guesses "
            f"(verification S = {m['tree_size']}); output {m['output']}"] if (m := manifest.get("medusa")) else []),
         f"quantization {(q := manifest['spec'].get('quantization', {})).get('mode', 'none')}"
@@ -55,14 +60,14 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool) -> str:
     rows = []
     for r in records:
         numerics = r.get("numerics") or {}
-        rows.append([r["rank"], r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
+        rows.append(["all" if r["rank"] is None else r["rank"], r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
                      r.get("matches", "-"), f"{r['nodes_before']}→{r['nodes_after']}",
                      _stat(numerics.get("vs_previous")), _stat(numerics.get("vs_torch"))])
     lines.append(table(rows, ["rank", "pass", "ms", "modified", "matches", "nodes",
                               "max_abs vs prev", "max_abs vs torch"]))
     if detail:
         for r in records:
-            lines += ["", f"rank {r['rank']} {r['pass']}: op counts before → after"]
+            lines += ["", f"rank {'all' if r['rank'] is None else r['rank']} {r['pass']}: op counts before → after"]
             ops = sorted(set(r["ops_before"]) | set(r["ops_after"]))
             changed = [[op, r["ops_before"].get(op, 0), r["ops_after"].get(op, 0)] for op in ops
                        if r["ops_before"].get(op, 0) != r["ops_after"].get(op, 0)]

@@ -36,7 +36,8 @@ class Progress:
                  f"peak so far {human_bytes(peak_rss_bytes())})")
 
     def pass_record(self, record: dict) -> None:
-        parts = [f"  rank {record['rank']} {record['pass']:<17}", f"{record['ms']:8.1f} ms",
+        rank = "all" if record["rank"] is None else record["rank"]
+        parts = [f"  rank {rank:<3} {record['pass']:<21}", f"{record['ms']:8.1f} ms",
                  f"nodes {record['nodes_before']:>5} → {record['nodes_after']:<5}"]
         if "matches" in record:
             parts.append(f"matches {record['matches']}")

@@ -15,6 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from ..contract.tensor_parallel import kv_heads_per_rank
 from .errors import SpecError, UserError
 from .frontend.checkpoint import ArchConfig, arch_config
 
@@ -41,8 +42,8 @@ class Backend(str, Enum):
     tensorrt_rtx = "tensorrt-rtx"
 
 
-PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights", "attach_medusa",
-              "plan_cuda_graphs")
+PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
+              "shard_tensor_parallel", "attach_medusa", "plan_cuda_graphs")
 
 
 class _Section(BaseModel):
@@ -215,6 +216,11 @@ class Spec(_Section):
         return self.parallel.tensor * self.parallel.pipeline
 
     @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in each rank's caches (split, or one replicated head when TP exceeds them)."""
+        return kv_heads_per_rank(self.world_size, self.arch.num_kv_heads)
+
+    @property
     def max_step_tokens(self) -> int:
         """Largest S of one step: a prefill chunk or a Medusa tree."""
         return max(self.build.max_input_len, self.verify_tokens)
@@ -292,12 +298,7 @@ def load_spec(path: Path) -> Spec:
 
 def _check_against_checkpoint(spec: Spec) -> None:
     arch = spec.arch
-    tp = spec.parallel.tensor
-    for field, count in (("num_key_value_heads", arch.num_kv_heads), ("num_attention_heads", arch.num_heads)):
-        if count % tp:
-            raise SpecError("parallel.tensor", f"{tp} does not divide {field}={count}")
-    if tp > 1:
-        raise SpecError("parallel.tensor", f"{tp}: tensor-parallel sharding is not implemented yet; use 1")
+    _check_tensor_parallel(spec)
     if spec.build.max_seq_len > arch.max_position_embeddings:
         raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
                                              f"max_position_embeddings={arch.max_position_embeddings}")
@@ -312,6 +313,26 @@ def _check_against_checkpoint(spec: Spec) -> None:
     if spec.model.dtype == DType.float32 and "sm75" in spec.build.targets:
         raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
                                          "float16 or drop sm75")
+
+
+def _check_tensor_parallel(spec: Spec) -> None:
+    """Megatron-style sharding needs whole heads, whole MLP columns and whole vocab slices per rank."""
+    arch, tp = spec.arch, spec.parallel.tensor
+    if arch.num_heads % tp:
+        raise SpecError("parallel.tensor", f"{tp} does not divide num_attention_heads={arch.num_heads}; "
+                                           f"valid: {_divisors(arch.num_heads)}")
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        raise SpecError("parallel.tensor", f"{tp} neither divides nor is a multiple of num_key_value_heads="
+                                           f"{arch.num_kv_heads} (KV heads are split or replicated whole)")
+    for field, size in (("intermediate_size", arch.intermediate_size), ("vocab_size", arch.vocab_size)):
+        if size % tp:
+            raise SpecError("parallel.tensor", f"{tp} does not divide {field}={size} "
+                                               f"({'MLP columns' if field == 'intermediate_size' else 'the vocab-parallel LM head'} "
+                                               "split evenly across ranks)")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _resolve_medusa(section: MedusaSection, arch: ArchConfig, base_dir: Path) -> MedusaSection:
@@ -384,8 +405,10 @@ def _check_quantization(spec: Spec) -> None:
                                                     "{data: TEXT_FILE, samples: N, seq_len: L}")
     if q.mode in ("int4_weight_only", "nvfp4"):
         group = 16 if q.mode == "nvfp4" else q.group_size  # NVFP4's block is fixed by the format
-        for field, dim in (("hidden_size", arch.hidden_size), ("intermediate_size", arch.intermediate_size),
-                           ("num_attention_heads × head_dim", arch.num_heads * arch.head_dim)):
+        tp = spec.parallel.tensor
+        per_rank = "" if tp == 1 else f" / parallel.tensor {tp}"
+        for field, dim in (("hidden_size", arch.hidden_size), (f"intermediate_size{per_rank}", arch.intermediate_size // tp),
+                           (f"num_attention_heads × head_dim{per_rank}", arch.num_heads * arch.head_dim // tp)):
             if dim % group:
                 where = "quantization.mode" if q.mode == "nvfp4" else "quantization.group_size"
                 raise SpecError(where, f"{group} does not divide {field}={dim}" +

@@ -4,8 +4,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-# Bump on any incompatible change of manifest.json.
-SCHEMA_VERSION = 1
+# Bump on any incompatible change of manifest.json. 2: tensor parallelism; each entry of
+# ``ranks`` carries its KV heads, I/O table and weight bytes (the top-level ``io`` is gone).
+SCHEMA_VERSION = 2
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

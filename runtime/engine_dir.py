@@ -27,7 +27,12 @@ class EngineDir:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.model["num_kv_heads"]
+        """KV heads in each rank's caches (the model's, split or replicated by tensor parallelism)."""
+        return self.manifest["ranks"][0]["num_kv_heads"]
+
+    @property
+    def tensor_parallel(self) -> int:
+        return len(self.manifest["ranks"])
 
     @property
     def head_dim(self) -> int:

@@ -32,7 +32,7 @@ def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
         assert name in manifest["files"], name
     assert verify_files(tiny_engine, manifest) == []
     assert (tiny_engine / "rank0.engine").stat().st_size > 1_000_000
-    io = {row["name"]: row for row in manifest["io"]}
+    io = {row["name"]: row for row in manifest["ranks"][0]["io"]}
     assert io["input_ids"]["dtype"] == "int32" and io["write_index"]["dtype"] == "int64"
     assert io["attention_mask"]["dtype"] == "bool" and io["attention_mask"]["shape"][3] == 1024
     assert io["present_key_5"]["aliases"] == "past_key_5"

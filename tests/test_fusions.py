@@ -14,7 +14,7 @@ from trtbuild.builder.frontend.checkpoint import ArchConfig
 
 import graphs
 
-CTX = PassContext(spec=None, rank=0, rng=np.random.default_rng(0))
+CTX = PassContext(spec=None)
 
 
 def fuse(fusion, model):
@@ -90,7 +90,7 @@ def test_fewer_matches_than_the_architecture_has_is_an_error():
     arch = ArchConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=16, intermediate_size=32,
                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5,
                       max_position_embeddings=16, tie_word_embeddings=False, qk_norm=False, sliding_window=None)
-    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), arch=arch)
+    ctx = PassContext(spec=None, arch=arch)
     with pytest.raises(PassError, match=r"fuse_rmsnorm matched 1 of the 5 sites a LlamaForCausalLM with 2 layers has"):
         fuse_rmsnorm(gs.import_onnx(graphs.rmsnorm()), ctx)
     with pytest.raises(PassError, match=r"fuse_attention matched 0 of the 2 sites"):

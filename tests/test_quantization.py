@@ -76,7 +76,7 @@ def test_quantize_weights_computes_what_the_quantizer_simulates(make):
     w = torch.randn(16, 64)                        # [out, in] as in torch
     x = torch.randn(4, 64)
     layer = make(w, x)
-    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"layers.0.mlp.up_proj": layer})
+    ctx = PassContext(spec=None, quantized={"layers.0.mlp.up_proj": layer})
     result = quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx)
     assert result.stats["matches"] == 1
     model = gs.export_onnx(result.graph)
@@ -94,7 +94,7 @@ def test_fp8_quantizes_weights_and_activations_per_tensor():
     assert layer.scales[0] == pytest.approx(float(w.abs().max()) / 448)
     # E4M3 has 3 mantissa bits: relative rounding error at most 2^-4 per element
     assert float(((layer.dequantize() - w).abs() / w.abs()).max()) <= 2 ** -4 + 1e-6
-    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"layers.0.mlp.up_proj": layer})
+    ctx = PassContext(spec=None, quantized={"layers.0.mlp.up_proj": layer})
     model = gs.export_onnx(quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx).graph)
     assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear", "DequantizeLinear", "MatMul",
                                                             "QuantizeLinear"]
@@ -119,7 +119,7 @@ def test_nvfp4_blocks_of_16_with_fp8_scales_and_a_simulated_cpu_path():
     scales = layer.scales.numpy()
     assert np.array_equal(scales.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), scales)  # E4M3 values
     assert float((layer.dequantize() - w).norm() / w.norm()) < 0.12            # ~4-bit error
-    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"layers.0.mlp.up_proj": layer})
+    ctx = PassContext(spec=None, quantized={"layers.0.mlp.up_proj": layer})
     model = gs.export_onnx(quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx).graph)
     assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear", "DequantizeLinear", "MatMul"]
     assert fp4.has_fp4(model)
@@ -137,7 +137,7 @@ def test_embedding_table_becomes_int8_rows_dequantized_then_gathered():
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT32, [2, 3])],
                               [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 3, 8])],
                               [numpy_helper.from_array(table.numpy(), "embed_tokens.weight")])
-    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0), quantized={"embed_tokens": layer})
+    ctx = PassContext(spec=None, quantized={"embed_tokens": layer})
     result = quantize_weights(gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])), ctx)
     assert result.stats["matches"] == 1
     model = gs.export_onnx(result.graph)
@@ -156,7 +156,7 @@ def test_tied_embeddings_are_not_quantized_twice(checkpoints):
 
 def test_quantize_weights_fails_when_a_layer_is_missing():
     w = torch.randn(16, 64)
-    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0),
+    ctx = PassContext(spec=None,
                       quantized={"layers.0.mlp.up_proj": rtn(w, 8, None), "layers.0.mlp.down_proj": rtn(w, 8, None)})
     with pytest.raises(PassError, match=r"quantize_weights matched 1 of the 2 layers to quantize; not found: \['layers.0.mlp.down_proj'\]"):
         quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx)
@@ -217,7 +217,7 @@ def test_smoothquant_folds_into_the_norm_and_quantizes_activations():
     x[:, 3] *= 20  # an outlier channel
     h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g
     (l1, l2), s = smoothquant([w1, w2], h.abs().amax(0), alpha=0.5)
-    ctx = PassContext(spec=None, rank=0, rng=np.random.default_rng(0),
+    ctx = PassContext(spec=None,
                       quantized={"layers.0.self_attn.q_proj": l1, "layers.0.self_attn.k_proj": l2})
     result = quantize_weights(norm_then_two_matmuls(w1.T.contiguous().numpy(), w2.T.contiguous().numpy(), g.numpy()), ctx)
     model = gs.export_onnx(result.graph)

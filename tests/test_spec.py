@@ -57,8 +57,8 @@ def test_defaults_and_explicit_buckets():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ({"parallel": {"tensor": 3}}, "parallel.tensor: 3 does not divide num_key_value_heads=2"),
-    ({"parallel": {"tensor": 2}}, "parallel.tensor: 2: tensor-parallel sharding is not implemented yet; use 1"),
+    ({"parallel": {"tensor": 3}}, "parallel.tensor: 3 does not divide num_attention_heads=8; valid: 1, 2, 4, 8"),
+    ({"parallel": {"tensor": 16}}, "parallel.tensor: 16 does not divide num_attention_heads=8"),
     ({"build": {"max_input_len": 600}}, "build.max_input_len: 600 exceeds max_seq_len=512"),
     ({"build": {"max_seq_len": 4096, "max_input_len": 64}},
      "build.max_seq_len: 4096 exceeds the checkpoint's max_position_embeddings=1024"),
@@ -128,7 +128,7 @@ def test_cli_reports_spec_error_with_exit_code_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: parallel.tensor: 3 does not divide num_key_value_heads=2"
+    assert proc.stderr.strip() == "error: parallel.tensor: 3 does not divide num_attention_heads=8; valid: 1, 2, 4, 8"
     assert "Traceback" not in proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == [path]
 

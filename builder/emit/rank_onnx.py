@@ -7,7 +7,7 @@ tensor at a time, and the data file holds exactly what the graph references, in 
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 
 import onnx
@@ -15,18 +15,23 @@ import onnx
 INLINE_BELOW = 1024  # bytes
 
 
-def save_graph(model: onnx.ModelProto, path: Path, weights: Path | None) -> None:
+def save_graph(model: onnx.ModelProto, path: Path, weights_dir: Path | None) -> None:
+    """``weights_dir``: where the external-data files the graph's tensors name lie."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data_name = f"{path.name}.data"
     data_path = path.parent / data_name
     offset = 0
-    with open(data_path, "wb") as out, (open(weights, "rb") if weights else nullcontext()) as source:
+    sources: dict[str, object] = {}
+    with open(data_path, "wb") as out, ExitStack() as stack:
         for tensor in model.graph.initializer:
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                if source is None:
-                    raise ValueError(f"{path}: tensor {tensor.name} is external but no weight file was given")
                 info = {e.key: e.value for e in tensor.external_data}
+                if weights_dir is None:
+                    raise ValueError(f"{path}: tensor {tensor.name} is external but no weights dir was given")
+                if info["location"] not in sources:
+                    sources[info["location"]] = stack.enter_context(open(Path(weights_dir) / info["location"], "rb"))
+                source = sources[info["location"]]
                 source.seek(int(info.get("offset", 0)))
                 data = source.read(int(info["length"]))
             elif tensor.HasField("raw_data") and len(tensor.raw_data) >= INLINE_BELOW:

@@ -104,7 +104,7 @@ def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], .
     at every position) and prefill (S up to max_input_len, logits at the last token)."""
     arch, b_max, s_max = spec.arch, spec.build.max_batch_size, spec.build.max_seq_len
     chunk = spec.max_step_tokens
-    cache = (arch.num_kv_heads, s_max, arch.head_dim)
+    cache = (spec.kv_heads_per_rank, s_max, arch.head_dim)  # each rank's engine holds its KV heads
 
     def profile(seq: tuple[int, int, int], batch: tuple[int, int, int], rows: tuple[int, int, int]):
         shapes = {

@@ -11,18 +11,19 @@ from .fuse_rmsnorm import fuse_rmsnorm
 from .fuse_rotary import fuse_rotary
 from .plan_cuda_graphs import plan_cuda_graphs
 from .quantize_weights import quantize_weights
+from .shard_tensor_parallel import shard_tensor_parallel
 
 PIPELINE: tuple[Pass, ...] = (
-    Pass("canonicalize", canonicalize, description="constant folding, dead nodes, names"),
-    Pass("fuse_rmsnorm", fuse_rmsnorm, requires=("canonicalize",), description="→ RMSNormalization"),
-    Pass("fuse_rotary", fuse_rotary, requires=("canonicalize",), description="→ RotaryEmbedding"),
-    Pass("fuse_attention", fuse_attention, requires=("canonicalize",),
-         description="→ TensorScatter + Attention (GQA, bool mask, nonpad_kv_seqlen)"),
-    Pass("quantize_weights", quantize_weights, requires=("canonicalize",), quantizes=True,
-         description="→ DequantizeLinear (int8 per channel, int4 block-wise) feeding each MatMul"),
-    Pass("attach_medusa", attach_medusa, requires=("canonicalize",),
-         description="Medusa heads on the final hidden state → medusa_logits [B, R, K, V]"),
-    Pass("plan_cuda_graphs", plan_cuda_graphs, description="decode batch buckets for CUDA graphs"),
+    # The whole model, once:
+    Pass("canonicalize", canonicalize),
+    Pass("fuse_rmsnorm", fuse_rmsnorm, requires=("canonicalize",)),
+    Pass("fuse_rotary", fuse_rotary, requires=("canonicalize",)),
+    Pass("fuse_attention", fuse_attention, requires=("canonicalize",)),
+    Pass("quantize_weights", quantize_weights, requires=("canonicalize",)),
+    # 1 → N: each rank's graph from here on.
+    Pass("shard_tensor_parallel", shard_tensor_parallel, per_rank=True),
+    Pass("attach_medusa", attach_medusa, requires=("canonicalize",), per_rank=True),
+    Pass("plan_cuda_graphs", plan_cuda_graphs, per_rank=True),
 )
 
 __all__ = ["PIPELINE", "Pass", "PassContext", "PassError", "PassResult"]

@@ -1,6 +1,7 @@
 """attach_medusa: add the Medusa heads to the graph and the ``medusa_logits`` output.
 
-The heads read what the LM head reads: the final-norm hidden state at ``logits_index``
+With tensor parallelism each rank holds its vocabulary slice of every head's output
+projection (like lm_head) and the stacked rows are all-gathered. The heads read what the LM head reads: the final-norm hidden state at ``logits_index``
 [B, R, D], so they too run only on the rows that need logits. Head k is
 ``h = x + SiLU(x W_j + b_j)`` per residual block, then ``h W_out`` [B, R, V]; the heads are
 stacked on axis 2 into ``medusa_logits`` [B, R, K, V] (float32, like ``logits``).
@@ -12,23 +13,21 @@ import onnx_graphsurgeon as gs
 
 import ml_dtypes
 
+from ...contract.tensor_parallel import vocab_range
+from ...plugins.collectives import all_gather_last_axis
 from ..medusa.heads import load_heads
 from .base import PassContext, PassError, PassResult
 from .fusion import new_node
 
 
+LM_HEAD = "/model/lm_head/MatMul"
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 def _lm_head_matmul(graph: gs.Graph) -> gs.Node:
-    logits = next((o for o in graph.outputs if o.name == "logits"), None)
-    if logits is None or not logits.inputs:
-        raise PassError("attach_medusa: the graph has no 'logits' output")
-    node = logits.inputs[0]
-    while node.op == "Cast" and node.inputs[0].inputs:
-        node = node.inputs[0].inputs[0]
-    if node.op != "MatMul":
-        raise PassError(f"attach_medusa: 'logits' comes from {node.op} {node.name}, not the LM head's MatMul")
+    node = next((n for n in graph.nodes if n.name == LM_HEAD), None)
+    if node is None or node.op != "MatMul":
+        raise PassError(f"attach_medusa: the graph has no LM head MatMul {LM_HEAD}")
     return node
 
 
@@ -57,7 +56,9 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
                             new_node("Add", f"{scope}/Residual", [h, act], outputs=[res])]
             h = res
         scope = f"/medusa_head.{k}/out"
-        w_out = gs.Constant(f"medusa_head.{k}.{heads.num_layers}.weight", np.ascontiguousarray(out.T, dtype))
+        columns = vocab_range(ctx.rank or 0, ctx.world_size, out.shape[0])  # vocab-parallel like lm_head
+        w_out = gs.Constant(f"medusa_head.{k}.{heads.num_layers}.weight",
+                            np.ascontiguousarray(out[columns.start:columns.stop].T, dtype))
         head_logits = gs.Variable(f"{scope}/MatMul_out", dtype=dtype)
         expanded = gs.Variable(f"{scope}/Unsqueeze_out", dtype=dtype)
         axes = gs.Constant(f"medusa_head.{k}.unsqueeze_axes", np.array([2], np.int64))
@@ -68,6 +69,8 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     shape = [batch, rows, heads.num_heads, vocab]
     stacked = gs.Variable("/medusa/Concat_out", dtype=dtype)
     graph.nodes.append(new_node("Concat", "/medusa/Concat", per_head, {"axis": 2}, outputs=[stacked]))
+    if ctx.world_size > 1:
+        stacked = all_gather_last_axis(graph, stacked, ctx.world_size, "/medusa/AllGather")
     output = gs.Variable("medusa_logits", dtype=np.float32, shape=shape)
     if dtype == np.float32:
         graph.nodes.append(new_node("Identity", "/medusa/Output", [stacked], outputs=[output]))

@@ -1,88 +1,50 @@
-"""PassManager: runs the pipeline for one rank with instrumentation around every pass.
+"""PassManager: runs the pipeline, 1 → N ranks, with instruments around every pass.
 
-Instrumentation lives here, not in passes: timing, op histograms, node provenance
-(``created_by``), the numerics check, ``--dump-after`` and ``--disable-pass``.
+Passes before the first ``per_rank`` pass run once on the whole model's graph (pass-log
+rank ``None``, shown as "all"); then the graph is copied per rank and each later pass runs on
+every rank's graph before the next pass starts, so instruments (the numerics check above
+all) can look at all ranks together. Ordering constraints are checked before anything runs;
+a failure names the pass, the rank and the passes that ran before it.
 """
 from __future__ import annotations
 
-import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import onnx
 import onnx_graphsurgeon as gs
 
-from .. import numerics
-from ...plugins import fp4
-from ..emit.rank_onnx import save_graph
 from ..errors import UserError
 from .base import Pass, PassContext, PassError, PassResult
+from .instruments import Dump, Instrument, OpCounts, Provenance, Timing, to_onnx  # noqa: F401  (to_onnx: API)
+from .numerics_gate import after
 
 
 @dataclass
 class RunResult:
-    graph: gs.Graph
-    results: dict[str, PassResult]
-    provenance: dict[str, str]                    # node name → pass that created it
+    graphs: list[gs.Graph]                        # one per rank
+    results: dict[str, list[PassResult]]          # pass name → its result per graph it ran on
+    provenance: list[dict[str, str]]              # per rank: node name → pass that created it
     records: list[dict] = field(default_factory=list)
 
-
-class NumericsGate:
-    """Runs each pass's output and compares with the previous graph and with torch eager."""
-
-    def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
-                 quantized_reference: dict | None = None, quantized_rtol: float | None = None):
-        """``workdir`` holds the export's weight file when the graph's weights are external;
-        ``quantized_reference`` is torch eager with the dequantized weights, the reference once
-        a pass has quantized (quantization error is measured, not a pass's mistake)."""
-        self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
-        self.workdir, self.quantized_reference = workdir, quantized_reference
-        self.quantized_rtol = quantized_rtol or rtol
-        self.previous: dict | None = None  # outputs of the graph before the current pass
-
-    def __call__(self, graph: gs.Graph, pass_name: str, ran_before: list[str], quantized: bool = False) -> dict:
-        model = gs.export_onnx(graph)
-        if fp4.has_fp4(model):  # ONNX Runtime has no FP4 kernels: fold to float weights (simulated)
-            model = fp4.simulate(model)
-        if self.workdir is not None:  # external weights resolve relative to the model file
-            path = self.workdir / "numerics.onnx"
-            onnx.save_model(model, path)
-            model = path
-        outputs = numerics.run_onnx(model, self.inputs)
-        reference = self.quantized_reference if quantized and self.quantized_reference else self.reference
-        vs_torch = numerics.compare(outputs, reference)
-        vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
-        self.previous = outputs
-        record = {"vs_torch": numerics.worst(vs_torch)}
-        if quantized and self.quantized_reference:
-            record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference))
-        if vs_previous is not None:
-            record["vs_previous"] = numerics.worst(vs_previous)
-        rtol = self.quantized_rtol if quantized and self.quantized_reference else self.rtol
-        bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, rtol)}
-        record["ok"] = not bad
-        if bad:
-            name, stat = max(bad.items(), key=lambda kv: kv[1].max_abs)
-            raise PassError(f"pass {pass_name} broke numerics: {name} max_abs {stat.max_abs:.3g} "
-                            f"(max_rel {stat.max_rel:.3g}) vs torch exceeds atol {self.atol} / rtol "
-                            f"{rtol}{_after(ran_before)}")
-        return record
+    @property
+    def graph(self) -> gs.Graph:
+        """The only graph of a single-rank run."""
+        (graph,) = self.graphs
+        return graph
 
 
 class PassManager:
     def __init__(self, passes: tuple[Pass, ...], disabled: frozenset[str] = frozenset(),
                  dump_after: frozenset[str] = frozenset(), dump_dir: Path | None = None,
-                 numerics: NumericsGate | None = None, weights: Path | None = None,
+                 numerics: Instrument | None = None, weights_dir: Path | None = None,
                  on_record: Callable[[dict], None] = lambda record: None):
         known = {p.name for p in passes}
         for name in (*disabled, *dump_after):
             if name not in known and name != "all":
                 raise UserError(f"unknown pass {name!r}; passes: {', '.join(p.name for p in passes)}")
         self.passes, self.disabled, self.dump_after = passes, disabled, dump_after
-        self.dump_dir, self.numerics, self.on_record = dump_dir, numerics, on_record
-        self.weights = weights  # the export's external weight file, for dumps
+        self.dump_dir, self.numerics, self.on_record, self.weights_dir = dump_dir, numerics, on_record, weights_dir
         self.check_order()
 
     @property
@@ -90,8 +52,10 @@ class PassManager:
         return [p for p in self.passes if p.name not in self.disabled]
 
     def check_order(self) -> None:
-        """Every pass's requirements must be enabled and come before it; checked before any runs."""
+        """Every pass's requirements must be enabled and come before it, and no whole-model pass
+        may follow a per-rank one; checked before any runs."""
         seen: set[str] = set()
+        split = None
         for p in self.enabled:
             for need in p.requires:
                 if need in self.disabled:
@@ -99,59 +63,57 @@ class PassManager:
                                     f"also disable {p.name} or enable {need}")
                 if need not in seen:
                     raise PassError(f"pass {p.name} requires {need} to run before it")
+            if split and not p.per_rank:
+                raise PassError(f"pass {p.name} runs on the whole model but comes after the per-rank pass {split}")
+            split = split or (p.name if p.per_rank else None)
             seen.add(p.name)
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> RunResult:
-        provenance = {node.name: "export" for node in graph.nodes}
-        results: dict[str, PassResult] = {}
+        provenance = Provenance()
+        instruments: list[Instrument] = [OpCounts(), provenance, Timing()]
+        if self.numerics is not None:
+            instruments.append(self.numerics)
+        if self.dump_dir is not None and self.dump_after:
+            instruments.append(Dump(self.dump_after, self.dump_dir, self.weights_dir, provenance))
+        graphs, contexts = [graph], [ctx]
+        results: dict[str, list[PassResult]] = {}
         records: list[dict] = []
         ran: list[str] = []
-        quantized = False
-        for index, p in enumerate(self.enabled, start=1):
-            quantized = quantized or p.quantizes
-            before = _histogram(graph)
-            start = time.perf_counter()
-            try:
-                result = p.run(graph, ctx)
-            except PassError as exc:
-                raise PassError(f"{exc}{_after(ran)}") from None
-            except UserError:
-                raise
-            except Exception as exc:  # a bug in a pass: say which, keep the cause chained
-                raise PassError(f"pass {p.name} failed on rank {ctx.rank}: {type(exc).__name__}: {exc}"
-                                f"{_after(ran)}") from exc
-            ms = (time.perf_counter() - start) * 1000
-            graph = result.graph
-            for node in graph.nodes:
-                provenance.setdefault(node.name, p.name)
-            record = {"pass": p.name, "rank": ctx.rank, "ms": round(ms, 2), "modified": result.modified,
-                      "ops_before": before, "ops_after": _histogram(graph),
-                      "nodes_before": sum(before.values()), "nodes_after": len(graph.nodes), **result.stats}
-            if self.numerics is not None and (result.modified or index == 1):
-                record["numerics"] = self.numerics(graph, p.name, ran, quantized)
-            if self.dump_dir is not None and (p.name in self.dump_after or "all" in self.dump_after):
-                path = self.dump_dir / f"rank{ctx.rank}" / f"{index:03d}_{p.name}.onnx"
-                save_graph(to_onnx(graph, provenance), path, self.weights)
-                record["dump"] = str(path.relative_to(self.dump_dir.parent))
-            results[p.name] = result
-            records.append(record)
-            self.on_record(record)
+        for p in self.enabled:
+            if p.per_rank and contexts[0].rank is None:  # the 1 → N split
+                graphs = [graph if ctx.world_size == 1 else graph.copy() for _ in range(ctx.world_size)]
+                contexts = [ctx.for_rank(rank) for rank in range(ctx.world_size)]
+                for instrument in instruments:
+                    instrument.split(ctx.world_size)
+            step_results, step_records = [], []
+            for index, (rank_graph, rank_ctx) in enumerate(zip(graphs, contexts)):
+                for instrument in instruments:
+                    instrument.before(p, rank_ctx.rank, rank_graph)
+                result = self._call(p, rank_graph, rank_ctx, ran)
+                record = {"pass": p.name, "rank": rank_ctx.rank, "modified": result.modified}
+                for instrument in instruments:
+                    instrument.after(p, rank_ctx.rank, rank_graph, result, record)
+                record.update(result.stats)
+                graphs[index] = result.graph
+                step_results.append(result)
+                step_records.append(record)
+            for instrument in instruments:
+                instrument.after_all(p, graphs, step_results, step_records, ran)
+            for record in step_records:
+                self.on_record(record)
+            results[p.name] = step_results
+            records += step_records
             ran.append(p.name)
-        return RunResult(graph=graph, results=results, provenance=provenance, records=records)
+        return RunResult(graphs=graphs, results=results, provenance=provenance.by_rank, records=records)
 
-
-def to_onnx(graph: gs.Graph, provenance: dict[str, str]) -> onnx.ModelProto:
-    """The graph as a model proto, each node's metadata recording the pass that created it."""
-    model = gs.export_onnx(graph)
-    for node in model.graph.node:
-        entry = node.metadata_props.add()
-        entry.key, entry.value = "created_by", provenance.get(node.name, "unknown")
-    return model
-
-
-def _histogram(graph: gs.Graph) -> dict[str, int]:
-    return dict(sorted(Counter(node.op for node in graph.nodes).items()))
-
-
-def _after(ran: list[str]) -> str:
-    return f" (after {', '.join(ran)})" if ran else " (it ran first)"
+    @staticmethod
+    def _call(p: Pass, graph: gs.Graph, ctx: PassContext, ran: list[str]) -> PassResult:
+        where = "" if ctx.rank is None else f" on rank {ctx.rank}"
+        try:
+            return p.run(graph, ctx)
+        except PassError as exc:
+            raise PassError(f"{exc}{after(ran)}") from None
+        except UserError:
+            raise
+        except Exception as exc:  # a bug in a pass: say which, keep the cause chained
+            raise PassError(f"pass {p.name} failed{where}: {type(exc).__name__}: {exc}{after(ran)}") from exc

@@ -1,0 +1,89 @@
+"""The numerics check as an instrument: after each pass that changed the graph, run it in
+ONNX Runtime on seeded inputs and compare with the graph before it and with torch eager.
+
+After the tensor-parallel split the N rank graphs run together as one step (each rank's
+cache shard as input, the collectives computed in numpy between their segments) and the
+gathered logits are compared with the whole model's: a sharding mistake fails the pass that
+made it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from ...contract.tensor_parallel import gather_caches, shard_caches
+from ...plugins import fp4
+from ...plugins.segments import run_ranks
+from .. import numerics
+from .base import PassError
+from .instruments import Instrument
+
+
+class NumericsGate(Instrument):
+    def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
+                 quantized_reference: dict | None = None, quantized_rtol: float | None = None,
+                 num_kv_heads: int | None = None):
+        """``workdir`` holds the graphs' external weight files; ``quantized_reference`` is torch
+        eager with the dequantized weights, the reference once the graph holds quantized weights
+        (quantization error is measured, not a pass's mistake); ``num_kv_heads`` of the whole
+        model, to give each rank its cache shard."""
+        self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
+        self.workdir, self.quantized_reference = workdir, quantized_reference
+        self.quantized_rtol = quantized_rtol or rtol
+        self.num_kv_heads = num_kv_heads
+        self.previous: dict | None = None  # outputs of the graphs before the current pass
+        self.first = True
+
+    def after_all(self, p, graphs, results, records, ran):
+        if not (self.first or any(r.modified for r in results)):
+            return
+        self.first = False
+        outputs = self.run(graphs)
+        quantized = any(node.op == "DequantizeLinear" for node in graphs[0].nodes)
+        use_quantized = quantized and self.quantized_reference is not None
+        reference = self.quantized_reference if use_quantized else self.reference
+        vs_torch = numerics.compare(outputs, reference)
+        vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
+        self.previous = outputs
+        record = {"vs_torch": numerics.worst(vs_torch)}
+        if use_quantized:
+            record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference))
+        if vs_previous is not None:
+            record["vs_previous"] = numerics.worst(vs_previous)
+        if len(graphs) > 1:
+            record["ranks_together"] = len(graphs)
+        rtol = self.quantized_rtol if use_quantized else self.rtol
+        bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, rtol)}
+        record["ok"] = not bad
+        for rank_record in records:
+            rank_record["numerics"] = record
+        if bad:
+            name, stat = max(bad.items(), key=lambda kv: kv[1].max_abs)
+            raise PassError(f"pass {p.name} broke numerics: {name} max_abs {stat.max_abs:.3g} "
+                            f"(max_rel {stat.max_rel:.3g}) vs torch exceeds atol {self.atol} / rtol "
+                            f"{rtol}{after(ran)}")
+
+    def run(self, graphs: list[gs.Graph]) -> dict:
+        models = [self._model(graph) for graph in graphs]
+        if len(models) == 1:
+            model = models[0]
+            if self.workdir is not None:  # external weights resolve relative to the model file
+                path = self.workdir / "numerics.onnx"
+                onnx.save_model(model, path)
+                model = path
+            return numerics.run_onnx(model, self.inputs)
+        feeds = shard_caches(self.inputs, len(models), self.num_kv_heads)
+        outputs = run_ranks(models, feeds, self.workdir)
+        logits = {name: value for name, value in outputs[0].items() if not name.startswith("present_")}
+        return {**logits, **gather_caches(outputs, self.num_kv_heads)}
+
+    @staticmethod
+    def _model(graph: gs.Graph) -> onnx.ModelProto:
+        model = gs.export_onnx(graph)
+        return fp4.simulate(model) if fp4.has_fp4(model) else model  # ONNX Runtime has no FP4 kernels
+
+
+def after(ran: list[str]) -> str:
+    return f" (after {', '.join(ran)})" if ran else " (it ran first)"

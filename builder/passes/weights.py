@@ -1,0 +1,61 @@
+"""Reading and writing the weights of graph constants, which may live in external-data files.
+
+Passes see constants whose bytes stay on disk (the export's weight file); a pass that slices
+them (tensor-parallel sharding) reads one tensor at a time and writes its slice to the rank's
+own file, so memory holds one tensor, not a rank's weights.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper, numpy_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+INLINE_BELOW = 1024  # bytes: smaller slices stay in the graph
+
+
+def _proto(constant: gs.Constant) -> onnx.TensorProto | None:
+    values = constant._values if hasattr(constant, "_values") else constant.values
+    return values.tensor if isinstance(values, LazyValues) else None
+
+
+def read(constant: gs.Constant, weights_dir: Path | None) -> np.ndarray:
+    """The constant's values; external data is memory-mapped from ``weights_dir``."""
+    proto = _proto(constant)
+    if proto is not None and proto.data_location == onnx.TensorProto.EXTERNAL:
+        if weights_dir is None:
+            raise ValueError(f"{constant.name} is external but no weights dir was given")
+        info = {e.key: e.value for e in proto.external_data}
+        dtype = helper.tensor_dtype_to_np_dtype(proto.data_type)
+        count = int(np.prod(proto.dims)) if proto.dims else 1
+        return np.memmap(weights_dir / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                         shape=(count,)).reshape(tuple(proto.dims))
+    if proto is not None:
+        return numpy_helper.to_array(proto)
+    return np.asarray(constant.values)
+
+
+class WeightWriter:
+    """Appends arrays to one external-data file; returns constants that reference them."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = Path(path), 0
+        self.path.write_bytes(b"")
+
+    def constant(self, name: str, values: np.ndarray) -> gs.Constant:
+        proto = numpy_helper.from_array(np.ascontiguousarray(values), name)  # packs int4/fp4 two to a byte
+        if len(proto.raw_data) < INLINE_BELOW:
+            return gs.Constant(name, LazyValues(proto))
+        data = proto.raw_data
+        with open(self.path, "ab") as out:
+            out.write(data)
+        proto.ClearField("raw_data")
+        proto.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(data)))):
+            entry = proto.external_data.add()
+            entry.key, entry.value = key, value
+        self.offset += len(data)
+        return gs.Constant(name, LazyValues(proto))

@@ -1,0 +1,122 @@
+"""Rank graphs cut at their collectives, for ONNX Runtime (which has no DistCollective).
+
+A rank model becomes segments: runs of nodes between collectives, each a model of its own
+whose inputs are what it reads from the step's inputs or from earlier segments and
+collectives, and whose outputs are what later ones (or the step's outputs) read. Between two
+segments sits one ``Collective``. Weights stay where they are: segments reference the rank's
+external-data file, resolved from ``base_dir``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..contract import onnxruntime as ort_config
+from .collectives import OP, Collective
+
+
+@dataclass
+class Segment:
+    model: onnx.ModelProto
+    inputs: list[str]
+    outputs: list[str]
+    collective: Collective | None   # runs after this segment; None for the last
+
+
+def has_collectives(model: onnx.ModelProto) -> bool:
+    return any(node.op_type == OP for node in model.graph.node)
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor: shape inference over a copy whose collectives are Identity
+    (a collective keeps its input's type)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for node in probe.graph.node:
+        if node.op_type == OP:
+            node.op_type, node.domain = "Identity", ""
+            del node.attribute[:]
+    del probe.graph.initializer[:]  # types come from the graph's declared inputs; weights below
+    types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    probe.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in model.graph.initializer)
+    inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False)
+    for value in inferred.graph.value_info:
+        types.setdefault(value.name, value.type.tensor_type.elem_type)
+    return types
+
+
+def split(model: onnx.ModelProto) -> list[Segment]:
+    """The model's nodes (in topological order) cut at each DistCollective."""
+    graph = model.graph
+    runs: list[list[onnx.NodeProto]] = [[]]
+    collectives: list[Collective] = []
+    for node in graph.node:
+        if node.op_type == OP:
+            collectives.append(Collective.of(node))
+            runs.append([])
+        else:
+            runs[-1].append(node)
+    initializers = {t.name: t for t in graph.initializer}
+    graph_outputs = [o.name for o in graph.output]
+    types = _elem_types(model)
+    # What each later piece reads: segment nodes' inputs, and each collective's input.
+    needed_after: list[set[str]] = []
+    later: set[str] = set(graph_outputs)
+    for index in range(len(runs) - 1, -1, -1):
+        needed_after.insert(0, set(later))
+        later |= {name for node in runs[index] for name in node.input if name}
+        if index > 0:
+            later.add(collectives[index - 1].input)
+    segments = []
+    for index, nodes in enumerate(runs):
+        produced = {name for node in nodes for name in node.output}
+        read = list(dict.fromkeys(name for node in nodes for name in node.input if name))
+        inputs = [n for n in read if n not in produced and n not in initializers]
+        collective = collectives[index] if index < len(collectives) else None
+        wanted = needed_after[index] | ({collective.input} if collective else set())
+        outputs = [n for node in nodes for n in node.output if n in wanted]
+        body = helper.make_graph(
+            nodes, f"{graph.name}_segment{index}",
+            [helper.make_tensor_value_info(n, types[n], None) for n in inputs],
+            [helper.make_tensor_value_info(n, types[n], None) for n in outputs],
+            [initializers[n] for n in read if n in initializers])
+        segment_model = helper.make_model(body, opset_imports=[i for i in model.opset_import if i.domain != "trtbuild"],
+                                          ir_version=model.ir_version)
+        segments.append(Segment(segment_model, inputs, outputs, collective))
+    return segments
+
+
+class SegmentedRank:
+    """One rank's segments as ONNX Runtime sessions."""
+
+    def __init__(self, model: onnx.ModelProto, base_dir: Path | None, threads: int = 0):
+        self.segments = split(model)
+        self.sessions = [ort_config.session(s.model, threads, base_dir) for s in self.segments]
+
+
+CollectiveFn = Callable[[Collective, np.ndarray], np.ndarray]
+
+
+def run_ranks(models: list[onnx.ModelProto], feeds: list[dict[str, np.ndarray]],
+              base_dir: Path | None) -> list[dict[str, np.ndarray]]:
+    """All ranks' graphs as one step in this process, collectives in numpy (the numerics check)."""
+    ranks = [SegmentedRank(model, base_dir) for model in models]
+    values = [dict(f) for f in feeds]
+    for index in range(len(ranks[0].segments)):
+        for rank, state in zip(ranks, values):
+            segment, session = rank.segments[index], rank.sessions[index]
+            state.update(ort_config.run(session, state))
+        collective = ranks[0].segments[index].collective
+        if collective is not None:
+            received = collective.reference([state[collective.input] for state in values])
+            for state, value in zip(values, received):
+                state[collective.output] = value
+    names = [o.name for o in models[0].graph.output]
+    return [{name: state[name] for name in names} for state in values]
