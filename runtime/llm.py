@@ -73,10 +73,20 @@ class RuntimeStats:
     decode_steps: int = 0
 
 
-def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int) -> Engine:
-    """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU."""
+def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int,
+                verify: bool = True) -> Engine:
+    """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU.
+    A tensor-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
     if backend not in ("auto", "tensorrt", "onnxruntime"):
         raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
+    if engine_dir.tensor_parallel > 1:
+        if backend == "tensorrt":
+            raise ValueError(f"--backend tensorrt: {engine_dir.path} has {engine_dir.tensor_parallel} ranks and the "
+                             "TensorRT backend runs one rank so far; use --backend onnxruntime")
+        from .tensor_parallel import TensorParallelEngine
+
+        return TensorParallelEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
+                                    verify=verify)
     if backend in ("auto", "tensorrt"):
         from .tensorrt_engine import TensorRTEngine, tensorrt_available
 
@@ -112,7 +122,7 @@ class LLM:
         blocks = (prefix_cache_blocks if prefix_cache_blocks is not None
                   else 2 * d.max_seq_len // block_size) if use_prefix else 0
         self.tokenizer = Tokenizer.from_file(str(d.path / "tokenizer.json"))
-        self.engine = make_engine(d, backend, threads, blocks, block_size)
+        self.engine = make_engine(d, backend, threads, blocks, block_size, verify)
         self.scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
             token_budget=token_budget, prefix_cache=PrefixCache(block_size, blocks) if use_prefix else None,
@@ -139,6 +149,18 @@ class LLM:
     @property
     def backend(self) -> str:
         return self.engine.name
+
+    def close(self) -> None:
+        """Stops the engine's other processes (tensor-parallel ranks), if it has any."""
+        close = getattr(type(self.engine), "close", None)
+        if close is not None:
+            close(self.engine)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def default_params(self, **overrides) -> SamplingParams:
         defaults = self.engine_dir.runtime_defaults

@@ -7,11 +7,13 @@ so TensorScatter writes the new K/V into the pool itself: no per-step copy of th
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
-from ..contract.step import CACHE_DTYPES, cache_names
+from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, cache_names
 from ..plugins import fp4
+from ..plugins.segments import CollectiveFn, SegmentedRank, has_collectives
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
 from .scheduler import Step
@@ -21,12 +23,26 @@ class OnnxRuntimeEngine:
     name = "onnxruntime"
 
     def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
-                 rank: int = 0):
+                 rank: int = 0, collective: CollectiveFn | None = None):
+        """``collective``: how this rank joins the others (a tensor-parallel engine dir's rank
+        graphs hold DistCollective nodes; ONNX Runtime runs the pieces between them)."""
         if engine_dir.dtype not in CACHE_DTYPES:
             raise ValueError(f"the onnxruntime backend runs float32 and float16 engine dirs; this one is "
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
         self.engine_dir, self.block_size = engine_dir, block_size
-        self.session = ort_config.session(fp4.ort_source(engine_dir.rank_file(rank, "onnx")), threads)
+        path = engine_dir.rank_file(rank, "onnx")
+        structure = onnx.load(path, load_external_data=False)
+        self.segments = None
+        if has_collectives(structure):
+            if collective is None:
+                raise ValueError(f"{path} is one rank of a tensor-parallel engine: run it through the "
+                                 "tensor-parallel engine (trtbuild.runtime.tensor_parallel)")
+            model = fp4.simulate(onnx.load(path)) if fp4.has_fp4(structure) else structure
+            self.segments, self.collective = SegmentedRank(model, path.parent, threads), collective
+            outputs = [o.name for o in structure.graph.output]
+        else:
+            self.session = ort_config.session(fp4.ort_source(path), threads)
+            outputs = [o.name for o in self.session.get_outputs()]
         dtype = CACHE_DTYPES[engine_dir.dtype]
         slot_shape = (engine_dir.num_kv_heads, engine_dir.max_seq_len, engine_dir.head_dim)
         self.cache_names = cache_names(engine_dir.num_layers)
@@ -34,10 +50,12 @@ class OnnxRuntimeEngine:
         self.pools = {n: np.zeros((engine_dir.max_batch_size + 1, *slot_shape), dtype) for n in self.cache_names}
         block_shape = (engine_dir.num_kv_heads, block_size, engine_dir.head_dim)
         self.blocks = {n: np.zeros((prefix_blocks, *block_shape), dtype) for n in self.cache_names}
-        self.has_medusa = any(o.name == "medusa_logits" for o in self.session.get_outputs())
+        self.has_medusa = MEDUSA_LOGITS in outputs
 
     def step(self, step: Step) -> StepOutput:
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
+        if self.segments is not None:
+            return self._step_segments(arrays, step)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_cpu_input(name, value)
@@ -53,6 +71,37 @@ class OnnxRuntimeEngine:
         outputs = binding.get_outputs()
         return StepOutput(logits=outputs[0].numpy(),  # [B, R, V]
                           medusa=outputs[1].numpy() if self.has_medusa else None)  # [B, R, K, V]
+
+    def _step_segments(self, arrays, step: Step) -> StepOutput:
+        """The rank graph piece by piece, this rank's collective between pieces; caches in place."""
+        rows = slice(step.first_slot, step.first_slot + len(step.rids))
+        views = {name: ort.OrtValue.ortvalue_from_numpy(self.pools[name][rows]) for name in self.cache_names}
+        values: dict[str, object] = dict(arrays.as_dict())
+        for segment, session in zip(self.segments.segments, self.segments.sessions):
+            binding = session.io_binding()
+            for name in segment.inputs:
+                if name.startswith("past_"):
+                    binding.bind_ortvalue_input(name, views[name[len("past_"):]])
+                elif isinstance(values[name], np.ndarray):
+                    binding.bind_cpu_input(name, values[name])
+                else:
+                    binding.bind_ortvalue_input(name, values[name])
+            produced = []
+            for name in segment.outputs:
+                if name.startswith("present_"):
+                    binding.bind_ortvalue_output(name, views[name[len("present_"):]])
+                else:
+                    binding.bind_output(name)
+                produced.append(name)
+            session.run_with_iobinding(binding)
+            values.update(zip(produced, binding.get_outputs()))
+            collective = segment.collective
+            if collective is not None:
+                values[collective.output] = self.collective(collective, values[collective.input].numpy())
+        logits = values[LOGITS]
+        medusa = values.get(MEDUSA_LOGITS)
+        return StepOutput(logits=logits if isinstance(logits, np.ndarray) else logits.numpy(),
+                          medusa=None if medusa is None else (medusa if isinstance(medusa, np.ndarray) else medusa.numpy()))
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
         source = start + np.asarray(nodes)

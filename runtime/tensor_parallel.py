@@ -1,0 +1,250 @@
+"""Tensor-parallel engines: one process per rank over torch.distributed.
+
+Rank 0 owns everything above the engine protocol (scheduler, sampler, prefix-cache index,
+Medusa policy). ``TensorParallelEngine`` is one more Engine: each call (a step, or a cache
+operation) is broadcast to the other ranks as a command, then every rank runs it on its own
+engine over its own KV shard; the rank graphs' collectives (all-reduce after o_proj and
+down_proj, all-gather of the logits rows) run over the same process group. Every rank ends
+with the whole logits; rank 0 returns them.
+
+Processes: on one machine the engine starts ranks 1..N-1 itself (spawned, gloo on
+127.0.0.1); under ``torchrun`` (across machines) the launcher starts them and each non-zero
+rank serves commands until rank 0 stops. A rank that dies or fails ends the group: the
+others see their collective fail (or time out) and raise ``RankFailure`` naming the rank.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+from ..plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
+from .engine import StepOutput
+from .engine_dir import EngineDir, load
+
+# A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
+# bundled model takes milliseconds; a first step of a large one, seconds).
+TIMEOUT_S = float(os.environ.get("TRTBUILD_TP_TIMEOUT_S", "60"))
+
+
+class RankFailure(RuntimeError):
+    """Another rank died or failed; the message names it."""
+
+
+@dataclass(frozen=True)
+class Command:
+    method: str        # an Engine method: step, copy_slot, keep_path, save_block, load_block, or stop
+    args: tuple
+
+
+class TorchCollectives:
+    """The rank graphs' DistCollective over torch.distributed (gloo on CPU)."""
+
+    def __call__(self, collective: Collective, x: np.ndarray) -> np.ndarray:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(np.ascontiguousarray(x))
+        if collective.operation == ALL_REDUCE:
+            dist.all_reduce(tensor)
+            return tensor.numpy()
+        if collective.operation == ALL_GATHER:
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, tensor)
+            return torch.cat(parts, dim=0).numpy()
+        raise ValueError(f"collective {collective.operation!r} is not implemented")
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int):
+    from .onnxruntime_engine import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
+                             rank=rank, collective=TorchCollectives())
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it dies (even by SIGKILL)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def serve_rank(engine: object) -> None:
+    """A non-zero rank: run rank 0's commands on this rank's engine until told to stop."""
+    import torch.distributed as dist
+
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        command: Command = box[0]
+        if command.method == "stop":
+            return
+        getattr(engine, command.method)(*command.args)
+
+
+def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix_blocks: int, block_size: int,
+            verify: bool) -> None:
+    """A rank process started by rank 0 on this machine (``python -m trtbuild.runtime.tensor_parallel``)."""
+    import torch.distributed as dist
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to rank 0, which stops us
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        engine = _local_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size)
+        serve_rank(engine)
+    except Exception as exc:  # noqa: BLE001  (reported by rank 0 as this rank's failure)
+        print(f"trtbuild rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TensorParallelEngine:
+    """Rank 0's view of a tensor-parallel engine dir: one Engine over all ranks."""
+
+    name = "onnxruntime (tensor parallel)"
+
+    def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
+                 verify: bool = True):
+        import torch.distributed as dist
+
+        self.world = engine_dir.tensor_parallel
+        self.processes: dict[int, subprocess.Popen] = {}
+        # Each rank gets its share of this machine's cores unless told otherwise.
+        threads = threads or max(1, (os.cpu_count() or 1) // self.world)
+        if launched_by_torchrun():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+            if dist.get_world_size() != self.world:
+                raise ValueError(f"{engine_dir.path} has {self.world} ranks; torchrun started "
+                                 f"{dist.get_world_size()} processes: use --nproc-per-node/--nnodes for {self.world}")
+            rank = dist.get_rank()
+            if rank != 0:  # this process serves rank 0's commands, then the program ends
+                serve_rank(_local_engine(engine_dir, rank, threads, prefix_blocks, block_size))
+                dist.destroy_process_group()
+                raise SystemExit(0)
+        else:
+            address = f"tcp://127.0.0.1:{_free_port()}"
+            # Fresh interpreters (not multiprocessing): nothing of the caller's __main__ is re-run.
+            for rank in range(1, self.world):
+                self.processes[rank] = subprocess.Popen(
+                    [sys.executable, "-m", "trtbuild.runtime.tensor_parallel", str(engine_dir.path), "--rank", str(rank),
+                     "--world", str(self.world), "--address", address, "--threads", str(threads),
+                     "--prefix-blocks", str(prefix_blocks), "--block-size", str(block_size),
+                     *([] if verify else ["--no-verify"])], stdin=subprocess.DEVNULL)
+            dist.init_process_group("gloo", init_method=address, rank=0, world_size=self.world,
+                                    timeout=timedelta(seconds=TIMEOUT_S))
+        self.local = _local_engine(engine_dir, 0, threads, prefix_blocks, block_size)
+        self.has_medusa = self.local.has_medusa
+        self.closed = False
+
+    def _everywhere(self, method: str, *args):
+        import torch.distributed as dist
+
+        if self.closed:
+            raise RankFailure("the tensor-parallel engine is closed")
+        try:
+            dist.broadcast_object_list([Command(method, args)], src=0)
+            return getattr(self.local, method)(*args)
+        except RankFailure:
+            raise
+        except Exception as exc:
+            raise self._failure(exc) from None
+
+    def _failure(self, exc: Exception) -> RankFailure:
+        """Names the rank that died (its exit code) or, failing that, what the group said."""
+        codes = {}
+        for rank, process in self.processes.items():
+            try:
+                codes[rank] = process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                codes[rank] = None
+        self.close(graceful=False)
+        for rank, code in codes.items():
+            if code:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return RankFailure(f"tensor-parallel rank {rank} {how}; the request was not completed")
+        return RankFailure(f"tensor-parallel group failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                           "the request was not completed")
+
+    def step(self, step) -> StepOutput:
+        return self._everywhere("step", step)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._everywhere("copy_slot", src, dst)
+
+    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
+        self._everywhere("keep_path", slot, start, nodes)
+
+    def save_block(self, slot: int, index: int, block: int) -> None:
+        self._everywhere("save_block", slot, index, block)
+
+    def load_block(self, block: int, slot: int, index: int) -> None:
+        self._everywhere("load_block", block, slot, index)
+
+    def close(self, graceful: bool = True) -> None:
+        import torch.distributed as dist
+
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and dist.is_initialized():
+            try:
+                dist.broadcast_object_list([Command("stop", ())], src=0)
+            except Exception:  # noqa: BLE001  (a rank already gone: nothing to stop)
+                pass
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=5 if graceful else 0.1)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one rank of a tensor-parallel engine (started by rank 0)")
+    parser.add_argument("engine_dir")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefix-blocks", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-verify", action="store_true")
+    args = parser.parse_args(argv)
+    _worker(args.engine_dir, args.rank, args.world, args.address, args.threads, args.prefix_blocks,
+            args.block_size, not args.no_verify)
+
+
+if __name__ == "__main__":
+    main()
