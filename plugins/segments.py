@@ -22,7 +22,7 @@ from .collectives import OP, Collective
 
 @dataclass
 class Segment:
-    model: onnx.ModelProto
+    model: onnx.ModelProto | None  # None: no nodes (a collective's output is the step's output)
     inputs: list[str]
     outputs: list[str]
     collective: Collective | None   # runs after this segment; None for the last
@@ -76,10 +76,13 @@ def split(model: onnx.ModelProto) -> list[Segment]:
             later.add(collectives[index - 1].input)
     segments = []
     for index, nodes in enumerate(runs):
+        collective = collectives[index] if index < len(collectives) else None
+        if not nodes:
+            segments.append(Segment(None, [], [], collective))
+            continue
         produced = {name for node in nodes for name in node.output}
         read = list(dict.fromkeys(name for node in nodes for name in node.input if name))
         inputs = [n for n in read if n not in produced and n not in initializers]
-        collective = collectives[index] if index < len(collectives) else None
         wanted = needed_after[index] | ({collective.input} if collective else set())
         outputs = [n for node in nodes for n in node.output if n in wanted]
         body = helper.make_graph(
@@ -98,7 +101,8 @@ class SegmentedRank:
 
     def __init__(self, model: onnx.ModelProto, base_dir: Path | None, threads: int = 0):
         self.segments = split(model)
-        self.sessions = [ort_config.session(s.model, threads, base_dir) for s in self.segments]
+        self.sessions = [None if s.model is None else ort_config.session(s.model, threads, base_dir)
+                         for s in self.segments]
 
 
 CollectiveFn = Callable[[Collective, np.ndarray], np.ndarray]
@@ -111,8 +115,9 @@ def run_ranks(models: list[onnx.ModelProto], feeds: list[dict[str, np.ndarray]],
     values = [dict(f) for f in feeds]
     for index in range(len(ranks[0].segments)):
         for rank, state in zip(ranks, values):
-            segment, session = rank.segments[index], rank.sessions[index]
-            state.update(ort_config.run(session, state))
+            session = rank.sessions[index]
+            if session is not None:
+                state.update(ort_config.run(session, state))
         collective = ranks[0].segments[index].collective
         if collective is not None:
             received = collective.reference([state[collective.input] for state in values])

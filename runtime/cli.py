@@ -49,15 +49,32 @@ def _fail(message: str):
               help="tensorrt runs rankN.engine on a GPU; onnxruntime runs rankN.onnx on CPU.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MEDUSA_TREE_SIZE
+@click.option("--json", "as_json", is_flag=True, help="Print {text, token_ids, finish_reason} as JSON.")
 def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str,
-        threads: int, medusa_tree_size):
+        threads: int, medusa_tree_size, as_json: bool):
     """Generate a completion of --prompt with the engines in OUT.
+
+    A tensor-parallel engine dir starts one process per rank on this machine; across machines,
+    launch every rank with torchrun (rank 0 prints the result):
 
     \b
     Example:
       trtbuild run build/tiny-code --prompt "def fibonacci(n):" --max-tokens 48 --stream
+      torchrun --standalone --nproc-per-node 2 -m trtbuild.builder.cli run build/tiny-tp2 --prompt "def f(x):"
     """
+    from .tensor_parallel import RankFailure
+
     llm = _load(out, backend, threads, medusa_tree_size=medusa_tree_size)
+    try:
+        _run(llm, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, as_json)
+    except RankFailure as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        llm.close()
+
+
+def _run(llm, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, as_json: bool) -> None:
     overrides = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                        top_p=top_p).items() if v is not None}
     try:
@@ -71,6 +88,10 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
         (completion,) = llm.generate([prompt], params)
     except ValueError as exc:
         _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps({"text": completion.text, "token_ids": completion.token_ids,
+                               "finish_reason": completion.finish_reason}))
+        return
     click.echo(prompt + completion.text)
     medusa = (f", {completion.decode_steps} decode steps ({completion.accepted_tokens} Medusa guesses accepted)"
               if llm.speculation is not None else "")

@@ -78,23 +78,8 @@ class OnnxRuntimeEngine:
         views = {name: ort.OrtValue.ortvalue_from_numpy(self.pools[name][rows]) for name in self.cache_names}
         values: dict[str, object] = dict(arrays.as_dict())
         for segment, session in zip(self.segments.segments, self.segments.sessions):
-            binding = session.io_binding()
-            for name in segment.inputs:
-                if name.startswith("past_"):
-                    binding.bind_ortvalue_input(name, views[name[len("past_"):]])
-                elif isinstance(values[name], np.ndarray):
-                    binding.bind_cpu_input(name, values[name])
-                else:
-                    binding.bind_ortvalue_input(name, values[name])
-            produced = []
-            for name in segment.outputs:
-                if name.startswith("present_"):
-                    binding.bind_ortvalue_output(name, views[name[len("present_"):]])
-                else:
-                    binding.bind_output(name)
-                produced.append(name)
-            session.run_with_iobinding(binding)
-            values.update(zip(produced, binding.get_outputs()))
+            if session is not None:
+                values.update(self._run_segment(segment, session, values, views))
             collective = segment.collective
             if collective is not None:
                 values[collective.output] = self.collective(collective, values[collective.input].numpy())
@@ -102,6 +87,24 @@ class OnnxRuntimeEngine:
         medusa = values.get(MEDUSA_LOGITS)
         return StepOutput(logits=logits if isinstance(logits, np.ndarray) else logits.numpy(),
                           medusa=None if medusa is None else (medusa if isinstance(medusa, np.ndarray) else medusa.numpy()))
+
+    @staticmethod
+    def _run_segment(segment, session, values: dict, views: dict) -> dict:
+        binding = session.io_binding()
+        for name in segment.inputs:
+            if name.startswith("past_"):
+                binding.bind_ortvalue_input(name, views[name[len("past_"):]])
+            elif isinstance(values[name], np.ndarray):
+                binding.bind_cpu_input(name, values[name])
+            else:
+                binding.bind_ortvalue_input(name, values[name])
+        for name in segment.outputs:
+            if name.startswith("present_"):  # written in place into the pool, like the whole graph
+                binding.bind_ortvalue_output(name, views[name[len("present_"):]])
+            else:
+                binding.bind_output(name)
+        session.run_with_iobinding(binding)
+        return dict(zip(segment.outputs, binding.get_outputs()))
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
         source = start + np.asarray(nodes)
