@@ -200,6 +200,21 @@ class Plan:
         peak = self.gpu.peak_flops(self.precision)
         return max(self.decode_bytes(batch) / self.gpu.bandwidth, self.decode_flops(batch) / peak)
 
+    # -- tensor-parallel communication ---------------------------------------------------------
+    def allreduce_bytes(self, batch: int) -> int:
+        """Activations all-reduced per decode step: 2 per layer (after o_proj and down_proj) × batch
+        × hidden × activation bytes (the KV element size: the model dtype)."""
+        return 2 * self.arch.num_layers * batch * self.arch.hidden_size * self.workload.kv_element_bytes
+
+    def comm_s(self, batch: int, tp: int | None = None) -> float:
+        """Ring all-reduce floor: each rank sends and receives 2 (N − 1) / N of the bytes over the
+        GPU's interconnect (gpus.json; latency per collective not counted)."""
+        tp = tp or self.tp
+        if tp == 1:
+            return 0.0
+        link = self.gpu.interconnect["gbps"] * 1e9
+        return 2 * (tp - 1) / tp * self.allreduce_bytes(batch) / link
+
     def weights_floor_s(self) -> float:
         """Batch-1 decode floor: streaming this rank's weights once at peak bandwidth."""
         return self.weights() / self.tp / self.gpu.bandwidth
@@ -285,6 +300,17 @@ class Plan:
             (f"Medusa does not help at max_batch_size {batch}: decode is compute-bound; keep it for small batches"),
             f"decode floor {step * 1e3:.2f} ms/step at batch {batch}, compute "
             f"{self.decode_flops(batch) / self.gpu.peak_flops(self.precision) * 1e3:.2f} ms of it"))
+        if self.tp > 1:
+            link = self.gpu.interconnect
+            one = self.decode_floor_s(batch) * self.tp  # the same work on one rank (roofline ∝ 1/N)
+            gain = one - self.decode_floor_s(batch)
+            comm = self.comm_s(batch)
+            out.append(_rec(
+                (f"tensor parallelism {self.tp} costs more in all-reduces than it saves at batch {batch}"
+                 if comm > gain else f"tensor parallelism {self.tp} pays at batch {batch}: all-reduces cost "
+                 f"{comm / max(gain, 1e-12) * 100:.0f} % of the step time it saves"),
+                f"{self.allreduce_bytes(batch) / 1e6:.2f} MB all-reduced per decode step over {link['kind']} "
+                f"({link['gbps']} GB/s): {comm * 1e6:.1f} µs vs {gain * 1e6:.1f} µs saved"))
         saved = self.prefill_s(512)
         out.append(_rec(
             ("prefix caching pays: " if self.workload.prefix_cache else
@@ -310,6 +336,9 @@ class Plan:
             "decode_bytes_per_token_batch1": round(self.decode_bytes(1)),
             "decode_floor_ms": round(self.weights_floor_s() * 1e3, 4),
             "decode_floor_ms_batch1": round(self.decode_floor_s(1) * 1e3, 4),
+            "allreduce_bytes_per_decode_step_batch1": self.allreduce_bytes(1),
+            "allreduce_ms_batch1": round(self.comm_s(1) * 1e3, 4),
+            "allreduce_ms_max_batch": round(self.comm_s(self.workload.max_batch) * 1e3, 4),
             "decode_floor_ms_max_batch": round(self.decode_floor_s(self.workload.max_batch) * 1e3, 4),
             "ridge_batch": self.ridge_batch(),
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),

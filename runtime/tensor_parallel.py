@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -47,21 +48,31 @@ class Command:
 
 
 class TorchCollectives:
-    """The rank graphs' DistCollective over torch.distributed (gloo on CPU)."""
+    """The rank graphs' DistCollective over torch.distributed (gloo on CPU). Counts what it does:
+    ``calls``, ``bytes`` sent by this rank and ``seconds`` waited (benchmarks/parallel.py)."""
+
+    def __init__(self):
+        self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
     def __call__(self, collective: Collective, x: np.ndarray) -> np.ndarray:
         import torch
         import torch.distributed as dist
 
+        start = time.perf_counter()
         tensor = torch.from_numpy(np.ascontiguousarray(x))
         if collective.operation == ALL_REDUCE:
             dist.all_reduce(tensor)
-            return tensor.numpy()
-        if collective.operation == ALL_GATHER:
+            out = tensor.numpy()
+        elif collective.operation == ALL_GATHER:
             parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, tensor)
-            return torch.cat(parts, dim=0).numpy()
-        raise ValueError(f"collective {collective.operation!r} is not implemented")
+            out = torch.cat(parts, dim=0).numpy()
+        else:
+            raise ValueError(f"collective {collective.operation!r} is not implemented")
+        self.calls += 1
+        self.bytes += x.nbytes
+        self.seconds += time.perf_counter() - start
+        return out
 
 
 def launched_by_torchrun() -> bool:
