@@ -42,7 +42,8 @@ def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
 def test_every_site_fused_on_the_tiny_model(tiny_engine):
     records = {r["pass"]: r for r in map(json.loads, (tiny_engine / "passes.jsonl").read_text().splitlines())}
     assert list(records) == ["canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
-                            "attach_medusa", "plan_cuda_graphs"]
+                            "shard_tensor_parallel", "attach_medusa", "plan_cuda_graphs"]
+    assert records["shard_tensor_parallel"]["modified"] is False  # one rank
     assert records["quantize_weights"]["modified"] is False  # quantization.mode: none
     assert records["attach_medusa"]["modified"] is False  # no speculative section
     assert records["fuse_rmsnorm"]["matches"] == 13  # 2 per layer + final norm
