@@ -28,7 +28,8 @@ class Engine(Protocol):
 
     def step(self, step: Step) -> StepOutput: ...
 
-    def copy_slot(self, src: int, dst: int) -> None: ...
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copies cache positions [0, length) of slot ``src`` into slot ``dst``."""
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
         """Moves cache positions start + nodes[i] to start + 1 + i in ``slot`` (in order: sources

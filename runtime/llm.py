@@ -16,9 +16,8 @@ from .detokenize import IncrementalDecoder
 from .engine_dir import EngineDir, load
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
-from .scheduler import (Batching, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
+from .scheduler import (Batching, CopySlot, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
                         StepKind)
-from .slots import Move
 
 
 @dataclass
@@ -302,8 +301,9 @@ class LLM:
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:
-            if isinstance(op, Move):
-                self.engine.copy_slot(op.src, op.dst)
+            if isinstance(op, CopySlot):
+                if op.length:
+                    self.engine.copy_slot(op.src, op.dst, op.length)
             elif isinstance(op, SaveBlock):
                 self.engine.save_block(op.slot, op.index, op.block)
             elif isinstance(op, LoadBlock):

@@ -112,9 +112,9 @@ class OnnxRuntimeEngine:
             cache = pool[slot]  # [H_kv, S_max, D]
             cache[:, start + 1:start + 1 + len(nodes)] = cache[:, source]  # the gather copies first
 
-    def copy_slot(self, src: int, dst: int) -> None:
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
         for pool in self.pools.values():
-            pool[dst] = pool[src]
+            pool[dst, :, :length] = pool[src, :, :length]  # [H_kv, length, D]
 
     def save_block(self, slot: int, index: int, block: int) -> None:
         span = slice(index * self.block_size, (index + 1) * self.block_size)

@@ -42,6 +42,7 @@ class Request:
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     computed: int = 0                 # tokens whose K/V are in the slot
+    written: int = 0                  # slot positions [0, written) hold K/V, rejected tree nodes included
     phase: Phase = Phase.waiting
     finish_reason: str | None = None
     cached_tokens: int = 0            # prompt tokens loaded from the prefix cache
@@ -69,6 +70,15 @@ class KeepPath:
 
 
 @dataclass(frozen=True)
+class CopySlot:
+    """Copy slot positions [0, length) of slot ``src`` into slot ``dst``: what the moved request
+    has cached, not the whole [H_kv, S_max, D] slot (which for long S_max is most of it empty)."""
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True)
 class SaveBlock:
     """Store slot positions [index*bs, (index+1)*bs) into prefix block ``block``."""
     slot: int
@@ -84,7 +94,7 @@ class LoadBlock:
     index: int
 
 
-CacheOp = Move | SaveBlock | LoadBlock | KeepPath
+CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,7 @@ class Scheduler:
         self.batching = batching
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
-        self._pending: list[CacheOp] = []
+        self._pending: list[CacheOp | Move] = []  # Moves become CopySlots when handed out
         self._last_kind: StepKind | None = None
 
     # -- requests ---------------------------------------------------------------------------
@@ -175,7 +185,7 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> Plan:
         self._admit()
-        ops, self._pending = self._pending, []
+        ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
         prefill = self._prefill_step()
         decode = self._decode_step()
         step = prefill or decode
@@ -183,6 +193,14 @@ class Scheduler:
             step = decode  # alternate while both have work
         self._last_kind = step.kind if step else None
         return Plan(ops=ops, step=step)
+
+    def _copy(self, move: Move) -> CopySlot:
+        """Resolved when handed out, after every commit: the owner's filled length then (0 if it
+        has finished since, when its K/V is no longer needed)."""
+        owner = self.requests.get(move.owner)
+        # A verification wrote the whole tree; a pending KeepPath still reads nodes past `computed`.
+        length = max(owner.computed, owner.written) if owner is not None and owner.phase != Phase.finished else 0
+        return CopySlot(move.src, move.dst, length)
 
     def _admit(self) -> None:
         if self.batching == Batching.static and self.slots.num_active:
@@ -243,6 +261,7 @@ class Scheduler:
                                                                    step.row_trees)):
             request = self.requests[rid]
             request.draft = None
+            request.written = max(request.written, step.starts[row] + len(tokens))
             path = accepted.get(rid) if accepted and tree is not None else None
             path = path or Accepted((), ())
             # The root and the accepted nodes are now cached; rejected nodes are garbage past kv_length.

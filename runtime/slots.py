@@ -3,8 +3,8 @@
 Pools are [capacity + 1, H_kv, S_max, D] per layer; the extra slot is scratch for swaps.
 Active slots stay contiguous from 0 and ordered [decoding | prefilling], so a decode step
 binds ``pool[:num_decoding]`` and a prefill step ``pool[num_decoding:num_active]`` with no
-copies. Keeping that order costs slot-to-slot copies, returned as ``Move``s for the engine
-to apply before the next step.
+copies. Keeping that order costs slot-to-slot copies, returned as ``Move``s naming whose K/V
+moves; the scheduler turns each into a copy of that request's filled positions only.
 """
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Move:
-    """Copy the whole KV of slot ``src`` into slot ``dst``."""
+    """The K/V of request ``owner`` moves from slot ``src`` to slot ``dst``."""
     src: int
     dst: int
+    owner: str
 
 
 class SlotTable:
@@ -60,7 +61,7 @@ class SlotTable:
             raise RuntimeError(f"{rid} is already decoding")
         moves = []
         if slot != first:  # swap with the request at `first` through the scratch slot
-            moves = [Move(slot, self.scratch), Move(first, slot), Move(self.scratch, first)]
+            moves = [Move(slot, self.scratch, rid), Move(first, slot, self._order[first]), Move(self.scratch, first, rid)]
             self._order[slot], self._order[first] = self._order[first], self._order[slot]
         self._decoding += 1
         return moves
@@ -72,18 +73,18 @@ class SlotTable:
         if slot < self._decoding:
             last_decoding = self._decoding - 1
             if slot != last_decoding:
-                moves.append(Move(last_decoding, slot))
+                moves.append(Move(last_decoding, slot, self._order[last_decoding]))
                 self._order[slot] = self._order[last_decoding]
             last = len(self._order) - 1
             if last != last_decoding:  # a prefilling request moves down into the decoding group's end
-                moves.append(Move(last, last_decoding))
+                moves.append(Move(last, last_decoding, self._order[last]))
                 self._order[last_decoding] = self._order[last]
             self._order.pop()
             self._decoding -= 1
         else:
             last = len(self._order) - 1
             if slot != last:
-                moves.append(Move(last, slot))
+                moves.append(Move(last, slot, self._order[last]))
                 self._order[slot] = self._order[last]
             self._order.pop()
         return moves

@@ -203,8 +203,8 @@ class TensorParallelEngine:
     def step(self, step) -> StepOutput:
         return self._everywhere("step", step)
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        self._everywhere("copy_slot", src, dst)
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self._everywhere("copy_slot", src, dst, length)
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
         self._everywhere("keep_path", slot, start, nodes)

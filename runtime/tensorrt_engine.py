@@ -146,10 +146,15 @@ class TensorRTEngine:
         graph = _ok(cudart.cudaStreamEndCapture(self.stream))
         return _ok(cudart.cudaGraphInstantiate(graph, 0))
 
-    def copy_slot(self, src: int, dst: int) -> None:
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Positions [0, length) of each KV head: one 2-D copy per pool (rows = heads, pitch = a head's S_max)."""
+        d = self.dir
+        row = d.max_seq_len * d.head_dim * self.element
+        width = length * d.head_dim * self.element
         for pool in self.pools.values():
-            _ok(self.cudart.cudaMemcpyAsync(pool + dst * self.slot_bytes, pool + src * self.slot_bytes, self.slot_bytes,
-                                            self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+            _ok(self.cudart.cudaMemcpy2DAsync(pool + dst * self.slot_bytes, row, pool + src * self.slot_bytes, row,
+                                              width, d.num_kv_heads,
+                                              self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
         d, cudart = self.dir, self.cudart

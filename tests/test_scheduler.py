@@ -7,8 +7,7 @@ import pytest
 
 from trtbuild.runtime.prefix_cache import PrefixCache
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import Batching, LoadBlock, Phase, Request, SaveBlock, Scheduler, StepKind
-from trtbuild.runtime.slots import Move
+from trtbuild.runtime.scheduler import Batching, CopySlot, LoadBlock, Phase, Request, SaveBlock, Scheduler, StepKind
 
 
 def req(rid: str, n: int, max_tokens: int, first: int = 0) -> Request:
@@ -33,7 +32,7 @@ def test_inflight_batching_exact_schedule():
     assert emitted[0].rid == "B" and emitted[1] == 100 and s.requests["B"].phase == Phase.decoding
 
     plan = s.schedule()  # B swaps to slot 0 through scratch slot 2; decode goes first after a prefill
-    assert plan.ops == [Move(1, 2), Move(0, 1), Move(2, 0)]
+    assert plan.ops == [CopySlot(1, 2, 3), CopySlot(0, 1, 8), CopySlot(2, 0, 3)]  # B's 3 cached, A's 8
     assert plan.step.kind == StepKind.decode and plan.step.rids == ("B",)
     assert plan.step.tokens == ((100,),) and plan.step.starts == (3,) and plan.step.first_slot == 0
     s.commit(plan.step, {"B": 101})
@@ -51,7 +50,7 @@ def test_inflight_batching_exact_schedule():
         ("A", [200, 201], "length"), ("B", [100, 101, 102], "length")]
 
     plan = s.schedule()  # C takes slot 0 as soon as slots free
-    assert plan.ops == [Move(1, 0)] and plan.step.rids == ("C",) and plan.step.tokens == ((80, 81),)
+    assert plan.ops == [CopySlot(1, 0, 0)] and plan.step.rids == ("C",)  # A moved, then finished: nothing to copy and plan.step.tokens == ((80, 81),)
 
 
 def test_long_prompt_is_chunked_at_max_chunk():

@@ -8,8 +8,7 @@ import pytest
 
 from trtbuild.runtime.prefix_cache import PrefixCache
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import LoadBlock, Request, SaveBlock, Scheduler
-from trtbuild.runtime.slots import Move
+from trtbuild.runtime.scheduler import CopySlot, LoadBlock, Request, SaveBlock, Scheduler
 
 
 class TokenCache:
@@ -21,8 +20,8 @@ class TokenCache:
         self.bs = block_size
 
     def apply(self, op) -> None:
-        if isinstance(op, Move):
-            self.pool[op.dst] = self.pool[op.src]
+        if isinstance(op, CopySlot):  # only the filled positions: a short length would lose history
+            self.pool[op.dst, :op.length] = self.pool[op.src, :op.length]
         elif isinstance(op, SaveBlock):
             self.blocks[op.block] = self.pool[op.slot, op.index * self.bs:(op.index + 1) * self.bs]
         elif isinstance(op, LoadBlock):

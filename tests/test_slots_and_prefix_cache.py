@@ -20,7 +20,7 @@ def test_promotion_keeps_decoding_slots_first_swapping_through_scratch():
     for r in "abc":
         table.admit(r)
     assert table.promote("a") == []                    # already at the first prefilling slot
-    assert table.promote("c") == [Move(2, 4), Move(1, 2), Move(4, 1)]  # swap c(2) with b(1) via scratch 4
+    assert table.promote("c") == [Move(2, 4, "c"), Move(1, 2, "b"), Move(4, 1, "c")]  # swap c(2) with b(1) via scratch 4
     assert table.decoding() == ["a", "c"] and table.prefilling() == ["b"]
     assert (table.slot_of("c"), table.slot_of("b")) == (1, 2)
 
@@ -31,11 +31,11 @@ def test_release_compacts_both_groups():
         table.admit(r)
     for r in "abc":
         table.promote(r)                               # decoding a b c | prefilling d e
-    assert table.release("a") == [Move(2, 0), Move(4, 2)]  # c fills a's hole; e moves down to c's old slot
+    assert table.release("a") == [Move(2, 0, "c"), Move(4, 2, "e")]  # c fills a's hole; e moves down to c's old slot
     assert table.decoding() == ["c", "b"] and table.prefilling() == ["e", "d"]
     assert table.num_decoding == 2 and table.num_active == 4
     assert table.release("d") == []  # d holds the last slot: nothing moves
-    assert table.release("c") == [Move(1, 0), Move(2, 1)]
+    assert table.release("c") == [Move(1, 0, "b"), Move(2, 1, "e")]
     assert table.decoding() == ["b"] and table.prefilling() == ["e"]
     assert [table.slot_of("b"), table.slot_of("e")] == [0, 1]
 
@@ -45,7 +45,7 @@ def test_release_of_prefilling_request_moves_the_last_slot_into_its_place():
     for r in "abcd":
         table.admit(r)
     table.promote("a")
-    assert table.release("b") == [Move(3, 1)]
+    assert table.release("b") == [Move(3, 1, "d")]
     assert table.prefilling() == ["d", "c"] and table.slot_of("d") == 1
 
 
