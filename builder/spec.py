@@ -5,7 +5,6 @@ Every field is documented in specs/README.md. Errors are one line naming the YAM
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 from enum import Enum
@@ -17,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from ..contract.tensor_parallel import kv_heads_per_rank
 from .errors import SpecError, UserError
+from .spec_checks import check_against_checkpoint, linear_names  # noqa: F401  (linear_names: API)
+from .spec_errors import FieldError, did_you_mean, spec_error
 from .frontend.checkpoint import ArchConfig, arch_config
 
 # Compute capabilities each TensorRT flavour can target ahead of time.
@@ -87,10 +88,10 @@ class BuildSection(_Section):
     @model_validator(mode="after")
     def _limits(self):
         if self.max_input_len > self.max_seq_len:
-            raise _FieldError("max_input_len", f"{self.max_input_len} exceeds max_seq_len={self.max_seq_len}")
+            raise FieldError("max_input_len", f"{self.max_input_len} exceeds max_seq_len={self.max_seq_len}")
         for size in self.cuda_graph_batch_sizes or ():
             if not 1 <= size <= self.max_batch_size:
-                raise _FieldError("cuda_graph_batch_sizes",
+                raise FieldError("cuda_graph_batch_sizes",
                                   f"{size} is outside [1, max_batch_size={self.max_batch_size}]")
         return self
 
@@ -109,7 +110,7 @@ class PassesSection(_Section):
     def _known(cls, value):
         for name in value:
             if name not in PASS_NAMES:
-                raise ValueError(f"unknown pass {name!r}{_did_you_mean(name, PASS_NAMES)}; "
+                raise ValueError(f"unknown pass {name!r}{did_you_mean(name, PASS_NAMES)}; "
                                  f"valid: {', '.join(PASS_NAMES)}")
         return value
 
@@ -257,8 +258,8 @@ class Spec(_Section):
         try:
             spec = cls.model_validate(data)
         except ValidationError as exc:
-            raise _spec_error(exc) from None
-        except _FieldError as exc:  # raised by a section validator outside pydantic's wrapping
+            raise spec_error(cls, exc) from None
+        except FieldError as exc:  # raised by a section validator outside pydantic's wrapping
             raise SpecError(exc.path, exc.message) from None
         checkpoint = spec.model.checkpoint
         if not checkpoint.is_absolute():
@@ -277,9 +278,11 @@ class Spec(_Section):
             spec = spec.model_copy(update={"quantization": spec.quantization.model_copy(
                 update={"calibration": calibration})})
         if spec.medusa is not None:
+            from .medusa.resolve import resolve_medusa  # the heads' modules load only for Medusa specs
+
             spec = spec.model_copy(update={"speculative": SpeculativeSection(
-                medusa=_resolve_medusa(spec.medusa, spec.arch, Path(base_dir)))})
-        _check_against_checkpoint(spec)
+                medusa=resolve_medusa(spec.medusa, spec.arch, Path(base_dir)))})
+        check_against_checkpoint(spec)
         return spec
 
 
@@ -296,175 +299,3 @@ def load_spec(path: Path) -> Spec:
     return Spec.from_dict(data, base_dir=path.parent)
 
 
-def _check_against_checkpoint(spec: Spec) -> None:
-    arch = spec.arch
-    _check_tensor_parallel(spec)
-    if spec.build.max_seq_len > arch.max_position_embeddings:
-        raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
-                                             f"max_position_embeddings={arch.max_position_embeddings}")
-    if arch.sliding_window and arch.sliding_window < spec.build.max_seq_len:
-        raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
-                                             f"sliding_window={arch.sliding_window}, which trtbuild does "
-                                             "not implement; use at most that")
-    _check_quantization(spec)
-    if spec.medusa is not None and spec.verify_tokens > spec.build.max_seq_len:
-        raise SpecError("speculative.medusa.tree", f"{spec.verify_tokens} tokens per verification exceed "
-                                                   f"build.max_seq_len={spec.build.max_seq_len}")
-    if spec.model.dtype == DType.float32 and "sm75" in spec.build.targets:
-        raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
-                                         "float16 or drop sm75")
-
-
-def _check_tensor_parallel(spec: Spec) -> None:
-    """Megatron-style sharding needs whole heads, whole MLP columns and whole vocab slices per rank."""
-    arch, tp = spec.arch, spec.parallel.tensor
-    if arch.num_heads % tp:
-        raise SpecError("parallel.tensor", f"{tp} does not divide num_attention_heads={arch.num_heads}; "
-                                           f"valid: {_divisors(arch.num_heads)}")
-    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
-        raise SpecError("parallel.tensor", f"{tp} neither divides nor is a multiple of num_key_value_heads="
-                                           f"{arch.num_kv_heads} (KV heads are split or replicated whole)")
-    for field, size in (("intermediate_size", arch.intermediate_size), ("vocab_size", arch.vocab_size)):
-        if size % tp:
-            raise SpecError("parallel.tensor", f"{tp} does not divide {field}={size} "
-                                               f"({'MLP columns' if field == 'intermediate_size' else 'the vocab-parallel LM head'} "
-                                               "split evenly across ranks)")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def _resolve_medusa(section: MedusaSection, arch: ArchConfig, base_dir: Path) -> MedusaSection:
-    """Checks the heads dir against the checkpoint and fixes the tree (computed once, here)."""
-    from .medusa.heads import read_heads_config
-    from .medusa.tree import check_tree, default_tree, ordered, rank_accuracy
-
-    heads = section.heads if section.heads.is_absolute() else (base_dir / section.heads).resolve()
-    try:
-        config = read_heads_config(heads)
-    except UserError as exc:
-        raise SpecError("speculative.medusa.heads", str(exc)) from None
-    if config.num_heads != section.num_heads:
-        raise SpecError("speculative.medusa.num_heads", f"{section.num_heads}, but {heads} has "
-                                                        f"medusa_num_heads={config.num_heads}")
-    for name, got, want in (("hidden_size", config.hidden_size, arch.hidden_size),
-                            ("vocab_size", config.vocab_size, arch.vocab_size)):
-        if got != want:
-            raise SpecError("speculative.medusa.heads", f"{heads} has {name}={got}, the checkpoint {want}: "
-                                                        "these heads were trained for another model")
-    accuracy = rank_accuracy(config.topk_accuracy, section.num_heads)
-    if section.tree == "default":
-        choices = default_tree(accuracy, section.tree_nodes)
-    else:
-        problem = check_tree(section.tree, section.num_heads)
-        if problem:
-            raise SpecError("speculative.medusa.tree", problem)
-        if not section.tree:
-            raise SpecError("speculative.medusa.tree", "empty; give at least [[0]] or use default")
-        choices = ordered(section.tree, accuracy)
-    resolved = section.model_copy(update={"heads": heads})
-    resolved._choices, resolved._accuracy = choices, config.topk_accuracy
-    resolved._rank_accuracy, resolved._num_layers = accuracy, config.num_layers
-    return resolved
-
-
-def linear_names(arch: ArchConfig) -> list[str]:
-    """Module paths of the linear layers the quantizer may touch, as transformers names them."""
-    names = [f"layers.{i}.{part}" for i in range(arch.num_layers)
-             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    return names + ["lm_head"]
-
-
-def _check_quantization(spec: Spec) -> None:
-    q, arch, targets = spec.quantization, spec.arch, spec.build.targets
-    if q.mode == "fp8" and (not targets or any(int(t[2:]) < 89 for t in targets)):
-        raise SpecError("quantization.mode", f"fp8 needs every build target to be sm89 or newer; build.targets is "
-                                             f"{list(targets) or 'portable'}")
-    if q.mode == "nvfp4" and (not targets or any(t not in ("sm120", "sm121") for t in targets)):
-        raise SpecError("quantization.mode", f"nvfp4 needs sm120/sm121 targets only; build.targets is "
-                                             f"{list(targets) or 'portable'}")
-    if q.kv_cache in ("int8", "fp8"):
-        raise SpecError("quantization.kv_cache", f"{q.kv_cache} caches do not build: TensorRT-RTX's KV-cache "
-                                                 "update (ONNX TensorScatter) takes only float16/bfloat16/float32 "
-                                                 "caches; use auto or fp16")
-    if q.quantize_embeddings and q.mode not in ("int8_weight_only", "int4_weight_only", "w8a8"):
-        raise SpecError("quantization.quantize_embeddings", f"applies to int8_weight_only, int4_weight_only and "
-                                                            f"w8a8 (int8 rows); mode is {q.mode}")
-    if q.quantize_embeddings and arch.tie_word_embeddings:
-        raise SpecError("quantization.quantize_embeddings", "the checkpoint ties its embeddings to lm_head "
-                                                            "(tie_word_embeddings): quantize lm_head instead")
-    if q.mode == "none":
-        return
-    if q.mode in ("int8_weight_only", "w8a8", "fp8", "nvfp4") and q.algorithm != "rtn":
-        raise SpecError("quantization.algorithm", f"{q.algorithm} applies to int4_weight_only; {q.mode} "
-                                                  "uses rtn (per output channel)")
-    if q.mode in ("w8a8", "fp8") and q.calibration is None:
-        raise SpecError("quantization.calibration", f"required for mode {q.mode} (static activation scales): "
-                                                    "{data: TEXT_FILE, samples: N, seq_len: L}")
-    if q.mode in ("int4_weight_only", "nvfp4"):
-        group = 16 if q.mode == "nvfp4" else q.group_size  # NVFP4's block is fixed by the format
-        tp = spec.parallel.tensor
-        per_rank = "" if tp == 1 else f" / parallel.tensor {tp}"
-        for field, dim in (("hidden_size", arch.hidden_size), (f"intermediate_size{per_rank}", arch.intermediate_size // tp),
-                           (f"num_attention_heads × head_dim{per_rank}", arch.num_heads * arch.head_dim // tp)):
-            if dim % group:
-                where = "quantization.mode" if q.mode == "nvfp4" else "quantization.group_size"
-                raise SpecError(where, f"{group} does not divide {field}={dim}" +
-                                (" (NVFP4 blocks are 16 input channels)" if q.mode == "nvfp4" else ""))
-    if q.algorithm in ("awq", "gptq") or q.calibration is not None:
-        if q.calibration is None:
-            raise SpecError("quantization.calibration", f"required for algorithm {q.algorithm}: "
-                                                        "{data: TEXT_FILE, samples: N, seq_len: L}")
-        for path in q.calibration.data:
-            if not path.is_file():
-                raise SpecError("quantization.calibration.data", f"{path} is not a file")
-        if not q.calibration.data:
-            raise SpecError("quantization.calibration.data", "no files given")
-    names = linear_names(arch)
-    for pattern in q.exclude:
-        if not any(pattern in name for name in names):
-            raise SpecError("quantization.exclude", f"{pattern!r} matches no linear layer "
-                                                    f"(names look like {names[0]}, lm_head)")
-
-
-class _FieldError(ValueError):
-    def __init__(self, path: str, message: str):
-        self.path, self.message = path, message
-        super().__init__(message)
-
-
-def _did_you_mean(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Spec
-    for part in loc:
-        field = model.model_fields.get(part) if model else None
-        ann = field.annotation if field else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-    return model
-
-
-def _spec_error(exc: ValidationError) -> SpecError:
-    err = exc.errors()[0]
-    loc = tuple(str(p) for p in err["loc"])
-    path = ".".join(loc)
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        parent = _model_at(loc[:-1])
-        fields = list(parent.model_fields) if parent else []
-        return SpecError(path, f"unknown key{_did_you_mean(loc[-1], fields)}; valid keys here: "
-                               f"{', '.join(fields)}")
-    if kind == "missing":
-        return SpecError(path, "required")
-    if kind in ("enum", "literal_error"):
-        return SpecError(path, f"{err['input']!r} is not valid; valid: {err['ctx']['expected']}")
-    ctx_err = err.get("ctx", {}).get("error")
-    if isinstance(ctx_err, _FieldError):
-        return SpecError(".".join(loc + (ctx_err.path,)), ctx_err.message)
-    message = err["msg"].removeprefix("Value error, ")
-    return SpecError(path, f"{message} (got {err['input']!r})" if kind != "value_error" else message)

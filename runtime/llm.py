@@ -1,66 +1,27 @@
-"""``LLM``: generate text from an engine dir (Python API), sync and async streaming."""
+"""``LLM``: generate text from an engine dir (Python API): the request API and the step loop.
+
+Engines come from engines.py, request outputs (text, stop strings, completions) from
+outputs.py, async streaming from async_llm.py."""
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 
-from .engine import Engine, StepOutput
+from .engine import StepOutput
+from .engines import make_engine
+from .outputs import Completion, Delta, RequestOutput
 from .medusa import Accepted, Tree, accept_greedy, accept_typical
 from .speculation import AcceptanceModel, SpeculationPolicy, StepTimes, calibrate
 from .detokenize import IncrementalDecoder
-from .engine_dir import EngineDir, load
+from .engine_dir import load
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .scheduler import (Batching, CopySlot, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
                         StepKind)
-
-
-@dataclass
-class Completion:
-    rid: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[float] | None
-    cached_tokens: int
-    decode_steps: int        # engine steps that produced this request's tokens after the first
-    accepted_tokens: int     # Medusa guesses accepted (each saved one decode step)
-    arrival_s: float
-    first_token_s: float
-    finish_s: float
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
-
-
-@dataclass(frozen=True)
-class Delta:
-    """A streamed piece of one request's output."""
-    rid: str
-    text: str
-    token_id: int
-    finished: bool
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Live:
-    request: Request
-    sampler: Sampler
-    decoder: IncrementalDecoder
-    arrival_s: float
-    first_token_s: float | None = None
-    decode_steps: int = 0
-    accepted_tokens: int = 0
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -70,33 +31,6 @@ class RuntimeStats:
     loop_s: float = 0.0         # whole step loop, engine included
     prefill_steps: int = 0
     decode_steps: int = 0
-
-
-def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int,
-                verify: bool = True) -> Engine:
-    """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU.
-    A tensor-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
-    if backend not in ("auto", "tensorrt", "onnxruntime"):
-        raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
-    if engine_dir.tensor_parallel > 1:
-        if backend == "tensorrt":
-            raise ValueError(f"--backend tensorrt: {engine_dir.path} has {engine_dir.tensor_parallel} ranks and the "
-                             "TensorRT backend runs one rank so far; use --backend onnxruntime")
-        from .tensor_parallel import TensorParallelEngine
-
-        return TensorParallelEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
-                                    verify=verify)
-    if backend in ("auto", "tensorrt"):
-        from .tensorrt_engine import TensorRTEngine, tensorrt_available
-
-        reason = tensorrt_available(engine_dir)
-        if reason is None:
-            return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size)
-        if backend == "tensorrt":
-            raise ValueError(f"--backend tensorrt: {reason}")
-    from .onnxruntime_engine import OnnxRuntimeEngine
-
-    return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size)
 
 
 class LLM:
@@ -128,7 +62,7 @@ class LLM:
             eos_token_ids=d.eos_token_ids(), batching=batching)
         self.stats = RuntimeStats()
         self.speculation = self._speculation(medusa_tree_size)
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -174,7 +108,7 @@ class LLM:
         request = Request(rid=rid, prompt=tokens, params=params)
         with self._lock:
             self.scheduler.add(request)
-            self._live[rid] = _Live(request, Sampler(params), IncrementalDecoder(self.tokenizer), time.perf_counter())
+            self._live[rid] = RequestOutput(request, Sampler(params), IncrementalDecoder(self.tokenizer), time.perf_counter())
         return rid
 
     def generate(self, prompts: list[str] | str | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -241,7 +175,7 @@ class LLM:
                 if self.speculation is not None and step.kind == StepKind.decode:
                     self.speculation.times.observe(len(step.rids), step.seq_len, seconds,
                                                    time.perf_counter() - start)
-            finished = [self._complete(r) for r in self.scheduler.pop_finished()]
+            finished = [self._live.pop(r.rid).complete() for r in self.scheduler.pop_finished()]
             self.stats.loop_s += time.perf_counter() - start
         return deltas, finished
 
@@ -280,7 +214,7 @@ class LLM:
         for request, token in self.scheduler.commit(step, sampled, accepted):
             if request.rid in stopped:  # a stop string ended it earlier in this step's tokens
                 continue
-            delta = self._detokenize(request, token)
+            delta = self._live[request.rid].push(token, self.scheduler)
             deltas.append(delta)
             if delta.finished:
                 stopped.add(request.rid)
@@ -311,62 +245,3 @@ class LLM:
             elif isinstance(op, KeepPath):
                 self.engine.keep_path(op.slot, op.start, op.nodes)
 
-    def _detokenize(self, request: Request, token: int) -> Delta:
-        live = self._live[request.rid]
-        now = time.perf_counter()
-        if live.first_token_s is None:
-            live.first_token_s = now
-        before = len(live.text)
-        live.text += live.decoder.push(request.output)
-        stops, stopped_by_string = request.params.stop, False
-        if stops:  # search only where a stop string could newly complete
-            start = max(0, before - max(map(len, stops)) + 1)
-            stop_at = min((i for i in (live.text.find(s, start) for s in stops) if i >= 0), default=-1)
-            if stop_at >= 0:
-                live.text, stopped_by_string = live.text[:stop_at], True
-                self.scheduler.finish(request.rid, "stop")
-        if request.finish_reason is not None and not stopped_by_string:
-            live.text += live.decoder.flush(request.output)  # text held back mid-character, if any
-        return Delta(rid=request.rid, text=live.text[before:], token_id=token,
-                     finished=request.finish_reason is not None, finish_reason=request.finish_reason)
-
-    def _complete(self, request: Request) -> Completion:
-        live = self._live.pop(request.rid)
-        now = time.perf_counter()
-        return Completion(rid=request.rid, prompt_token_ids=request.prompt, token_ids=list(request.output),
-                          text=live.text, finish_reason=request.finish_reason or "abort",
-                          logprobs=live.logprobs[:len(request.output)] if request.params.logprobs else None,
-                          cached_tokens=request.cached_tokens, decode_steps=live.decode_steps,
-                          accepted_tokens=live.accepted_tokens, arrival_s=live.arrival_s,
-                          first_token_s=live.first_token_s or now, finish_s=now)
-
-
-class AsyncLLM:
-    """Async streaming over one LLM: a driver task runs steps in a worker thread while any request lives."""
-
-    def __init__(self, llm: LLM):
-        self.llm = llm
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._driver: asyncio.Task | None = None
-
-    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
-        rid = self.llm.submit(prompt, params or self.llm.default_params())
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        if self._driver is None or self._driver.done():
-            self._driver = asyncio.get_running_loop().create_task(self._drive())
-        while True:
-            delta = await queue.get()
-            yield delta
-            if delta.finished:
-                self._queues.pop(rid, None)
-                return
-
-    async def _drive(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self.llm.scheduler.has_work():
-            deltas, _ = await loop.run_in_executor(None, self.llm.step)
-            for delta in deltas:
-                queue = self._queues.get(delta.rid)
-                if queue is not None:
-                    queue.put_nowait(delta)

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from trtbuild.runtime.engine_dir import EngineDirError, load
-from trtbuild.runtime.llm import LLM, AsyncLLM
+from trtbuild.runtime.async_llm import AsyncLLM
+from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
 from conftest import TINY_CODE

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -99,7 +100,7 @@ def test_int4_group_may_not_straddle_ranks():
 
 # -- built engines ------------------------------------------------------------------------------
 
-def _build(tmp_path_factory, name: str, **sections) -> "Path":
+def _build(tmp_path_factory, name: str, **sections) -> Path:
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.builder.spec import load_spec

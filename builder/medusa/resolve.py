@@ -1,0 +1,45 @@
+"""The spec's Medusa section against its heads dir: checked once at validation, the tree fixed."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import SpecError, UserError
+from ..frontend.checkpoint import ArchConfig
+from .heads import read_heads_config
+from .tree import check_tree, default_tree, ordered, rank_accuracy
+
+if TYPE_CHECKING:
+    from ..spec import MedusaSection
+
+
+def resolve_medusa(section: "MedusaSection", arch: ArchConfig, base_dir: Path) -> "MedusaSection":
+    """Checks the heads dir against the checkpoint and fixes the tree (computed once, here)."""
+
+    heads = section.heads if section.heads.is_absolute() else (base_dir / section.heads).resolve()
+    try:
+        config = read_heads_config(heads)
+    except UserError as exc:
+        raise SpecError("speculative.medusa.heads", str(exc)) from None
+    if config.num_heads != section.num_heads:
+        raise SpecError("speculative.medusa.num_heads", f"{section.num_heads}, but {heads} has "
+                                                        f"medusa_num_heads={config.num_heads}")
+    for name, got, want in (("hidden_size", config.hidden_size, arch.hidden_size),
+                            ("vocab_size", config.vocab_size, arch.vocab_size)):
+        if got != want:
+            raise SpecError("speculative.medusa.heads", f"{heads} has {name}={got}, the checkpoint {want}: "
+                                                        "these heads were trained for another model")
+    accuracy = rank_accuracy(config.topk_accuracy, section.num_heads)
+    if section.tree == "default":
+        choices = default_tree(accuracy, section.tree_nodes)
+    else:
+        problem = check_tree(section.tree, section.num_heads)
+        if problem:
+            raise SpecError("speculative.medusa.tree", problem)
+        if not section.tree:
+            raise SpecError("speculative.medusa.tree", "empty; give at least [[0]] or use default")
+        choices = ordered(section.tree, accuracy)
+    resolved = section.model_copy(update={"heads": heads})
+    resolved._choices, resolved._accuracy = choices, config.topk_accuracy
+    resolved._rank_accuracy, resolved._num_layers = accuracy, config.num_layers
+    return resolved

@@ -1,0 +1,113 @@
+"""Spec checks against the checkpoint: context lengths, tensor parallelism, quantization.
+
+Each refusal is one line naming the YAML field and what would be valid.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import SpecError
+from .frontend.checkpoint import ArchConfig
+
+if TYPE_CHECKING:
+    from .spec import Spec
+
+
+def check_against_checkpoint(spec: Spec) -> None:
+    """What the schema cannot know: the spec against the checkpoint's architecture."""
+    arch = spec.arch
+    _check_tensor_parallel(spec)
+    if spec.build.max_seq_len > arch.max_position_embeddings:
+        raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
+                                             f"max_position_embeddings={arch.max_position_embeddings}")
+    if arch.sliding_window and arch.sliding_window < spec.build.max_seq_len:
+        raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
+                                             f"sliding_window={arch.sliding_window}, which trtbuild does "
+                                             "not implement; use at most that")
+    _check_quantization(spec)
+    if spec.medusa is not None and spec.verify_tokens > spec.build.max_seq_len:
+        raise SpecError("speculative.medusa.tree", f"{spec.verify_tokens} tokens per verification exceed "
+                                                   f"build.max_seq_len={spec.build.max_seq_len}")
+    if spec.model.dtype.value == "float32" and "sm75" in spec.build.targets:
+        raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
+                                         "float16 or drop sm75")
+
+
+def _check_tensor_parallel(spec: Spec) -> None:
+    """Megatron-style sharding needs whole heads, whole MLP columns and whole vocab slices per rank."""
+    arch, tp = spec.arch, spec.parallel.tensor
+    if arch.num_heads % tp:
+        raise SpecError("parallel.tensor", f"{tp} does not divide num_attention_heads={arch.num_heads}; "
+                                           f"valid: {_divisors(arch.num_heads)}")
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        raise SpecError("parallel.tensor", f"{tp} neither divides nor is a multiple of num_key_value_heads="
+                                           f"{arch.num_kv_heads} (KV heads are split or replicated whole)")
+    for field, size in (("intermediate_size", arch.intermediate_size), ("vocab_size", arch.vocab_size)):
+        if size % tp:
+            raise SpecError("parallel.tensor", f"{tp} does not divide {field}={size} "
+                                               f"({'MLP columns' if field == 'intermediate_size' else 'the vocab-parallel LM head'} "
+                                               "split evenly across ranks)")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def linear_names(arch: ArchConfig) -> list[str]:
+    """Module paths of the linear layers the quantizer may touch, as transformers names them."""
+    names = [f"layers.{i}.{part}" for i in range(arch.num_layers)
+             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return names + ["lm_head"]
+
+
+def _check_quantization(spec: Spec) -> None:
+    q, arch, targets = spec.quantization, spec.arch, spec.build.targets
+    if q.mode == "fp8" and (not targets or any(int(t[2:]) < 89 for t in targets)):
+        raise SpecError("quantization.mode", f"fp8 needs every build target to be sm89 or newer; build.targets is "
+                                             f"{list(targets) or 'portable'}")
+    if q.mode == "nvfp4" and (not targets or any(t not in ("sm120", "sm121") for t in targets)):
+        raise SpecError("quantization.mode", f"nvfp4 needs sm120/sm121 targets only; build.targets is "
+                                             f"{list(targets) or 'portable'}")
+    if q.kv_cache in ("int8", "fp8"):
+        raise SpecError("quantization.kv_cache", f"{q.kv_cache} caches do not build: TensorRT-RTX's KV-cache "
+                                                 "update (ONNX TensorScatter) takes only float16/bfloat16/float32 "
+                                                 "caches; use auto or fp16")
+    if q.quantize_embeddings and q.mode not in ("int8_weight_only", "int4_weight_only", "w8a8"):
+        raise SpecError("quantization.quantize_embeddings", f"applies to int8_weight_only, int4_weight_only and "
+                                                            f"w8a8 (int8 rows); mode is {q.mode}")
+    if q.quantize_embeddings and arch.tie_word_embeddings:
+        raise SpecError("quantization.quantize_embeddings", "the checkpoint ties its embeddings to lm_head "
+                                                            "(tie_word_embeddings): quantize lm_head instead")
+    if q.mode == "none":
+        return
+    if q.mode in ("int8_weight_only", "w8a8", "fp8", "nvfp4") and q.algorithm != "rtn":
+        raise SpecError("quantization.algorithm", f"{q.algorithm} applies to int4_weight_only; {q.mode} "
+                                                  "uses rtn (per output channel)")
+    if q.mode in ("w8a8", "fp8") and q.calibration is None:
+        raise SpecError("quantization.calibration", f"required for mode {q.mode} (static activation scales): "
+                                                    "{data: TEXT_FILE, samples: N, seq_len: L}")
+    if q.mode in ("int4_weight_only", "nvfp4"):
+        group = 16 if q.mode == "nvfp4" else q.group_size  # NVFP4's block is fixed by the format
+        tp = spec.parallel.tensor
+        per_rank = "" if tp == 1 else f" / parallel.tensor {tp}"
+        for field, dim in (("hidden_size", arch.hidden_size), (f"intermediate_size{per_rank}", arch.intermediate_size // tp),
+                           (f"num_attention_heads × head_dim{per_rank}", arch.num_heads * arch.head_dim // tp)):
+            if dim % group:
+                where = "quantization.mode" if q.mode == "nvfp4" else "quantization.group_size"
+                raise SpecError(where, f"{group} does not divide {field}={dim}" +
+                                (" (NVFP4 blocks are 16 input channels)" if q.mode == "nvfp4" else ""))
+    if q.algorithm in ("awq", "gptq") or q.calibration is not None:
+        if q.calibration is None:
+            raise SpecError("quantization.calibration", f"required for algorithm {q.algorithm}: "
+                                                        "{data: TEXT_FILE, samples: N, seq_len: L}")
+        for path in q.calibration.data:
+            if not path.is_file():
+                raise SpecError("quantization.calibration.data", f"{path} is not a file")
+        if not q.calibration.data:
+            raise SpecError("quantization.calibration.data", "no files given")
+    names = linear_names(arch)
+    for pattern in q.exclude:
+        if not any(pattern in name for name in names):
+            raise SpecError("quantization.exclude", f"{pattern!r} matches no linear layer "
+                                                    f"(names look like {names[0]}, lm_head)")

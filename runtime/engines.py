@@ -1,0 +1,33 @@
+"""Which Engine serves an engine dir here: TensorRT on a GPU, ONNX Runtime on CPU, one process
+per rank for tensor-parallel dirs."""
+from __future__ import annotations
+
+from .engine import Engine
+from .engine_dir import EngineDir
+
+
+def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int,
+                verify: bool = True) -> Engine:
+    """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU.
+    A tensor-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
+    if backend not in ("auto", "tensorrt", "onnxruntime"):
+        raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
+    if engine_dir.tensor_parallel > 1:
+        if backend == "tensorrt":
+            raise ValueError(f"--backend tensorrt: {engine_dir.path} has {engine_dir.tensor_parallel} ranks and the "
+                             "TensorRT backend runs one rank so far; use --backend onnxruntime")
+        from .tensor_parallel import TensorParallelEngine
+
+        return TensorParallelEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
+                                    verify=verify)
+    if backend in ("auto", "tensorrt"):
+        from .tensorrt_engine import TensorRTEngine, tensorrt_available
+
+        reason = tensorrt_available(engine_dir)
+        if reason is None:
+            return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size)
+        if backend == "tensorrt":
+            raise ValueError(f"--backend tensorrt: {reason}")
+    from .onnxruntime_engine import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size)
