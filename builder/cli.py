@@ -164,7 +164,9 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
       trtbuild plan /models/Llama-2-70b-hf --gpu A100-80GB --precision int8
     """
     from .frontend.checkpoint import arch_config
-    from .plan import Plan, find_gpu, gpu_table, medusa_plan, param_counts, render, workload_for
+    from .gpus import find_gpu, gpu_table
+    from .plan import Plan, medusa_plan, param_counts, workload_for
+    from .plan_render import render
     from .spec import load_spec
 
     if list_gpus:

@@ -12,51 +12,16 @@ Every figure is arithmetic on the checkpoint's config.json and the GPU table
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from importlib import resources
 
 from ..contract.medusa import MIN_GAIN
-from .errors import UserError
 from .frontend.checkpoint import ArchConfig
-from .progress import table
+from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
+from .plan_advice import recommendations
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
-# Weight-only int4 runs its GEMMs in 16-bit after dequantization; fp32 GEMMs run as TF32.
-_TFLOPS_KEY = {"fp32": "tf32", "fp16": "float16", "bf16": "bfloat16", "fp8": "fp8", "int8": "int8", "int4": "float16"}
 INT4_GROUP = 128
 HEADROOM = 0.9
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    sm: str
-    memory_bytes: float
-    bandwidth: float            # bytes/s
-    tflops: dict
-    interconnect: dict
-    source: str
-
-    def peak_flops(self, precision: str) -> float:
-        value = self.tflops.get(_TFLOPS_KEY[precision])
-        return (value if value is not None else self.tflops["float16"]) * 1e12
-
-
-def gpu_table() -> dict[str, dict]:
-    data = json.loads(resources.files(__package__).joinpath("data/gpus.json").read_text())
-    return {g["name"]: g for g in data["gpus"]}
-
-
-def find_gpu(name: str) -> Gpu:
-    table = gpu_table()
-    key = name.lower()
-    for entry in table.values():
-        if key == entry["name"].lower() or key in entry["aliases"]:
-            return Gpu(entry["name"], entry["sm"], entry["memory_gb"] * GB, entry["bandwidth_gbps"] * GB,
-                       entry["tflops"], entry["interconnect"], entry["source"])
-    raise UserError(f"--gpu: unknown GPU {name!r}; valid: {', '.join(table)}")
 
 
 @dataclass(frozen=True)
@@ -266,61 +231,6 @@ class Plan:
             return 0, 1.0, 1.0
         return best, 1 + expected[best], rates[best] / plain
 
-    # -- advice ---------------------------------------------------------------------------------
-    def recommendations(self) -> list[dict]:
-        out = []
-        fp = self.precision if self.precision in ("fp32", "bf16") else "fp16"
-        tp_fp = self.min_gpus(fp)
-        out.append(_rec(
-            f"smallest tensor parallelism that fits at {fp}: "
-            + (f"{tp_fp} × {self.gpu.name}" if tp_fp else f"none up to 64 × {self.gpu.name}"),
-            f"{self.per_rank(fp, tp_fp or 64) / GB:.1f} GB per rank of {self.gpu.memory_bytes / GB:.0f} GB"))
-        if self.fits(fp, 1):
-            out.append(_rec("fits one GPU unquantized: quantize only to speed up bandwidth-bound decode",
-                            f"{self.per_rank(fp, 1) / GB:.1f} GB of {self.gpu.memory_bytes / GB:.0f} GB"))
-        else:
-            one = next((p for p in ("fp8", "int8", "int4") if self.fits(p, 1) and self._supports(p)), None)
-            out.append(_rec(f"quantization that fits one {self.gpu.name}: {one}" if one else
-                            f"no quantization fits one {self.gpu.name}; int4 needs {self.min_gpus('int4')}",
-                            f"{self.per_rank(one or 'int4', 1) / GB:.1f} GB per GPU"))
-        ridge = self.ridge_batch()
-        batch = self.workload.max_batch
-        if ridge is None:
-            out.append(_rec("decode stays bandwidth-bound at every batch size (KV reads grow with the batch)",
-                            f"{self.kv_per_token * self.mean_context / 1e6:.1f} MB of KV per sequence per step"))
-        else:
-            out.append(_rec(f"decode stops being bandwidth-bound at batch {ridge}",
-                            f"{self.weights() / GB:.1f} GB of weights per step vs "
-                            f"{self.gpu.peak_flops(self.precision) / 1e12:.0f} TFLOP/s"))
-        bound = ridge is None or batch < ridge
-        step = self.decode_floor_s(batch)
-        out.append(_rec(
-            (f"Medusa helps at max_batch_size {batch}: decode is bandwidth-bound, so scoring a tree of "
-             f"candidates costs little more than one token") if bound else
-            (f"Medusa does not help at max_batch_size {batch}: decode is compute-bound; keep it for small batches"),
-            f"decode floor {step * 1e3:.2f} ms/step at batch {batch}, compute "
-            f"{self.decode_flops(batch) / self.gpu.peak_flops(self.precision) * 1e3:.2f} ms of it"))
-        if self.tp > 1:
-            link = self.gpu.interconnect
-            one = self.decode_floor_s(batch) * self.tp  # the same work on one rank (roofline ∝ 1/N)
-            gain = one - self.decode_floor_s(batch)
-            comm = self.comm_s(batch)
-            out.append(_rec(
-                (f"tensor parallelism {self.tp} costs more in all-reduces than it saves at batch {batch}"
-                 if comm > gain else f"tensor parallelism {self.tp} pays at batch {batch}: all-reduces cost "
-                 f"{comm / max(gain, 1e-12) * 100:.0f} % of the step time it saves"),
-                f"{self.allreduce_bytes(batch) / 1e6:.2f} MB all-reduced per decode step over {link['kind']} "
-                f"({link['gbps']} GB/s): {comm * 1e6:.1f} µs vs {gain * 1e6:.1f} µs saved"))
-        saved = self.prefill_s(512)
-        out.append(_rec(
-            ("prefix caching pays: " if self.workload.prefix_cache else
-             "prefix caching is off in the runtime config; turn it on if prompts share prefixes: ")
-            + "a cached 512-token prefix skips its prefill", f"{saved * 1e3:.2f} ms of prefill per request"))
-        return out
-
-    def _supports(self, precision: str) -> bool:
-        return self.gpu.tflops.get(_TFLOPS_KEY[precision]) is not None
-
     def as_dict(self) -> dict:
         return {
             "model": self.arch.architecture, "gpu": self.gpu.name, "gpus": self.gpus, "tp": self.tp,
@@ -343,16 +253,12 @@ class Plan:
             "ridge_batch": self.ridge_batch(),
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
             "workload": self.workload.__dict__,
-            "recommendations": self.recommendations(),
+            "recommendations": recommendations(self),
             "medusa": None if self.medusa is None else {
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
                                  (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))
                 for b in sorted({1, self.workload.max_batch})},
         }
-
-
-def _rec(text: str, figure: str) -> dict:
-    return {"recommendation": text, "figure": figure}
 
 
 def medusa_plan(spec) -> MedusaPlan:
@@ -374,45 +280,4 @@ def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = 
     return Workload(max_batch=batch or 1, max_seq_len=seq, max_input_len=min(512, seq), kv_element_bytes=kv_bytes,
                     prefix_cache=True)
 
-
-def render(plan: Plan) -> str:
-    a, g, w = plan.arch, plan.gpu, plan.workload
-    lines = [
-        f"model      {a.architecture}: {plan.counts.total / 1e9:.3f} B parameters, {a.num_layers} layers, "
-        f"hidden {a.hidden_size}, heads {a.num_heads}/{a.num_kv_heads} kv, vocab {a.vocab_size}",
-        f"gpu        {plan.gpus} × {g.name} ({g.sm}): {g.memory_bytes / GB:.0f} GB, {g.bandwidth / GB:.0f} GB/s, "
-        f"{g.peak_flops(plan.precision) / 1e12:.0f} TFLOP/s {plan.precision}; tensor parallel {plan.tp}",
-        f"workload   batch {w.max_batch} × {w.max_seq_len} tokens (prefill chunks ≤ {w.max_input_len})",
-        "",
-        "memory (per rank: weights/tp + KV/tp + workspace; fits = within 90 % of the GPU)",
-    ]
-    rows = [[p, f"{plan.weights(p) / GB:.2f}", f"{plan.per_rank(p) / GB:.2f}", "yes" if plan.fits(p) else "no",
-             str(plan.min_gpus(p) or "> 64")] for p in PRECISIONS]
-    lines += ["  " + line for line in table(rows, ["precision", "weights GB", "per rank GB", "fits", "min GPUs"]).splitlines()]
-    lines += [
-        f"KV cache: {plan.kv_per_token / 1024:.1f} KiB per token; {plan.kv_total / GB:.2f} GB for "
-        f"{w.max_batch} × {w.max_seq_len}; workspace ≈ {plan.workspace / GB:.2f} GB",
-        "",
-        "roofline",
-        f"  prefill: {plan.prefill_flops_per_token / 1e9:.3f} GFLOP per token (+ "
-        f"{plan.attention_flops_per_context_token / 1e6:.3f} MFLOP per context token); compute-bound for "
-        f"chunks of ≥ {plan.prefill_compute_bound_from()} tokens",
-        f"  decode:  {plan.decode_bytes(1) / GB:.3f} GB read per step at batch 1 (mean context {plan.mean_context}); "
-        f"floor {plan.decode_floor_s(1) * 1e3:.3f} ms at batch 1 (weights alone {plan.weights_floor_s() * 1e3:.3f} ms), "
-        f"{plan.decode_floor_s(w.max_batch) * 1e3:.3f} ms at batch {w.max_batch}",
-        f"  decode is {'bandwidth' if (plan.ridge_batch() or 10**9) > w.max_batch else 'compute'}-bound at batch "
-        f"{w.max_batch}; compute-bound from batch {plan.ridge_batch() or 'never'}",
-        "",
-        "recommendations",
-    ]
-    lines += [f"  - {r['recommendation']} [{r['figure']}]" for r in plan.recommendations()]
-    if plan.medusa is not None:
-        lines += ["", f"medusa ({plan.medusa.num_heads} heads, tree of {len(plan.medusa.choices)}; acceptance from "
-                      "the heads' held-out accuracy, step times from the roofline)"]
-        for batch in sorted({1, w.max_batch}):
-            n, tokens, speedup = plan.medusa_choice(batch)
-            lines.append(f"  batch {batch}: " + (f"verify {n} guesses per step, {tokens:.2f} tokens/step, "
-                                                 f"predicted {speedup:.2f}x decode speed-up" if n else
-                                                 "speculation does not pay (a bigger step costs more than it saves)"))
-    return "\n".join(lines)
 

@@ -1,0 +1,49 @@
+"""``trtbuild plan``'s text output."""
+from __future__ import annotations
+
+from .gpus import GB
+from .plan import PRECISIONS, Plan
+from .plan_advice import recommendations
+from .progress import table
+
+
+def render(plan: Plan) -> str:
+    a, g, w = plan.arch, plan.gpu, plan.workload
+    lines = [
+        f"model      {a.architecture}: {plan.counts.total / 1e9:.3f} B parameters, {a.num_layers} layers, "
+        f"hidden {a.hidden_size}, heads {a.num_heads}/{a.num_kv_heads} kv, vocab {a.vocab_size}",
+        f"gpu        {plan.gpus} × {g.name} ({g.sm}): {g.memory_bytes / GB:.0f} GB, {g.bandwidth / GB:.0f} GB/s, "
+        f"{g.peak_flops(plan.precision) / 1e12:.0f} TFLOP/s {plan.precision}; tensor parallel {plan.tp}",
+        f"workload   batch {w.max_batch} × {w.max_seq_len} tokens (prefill chunks ≤ {w.max_input_len})",
+        "",
+        "memory (per rank: weights/tp + KV/tp + workspace; fits = within 90 % of the GPU)",
+    ]
+    rows = [[p, f"{plan.weights(p) / GB:.2f}", f"{plan.per_rank(p) / GB:.2f}", "yes" if plan.fits(p) else "no",
+             str(plan.min_gpus(p) or "> 64")] for p in PRECISIONS]
+    lines += ["  " + line for line in table(rows, ["precision", "weights GB", "per rank GB", "fits", "min GPUs"]).splitlines()]
+    lines += [
+        f"KV cache: {plan.kv_per_token / 1024:.1f} KiB per token; {plan.kv_total / GB:.2f} GB for "
+        f"{w.max_batch} × {w.max_seq_len}; workspace ≈ {plan.workspace / GB:.2f} GB",
+        "",
+        "roofline",
+        f"  prefill: {plan.prefill_flops_per_token / 1e9:.3f} GFLOP per token (+ "
+        f"{plan.attention_flops_per_context_token / 1e6:.3f} MFLOP per context token); compute-bound for "
+        f"chunks of ≥ {plan.prefill_compute_bound_from()} tokens",
+        f"  decode:  {plan.decode_bytes(1) / GB:.3f} GB read per step at batch 1 (mean context {plan.mean_context}); "
+        f"floor {plan.decode_floor_s(1) * 1e3:.3f} ms at batch 1 (weights alone {plan.weights_floor_s() * 1e3:.3f} ms), "
+        f"{plan.decode_floor_s(w.max_batch) * 1e3:.3f} ms at batch {w.max_batch}",
+        f"  decode is {'bandwidth' if (plan.ridge_batch() or 10**9) > w.max_batch else 'compute'}-bound at batch "
+        f"{w.max_batch}; compute-bound from batch {plan.ridge_batch() or 'never'}",
+        "",
+        "recommendations",
+    ]
+    lines += [f"  - {r['recommendation']} [{r['figure']}]" for r in recommendations(plan)]
+    if plan.medusa is not None:
+        lines += ["", f"medusa ({plan.medusa.num_heads} heads, tree of {len(plan.medusa.choices)}; acceptance from "
+                      "the heads' held-out accuracy, step times from the roofline)"]
+        for batch in sorted({1, w.max_batch}):
+            n, tokens, speedup = plan.medusa_choice(batch)
+            lines.append(f"  batch {batch}: " + (f"verify {n} guesses per step, {tokens:.2f} tokens/step, "
+                                                 f"predicted {speedup:.2f}x decode speed-up" if n else
+                                                 "speculation does not pay (a bigger step costs more than it saves)"))
+    return "\n".join(lines)
