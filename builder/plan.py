@@ -231,6 +231,9 @@ class Plan:
             return 0, 1.0, 1.0
         return best, 1 + expected[best], rates[best] / plain
 
+    def recommendations(self) -> list[dict]:
+        return recommendations(self)
+
     def as_dict(self) -> dict:
         return {
             "model": self.arch.architecture, "gpu": self.gpu.name, "gpus": self.gpus, "tp": self.tp,
@@ -253,7 +256,7 @@ class Plan:
             "ridge_batch": self.ridge_batch(),
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
             "workload": self.workload.__dict__,
-            "recommendations": recommendations(self),
+            "recommendations": self.recommendations(),
             "medusa": None if self.medusa is None else {
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
                                  (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))
