@@ -27,6 +27,9 @@ class Gpu:
         value = self.tflops.get(TFLOPS_KEY[precision])
         return (value if value is not None else self.tflops["float16"]) * 1e12
 
+    def supports(self, precision: str) -> bool:
+        return self.tflops.get(TFLOPS_KEY[precision]) is not None
+
 
 def gpu_table() -> dict[str, dict]:
     data = json.loads(resources.files(__package__).joinpath("data/gpus.json").read_text())
@@ -41,6 +44,3 @@ def find_gpu(name: str) -> Gpu:
             return Gpu(entry["name"], entry["sm"], entry["memory_gb"] * GB, entry["bandwidth_gbps"] * GB,
                        entry["tflops"], entry["interconnect"], entry["source"])
     raise UserError(f"--gpu: unknown GPU {name!r}; valid: {', '.join(table)}")
-
-    def supports(self, precision: str) -> bool:
-        return self.tflops.get(TFLOPS_KEY[precision]) is not None
