@@ -18,7 +18,7 @@ from .scheduler import Step, StepKind
 _ELEMENT = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
-def tensorrt_available(engine_dir: EngineDir) -> str | None:
+def tensorrt_available(engine_dir: EngineDir | None = None) -> str | None:
     """None when this machine can run TensorRT engines, else the reason it cannot."""
     try:
         import tensorrt  # noqa: F401

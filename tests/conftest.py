@@ -25,6 +25,17 @@ FAMILIES = {
 }
 
 
+# Fixtures that build engine dirs: every test that uses one (directly or through another
+# fixture) is slow, so `-m "not slow"` stays well under a minute.
+ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if ENGINE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 def make_checkpoint(directory: Path, family: str, seed: int = 0, layers: int = 2) -> Path:
     """A random-initialized checkpoint of ``family`` with the bundled tokenizer."""
     import torch

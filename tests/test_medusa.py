@@ -66,6 +66,7 @@ def test_heads_reference_matches_torch_medusa_block(tmp_path):
     np.testing.assert_allclose(heads.logits(x)[:, 2], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # trains / scores thousands of tokens
 def test_medusa_train_cli_end_to_end(tmp_path):
     data = tmp_path / "train.txt"
     data.write_text((TINY_CODE / "heldout.txt").read_text()[:40_000])
@@ -110,10 +111,12 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
         assert llm.scheduler.prefix_cache is not None
         outputs[size] = [c.token_ids for i in range(0, len(prompts), batch)
                          for c in llm.generate(prompts[i:i + batch], params)]
+        stats = llm.speculation.stats
         if size == 63:
-            stats = llm.speculation.stats
             assert stats.verify_steps > 0 and stats.mean_accepted_per_step > 1.5
             assert stats.tree_sizes.keys() <= {64} and len(stats.head_acceptance()) == 4
+        if size is None:  # the adaptive policy did verify trees, so the equality below tests them
+            assert stats.verify_steps > 0, stats.as_dict()
     assert outputs[63] == outputs[0]
     assert outputs[None] == outputs[0]
 
@@ -147,7 +150,7 @@ def test_sampling_with_typical_acceptance(medusa_engine, prompts):
     assert [c.token_ids for c in first] == [c.token_ids for c in again]  # seeded: reproducible
     for completion in first:
         assert len(completion.token_ids) == 48 and len(completion.logprobs) == 48
-        assert all(lp <= 0 for lp in completion.logprobs)
+        assert all(lp <= 0 for lp in completion.logprobs) and min(completion.logprobs) > -30
     assert sum(c.accepted_tokens for c in first) > 0
 
 

@@ -82,9 +82,19 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_on_strings(llm):
     assert cut.finish_reason == "stop" and stop not in cut.text and full.startswith(cut.text)
 
 
-def test_logprobs_are_reported(llm):
-    (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, logprobs=True, ignore_eos=True))
-    assert len(out.logprobs) == 4 and all(lp <= 0 for lp in out.logprobs)
+def test_logprobs_equal_transformers_log_softmax(llm):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(TINY_CODE, dtype=torch.float32).eval()
+    ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)  # [T, V]
+    start = len(out.prompt_token_ids) - 1
+    expected = [float(log_probs[start + i, token]) for i, token in enumerate(out.token_ids)]
+    assert len(out.logprobs) == 6
+    assert max(abs(a - b) for a, b in zip(out.logprobs, expected)) < 1e-3, (out.logprobs, expected)
 
 
 def test_streaming_sync_and_async_give_the_final_text(llm):

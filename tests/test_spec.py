@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 import yaml
 
 from trtbuild.builder.errors import SpecError, UserError
@@ -46,7 +47,7 @@ def test_bundled_spec_loads_with_checkpoint_facts():
 
 def test_spec_is_read_only():
     spec = Spec.from_dict(spec_dict())
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         spec.build.max_batch_size = 3
 
 

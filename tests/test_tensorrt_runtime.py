@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from trtbuild.runtime.engine_dir import load
 from trtbuild.runtime.tensorrt_engine import tensorrt_available
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# Decided before the engine fixtures build anything: no GPU or no TensorRT, nothing to run.
+_UNAVAILABLE = tensorrt_available(None)
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_UNAVAILABLE}")]
 
 
 def test_tensorrt_backend_matches_transformers(tiny_engine):
-    reason = tensorrt_available(load(tiny_engine, verify_hashes=False))
-    if reason:
-        pytest.skip(f"needs an NVIDIA GPU with TensorRT: {reason}")
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
@@ -27,9 +26,6 @@ def test_tensorrt_backend_matches_transformers(tiny_engine):
 
 
 def test_tensorrt_medusa_matches_plain_decoding(medusa_engine):
-    reason = tensorrt_available(load(medusa_engine, verify_hashes=False))
-    if reason:
-        pytest.skip(f"needs an NVIDIA GPU with TensorRT: {reason}")
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 

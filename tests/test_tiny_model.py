@@ -37,6 +37,7 @@ def test_checkpoint_is_a_small_gqa_llama_in_safetensors(model_and_tokenizer):
     assert sum(f.stat().st_size for f in TINY_CODE.iterdir()) < 30 * 2**20
 
 
+@pytest.mark.slow  # trains / scores thousands of tokens
 def test_heldout_perplexity_matches_the_card():
     card = json.loads((TINY_CODE / "eval_results.json").read_text())
     result = perplexity(TINY_CODE, TINY_CODE / "heldout.txt", max_tokens=16384)
