@@ -1,6 +1,6 @@
 """The engine's step function as a torch module over a transformers Llama-family model.
 
-It implements the engine contract (../shared/DESIGN.md) in plain, decomposed torch ops
+It implements the engine contract (trtbuild.contract.step; README "How a build works") in plain, decomposed torch ops
 so that torch.export gives a graph whose every fusion is ours to make and log:
 RMSNorm as pow/mean/rsqrt (transformers' own module), RoPE as rotate-half over a cos/sin table gathered by
 position_ids, the cache write as a scatter at ``write_index``, attention as

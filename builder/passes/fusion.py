@@ -31,8 +31,9 @@ class Fusion:
 
     ``check`` returns a reason to skip a structural match (or None); ``replace`` returns the
     new nodes, the last of which must produce the root's output tensor. ``expected`` says
-    how many matches a model of the given architecture must give: fewer is an error, since
-    a fusion that silently matches less than it should leaves a slow or wrong engine.
+    how many matches a model of the given architecture must give: any other count is an
+    error, since a fusion that silently matches less (or more) than it should leaves a slow or
+    wrong engine.
     """
 
     name: str
