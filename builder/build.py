@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from . import numerics
-from .emit.engine_dir import staged
+from .emit.engine_dir import check_destination, staged
 from ..contract.tensor_parallel import kv_heads
 from .emit.manifest import graph_metadata, io_table, tool_versions, write_manifest
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
@@ -51,6 +51,7 @@ class BuildSummary:
 
 def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -> BuildSummary:
     progress = progress or Progress()
+    check_destination(options.out)  # before any work: never a user's directory
     flavor = resolve_flavor(spec.build.backend)
     check_targets(spec, flavor)
     disabled = frozenset(spec.passes.disable) | options.disable
@@ -104,7 +105,8 @@ def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
     data = out / f"rank{rank}.onnx.data"
     heads = kv_heads(rank, spec.world_size, spec.arch.num_kv_heads)
     return {"rank": rank, "engine": f"rank{rank}.engine", "onnx": f"rank{rank}.onnx",
-            "onnx_data": f"rank{rank}.onnx.data", "num_kv_heads": len(heads), "kv_heads": [heads.start, heads.stop],
+            "onnx_data": data.name if data.is_file() else None, "num_kv_heads": len(heads),
+            "kv_heads": [heads.start, heads.stop],
             "weight_bytes": data.stat().st_size if data.is_file() else 0, "io": io_table(model)}
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -93,6 +95,8 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
     from .spec import load_spec
 
     ctx.meta["trtbuild.debug"] = log_level == "debug"
+    # SIGTERM unwinds like Ctrl-C: the staged dir is removed and worker processes die with us.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     loaded = load_spec(spec)
     options = BuildOptions(out=out or Path("build") / spec.stem, dump_after=frozenset(dump_after),
                            disable=frozenset(disable_pass), jobs=jobs)
@@ -128,17 +132,20 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
       trtbuild inspect build/tiny-code --pass fuse_attention
       trtbuild inspect build/tiny-code --node /model/layers.0/self_attn/Attention
     """
-    from .inspect import load_engine_dir, node_origin, render, select
+    from .inspect import integrity, load_engine_dir, node_origin, render, select
 
     manifest, records = load_engine_dir(out)
+    bad = integrity(out, manifest)
     if node is not None:
         click.echo(node_origin(out, rank or 0, node))
-        return
-    chosen = select(records, rank, pass_name)
-    if as_json:
-        click.echo(json.dumps({"manifest": manifest, "passes": chosen}, indent=2))
-        return
-    click.echo(render(out, manifest, chosen, detail=pass_name is not None))
+    elif as_json:
+        click.echo(json.dumps({"manifest": manifest, "passes": select(records, rank, pass_name),
+                               "integrity": bad or "ok"}, indent=2))
+    else:
+        click.echo(render(out, manifest, select(records, rank, pass_name), detail=pass_name is not None, bad=bad))
+    if bad:  # shown, and the exit code says so: scripts must not ship a dir that fails its hashes
+        click.echo(f"error: {bad}", err=True)
+        sys.exit(1)
 
 
 @main.command()

@@ -4,20 +4,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .emit.engine_dir import MANIFEST
-from .emit.manifest import verify_files
+from ..contract.manifest import ManifestError, check_engine_dir, read_manifest
 from .errors import UserError
 from .progress import human_bytes, table
 
 
 def load_engine_dir(out: Path) -> tuple[dict, list[dict]]:
     out = Path(out)
-    if not (out / MANIFEST).is_file():
-        raise UserError(f"{out}: not an engine dir (no {MANIFEST}); build one with `trtbuild build SPEC -o {out}`")
-    manifest = json.loads((out / MANIFEST).read_text())
+    try:
+        manifest = read_manifest(out)
+    except ManifestError as exc:
+        raise UserError(str(exc)) from None
     log = out / "passes.jsonl"
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    try:
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{log}: not a pass log (JSON lines)") from None
     return manifest, records
+
+
+def integrity(out: Path, manifest: dict) -> str | None:
+    """None when every file checks out (listed, inside the dir, hashes), else what is wrong."""
+    try:
+        check_engine_dir(Path(out), manifest)
+    except ManifestError as exc:
+        return str(exc)
+    return None
 
 
 def select(records: list[dict], rank: int | None, pass_name: str | None) -> list[dict]:
@@ -32,9 +44,8 @@ def select(records: list[dict], rank: int | None, pass_name: str | None) -> list
             and (pass_name is None or r["pass"] == pass_name)]
 
 
-def render(out: Path, manifest: dict, records: list[dict], detail: bool) -> str:
+def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: str | None) -> str:
     model, limits = manifest["model"], manifest["limits"]
-    bad = verify_files(Path(out), manifest)
     lines = [
         f"engine dir   {out}",
         f"model        {model['architecture']}: {model['num_layers']} layers, hidden {model['hidden_size']}, "
@@ -54,7 +65,7 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool) -> str:
         + (f" ({q.get('algorithm')})" if q.get("mode") == "int4_weight_only" else ""),
         f"files        {len(manifest['files'])}, "
         f"{human_bytes(sum(f['bytes'] for f in manifest['files'].values()))}, "
-        + ("all hashes verify" if not bad else f"MISMATCH: {', '.join(bad)}"),
+        + ("all hashes verify" if not bad else f"MISMATCH: {bad}"),
         "",
     ]
     rows = []

@@ -76,8 +76,12 @@ class BuildSection(_Section):
     def _targets(cls, value):
         if isinstance(value, str):
             value = [value]
+        if value is None:
+            value = []
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"a list of compute capabilities like [sm89], got {value!r}")
         out = []
-        for item in value or ():
+        for item in value:
             name = str(item).lower().replace(".", "")
             name = name if name.startswith("sm") else f"sm{name}"
             if name not in TENSORRT_TARGETS:
@@ -286,12 +290,36 @@ class Spec(_Section):
         return spec
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, line: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's own rule, which PyYAML does not enforce: mapping keys are unique (else the last
+    silently wins, and a spec means something other than it reads)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_spec(path: Path) -> Spec:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: spec file does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except _DuplicateKey as exc:
+        raise UserError(f"{path}: key {exc.key!r} appears twice at line {exc.line}; give each key once") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import typing
 
 from pydantic import BaseModel, ValidationError
 
@@ -26,7 +27,9 @@ def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     for part in loc:
         field = model.model_fields.get(part) if model else None
         ann = field.annotation if field else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        # `Section | None` (calibration, medusa): the section inside the Optional
+        options = [a for a in (typing.get_args(ann) or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = options[0] if options else None
     return model
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 # Bump on any incompatible change of manifest.json. 2: tensor parallelism; each entry of
@@ -15,3 +16,111 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+MANIFEST = "manifest.json"
+REQUIRED_KEYS = ("schema_version", "files", "ranks", "model", "limits", "spec", "tensorrt", "targets")
+
+
+class ManifestError(ValueError):
+    """The engine dir cannot be trusted or read; the message names the file or key."""
+
+
+def read_manifest(engine_dir: Path) -> dict:
+    """manifest.json as a mapping with the keys every engine dir has, of the schema we read."""
+    path = Path(engine_dir) / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{engine_dir}: not an engine dir (no {MANIFEST}); build one with "
+                            f"`trtbuild build SPEC -o {engine_dir}`")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path}: not a JSON object")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ManifestError(f"{path}: schema_version {version}, this runtime reads {SCHEMA_VERSION}; "
+                            "rebuild the engine dir with this trtbuild")
+    missing = [key for key in REQUIRED_KEYS if key not in manifest]
+    if missing:
+        raise ManifestError(f"{path}: missing keys {', '.join(missing)}")
+    if not isinstance(manifest["files"], dict) or not isinstance(manifest["ranks"], list) or not manifest["ranks"]:
+        raise ManifestError(f"{path}: 'files' must be an object and 'ranks' a non-empty list")
+    return manifest
+
+
+def rank_files(manifest: dict) -> list[str]:
+    """The files the format says an engine dir needs: each rank's graph, its weights and its
+    engine, and the tokenizer. All must be listed (hashed) in ``files``."""
+    names = ["tokenizer.json"]
+    for index, rank in enumerate(manifest["ranks"]):
+        if not isinstance(rank, dict):
+            raise ManifestError(f"{MANIFEST}: ranks[{index}] is not an object")
+        for key in ("onnx", "engine", "onnx_data"):
+            name = rank.get(key)
+            if name is None and key == "onnx_data":
+                continue  # a graph with no external weights
+            if not isinstance(name, str) or not _plain_name(name):
+                raise ManifestError(f"{MANIFEST}: ranks[{index}].{key} {name!r} is not a file name inside the "
+                                    "engine dir")
+            names.append(name)
+    return names
+
+
+def check_engine_dir(engine_dir: Path, manifest: dict, verify_hashes: bool = True) -> None:
+    """Every file the format needs is listed and inside the dir, every listed file is inside the
+    dir, each rank graph's weights are its own listed file, and (by default) every listed
+    file's size and sha256 match. Integrity, not authenticity: anyone who can edit the files
+    can edit the manifest too."""
+    root = Path(engine_dir).resolve()
+    files = manifest["files"]
+    for name, entry in files.items():
+        if not _inside(root, name):
+            raise ManifestError(f"{MANIFEST}: file {name!r} is not inside the engine dir")
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int)):
+            raise ManifestError(f"{MANIFEST}: files[{name!r}] needs sha256 and bytes")
+    for name in rank_files(manifest):
+        if name not in files:
+            raise ManifestError(f"{root / name}: needed by the engine dir but not listed (hashed) in {MANIFEST}")
+    for name, entry in files.items():
+        file = root / name
+        if not file.is_file():
+            raise ManifestError(f"{file}: missing (listed in the manifest)")
+        if verify_hashes and (file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]):
+            raise ManifestError(f"{file}: sha256 differs from the manifest; the engine dir is corrupt or was "
+                                "modified: rebuild or re-copy it")
+    for rank in manifest["ranks"]:
+        _check_external_data(root / rank["onnx"], rank.get("onnx_data"))
+
+
+def _check_external_data(graph: Path, data: str | None) -> None:
+    """A rank graph may read weights from its own listed data file only."""
+    import onnx
+
+    try:
+        model = onnx.load(graph, load_external_data=False)
+    except Exception as exc:  # noqa: BLE001  (protobuf raises several kinds)
+        raise ManifestError(f"{graph}: not a readable ONNX graph ({type(exc).__name__})") from None
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = {e.key: e.value for e in tensor.external_data}.get("location")
+            if location != data:
+                raise ManifestError(f"{graph}: tensor {tensor.name} reads weights from {location!r}, not the "
+                                    f"rank's data file {data!r}")
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+
+
+def _inside(root: Path, name: str) -> bool:
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return False
+    try:
+        (root / name).resolve().relative_to(root)
+    except ValueError:  # a symlink out of the dir
+        return False
+    return True

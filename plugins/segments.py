@@ -108,20 +108,30 @@ class SegmentedRank:
 CollectiveFn = Callable[[Collective, np.ndarray], np.ndarray]
 
 
+class LocalRanks:
+    """All ranks of a tensor-parallel step in this process, collectives in numpy: the build's
+    numerics check and ``trtbuild eval`` (exact sums, no process group needed)."""
+
+    def __init__(self, models: list[onnx.ModelProto], base_dir: Path | None, threads: int = 0):
+        self.ranks = [SegmentedRank(model, base_dir, threads) for model in models]
+        self.output_names = [o.name for o in models[0].graph.output]
+
+    def run(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        values = [dict(f) for f in feeds]
+        for index in range(len(self.ranks[0].segments)):
+            for rank, state in zip(self.ranks, values):
+                session = rank.sessions[index]
+                if session is not None:
+                    state.update(ort_config.run(session, state))
+            collective = self.ranks[0].segments[index].collective
+            if collective is not None:
+                received = collective.reference([state[collective.input] for state in values])
+                for state, value in zip(values, received):
+                    state[collective.output] = value
+        return [{name: state[name] for name in self.output_names} for state in values]
+
+
 def run_ranks(models: list[onnx.ModelProto], feeds: list[dict[str, np.ndarray]],
               base_dir: Path | None) -> list[dict[str, np.ndarray]]:
-    """All ranks' graphs as one step in this process, collectives in numpy (the numerics check)."""
-    ranks = [SegmentedRank(model, base_dir) for model in models]
-    values = [dict(f) for f in feeds]
-    for index in range(len(ranks[0].segments)):
-        for rank, state in zip(ranks, values):
-            session = rank.sessions[index]
-            if session is not None:
-                state.update(ort_config.run(session, state))
-        collective = ranks[0].segments[index].collective
-        if collective is not None:
-            received = collective.reference([state[collective.input] for state in values])
-            for state, value in zip(values, received):
-                state[collective.output] = value
-    names = [o.name for o in models[0].graph.output]
-    return [{name: state[name] for name in names} for state in values]
+    """One step of all ranks' graphs (see LocalRanks)."""
+    return LocalRanks(models, base_dir).run(feeds)

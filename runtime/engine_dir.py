@@ -5,10 +5,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..contract.manifest import SCHEMA_VERSION, sha256_file
+from ..contract.manifest import ManifestError, check_engine_dir, read_manifest
 
 
-class EngineDirError(Exception):
+class EngineDirError(ValueError):
     """The engine dir cannot be served here; the message says what to do."""
 
 
@@ -85,24 +85,14 @@ class EngineDir:
 
 
 def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
-    """Reads manifest.json, checks its schema version and (by default) every file's sha256."""
+    """Reads manifest.json and checks the dir as a trust boundary (contract.manifest): every file
+    a rank needs listed and inside the dir, and (by default) every file's sha256."""
     path = Path(engine_dir)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        raise EngineDirError(f"{path}: not an engine dir (no manifest.json); build one with `trtbuild build SPEC -o {path}`")
-    manifest = json.loads(manifest_path.read_text())
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise EngineDirError(f"{manifest_path}: schema_version {version}, this runtime reads {SCHEMA_VERSION}; "
-                             "rebuild the engine dir with this trtbuild")
-    if verify_hashes:
-        for name, entry in manifest["files"].items():
-            file = path / name
-            if not file.is_file():
-                raise EngineDirError(f"{file}: missing (listed in the manifest)")
-            if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-                raise EngineDirError(f"{file}: sha256 differs from the manifest; the engine dir is corrupt "
-                                     "or was modified: rebuild or re-copy it")
+    try:
+        manifest = read_manifest(path)
+        check_engine_dir(path, manifest, verify_hashes)
+    except ManifestError as exc:
+        raise EngineDirError(str(exc)) from None
     return EngineDir(path=path, manifest=manifest)
 
 

@@ -53,13 +53,11 @@ def _log_softmax_pick(logits: np.ndarray, targets: np.ndarray) -> tuple[float, n
 
 
 def score_checkpoint(checkpoint: Path, batches: np.ndarray, batch: int = 8) -> Scores:
-    import os
-
     import torch
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    from ..contract.checkpoint import load_safetensors_model
+
+    model = load_safetensors_model(checkpoint, torch.float32)
     nll, argmax = 0.0, []
     with torch.no_grad():
         for i in range(0, len(batches), batch):
@@ -71,15 +69,12 @@ def score_checkpoint(checkpoint: Path, batches: np.ndarray, batch: int = 8) -> S
     return Scores(nll, batches[:, 1:].size, np.concatenate(argmax))
 
 
-def score_engine(engine_dir: Path, batches: np.ndarray, threads: int = 0) -> Scores:
+def score_engine(d, batches: np.ndarray, threads: int = 0) -> Scores:
     """Each window is fed in chunks of max_input_len tokens through the slot caches, with logits
     requested for every position (logits_index = all rows), exactly as the engine would run it."""
-    from .engine_dir import load
-
-    d = load(engine_dir)
-    session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads)
+    run = _rank_runner(d, threads)
     dtype = CACHE_DTYPES[d.dtype]
-    shape = CacheShape(d.num_kv_heads, d.max_seq_len, d.head_dim)
+    shape = CacheShape(d.num_kv_heads, d.max_seq_len, d.head_dim)  # each rank's KV heads
     context = batches.shape[1] - 1
     if context > d.max_seq_len:
         raise ValueError(f"--context {context} exceeds the engine's max_seq_len {d.max_seq_len}")
@@ -87,14 +82,16 @@ def score_engine(engine_dir: Path, batches: np.ndarray, threads: int = 0) -> Sco
     for start in range(0, len(batches), d.max_batch_size):
         group = batches[start:start + d.max_batch_size]
         b = len(group)
-        caches = {f"past_{name}": shape.zeros(b, dtype) for name in cache_names(d.num_layers)}
+        caches = [{f"past_{name}": shape.zeros(b, dtype) for name in cache_names(d.num_layers)}
+                  for _ in range(d.tensor_parallel)]
         rows = []
         for begin in range(0, context, d.max_input_len):
             end = min(begin + d.max_input_len, context)
             arrays = step_arrays(group[:, begin:end].tolist(), [begin] * b, d.max_seq_len, all_logits=True)
-            out = ort_config.run(session, {**arrays.as_dict(), **caches})
-            caches = {name: out[name.replace("past_", "present_")] for name in caches}
-            rows.append(out["logits"])                                     # [b, s, V]
+            outputs = run([{**arrays.as_dict(), **rank_caches} for rank_caches in caches])
+            caches = [{name: out[name.replace("past_", "present_")] for name in rank_caches}
+                      for out, rank_caches in zip(outputs, caches)]
+            rows.append(outputs[0]["logits"])                              # [b, s, V]
         logits = np.concatenate(rows, axis=1)                              # [b, C, V]
         part, top = _log_softmax_pick(logits.reshape(-1, logits.shape[-1]), group[:, 1:].reshape(-1))
         nll += part
@@ -102,30 +99,68 @@ def score_engine(engine_dir: Path, batches: np.ndarray, threads: int = 0) -> Sco
     return Scores(nll, batches[:, 1:].size, np.concatenate(argmax))
 
 
+def _rank_runner(d, threads: int):
+    """feeds per rank → outputs per rank: one session, or for a tensor-parallel dir all ranks'
+    graphs in this process with their collectives computed exactly (no process group)."""
+    if d.tensor_parallel == 1:
+        session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads)
+        return lambda feeds: [ort_config.run(session, feeds[0])]
+    import onnx
+
+    from ..plugins.segments import LocalRanks
+
+    models = []
+    for rank in range(d.tensor_parallel):
+        path = d.rank_file(rank, "onnx")
+        model = onnx.load(path, load_external_data=False)
+        models.append(fp4.simulate(onnx.load(path)) if fp4.has_fp4(model) else model)
+    return LocalRanks(models, d.path, threads).run
+
+
 def is_engine_dir(path: Path) -> bool:
     return (Path(path) / "manifest.json").is_file()
 
 
-def score(target: Path, batches: np.ndarray, threads: int = 0) -> Scores:
+def _loaded(target: Path):
+    """An engine dir, checked before anything in it is read (contract.manifest), or a checkpoint path."""
+    from .engine_dir import load
+
     if is_engine_dir(target):
-        return score_engine(target, batches, threads)
+        return load(target)
     if (Path(target) / "config.json").is_file():
-        return score_checkpoint(target, batches)
+        return Path(target)
     raise ValueError(f"{target}: neither an engine dir (manifest.json) nor a checkpoint dir (config.json)")
+
+
+def score(target, batches: np.ndarray, threads: int = 0) -> Scores:
+    """``target``: a loaded EngineDir, or a checkpoint dir."""
+    if isinstance(target, Path):
+        return score_checkpoint(target, batches)
+    return score_engine(target, batches, threads)
+
+
+def _token_ids(tokenizer_dir: Path, data: Path) -> list[int]:
+    from tokenizers import Tokenizer
+
+    path = tokenizer_dir / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
+        raise ValueError(f"{path}: not a loadable tokenizer ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
+    try:
+        text = Path(data).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--data {data}: not UTF-8 text") from None
+    return tokenizer.encode(text).ids
 
 
 def evaluate(target: Path, data: Path, context: int = 512, max_tokens: int | None = None,
              reference: Path | None = None, threads: int = 0) -> EvalResult:
-    from tokenizers import Tokenizer
-
-    tokenizer_dir = Path(target)
-    for path in (tokenizer_dir, *([Path(reference)] if reference else [])):
-        if not (is_engine_dir(path) or (path / "config.json").is_file()):
-            raise ValueError(f"{path}: neither an engine dir (manifest.json) nor a checkpoint dir (config.json)")
-    ids = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(Path(data).read_text(encoding="utf-8")).ids
-    batches = windows(ids, context, max_tokens)
-    scores = score(Path(target), batches, threads)
+    loaded = _loaded(Path(target))
+    compared = _loaded(Path(reference)) if reference is not None else None
+    batches = windows(_token_ids(Path(target), data), context, max_tokens)
+    scores = score(loaded, batches, threads)
     agreement = None
-    if reference is not None:
-        agreement = float((score(Path(reference), batches, threads).argmax == scores.argmax).mean())
+    if compared is not None:
+        agreement = float((score(compared, batches, threads).argmax == scores.argmax).mean())
     return EvalResult(perplexity=scores.perplexity, tokens=scores.count, context=context, agreement=agreement)

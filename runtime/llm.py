@@ -17,7 +17,7 @@ from .outputs import Completion, Delta, RequestOutput
 from .medusa import Accepted, Tree, accept_greedy, accept_typical
 from .speculation import AcceptanceModel, SpeculationPolicy, StepTimes, calibrate
 from .detokenize import IncrementalDecoder
-from .engine_dir import load
+from .engine_dir import EngineDirError, load
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .scheduler import (Batching, CopySlot, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
@@ -54,7 +54,11 @@ class LLM:
         # By default the prefix store holds as many tokens as two full slots.
         blocks = (prefix_cache_blocks if prefix_cache_blocks is not None
                   else 2 * d.max_seq_len // block_size) if use_prefix else 0
-        self.tokenizer = Tokenizer.from_file(str(d.path / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(d.path / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
+            raise EngineDirError(f"{d.path / 'tokenizer.json'}: not a loadable tokenizer "
+                                 f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         self.engine = make_engine(d, backend, threads, blocks, block_size, verify)
         self.scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,

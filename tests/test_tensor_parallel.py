@@ -100,13 +100,15 @@ def test_int4_group_may_not_straddle_ranks():
 
 # -- built engines ------------------------------------------------------------------------------
 
-def _build(tmp_path_factory, name: str, **sections) -> Path:
+def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", **sections) -> Path:
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.builder.spec import load_spec
 
-    spec = yaml.safe_load((REPO / "specs" / "tiny-code.yaml").read_text())
+    spec = yaml.safe_load((REPO / "specs" / base).read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)
+    if "speculative" in spec:
+        spec["speculative"]["medusa"]["heads"] = str(TINY_CODE / "medusa")
     for section, values in sections.items():
         spec.setdefault(section, {}).update(values)
     root = tmp_path_factory.mktemp(name)
@@ -206,3 +208,40 @@ def test_torchrun_launches_the_ranks(tp_engines):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["token_ids"] == expected[0]
+
+
+@pytest.mark.slow
+def test_tp_eval_scores_like_one_rank(tp_engines):
+    from trtbuild.runtime.evaluate import evaluate
+
+    data = TINY_CODE / "heldout.txt"
+    one = evaluate(tp_engines[1], data, 256, 1024)
+    for world in (2, 4):
+        result = evaluate(tp_engines[world], data, 256, 1024, reference=tp_engines[1])
+        assert abs(result.perplexity - one.perplexity) / one.perplexity < 1e-4 and result.agreement == 1.0
+
+
+@pytest.mark.slow
+def test_tp_medusa_gives_plain_greedy_tokens(tmp_path_factory, medusa_engine):
+    tp2 = _build(tmp_path_factory, "medusa-tp2", base="tiny-code-medusa.yaml", parallel={"tensor": 2})
+    plain, _ = _greedy(medusa_engine, max_tokens=32, medusa_tree_size=0)
+    speculative, llm = _greedy(tp2, max_tokens=32, medusa_tree_size=8)
+    assert speculative == plain
+    assert llm.speculation.stats.verify_steps > 0 and llm.speculation.stats.mean_accepted_per_step > 1.2
+    records = [json.loads(line) for line in (tp2 / "passes.jsonl").read_text().splitlines()]
+    attach = [r for r in records if r["pass"] == "attach_medusa"]
+    assert [r["rank"] for r in attach] == [0, 1] and attach[-1]["numerics"]["ok"]
+
+
+@pytest.mark.slow
+def test_int4_gptq_tp2_gives_the_tokens_of_tp1(tmp_path_factory):
+    calib = tmp_path_factory.mktemp("calib") / "calib.txt"
+    calib.write_text((REPO / "tools" / "train_tiny_model.py").read_text() * 4)
+    quant = {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64,
+             "calibration": {"data": str(calib), "samples": 4, "seq_len": 128}}
+    one = _build(tmp_path_factory, "gptq-tp1", quantization=quant)
+    two = _build(tmp_path_factory, "gptq-tp2", quantization=quant, parallel={"tensor": 2})
+    assert _greedy(two)[0] == _greedy(one)[0]
+    manifest = json.loads((two / "manifest.json").read_text())
+    whole = json.loads((one / "manifest.json").read_text())["ranks"][0]["weight_bytes"]
+    assert all(r["weight_bytes"] < 0.75 * whole for r in manifest["ranks"])  # codes and scales sharded

@@ -5,7 +5,9 @@ once every file and the manifest are written.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -14,12 +16,61 @@ from typing import Iterator
 
 from ..errors import UserError
 
-MANIFEST = "manifest.json"
+from ...contract.manifest import MANIFEST  # noqa: E402,F401  (re-exported for callers)
 
 
 def check_destination(out: Path) -> None:
-    if out.exists() and not (out.is_dir() and (out / MANIFEST).is_file()):
-        raise UserError(f"{out}: exists and is not a trtbuild engine dir; choose another -o or remove it")
+    """``out`` may be replaced only if trtbuild wrote it: a manifest of ours whose file list
+    names every file in the dir. Anything else is the user's and is never deleted."""
+    if not out.exists():
+        for parent in out.parents:
+            if parent.exists() and not parent.is_dir():
+                raise UserError(f"-o {out}: {parent} is a file, not a directory")
+        return
+    foreign = _foreign_files(out)
+    if foreign:
+        raise UserError(f"-o {out}: exists and is not an engine dir trtbuild wrote ({foreign}); "
+                        "choose another -o or move it away")
+
+
+def _foreign_files(out: Path) -> str | None:
+    """Why ``out`` is not ours, or None if every file in it is listed in its own manifest."""
+    if not out.is_dir():
+        return "not a directory"
+    try:
+        manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"no {MANIFEST}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return f"{MANIFEST} is not a trtbuild manifest"
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("schema_version"), int)
+            and isinstance(manifest.get("files"), dict) and isinstance(manifest.get("ranks"), list)):
+        return f"{MANIFEST} is not a trtbuild manifest"
+    listed = set(manifest["files"]) | {MANIFEST}
+    extra = sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                   if not p.is_dir() and str(p.relative_to(out)) not in listed)
+    if extra:
+        return f"holds files its manifest does not list: {', '.join(extra[:3])}{' …' if len(extra) > 3 else ''}"
+    return None
+
+
+def _clear_stale(out: Path) -> None:
+    """Temporaries of earlier builds to the same place whose process is gone (killed builds)."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)-")
+    for sibling in out.parent.iterdir() if out.parent.is_dir() else ():
+        found = pattern.match(sibling.name)
+        if found and sibling.is_dir() and not _alive(int(found.group(2))):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextmanager
@@ -27,20 +78,28 @@ def staged(out: Path) -> Iterator[Path]:
     """Yields a temporary dir next to ``out``; on success it replaces ``out``, on error it is removed."""
     out = Path(out)
     check_destination(out)
+    created = [p for p in reversed(out.parents) if not p.exists()]  # removed again if the build fails
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _clear_stale(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         yield tmp
         _make_readable(tmp)
         old = None
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            check_destination(out)  # still ours, after the minutes the build took
+            old = out.with_name(f".{out.name}.old-{os.getpid()}-")
             out.rename(old)
         tmp.rename(out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in reversed(created):
+            try:
+                parent.rmdir()  # only if empty: nothing of anyone else's
+            except OSError:
+                break
         raise
 
 

@@ -56,16 +56,6 @@ def write_manifest(root: Path, body: dict) -> dict:
     return manifest
 
 
-def verify_files(root: Path, manifest: dict) -> list[str]:
-    """Files whose hash or size differ from the manifest, or that are missing."""
-    bad = []
-    for name, entry in manifest.get("files", {}).items():
-        path = root / name
-        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-            bad.append(name)
-    return bad
-
-
 def graph_metadata(model: onnx.ModelProto) -> dict[str, str]:
     """What passes recorded in the graph (model metadata_props), e.g. the CUDA-graph plan."""
     return {entry.key: entry.value for entry in model.metadata_props}

@@ -10,13 +10,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from ...contract.checkpoint import CheckpointError, load_safetensors_model
 from ..errors import UserError
 
 # Architectures whose decoder layer is the Llama block (GQA + RoPE + RMSNorm + SwiGLU).
 # Qwen3 adds an RMSNorm on each head's query and key; the rest differ only in config values.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 class ArchConfig(BaseModel):
@@ -53,61 +53,95 @@ def read_config(checkpoint: Path) -> dict:
         raise UserError(f"{path}: missing; a checkpoint dir holds config.json, *.safetensors "
                         "and tokenizer.json")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: not a JSON object")
+    return raw
+
+
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+
+
+def _positive_int(raw: dict, path: Path, key: str, required: bool = True) -> int | None:
+    value = raw.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UserError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(raw: dict, path: Path, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise UserError(f"{path}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def arch_config(checkpoint: Path) -> ArchConfig:
+    """config.json's facts, each number checked once here (build and plan both read them)."""
     raw = read_config(checkpoint)
+    path = Path(checkpoint) / "config.json"
     archs = raw.get("architectures") or []
-    arch = archs[0] if archs else raw.get("model_type", "<none>")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UserError(f"{path}: architectures must be a list of names, got {archs!r}")
+    model_type = raw.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise UserError(f"{path}: model_type must be a name like 'llama', got {model_type!r}")
+    arch = archs[0] if archs else MODEL_TYPES.get(model_type, str(model_type))
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise UserError(f"{Path(checkpoint) / 'config.json'}: architecture {arch!r} is not "
+        raise UserError(f"{path}: architecture {arch!r} is not "
                         f"supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    heads = raw["num_attention_heads"]
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    if model_type is not None and MODEL_TYPES.get(model_type) != arch:
+        raise UserError(f"{path}: model_type {model_type!r} disagrees with architectures {archs}; "
+                        f"{arch} is model_type {next(k for k, v in MODEL_TYPES.items() if v == arch)!r}")
+    sizes = {key: _positive_int(raw, path, key) for key in
+             ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    heads = sizes["num_attention_heads"]
+    kv_heads = _positive_int(raw, path, "num_key_value_heads", required=False) or heads
+    if heads % kv_heads:
+        raise UserError(f"{path}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+    head_dim = _positive_int(raw, path, "head_dim", required=False)
+    if head_dim is None:
+        if sizes["hidden_size"] % heads:
+            raise UserError(f"{path}: num_attention_heads={heads} does not divide hidden_size={sizes['hidden_size']} "
+                            "(and no head_dim is given)")
+        head_dim = sizes["hidden_size"] // heads
+    if head_dim % 2:
+        raise UserError(f"{path}: head_dim={head_dim} is odd; rotary embeddings rotate pairs of channels")
+    eps = raw.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise UserError(f"{path}: rms_norm_eps must be a positive number, got {eps!r}")
+    window = raw.get("sliding_window") if _flag(raw, path, "use_sliding_window", True) else None
+    if window is not None:
+        window = _positive_int(raw, path, "sliding_window")
     return ArchConfig(
         architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"],
+        num_layers=sizes["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(eps),
+        max_position_embeddings=_positive_int(raw, path, "max_position_embeddings", required=False) or 2048,
+        tie_word_embeddings=_flag(raw, path, "tie_word_embeddings", False),
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=window,
         # Qwen2 always has q/k/v biases; Llama-style configs say so in attention_bias.
-        attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        attention_bias=_flag(raw, path, "attention_bias", arch == "Qwen2ForCausalLM"),
     )
 
 
-def weight_files(checkpoint: Path) -> list[Path]:
-    """The checkpoint's safetensors files; refuses pickle-only checkpoints."""
-    checkpoint = Path(checkpoint)
-    tensors = sorted(checkpoint.glob("*.safetensors"))
-    if tensors:
-        return tensors
-    pickles = sorted(p.name for p in checkpoint.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise UserError(f"{checkpoint}: holds only pickle weights ({', '.join(pickles)}); "
-                        "trtbuild loads safetensors only, since unpickling can run code. Convert "
-                        "once where you trust the file: model.save_pretrained(dir, "
-                        "safe_serialization=True)")
-    raise UserError(f"{checkpoint}: no *.safetensors weights found")
-
-
 def load_model(checkpoint: Path, dtype):
-    """The transformers model of a checkpoint, from safetensors only, in eval mode."""
-    import os
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    weight_files(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, use_safetensors=True,
-                                                 local_files_only=True)
-    return model.eval()
+    """The transformers model of a checkpoint, from safetensors only (contract.checkpoint)."""
+    try:
+        return load_safetensors_model(checkpoint, dtype)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None

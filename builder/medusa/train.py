@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..frontend.checkpoint import load_model
 from .heads import MedusaHeads, save_heads
 
 TOP_K_REPORTED = 10
@@ -76,7 +77,6 @@ class _Head(nn.Module):
 def train_heads(checkpoint: Path, data: list[Path], out: Path, options: TrainOptions,
                 progress: Callable[[str], None] = print) -> TrainReport:
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
     options.check()
     checkpoint = Path(checkpoint)
@@ -87,7 +87,7 @@ def train_heads(checkpoint: Path, data: list[Path], out: Path, options: TrainOpt
         raise UserError(f"{checkpoint}: no tokenizer.json (a local HF checkpoint dir is expected)")
     start = time.perf_counter()
     torch.manual_seed(options.seed)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = load_model(checkpoint, torch.float32)
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     windows = _windows(tokenizer, data, options)
     progress(f"medusa: {len(windows)} sequences of {options.seq_len} tokens from {len(data)} file(s)")
