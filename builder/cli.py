@@ -106,15 +106,19 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
         click.echo(json.dumps({
             "out": str(summary.out),
             "stages": [{"stage": name, "seconds": round(sec, 3)} for name, sec in summary.stages],
-            "engines": [{"rank": i, "bytes": e.bytes, "seconds": round(e.seconds, 3)} for i, e in enumerate(summary.engines)],
+            "engines": [{"rank": i, "bytes": e.bytes, "seconds": round(e.seconds, 3), "weight_bytes": r["weight_bytes"],
+                         "peak_rss_bytes": e.peak_rss_bytes}
+                        for i, (e, r) in enumerate(zip(summary.engines, summary.manifest["ranks"]))],
             "peak_rss_bytes": summary.peak_rss_bytes}, indent=2))
         return
     stages = [[name, f"{sec:.1f}"] for name, sec in summary.stages]
     stages.append(["total", f"{sum(sec for _, sec in summary.stages):.1f}"])
     click.echo(table(stages, ["stage", "seconds"]))
     click.echo()
-    click.echo(table([[f"rank{i}", human_bytes(e.bytes), f"{e.seconds:.1f}"] for i, e in enumerate(summary.engines)],
-                     ["engine", "size", "build s"]))
+    weights = [r["weight_bytes"] for r in summary.manifest["ranks"]]
+    click.echo(table([[f"rank{i}", human_bytes(e.bytes), f"{e.seconds:.1f}", human_bytes(w), human_bytes(e.peak_rss_bytes)]
+                      for i, (e, w) in enumerate(zip(summary.engines, weights))],
+                     ["engine", "size", "build s", "weights", "builder peak RSS"]))
     click.echo(f"\npeak RSS {human_bytes(summary.peak_rss_bytes)}; engine dir {summary.out}")
 
 

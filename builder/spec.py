@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+# Strict ints and booleans: `max_batch_size: true` or `"8"` is a mistake to name, not a 1 or an 8.
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from ..contract.tensor_parallel import kv_heads_per_rank
 from .errors import SpecError, UserError
@@ -65,11 +67,11 @@ class ModelSection(_Section):
 class BuildSection(_Section):
     backend: Backend = Backend.auto
     targets: tuple[str, ...] = Field(default=(), description="compute capabilities; empty = portable")
-    max_batch_size: int = Field(8, ge=1, le=4096)
-    max_input_len: int = Field(512, ge=1)
-    max_seq_len: int = Field(2048, ge=2)
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    builder_optimization_level: int = Field(3, ge=0, le=5)
+    max_batch_size: StrictInt = Field(8, ge=1, le=4096)
+    max_input_len: StrictInt = Field(512, ge=1)
+    max_seq_len: StrictInt = Field(2048, ge=2)
+    cuda_graph_batch_sizes: tuple[StrictInt, ...] | None = None
+    builder_optimization_level: StrictInt = Field(3, ge=0, le=5)
 
     @field_validator("targets", mode="before")
     @classmethod
@@ -102,7 +104,7 @@ class BuildSection(_Section):
 
 class PassesSection(_Section):
     disable: tuple[str, ...] = ()
-    numerics: bool = Field(True, description="run each pass's graph in ONNX Runtime and compare")
+    numerics: StrictBool = Field(True, description="run each pass's graph in ONNX Runtime and compare")
     atol: float = Field(1e-3, gt=0)
     rtol: float = Field(1e-2, gt=0)
     # After quantization the reference is torch with the same fake quantization; activation
@@ -120,7 +122,7 @@ class PassesSection(_Section):
 
 
 class ParallelSection(_Section):
-    tensor: int = Field(1, ge=1)
+    tensor: StrictInt = Field(1, ge=1)
     pipeline: Literal[1] = Field(1, description="reserved: pipeline parallelism is not implemented")
 
 
@@ -131,19 +133,19 @@ class CalibrationSection(_Section):
     @classmethod
     def _one_or_more(cls, value):
         return [value] if isinstance(value, (str, Path)) else value
-    samples: int = Field(32, ge=1)
-    seq_len: int = Field(256, ge=8)
+    samples: StrictInt = Field(32, ge=1)
+    seq_len: StrictInt = Field(256, ge=8)
 
 
 class QuantizationSection(_Section):
     mode: Literal["none", "int8_weight_only", "int4_weight_only", "w8a8", "fp8", "nvfp4"] = "none"
     algorithm: Literal["rtn", "awq", "gptq"] = "rtn"
-    group_size: int = Field(128, ge=8)
+    group_size: StrictInt = Field(128, ge=8)
     calibration: CalibrationSection | None = None
     kv_cache: Literal["auto", "fp16", "int8", "fp8"] = "auto"
     exclude: tuple[str, ...] = ("lm_head",)
     smoothquant_alpha: float = Field(0.5, ge=0.0, le=1.0, description="w8a8: migration strength")
-    quantize_embeddings: bool = Field(False, description="int8 per-row embedding table (DequantizeLinear → Gather)")
+    quantize_embeddings: StrictBool = Field(False, description="int8 per-row embedding table (DequantizeLinear → Gather)")
 
     @property
     def bits(self) -> int | None:
@@ -153,10 +155,10 @@ class QuantizationSection(_Section):
 
 class MedusaSection(_Section):
     heads: Path = Field(description="Medusa heads dir (public layout); relative to the spec file")
-    num_heads: int = Field(ge=1, le=16, description="K: must equal the heads' medusa_num_heads")
-    tree: Literal["default"] | tuple[tuple[int, ...], ...] = Field(
+    num_heads: StrictInt = Field(ge=1, le=16, description="K: must equal the heads' medusa_num_heads")
+    tree: Literal["default"] | tuple[tuple[StrictInt, ...], ...] = Field(
         "default", description="default: grown from the heads' measured accuracy; or paths of ranks")
-    tree_nodes: int = Field(63, ge=1, le=255, description="nodes of the default tree (the root not counted)")
+    tree_nodes: StrictInt = Field(63, ge=1, le=255, description="nodes of the default tree (the root not counted)")
     _choices: tuple[tuple[int, ...], ...] = PrivateAttr(default=())
     _accuracy: tuple[tuple[float, ...], ...] | None = PrivateAttr(default=None)
     _rank_accuracy: list[list[float]] = PrivateAttr(default_factory=list)
@@ -194,11 +196,11 @@ class SpeculativeSection(_Section):
 
 
 class RuntimeSection(_Section):
-    max_tokens: int = Field(128, ge=1)
+    max_tokens: StrictInt = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
-    top_k: int = Field(0, ge=0)
+    top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    prefix_cache: bool = True
+    prefix_cache: StrictBool = True
 
 
 class Spec(_Section):

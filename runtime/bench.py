@@ -47,14 +47,25 @@ def preset(name: str, vocab_size: int, max_seq_len: int, seed: int = 0) -> Workl
 def load_workload(path: Path, tokenizer) -> Workload:
     """JSON lines: {"prompt": "text" | [ids], "max_tokens": N}."""
     items = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
             prompt = row["prompt"]
-            ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
-            items.append(WorkItem(ids, int(row.get("max_tokens", 64))))
+            ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+            vocab = tokenizer.get_vocab_size()
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+            max_tokens = row.get("max_tokens", 64)
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+            items.append(WorkItem(ids, max_tokens))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{number}: expected {{\"prompt\": text or token ids, \"max_tokens\": N}} "
                              f"({type(exc).__name__}: {exc})") from None

@@ -107,13 +107,28 @@ class LLM:
     # -- requests --------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> str:
         """Queues one request; raises ValueError (and changes nothing) if it cannot run."""
-        tokens = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        tokens = self._tokens(prompt)
         rid = rid or f"req-{next(self._ids)}"
         request = Request(rid=rid, prompt=tokens, params=params)
         with self._lock:
             self.scheduler.add(request)
             self._live[rid] = RequestOutput(request, Sampler(params), IncrementalDecoder(self.tokenizer), time.perf_counter())
         return rid
+
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; refuses text that is not UTF-8 and ids outside the vocabulary."""
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("prompt: not valid UTF-8 text") from None
+            return self.tokenizer.encode(prompt).ids
+        tokens = list(prompt)
+        vocab = self.engine_dir.vocab_size
+        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return tokens
 
     def generate(self, prompts: list[str] | str | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Completion]:
@@ -123,7 +138,7 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or self.default_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        token_lists = [self.tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompts]
+        token_lists = [self._tokens(p) for p in prompts]
         for index, (tokens, p) in enumerate(zip(token_lists, params_list)):
             self._check(tokens, p, index)
         rids = [self.submit(tokens, p) for tokens, p in zip(token_lists, params_list)]

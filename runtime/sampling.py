@@ -59,7 +59,7 @@ class Sampler:
             token = int(np.argmax(logits))
         else:
             scaled = logits / p.temperature
-            if p.top_k:
+            if p.top_k and p.top_k < len(scaled):  # top_k ≥ V keeps every token
                 kth = np.partition(scaled, -p.top_k)[-p.top_k]
                 scaled = np.where(scaled < kth, -np.inf, scaled)
             probs = _softmax(scaled)

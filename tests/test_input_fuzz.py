@@ -86,3 +86,41 @@ def test_mutated_configs_give_an_architecture_or_one_line(tmp_path, seed):
         plan = Plan(arch=arch, counts=param_counts(arch), gpu=gpu, gpus=1, tp=1, precision="fp16",
                     workload=workload_for(arch=arch), medusa=None)
         assert plan.as_dict()["parameters"] > 0  # every figure computes from a config we accepted
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "qwen2"}, "model_type 'qwen2' disagrees with architectures ['LlamaForCausalLM']"),
+    ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+    ({"vocab_size": -1}, "vocab_size must be a positive integer, got -1"),
+    ({"num_attention_heads": 7}, "num_key_value_heads=2 does not divide num_attention_heads=7"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": None},
+     "num_attention_heads=6 does not divide hidden_size=256"),
+    ({"intermediate_size": 76.8}, "intermediate_size must be a positive integer, got 76.8"),
+    ({"num_hidden_layers": None}, "num_hidden_layers must be a positive integer, got None"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
+])
+def test_config_nonsense_is_named(tmp_path, fields, message):
+    config = {**json.loads((TINY_CODE / "config.json").read_text()), **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as info:
+        arch_config(tmp_path)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model:\n  checkpoint: x\nmodel:\n  dtype: float32\n", "key 'model' appears twice at line 3"),
+    ("model: {checkpoint: x}\nquantization: {calibration: {data: c.txt, bogus: 1}}\n",
+     "quantization.calibration.bogus: unknown key; valid keys here: data, samples, seq_len"),
+    ("build: {targets: 89}\nmodel: {checkpoint: x}\n", "build.targets: a list of compute capabilities like [sm89], got 89"),
+])
+def test_spec_documents_refused_with_the_key(tmp_path, text, message):
+    from trtbuild.builder.spec import load_spec
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as info:
+        load_spec(path)
+    assert message in str(info.value), str(info.value)
+    path.write_bytes(b"\xff\xfe model: 1")
+    with pytest.raises(UserError, match="not UTF-8 text"):
+        load_spec(path)

@@ -100,7 +100,7 @@ def test_int4_group_may_not_straddle_ranks():
 
 # -- built engines ------------------------------------------------------------------------------
 
-def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", **sections) -> Path:
+def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", dump_after=frozenset(), **sections) -> Path:
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.builder.spec import load_spec
@@ -114,13 +114,14 @@ def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", **sections
     root = tmp_path_factory.mktemp(name)
     (root / "spec.yaml").write_text(yaml.safe_dump(spec))
     out = root / "engine"
-    build(load_spec(root / "spec.yaml"), BuildOptions(out=out), Progress(Verbosity.error))
+    build(load_spec(root / "spec.yaml"), BuildOptions(out=out, dump_after=dump_after), Progress(Verbosity.error))
     return out
 
 
 @pytest.fixture(scope="module")
 def tp_engines(tmp_path_factory, tiny_engine):
-    return {1: tiny_engine, 2: _build(tmp_path_factory, "tp2", parallel={"tensor": 2}),
+    return {1: tiny_engine, 2: _build(tmp_path_factory, "tp2", dump_after=frozenset({"fuse_rotary", "shard_tensor_parallel"}),
+                                      parallel={"tensor": 2}),
             4: _build(tmp_path_factory, "tp4", parallel={"tensor": 4})}
 
 
@@ -176,6 +177,9 @@ def test_rank_weight_files_hold_their_slice(tp_engines):
         assert all(r["all_reduce"] == 2 * layers and r["all_gather"] == 1 and r["numerics"]["ok"] for r in shard)
         assert shard[0]["numerics"]["ranks_together"] == world
         assert {r["rank"] for r in records if r["pass"] == "fuse_attention"} == {None}  # ran once, before the split
+    dumps = tp_engines[2] / "dumps"  # --dump-after: the whole model before the split, each rank after
+    assert sorted(str(p.relative_to(dumps)) for p in dumps.rglob("*.onnx")) == [
+        "all/003_fuse_rotary.onnx", "rank0/006_shard_tensor_parallel.onnx", "rank1/006_shard_tensor_parallel.onnx"]
 
 
 @pytest.mark.slow

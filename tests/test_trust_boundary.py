@@ -251,3 +251,23 @@ def test_killed_builds_leave_no_orphans_and_the_next_build_works(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-1000:]
     assert [p.name for p in tmp_path.iterdir()] == ["engine"]  # the next build cleared the dead build's temporaries
+
+
+def test_prompts_and_workloads_outside_the_vocabulary_are_refused(tiny_engine, tmp_path):
+    from trtbuild.runtime.bench import load_workload
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    llm = LLM(tiny_engine, backend="onnxruntime")
+    for prompt, message in (([5, -1], "token id -1 is outside the vocabulary [0, 4096)"),
+                            ([4096], "token id 4096 is outside"), ([1.5], "token id 1.5 is outside"),
+                            ("caf\udce9", "prompt: not valid UTF-8 text")):
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+            llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert not llm.scheduler.has_work()  # nothing half-queued
+    (done,) = llm.generate(["def f(x):"], SamplingParams(max_tokens=3, temperature=1.0, top_k=10**6, seed=1))
+    assert len(done.token_ids) == 3  # top_k beyond the vocabulary keeps every token
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": [1, 2], "max_tokens": 4}\n{"prompt": [3, -7], "max_tokens": 4}\n')
+    with pytest.raises(ValueError, match=r"w.jsonl:2: .*token id -7 is outside"):
+        load_workload(workload, llm.tokenizer)
