@@ -62,12 +62,11 @@ def all_reduce(graph: gs.Graph, x: gs.Variable, world: int, name: str) -> gs.Var
     return out
 
 
-def all_gather_last_axis(graph: gs.Graph, x: gs.Variable, world: int, name: str) -> gs.Variable:
+def all_gather_last_axis(graph: gs.Graph, x: gs.Variable, world: int, name: str, dims: int) -> gs.Variable:
     """Every rank's ``x`` [..., V/N] concatenated on the last axis → [..., V], in rank order.
 
     TensorRT gathers along axis 0, so the last axis goes first and back: a transpose of the
-    logits rows only (logits_index), never of the hidden states."""
-    dims = len(x.shape) if x.shape is not None else 3
+    logits rows only (logits_index), never of the hidden states. ``dims``: the rank of ``x``."""
     to_front = [dims - 1, *range(dims - 1)]
     to_back = [*range(1, dims), 0]
     front = gs.Variable(f"{name}/front", dtype=x.dtype)

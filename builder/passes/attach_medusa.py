@@ -70,7 +70,7 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     stacked = gs.Variable("/medusa/Concat_out", dtype=dtype)
     graph.nodes.append(new_node("Concat", "/medusa/Concat", per_head, {"axis": 2}, outputs=[stacked]))
     if ctx.world_size > 1:
-        stacked = all_gather_last_axis(graph, stacked, ctx.world_size, "/medusa/AllGather")
+        stacked = all_gather_last_axis(graph, stacked, ctx.world_size, "/medusa/AllGather", dims=4)  # [B, R, K, V/N]
     output = gs.Variable("medusa_logits", dtype=np.float32, shape=shape)
     if dtype == np.float32:
         graph.nodes.append(new_node("Identity", "/medusa/Output", [stacked], outputs=[output]))

@@ -40,7 +40,11 @@ class NumericsGate(Instrument):
         if not (self.first or any(r.modified for r in results)):
             return
         self.first = False
-        outputs = self.run(graphs)
+        try:
+            outputs = self.run(graphs)
+        except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PassError(f"pass {p.name} left a graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
         quantized = any(node.op == "DequantizeLinear" for node in graphs[0].nodes)
         use_quantized = quantized and self.quantized_reference is not None
         reference = self.quantized_reference if use_quantized else self.reference

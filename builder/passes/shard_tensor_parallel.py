@@ -174,7 +174,7 @@ def shard_tensor_parallel(graph: gs.Graph, ctx: PassContext) -> PassResult:
     out = lm_head.outputs[0]
     shard = gs.Variable(f"{out.name}_shard", dtype=out.dtype)
     lm_head.outputs[0] = shard
-    gathered = all_gather_last_axis(graph, shard, world, "/model/lm_head/AllGather")
+    gathered = all_gather_last_axis(graph, shard, world, "/model/lm_head/AllGather", dims=3)  # [B, R, V/N]
     for consumer in list(out.outputs):
         consumer.inputs[consumer.inputs.index(out)] = gathered
     for k, graph_out in enumerate(graph.outputs):
