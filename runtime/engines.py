@@ -13,13 +13,17 @@ def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks
     if backend not in ("auto", "tensorrt", "onnxruntime"):
         raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
     if engine_dir.tensor_parallel > 1:
-        if backend == "tensorrt":
-            raise ValueError(f"--backend tensorrt: {engine_dir.path} has {engine_dir.tensor_parallel} ranks and the "
-                             "TensorRT backend runs one rank so far; use --backend onnxruntime")
         from .tensor_parallel import TensorParallelEngine
 
+        if backend in ("auto", "tensorrt"):
+            from .tensorrt_engine import tensorrt_available
+
+            reason = tensorrt_available(engine_dir)
+            if reason is not None and backend == "tensorrt":
+                raise ValueError(f"--backend tensorrt: {reason}")
+            backend = "tensorrt" if reason is None else "onnxruntime"
         return TensorParallelEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
-                                    verify=verify)
+                                    verify=verify, backend=backend)
     if backend in ("auto", "tensorrt"):
         from .tensorrt_engine import TensorRTEngine, tensorrt_available
 

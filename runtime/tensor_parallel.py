@@ -79,7 +79,22 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int):
+def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
+                  backend: str = "onnxruntime"):
+    """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo), or on a GPU its
+    rankN.engine in TensorRT with an NCCL communicator (one GPU per rank: LOCAL_RANK under torchrun)."""
+    if backend == "tensorrt":
+        from cuda.bindings import runtime as cudart
+
+        from .nccl import NcclCommunicator
+        from .tensorrt_engine import TensorRTEngine
+
+        count = cudart.cudaGetDeviceCount()[1]
+        device = int(os.environ.get("LOCAL_RANK", rank)) % max(1, count)
+        cudart.cudaSetDevice(device)
+        communicator = NcclCommunicator(rank, engine_dir.tensor_parallel)
+        return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size, rank=rank,
+                              device=device, communicator=communicator.capsule())
     from .onnxruntime_engine import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
@@ -108,7 +123,7 @@ def serve_rank(engine: object) -> None:
 
 
 def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix_blocks: int, block_size: int,
-            verify: bool) -> None:
+            verify: bool, backend: str) -> None:
     """A rank process started by rank 0 on this machine (``python -m trtbuild.runtime.tensor_parallel``)."""
     import torch.distributed as dist
 
@@ -117,7 +132,7 @@ def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        engine = _local_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size)
+        engine = _local_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend)
         serve_rank(engine)
     except Exception as exc:  # noqa: BLE001  (reported by rank 0 as this rank's failure)
         print(f"trtbuild rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -136,13 +151,12 @@ def _free_port() -> int:
 class TensorParallelEngine:
     """Rank 0's view of a tensor-parallel engine dir: one Engine over all ranks."""
 
-    name = "onnxruntime (tensor parallel)"
-
     def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
-                 verify: bool = True):
+                 verify: bool = True, backend: str = "onnxruntime"):
         import torch.distributed as dist
 
         self.world = engine_dir.tensor_parallel
+        self.name = f"{backend} (tensor parallel {self.world})"
         self.processes: dict[int, subprocess.Popen] = {}
         # Each rank gets its share of this machine's cores unless told otherwise.
         threads = threads or max(1, (os.cpu_count() or 1) // self.world)
@@ -153,7 +167,7 @@ class TensorParallelEngine:
                                  f"{dist.get_world_size()} processes: use --nproc-per-node/--nnodes for {self.world}")
             rank = dist.get_rank()
             if rank != 0:  # this process serves rank 0's commands, then the program ends
-                serve_rank(_local_engine(engine_dir, rank, threads, prefix_blocks, block_size))
+                serve_rank(_local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend))
                 dist.destroy_process_group()
                 raise SystemExit(0)
         else:
@@ -163,12 +177,11 @@ class TensorParallelEngine:
                 self.processes[rank] = subprocess.Popen(
                     [sys.executable, "-m", "trtbuild.runtime.tensor_parallel", str(engine_dir.path), "--rank", str(rank),
                      "--world", str(self.world), "--address", address, "--threads", str(threads),
-                     "--prefix-blocks", str(prefix_blocks), "--block-size", str(block_size),
+                     "--prefix-blocks", str(prefix_blocks), "--block-size", str(block_size), "--backend", backend,
                      *([] if verify else ["--no-verify"])], stdin=subprocess.DEVNULL)
             dist.init_process_group("gloo", init_method=address, rank=0, world_size=self.world,
                                     timeout=timedelta(seconds=TIMEOUT_S))
-        self.local = _local_engine(engine_dir, 0, threads, prefix_blocks, block_size)
-        self.has_medusa = self.local.has_medusa
+        self.local = _local_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend)
         self.closed = False
 
     def _everywhere(self, method: str, *args):
@@ -252,9 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-blocks", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-verify", action="store_true")
+    parser.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
     args = parser.parse_args(argv)
     _worker(args.engine_dir, args.rank, args.world, args.address, args.threads, args.prefix_blocks,
-            args.block_size, not args.no_verify)
+            args.block_size, not args.no_verify, args.backend)
 
 
 if __name__ == "__main__":

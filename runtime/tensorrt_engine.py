@@ -44,7 +44,9 @@ class TensorRTEngine:
     name = "tensorrt"
 
     def __init__(self, engine_dir: EngineDir, prefix_blocks: int = 0, block_size: int = 16, rank: int = 0,
-                 device: int = 0):
+                 device: int = 0, communicator: object | None = None):
+        """``communicator``: for a rank of a tensor-parallel engine, the NCCL communicator capsule
+        (runtime/nccl.py) its DistCollective layers run over."""
         import tensorrt as trt
         from cuda.bindings import runtime as cudart
 
@@ -61,6 +63,8 @@ class TensorRTEngine:
         for kind, profile in ((StepKind.decode, 0), (StepKind.prefill, 1)):
             context = self.engine.create_execution_context()
             context.set_optimization_profile_async(profile, self.stream)
+            if communicator is not None and not context.set_communicator(communicator):  # collective: all ranks
+                raise RuntimeError(f"TensorRT refused the NCCL communicator for rank {rank}")
             self.contexts[kind] = context
         d = engine_dir
         self.element = np.dtype(_ELEMENT[d.dtype]).itemsize

@@ -36,3 +36,31 @@ def test_tensorrt_medusa_matches_plain_decoding(medusa_engine):
     spec = llm.generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     print("medusa on tensorrt:", llm.speculation.stats.as_dict())
+
+
+def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path, tiny_engine):
+    """TP=2 on two GPUs (TensorRT, NCCL through set_communicator) gives the CPU runtime's tokens."""
+    import subprocess
+    import sys
+
+    import yaml
+    from cuda.bindings import runtime as cudart
+
+    from conftest import REPO, TINY_CODE
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    if cudart.cudaGetDeviceCount()[1] < 2:
+        pytest.skip("needs two GPUs for two tensor-parallel ranks")
+    spec = yaml.safe_load((REPO / "specs" / "tiny-code-tp2.yaml").read_text())
+    spec["model"]["checkpoint"] = str(TINY_CODE)
+    spec["build"].update(backend="tensorrt", targets=[])
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(tmp_path / "spec.yaml"), "-o",
+                    str(tmp_path / "tp2")], check=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "import os", "class Stack:"]
+    with LLM(tmp_path / "tp2", backend="tensorrt") as llm:
+        gpu = [c.token_ids for c in llm.generate(prompts, params)]
+    cpu = [c.token_ids for c in LLM(tiny_engine, backend="onnxruntime").generate(prompts, params)]
+    assert gpu == cpu

@@ -1,0 +1,71 @@
+"""An NCCL communicator for a tensor-parallel TensorRT engine (``IExecutionContext.set_communicator``).
+
+TensorRT's DistCollective layers run over the NCCL communicator the execution context is given,
+as a capsule holding the ``ncclComm_t``. It is made with NCCL's own C API (ctypes on the
+libnccl that the CUDA builds of torch ship in the ``nvidia-nccl`` wheel): rank 0 draws the
+unique id, the ranks' torch.distributed group (gloo, on CPU) carries it to the others, each
+rank calls ``ncclCommInitRank`` on its own GPU. GPU machines only; nothing here runs on CPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from pathlib import Path
+
+NCCL_UNIQUE_ID_BYTES = 128
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
+
+
+def _library() -> ctypes.CDLL:
+    candidates = []
+    try:
+        import nvidia.nccl  # the wheel CUDA builds of torch depend on
+
+        candidates += [str(Path(p) / "lib" / "libnccl.so.2") for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    found = ctypes.util.find_library("nccl")
+    candidates += [found] if found else []
+    for path in candidates:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    raise RuntimeError("NCCL is not installed (pip install nvidia-nccl-cu12, or a CUDA build of torch)")
+
+
+def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
+    if result != 0:
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NCCL {what} failed: {lib.ncclGetErrorString(result).decode()}")
+
+
+class NcclCommunicator:
+    """This rank's communicator over ``world`` ranks, on the current CUDA device."""
+
+    def __init__(self, rank: int, world: int):
+        import torch.distributed as dist
+
+        self.lib = lib = _library()
+        unique = _UniqueId()
+        if rank == 0:
+            _check(lib, lib.ncclGetUniqueId(ctypes.byref(unique)), "ncclGetUniqueId")
+        box = [bytes(unique.internal) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)  # over the CPU (gloo) group every rank already joined
+        ctypes.memmove(unique.internal, box[0], NCCL_UNIQUE_ID_BYTES)
+        self.comm = ctypes.c_void_p()
+        _check(lib, lib.ncclCommInitRank(ctypes.byref(self.comm), world, unique, rank), "ncclCommInitRank")
+
+    def capsule(self) -> object:
+        """What ``IExecutionContext.set_communicator`` takes: a capsule of the ncclComm_t."""
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(self.comm, None, None)
+
+    def close(self) -> None:
+        if self.comm:
+            self.lib.ncclCommDestroy(self.comm)
+            self.comm = ctypes.c_void_p()
