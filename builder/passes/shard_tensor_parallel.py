@@ -56,8 +56,8 @@ class _Sharder:
         dq.inputs[0] = self.slice_weight(dq.inputs[0], axis, start, stop, full, where)
         scale = dq.inputs[1]
         block = dq.attrs.get("block_size", 0)
-        if block:
-            if start % block or stop % block:
+        if block:  # blocks run along the input axis (0): rows must be whole blocks; columns slice freely
+            if axis == 0 and (start % block or stop % block):
                 raise PassError(f"shard_tensor_parallel: {where} rows [{start}, {stop}) straddle "
                                 f"quantization blocks of {block}")
             s_start, s_stop = (start // block, stop // block) if axis == 0 else (start, stop)

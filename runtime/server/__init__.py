@@ -1,0 +1,1 @@
+"""``trtbuild serve``: an OpenAI-compatible HTTP server over the runtime (FastAPI + uvicorn)."""

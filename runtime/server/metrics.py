@@ -1,0 +1,58 @@
+"""Prometheus metrics (vLLM-style names under ``trtbuild:``), in a registry of the server's own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("trtbuild:request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=registry)
+        self.prompt_tokens = Counter("trtbuild:prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.generation_tokens = Counter("trtbuild:generation_tokens", "Tokens generated", registry=registry)
+        self.ttft = Histogram("trtbuild:time_to_first_token_seconds", "Time to first token", registry=registry,
+                              buckets=LATENCY_BUCKETS)
+        self.inter_token = Histogram("trtbuild:inter_token_latency_seconds", "Time between tokens of a request",
+                                     registry=registry, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("trtbuild:e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             registry=registry, buckets=LATENCY_BUCKETS)
+        self.waiting = Gauge("trtbuild:num_requests_waiting", "Requests queued for a KV slot", registry=registry)
+        self.running = Gauge("trtbuild:num_requests_running", "Requests holding a KV slot", registry=registry)
+        self.kv_usage = Gauge("trtbuild:kv_slot_usage_perc", "Share of KV slots in use", registry=registry)
+        self.prefix_hit_rate = Gauge("trtbuild:prefix_cache_hit_rate", "Prompt blocks served from the prefix cache",
+                                     registry=registry)
+        self.medusa_acceptance = Gauge("trtbuild:spec_decode_draft_acceptance_rate",
+                                       "Medusa guesses accepted per guess verified, mean over heads", registry=registry)
+        self.medusa_tokens_per_step = Gauge("trtbuild:spec_decode_tokens_per_step",
+                                            "Mean tokens per verification step (Medusa)", registry=registry)
+
+    def observe_engine(self, llm) -> None:
+        """Gauges from the runtime's state, read when /metrics is scraped."""
+        scheduler = llm.scheduler
+        self.waiting.set(len(scheduler.waiting) + llm.inbox_size)
+        self.running.set(scheduler.slots.num_active)
+        self.kv_usage.set(scheduler.slots.num_active / scheduler.slots.capacity)
+        cache = scheduler.prefix_cache
+        if cache is not None and cache.stats.hits + cache.stats.misses:
+            self.prefix_hit_rate.set(cache.stats.hits / (cache.stats.hits + cache.stats.misses))
+        if llm.speculation is not None:
+            stats = llm.speculation.stats
+            self.medusa_tokens_per_step.set(stats.mean_accepted_per_step)
+            acceptance = stats.head_acceptance()
+            if acceptance:
+                self.medusa_acceptance.set(sum(acceptance) / len(acceptance))
+
+    def finished(self, completion) -> None:
+        self.requests.labels(finished_reason=completion.finish_reason).inc()
+        self.prompt_tokens.inc(len(completion.prompt_token_ids) - completion.cached_tokens)
+        self.generation_tokens.inc(len(completion.token_ids))
+        self.ttft.observe(max(0.0, completion.ttft_s))
+        self.e2e.observe(max(0.0, completion.finish_s - completion.arrival_s))
+        if len(completion.token_ids) > 1:
+            self.inter_token.observe((completion.finish_s - completion.first_token_s) / (len(completion.token_ids) - 1))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

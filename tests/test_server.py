@@ -1,0 +1,181 @@
+"""trtbuild serve on 127.0.0.1 (ephemeral port), driven by the official openai client: text equal
+to LLM.generate, streaming, stops, seeds, n, logprobs, usage, every error code, disconnects
+that free their slot, the bounded queue, SIGTERM draining. Traffic stays on loopback and every
+loop is bounded."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(engine_dir, *args, api_key: str | None = KEY):
+    port = _free_port()
+    command = [sys.executable, "-m", "trtbuild.builder.cli", "serve", str(engine_dir), "--port", str(port),
+               "--model-name", "tiny", "--backend", "onnxruntime", *args]
+    if api_key:
+        command += ["--api-key", api_key]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read())
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine):
+    proc, base = _start(tiny_engine)
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_engine):
+    from trtbuild.runtime.llm import LLM
+
+    return LLM(tiny_engine, backend="onnxruntime")
+
+
+def _running(server) -> float:
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    line = next(l for l in text.splitlines() if l.startswith("trtbuild:num_requests_running"))
+    return float(line.split()[-1])
+
+
+def test_completion_text_equals_generate_streamed_or_not(client, reference):
+    from trtbuild.runtime.sampling import SamplingParams
+
+    expected = reference.generate(["def fibonacci(n):"], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    plain = client.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == expected.text and plain.choices[0].finish_reason == "length"
+    assert plain.usage.prompt_tokens == len(expected.prompt_token_ids) and plain.usage.completion_tokens == 24
+    chunks = list(client.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.total_tokens == 24 + len(expected.prompt_token_ids)
+
+
+def test_chat_stop_seed_n_and_logprobs(client, reference):
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}],
+                                          max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 16
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=16, temperature=0,
+        stream=True) if c.choices)
+    assert streamed == chat.choices[0].message.content
+    full = client.completions.create(model="tiny", prompt="import os\n", max_tokens=24, temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    cut = client.completions.create(model="tiny", prompt="import os\n", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and full.startswith(cut.choices[0].text) and stop not in cut.choices[0].text
+    seeded = [client.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0.9, seed=5,
+                                        n=2).choices for _ in range(2)]
+    assert [c.text for c in seeded[0]] == [c.text for c in seeded[1]] and len(seeded[0]) == 2
+    with_lp = client.completions.create(model="tiny", prompt="x = ", max_tokens=5, temperature=0, logprobs=1)
+    assert len(with_lp.choices[0].logprobs.token_logprobs) == with_lp.usage.completion_tokens
+    assert all(lp <= 0 for lp in with_lp.choices[0].logprobs.token_logprobs)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_errors_are_openai_shaped(server, client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' does not exist"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5000)
+    assert info.value.body["param"] == "max_tokens" and info.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
+    bad_json = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+    unknown = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": "tiny", "prompt": "x", "max_tokens": 2, "user": "u", "frequency_penalty": 0})
+    assert unknown.status_code == 200  # unknown fields ignored, as the reference server does
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    assert httpx.get(f"{server}/health").status_code == 200  # open without a key
+
+
+def test_a_disconnect_frees_the_slot(server):
+    for stream in (True, False):
+        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 900, "ignore_eos": True, "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(5, read=1.0)) as http:
+                with http.stream("POST", f"{server}/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as response:
+                    for _ in response.iter_raw():
+                        time.sleep(2)  # stop reading: the read times out and the client closes
+        deadline = time.monotonic() + 10
+        while _running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _running(server) == 0
+
+
+def test_bounded_queue_and_sigterm_drain(tiny_engine):
+    proc, base = _start(tiny_engine, "--max-queue", "2", "--grace", "20", api_key=None)
+    try:
+        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True}
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(httpx.post(f"{base}/v1/completions", json=body,
+                                                                             timeout=120)))
+                   for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
+        refused = next(r for r in results if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["code"] == "queue_full"
+        inflight = []
+        worker = threading.Thread(target=lambda: inflight.append(httpx.post(f"{base}/v1/completions", json=body,
+                                                                            timeout=120)))
+        worker.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        worker.join(timeout=60)
+        assert inflight[0].status_code == 200 and inflight[0].json()["usage"]["completion_tokens"] == 200
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
