@@ -21,7 +21,7 @@ def _version() -> str:
 
 # Runtime commands: imported only when invoked, so `trtbuild build` never loads the runtime.
 LAZY_COMMANDS = {"run": "trtbuild.runtime.cli:run", "bench": "trtbuild.runtime.cli:bench",
-                 "eval": "trtbuild.runtime.cli:evaluate"}
+                 "eval": "trtbuild.runtime.cli:evaluate", "serve": "trtbuild.runtime.server.cli:serve"}
 
 
 class _Group(click.Group):

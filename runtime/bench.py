@@ -119,7 +119,7 @@ def run(llm: LLM, workload: Workload) -> BenchResult:
     rids = [llm.submit(i.prompt, SamplingParams(max_tokens=i.max_tokens, ignore_eos=True)) for i in workload.items]
     stamps: dict[str, list[float]] = {rid: [] for rid in rids}
     completions = []
-    while llm.scheduler.has_work():
+    while llm.has_work():
         deltas, finished = llm.step()
         now = time.perf_counter()
         for delta in deltas:

@@ -39,6 +39,9 @@ class Engine(Protocol):
 
     def load_block(self, block: int, slot: int, index: int) -> None: ...
 
+    def close(self) -> None:
+        """Releases what the engine holds beyond Python objects (device memory, rank processes)."""
+
 
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:
     """The contract's arrays for a scheduler step (``pad_batch``: a CUDA-graph bucket)."""

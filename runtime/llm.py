@@ -7,7 +7,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -68,7 +69,15 @@ class LLM:
         self.speculation = self._speculation(medusa_tree_size)
         self._live: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # held for a whole step
+        # Submissions and aborts wait here, under a lock held only for a moment, so a caller (an
+        # event loop) never blocks behind an engine step; the next step takes them in.
+        self._inbox_lock = threading.Lock()
+        self._inbox: deque[RequestOutput] = deque()
+        self._aborts: set[str] = set()
+        self._rids: set[str] = set()           # every request not yet completed
+        self._collect: dict[str, Completion | None] = {}   # rid → completion, for callers that wait
+        self._streams: dict[str, deque[Delta]] = {}         # rid → deltas, for sync stream() callers
 
     def _speculation(self, fixed: int | None) -> SpeculationPolicy | None:
         medusa = self.engine_dir.medusa
@@ -88,10 +97,8 @@ class LLM:
         return self.engine.name
 
     def close(self) -> None:
-        """Stops the engine's other processes (tensor-parallel ranks), if it has any."""
-        close = getattr(type(self.engine), "close", None)
-        if close is not None:
-            close(self.engine)
+        """Releases the engine (device memory; a tensor-parallel engine's rank processes)."""
+        self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -106,16 +113,39 @@ class LLM:
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> str:
-        """Queues one request; raises ValueError (and changes nothing) if it cannot run."""
-        tokens = self._tokens(prompt)
+        """Queues one request without waiting for a running step; raises ValueError (and changes
+        nothing) if it cannot run. The next step admits it."""
+        tokens = self.tokens(prompt)
+        self._check(tokens, params, rid or "")
         rid = rid or f"req-{next(self._ids)}"
-        request = Request(rid=rid, prompt=tokens, params=params)
-        with self._lock:
-            self.scheduler.add(request)
-            self._live[rid] = RequestOutput(request, Sampler(params), IncrementalDecoder(self.tokenizer), time.perf_counter())
+        output = RequestOutput(Request(rid=rid, prompt=tokens, params=params), Sampler(params),
+                               IncrementalDecoder(self.tokenizer), time.perf_counter())
+        with self._inbox_lock:
+            if rid in self._rids:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._rids.add(rid)
+            self._inbox.append(output)
         return rid
 
-    def _tokens(self, prompt: str | list[int]) -> list[int]:
+    def abort(self, rid: str) -> None:
+        """Ends a request at the next step (its KV slot is freed then); its completion, if anyone
+        waits for it, has finish_reason "abort". Unknown or finished ids are ignored."""
+        with self._inbox_lock:
+            if rid in self._rids:
+                self._aborts.add(rid)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    @property
+    def inbox_size(self) -> int:
+        return len(self._inbox)
+
+    def queue_depth(self) -> int:
+        """Requests waiting for a KV slot, including those submitted since the last step."""
+        return len(self._inbox) + len(self.scheduler.waiting)
+
+    def tokens(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids; refuses text that is not UTF-8 and ids outside the vocabulary."""
         if isinstance(prompt, str):
             try:
@@ -138,44 +168,61 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or self.default_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        token_lists = [self._tokens(p) for p in prompts]
+        token_lists = [self.tokens(p) for p in prompts]
         for index, (tokens, p) in enumerate(zip(token_lists, params_list)):
-            self._check(tokens, p, index)
-        rids = [self.submit(tokens, p) for tokens, p in zip(token_lists, params_list)]
-        done = {c.rid: c for c in self.run_until_done()}
-        return [done[rid] for rid in rids]
+            self._check(tokens, p, f"prompt {index}")
+        rids = [f"req-{next(self._ids)}" for _ in prompts]
+        for rid in rids:
+            self._collect[rid] = None
+        for rid, tokens, p in zip(rids, token_lists, params_list):
+            self.submit(tokens, p, rid=rid)
+        # Steps run every request in flight; completions of other callers' requests stay theirs.
+        while any(self._collect[rid] is None for rid in rids):
+            self.step()
+        return [self._collect.pop(rid) for rid in rids]
 
-    def _check(self, tokens: list[int], params: SamplingParams, index: int) -> None:
-        limit = self.engine_dir.max_seq_len
+    def _check(self, tokens: list[int], params: SamplingParams, where: str) -> None:
+        limit, where = self.engine_dir.max_seq_len, where or "prompt"
         if not tokens:
-            raise ValueError(f"prompt {index}: empty")
+            raise ValueError(f"{where}: empty")
         if len(tokens) + params.max_tokens > limit:
-            raise ValueError(f"prompt {index}: {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds "
+            raise ValueError(f"{where}: {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds "
                              f"max_seq_len {limit}")
 
     def run_until_done(self) -> list[Completion]:
+        """Steps until nothing is queued or running; the completions that finished meanwhile
+        (but those a generate() call waits for)."""
         completions = []
-        while self.scheduler.has_work():
+        while self.has_work():
             _, finished = self.step()
             completions += finished
         return completions
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[Delta]:
-        """Yields text pieces of one request as they are produced (other queued requests run too)."""
-        rid = self.submit(prompt, params or self.default_params())
-        while True:
-            deltas, _ = self.step()
-            for delta in deltas:
-                if delta.rid == rid:
-                    yield delta
-                    if delta.finished:
-                        return
+        """Yields text pieces of one request as they are produced (other queued requests run too;
+        their pieces go to their own callers). Leaving the loop early aborts the request."""
+        rid = f"req-{next(self._ids)}"
+        mine = self._streams[rid] = deque()
+        finished = False
+        try:
+            self.submit(prompt, params or self.default_params(), rid=rid)
+            while not finished:
+                while not mine:
+                    self.step()
+                delta = mine.popleft()
+                finished = delta.finished
+                yield delta
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
 
     # -- the step loop ------------------------------------------------------------------------------
     def step(self) -> tuple[list[Delta], list[Completion]]:
         """One scheduler step: cache ops, one engine step, sampling, detokenization."""
         with self._lock:
             start = time.perf_counter()
+            self._take_inbox()
             plan = self.scheduler.schedule()
             self._apply(plan)
             deltas: list[Delta] = []
@@ -195,8 +242,41 @@ class LLM:
                     self.speculation.times.observe(len(step.rids), step.seq_len, seconds,
                                                    time.perf_counter() - start)
             finished = [self._live.pop(r.rid).complete() for r in self.scheduler.pop_finished()]
+            deltas = self._deliver(deltas, finished)
             self.stats.loop_s += time.perf_counter() - start
-        return deltas, finished
+        return deltas, [c for c in finished if c.rid not in self._collect]
+
+    def _take_inbox(self) -> None:
+        """Admits what was submitted since the last step, then applies aborts."""
+        with self._inbox_lock:
+            arrived, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = self._aborts, set()
+        for output in arrived:
+            self.scheduler.add(output.request)
+            self._live[output.request.rid] = output
+        for rid in aborts:
+            if rid in self._live:
+                self.scheduler.finish(rid, "abort")
+
+    def _deliver(self, deltas: list[Delta], finished: list[Completion]) -> list[Delta]:
+        """Each finishing request's last delta carries its completion (an aborted one, which made
+        no token this step, gets an empty one); completions go to waiting generate() callers,
+        deltas to sync stream() callers."""
+        done = {c.rid: c for c in finished}
+        out = [replace(d, completion=done[d.rid]) if d.finished and d.rid in done else d for d in deltas]
+        closed = {d.rid for d in out if d.completion is not None}
+        out += [Delta(rid=c.rid, text="", token_id=-1, finished=True, finish_reason=c.finish_reason, completion=c)
+                for c in finished if c.rid not in closed]
+        with self._inbox_lock:
+            self._rids -= done.keys()
+        for completion in finished:
+            if completion.rid in self._collect:
+                self._collect[completion.rid] = completion
+        for delta in out:
+            stream = self._streams.get(delta.rid)
+            if stream is not None:
+                stream.append(delta)
+        return out
 
     def _sample_and_commit(self, step: Step, out: StepOutput) -> list[Delta]:
         """Accepts each verifying row's path, samples every row's next token, commits, and

@@ -106,6 +106,9 @@ class OnnxRuntimeEngine:
         session.run_with_iobinding(binding)
         return dict(zip(segment.outputs, binding.get_outputs()))
 
+    def close(self) -> None:
+        """Nothing to release: the pools are numpy arrays."""
+
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
         source = start + np.asarray(nodes)
         for pool in self.pools.values():

@@ -32,12 +32,14 @@ class Completion:
 
 @dataclass(frozen=True)
 class Delta:
-    """A streamed piece of one request's output."""
+    """A streamed piece of one request's output; the last one (``finished``) carries the
+    request's ``Completion`` (token ids, logprobs, timings, usage)."""
     rid: str
     text: str
-    token_id: int
+    token_id: int                      # -1 for the closing piece of an aborted request
     finished: bool
     finish_reason: str | None = None
+    completion: "Completion | None" = None
 
 
 @dataclass

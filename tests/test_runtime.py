@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import shutil
 import subprocess
@@ -122,7 +123,7 @@ def test_bad_requests_are_refused_without_disturbing_others(llm, reference):
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=0)
     rid = llm.submit(PROMPTS[0], GREEDY)
-    with pytest.raises(ValueError, match="exceeds the engine's max_seq_len"):
+    with pytest.raises(ValueError, match="5000 exceeds max_seq_len 1024"):
         llm.submit(PROMPTS[1], SamplingParams(max_tokens=5000))
     (done,) = llm.run_until_done()
     assert done.rid == rid and done.token_ids == reference[PROMPTS[0]]
@@ -157,3 +158,73 @@ def test_cli_run_and_bench(tiny_engine):
     assert bench.returncode == 0, bench.stderr
     figures = json.loads(bench.stdout)
     assert figures["requests"] == 16 and figures["output_tokens_per_s"] > 0 and figures["ttft_ms_p99"] > 0
+
+
+def test_concurrent_generate_calls_each_get_their_completions(tiny_engine):
+    """Each step runs every request in flight; a caller's completions are kept for it, not
+    dropped by the other caller's step (they were, before completions were collected per caller)."""
+    import threading
+
+    llm = LLM(tiny_engine, backend="onnxruntime")
+    alone = [c.token_ids for c in llm.generate(PROMPTS[:4], GREEDY)]
+    results: dict[int, list] = {}
+
+    def call(index: int, prompts: list[str]) -> None:
+        results[index] = [c.token_ids for c in llm.generate(prompts, GREEDY)]
+
+    threads = [threading.Thread(target=call, args=(0, PROMPTS[:2])), threading.Thread(target=call, args=(1, PROMPTS[2:4]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results[0] + results[1] == alone
+
+
+def test_abort_frees_the_slot_at_the_next_step(tiny_engine):
+    llm = LLM(tiny_engine, backend="onnxruntime")
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    stream = llm.stream(PROMPTS[0], params)
+    first = [next(stream) for _ in range(3)]
+    assert llm.scheduler.slots.num_active == 1 and not first[-1].finished
+    stream.close()  # the caller leaves: the request is aborted
+    llm.step()
+    assert llm.scheduler.slots.num_active == 0 and not llm.has_work()
+    rid = llm.submit(PROMPTS[1], params)
+    llm.step()
+    llm.abort(rid)
+    deltas, finished = llm.step()
+    assert finished[0].rid == rid and finished[0].finish_reason == "abort" and deltas[-1].completion is finished[0]
+
+
+def test_async_submit_does_not_wait_for_a_step_and_failures_end_streams(tiny_engine):
+    import threading
+
+    llm = LLM(tiny_engine, backend="onnxruntime")
+    engine_step = llm.engine.step
+
+    def slow_step(step):
+        time.sleep(1.0)
+        return engine_step(step)
+
+    llm.engine.step = slow_step
+    llm.submit(PROMPTS[0], SamplingParams(max_tokens=2))
+    stepping = threading.Thread(target=llm.step)
+    stepping.start()
+    time.sleep(0.2)  # the step now holds the lock for a second
+    start = time.monotonic()
+    llm.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+    assert time.monotonic() - start < 0.2
+    stepping.join()
+
+    def broken_step(step):
+        raise RuntimeError("device lost")
+
+    llm.engine.step = broken_step
+
+    async def consume():
+        return [d async for d in AsyncLLM(llm).stream(PROMPTS[2], SamplingParams(max_tokens=4))]
+
+    from trtbuild.runtime.async_llm import EngineFailure
+
+    with pytest.raises(EngineFailure, match="device lost"):
+        asyncio.run(asyncio.wait_for(consume(), timeout=30))

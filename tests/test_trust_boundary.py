@@ -264,7 +264,7 @@ def test_prompts_and_workloads_outside_the_vocabulary_are_refused(tiny_engine, t
                             ("caf\udce9", "prompt: not valid UTF-8 text")):
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
             llm.generate([prompt], SamplingParams(max_tokens=2))
-    assert not llm.scheduler.has_work()  # nothing half-queued
+    assert not llm.has_work()  # nothing half-queued
     (done,) = llm.generate(["def f(x):"], SamplingParams(max_tokens=3, temperature=1.0, top_k=10**6, seed=1))
     assert len(done.token_ids) == 3  # top_k beyond the vocabulary keeps every token
     workload = tmp_path / "w.jsonl"

@@ -64,6 +64,10 @@ def create_app(engine: AsyncLLM, model: str, api_key: str | None = None, max_que
     async def api_error(request: Request, exc: ApiError):
         return _error(exc)
 
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):  # a bug or an engine failure: no traceback to the client
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         err = exc.errors()[0]
@@ -135,7 +139,7 @@ def _params(state: ServerState, body, prompt_len: int, index: int, chat: bool) -
     logprobs = bool(body.logprobs) if not chat else body.logprobs
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                              seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop),
+                              seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
                               stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -159,7 +163,7 @@ async def _serve(state: ServerState, request: Request, body, prompts: list[list[
         return Response(status_code=499)
     for completion in done:
         state.metrics.finished(completion)
-    choices = [_choice(i, c, chat) for i, c in enumerate(done)]
+    choices = [_choice(i, c, chat, state.llm.tokenizer) for i, c in enumerate(done)]
     return completion_body(rid, state.model, choices, usage(prompt_tokens, sum(len(c.token_ids) for c in done)), chat)
 
 
@@ -185,17 +189,18 @@ async def _until_done_or_disconnect(request: Request, coroutines: list) -> list[
     return work.result()
 
 
-def _choice(index: int, completion: Completion, chat: bool) -> dict:
+def _choice(index: int, completion: Completion, chat: bool, tokenizer) -> dict:
     finish = "stop" if completion.finish_reason == "stop" else completion.finish_reason
     if chat:
         choice = {"index": index, "message": {"role": "assistant", "content": completion.text}, "finish_reason": finish}
         if completion.logprobs is not None:
-            choice["logprobs"] = {"content": [{"token": str(t), "logprob": lp, "top_logprobs": []}
+            choice["logprobs"] = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
                                               for t, lp in zip(completion.token_ids, completion.logprobs)]}
         return choice
     choice = {"index": index, "text": completion.text, "finish_reason": finish, "logprobs": None}
     if completion.logprobs is not None:
-        choice["logprobs"] = {"tokens": [str(t) for t in completion.token_ids], "token_logprobs": completion.logprobs,
+        choice["logprobs"] = {"tokens": [tokenizer.decode([t]) for t in completion.token_ids],
+                              "token_logprobs": completion.logprobs,
                               "top_logprobs": None, "text_offset": None}
     return choice
 
