@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
+
+from .json_file import read_json_object
 
 # Bump on any incompatible change of manifest.json. 2: tensor parallelism; each entry of
 # ``ranks`` carries its KV heads, I/O table and weight bytes (the top-level ``io`` is gone).
@@ -33,13 +34,9 @@ def read_manifest(engine_dir: Path) -> dict:
         raise ManifestError(f"{engine_dir}: not an engine dir (no {MANIFEST}); build one with "
                             f"`trtbuild build SPEC -o {engine_dir}`")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ManifestError(f"{path}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(manifest, dict):
-        raise ManifestError(f"{path}: not a JSON object")
+        manifest = read_json_object(path)
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ManifestError(f"{path}: schema_version {version}, this runtime reads {SCHEMA_VERSION}; "

@@ -5,12 +5,12 @@ so a checkpoint holding only pickles is refused with the conversion to do.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from ...contract.checkpoint import CheckpointError, load_safetensors_model
+from ...contract.json_file import read_json_object
 from ..errors import UserError
 
 # Architectures whose decoder layer is the Llama block (GQA + RoPE + RMSNorm + SwiGLU).
@@ -53,14 +53,9 @@ def read_config(checkpoint: Path) -> dict:
         raise UserError(f"{path}: missing; a checkpoint dir holds config.json, *.safetensors "
                         "and tokenizer.json")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: not a JSON object")
-    return raw
+        return read_json_object(path)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
