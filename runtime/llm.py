@@ -301,9 +301,15 @@ class LLM:
                 live.accepted_tokens += len(path.nodes)
                 if params.logprobs:
                     live.logprobs += [live.sampler.logprob(logits[tree.parents[n]], tokens[n]) for n in path.nodes]
+                if params.logprobs and params.top_logprobs:
+                    live.top_logprobs += [live.sampler.alternatives(logits[tree.parents[n]], params.top_logprobs)
+                                          for n in path.nodes]
             if step.kind == StepKind.decode:
                 live.decode_steps += 1
             token, logprob = live.sampler.sample(out.logits[row, node])
+            if logprob is not None and live.sampler.params.top_logprobs:
+                live.top_logprobs.append(live.sampler.alternatives(out.logits[row, node],
+                                                                   live.sampler.params.top_logprobs))
             sampled[rid] = token
             if logprob is not None:
                 live.logprobs.append(logprob)

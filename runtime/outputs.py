@@ -24,6 +24,7 @@ class Completion:
     arrival_s: float
     first_token_s: float
     finish_s: float
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # per token: the likeliest (id, logprob)
 
     @property
     def ttft_s(self) -> float:
@@ -55,6 +56,7 @@ class RequestOutput:
     accepted_tokens: int = 0
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
     def push(self, token: int, scheduler: Scheduler) -> Delta:
         """Detokenizes the request's newest token; a stop string ends the request (and the text
@@ -83,4 +85,6 @@ class RequestOutput:
                           logprobs=self.logprobs[:len(request.output)] if request.params.logprobs else None,
                           cached_tokens=request.cached_tokens, decode_steps=self.decode_steps,
                           accepted_tokens=self.accepted_tokens, arrival_s=self.arrival_s,
-                          first_token_s=self.first_token_s or now, finish_s=now)
+                          first_token_s=self.first_token_s or now, finish_s=now,
+                          top_logprobs=(self.top_logprobs[:len(request.output)]
+                                        if request.params.logprobs and request.params.top_logprobs else None))

@@ -17,6 +17,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()     # stop strings; the output is cut before them
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0          # with logprobs: also the N likeliest tokens at each position
     speculative: bool = True       # Medusa engines: verify the heads' guesses for this request
 
     def __post_init__(self):
@@ -29,6 +30,8 @@ class SamplingParams:
             problems.append(f"top_k must be an integer ≥ 0 (got {self.top_k!r})")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            problems.append(f"top_logprobs must be an integer in [0, 20] (got {self.top_logprobs!r})")
         if any(not s for s in self.stop):
             problems.append("stop strings must be non-empty")
         if problems:
@@ -80,6 +83,14 @@ class Sampler:
     def logprob(logits: np.ndarray, token: int) -> float:
         """log p(token) under the model's (untempered) distribution."""
         return float(np.log(_softmax(logits.astype(np.float64))[token]))
+
+    @staticmethod
+    def alternatives(logits: np.ndarray, count: int) -> tuple[tuple[int, float], ...]:
+        """The ``count`` likeliest tokens and their log-probabilities (untempered), likeliest first."""
+        log_probs = np.log(_softmax(logits.astype(np.float64)))  # [V]
+        best = np.argpartition(-log_probs, count - 1)[:count]
+        best = best[np.argsort(-log_probs[best], kind="stable")]
+        return tuple((int(t), float(log_probs[t])) for t in best)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

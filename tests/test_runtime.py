@@ -87,7 +87,7 @@ def test_logprobs_equal_transformers_log_softmax(llm):
     import torch
     from transformers import AutoModelForCausalLM
 
-    (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True))
+    (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=6, logprobs=True, top_logprobs=3, ignore_eos=True))
     model = AutoModelForCausalLM.from_pretrained(TINY_CODE, dtype=torch.float32).eval()
     ids = torch.tensor([out.prompt_token_ids + out.token_ids])
     with torch.no_grad():
@@ -96,6 +96,10 @@ def test_logprobs_equal_transformers_log_softmax(llm):
     expected = [float(log_probs[start + i, token]) for i, token in enumerate(out.token_ids)]
     assert len(out.logprobs) == 6
     assert max(abs(a - b) for a, b in zip(out.logprobs, expected)) < 1e-3, (out.logprobs, expected)
+    for i, alternatives in enumerate(out.top_logprobs):  # the 3 likeliest, as transformers ranks them
+        top = torch.topk(log_probs[start + i], 3)
+        assert [t for t, _ in alternatives] == top.indices.tolist()
+        assert max(abs(lp - float(v)) for (_, lp), v in zip(alternatives, top.values)) < 1e-3
 
 
 def test_streaming_sync_and_async_give_the_final_text(llm):

@@ -104,9 +104,14 @@ def test_chat_stop_seed_n_and_logprobs(client, reference):
     seeded = [client.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0.9, seed=5,
                                         n=2).choices for _ in range(2)]
     assert [c.text for c in seeded[0]] == [c.text for c in seeded[1]] and len(seeded[0]) == 2
-    with_lp = client.completions.create(model="tiny", prompt="x = ", max_tokens=5, temperature=0, logprobs=1)
-    assert len(with_lp.choices[0].logprobs.token_logprobs) == with_lp.usage.completion_tokens
-    assert all(lp <= 0 for lp in with_lp.choices[0].logprobs.token_logprobs)
+    with_lp = client.completions.create(model="tiny", prompt="x = ", max_tokens=5, temperature=0, logprobs=2)
+    logprobs = with_lp.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == with_lp.usage.completion_tokens
+    for token, lp, alternatives in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(alternatives) == 2 and max(alternatives.values()) == pytest.approx(lp) and lp <= 0  # greedy: the top one
+    chat_lp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x = "}], max_tokens=3,
+                                             temperature=0, logprobs=True, top_logprobs=3)
+    assert all(len(entry.top_logprobs) == 3 for entry in chat_lp.choices[0].logprobs.content)
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 

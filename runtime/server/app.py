@@ -136,11 +136,14 @@ def _params(state: ServerState, body, prompt_len: int, index: int, chat: bool) -
                             f"max_seq_len {limit}", param="max_tokens", code="context_length_exceeded")
     if max_tokens < 1 or prompt_len == 0:
         raise ApiError(400, "the prompt is empty or fills the context", param="prompt")
-    logprobs = bool(body.logprobs) if not chat else body.logprobs
+    # completions: logprobs=N asks for the sampled tokens' and N alternatives; chat: logprobs + top_logprobs=N
+    logprobs = body.logprobs is not None if not chat else body.logprobs
+    alternatives = (body.logprobs or 0) if not chat else (body.top_logprobs or 0)
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                               seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
-                              stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs)
+                              stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs,
+                              top_logprobs=alternatives if logprobs else 0)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
 
@@ -191,17 +194,20 @@ async def _until_done_or_disconnect(request: Request, coroutines: list) -> list[
 
 def _choice(index: int, completion: Completion, chat: bool, tokenizer) -> dict:
     finish = "stop" if completion.finish_reason == "stop" else completion.finish_reason
+    text = lambda token: tokenizer.decode([token])  # noqa: E731
+    alternatives = completion.top_logprobs or [()] * len(completion.token_ids)
     if chat:
         choice = {"index": index, "message": {"role": "assistant", "content": completion.text}, "finish_reason": finish}
         if completion.logprobs is not None:
-            choice["logprobs"] = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
-                                              for t, lp in zip(completion.token_ids, completion.logprobs)]}
+            choice["logprobs"] = {"content": [
+                {"token": text(t), "logprob": lp, "top_logprobs": [{"token": text(a), "logprob": alp} for a, alp in alts]}
+                for t, lp, alts in zip(completion.token_ids, completion.logprobs, alternatives)]}
         return choice
     choice = {"index": index, "text": completion.text, "finish_reason": finish, "logprobs": None}
     if completion.logprobs is not None:
-        choice["logprobs"] = {"tokens": [tokenizer.decode([t]) for t in completion.token_ids],
-                              "token_logprobs": completion.logprobs,
-                              "top_logprobs": None, "text_offset": None}
+        choice["logprobs"] = {"tokens": [text(t) for t in completion.token_ids], "token_logprobs": completion.logprobs,
+                              "top_logprobs": [{text(a): alp for a, alp in alts} for alts in alternatives]
+                              if completion.top_logprobs else None, "text_offset": None}
     return choice
 
 
