@@ -52,9 +52,16 @@ def simulate(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def cpu_model(path: Path) -> onnx.ModelProto:
+    """A rank ONNX as ONNX Runtime can run it: its structure (weights stay external, beside it),
+    or for an NVFP4 graph the simulated model with its weights loaded (fine for CPU-sized models)."""
+    structure = onnx.load(path, load_external_data=False)
+    return simulate(onnx.load(path)) if has_fp4(structure) else structure
+
+
 def ort_source(path: Path) -> str | bytes:
-    """What to hand ``onnxruntime.InferenceSession`` for a rank ONNX: its path, or for an NVFP4
-    graph the simulated model in memory (its weights loaded: fine for CPU-sized models)."""
+    """What to hand ``onnxruntime.InferenceSession`` for a whole rank ONNX: its path (ONNX Runtime
+    reads the weights itself), or the simulated NVFP4 model in memory."""
     if not has_fp4(onnx.load(path, load_external_data=False)):
         return str(path)
-    return simulate(onnx.load(path)).SerializeToString()
+    return cpu_model(path).SerializeToString()

@@ -28,10 +28,6 @@ class Segment:
     collective: Collective | None   # runs after this segment; None for the last
 
 
-def has_collectives(model: onnx.ModelProto) -> bool:
-    return any(node.op_type == OP for node in model.graph.node)
-
-
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor: shape inference over a copy whose collectives are Identity
     (a collective keeps its input's type)."""

@@ -6,32 +6,34 @@ from .engine import Engine
 from .engine_dir import EngineDir
 
 
+def resolve_backend(engine_dir: EngineDir, backend: str) -> str:
+    """``tensorrt`` or ``onnxruntime``: ``auto`` takes TensorRT where it can run here."""
+    if backend not in ("auto", "tensorrt", "onnxruntime"):
+        raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
+    if backend == "onnxruntime":
+        return backend
+    from .tensorrt_engine import tensorrt_available
+
+    reason = tensorrt_available(engine_dir)
+    if reason is not None and backend == "tensorrt":
+        raise ValueError(f"--backend tensorrt: {reason}")
+    return "tensorrt" if reason is None else "onnxruntime"
+
+
 def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int,
                 verify: bool = True) -> Engine:
     """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU.
     A tensor-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
-    if backend not in ("auto", "tensorrt", "onnxruntime"):
-        raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
+    backend = resolve_backend(engine_dir, backend)
     if engine_dir.tensor_parallel > 1:
         from .tensor_parallel import TensorParallelEngine
 
-        if backend in ("auto", "tensorrt"):
-            from .tensorrt_engine import tensorrt_available
-
-            reason = tensorrt_available(engine_dir)
-            if reason is not None and backend == "tensorrt":
-                raise ValueError(f"--backend tensorrt: {reason}")
-            backend = "tensorrt" if reason is None else "onnxruntime"
         return TensorParallelEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
                                     verify=verify, backend=backend)
-    if backend in ("auto", "tensorrt"):
-        from .tensorrt_engine import TensorRTEngine, tensorrt_available
+    if backend == "tensorrt":
+        from .tensorrt_engine import TensorRTEngine
 
-        reason = tensorrt_available(engine_dir)
-        if reason is None:
-            return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size)
-        if backend == "tensorrt":
-            raise ValueError(f"--backend tensorrt: {reason}")
+        return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size)
     from .onnxruntime_engine import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size)

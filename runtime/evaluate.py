@@ -105,15 +105,9 @@ def _rank_runner(d, threads: int):
     if d.tensor_parallel == 1:
         session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads)
         return lambda feeds: [ort_config.run(session, feeds[0])]
-    import onnx
-
     from ..plugins.segments import LocalRanks
 
-    models = []
-    for rank in range(d.tensor_parallel):
-        path = d.rank_file(rank, "onnx")
-        model = onnx.load(path, load_external_data=False)
-        models.append(fp4.simulate(onnx.load(path)) if fp4.has_fp4(model) else model)
+    models = [fp4.cpu_model(d.rank_file(rank, "onnx")) for rank in range(d.tensor_parallel)]
     return LocalRanks(models, d.path, threads).run
 
 

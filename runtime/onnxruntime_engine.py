@@ -7,13 +7,12 @@ so TensorScatter writes the new K/V into the pool itself: no per-step copy of th
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
 from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, cache_names
 from ..plugins import fp4
-from ..plugins.segments import CollectiveFn, SegmentedRank, has_collectives
+from ..plugins.segments import CollectiveFn, SegmentedRank
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
 from .scheduler import Step
@@ -31,15 +30,14 @@ class OnnxRuntimeEngine:
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
         self.engine_dir, self.block_size = engine_dir, block_size
         path = engine_dir.rank_file(rank, "onnx")
-        structure = onnx.load(path, load_external_data=False)
         self.segments = None
-        if has_collectives(structure):
+        if engine_dir.tensor_parallel > 1:  # the rank graph holds DistCollective nodes
             if collective is None:
                 raise ValueError(f"{path} is one rank of a tensor-parallel engine: run it through the "
                                  "tensor-parallel engine (trtbuild.runtime.tensor_parallel)")
-            model = fp4.simulate(onnx.load(path)) if fp4.has_fp4(structure) else structure
+            model = fp4.cpu_model(path)
             self.segments, self.collective = SegmentedRank(model, path.parent, threads), collective
-            outputs = [o.name for o in structure.graph.output]
+            outputs = [o.name for o in model.graph.output]
         else:
             self.session = ort_config.session(fp4.ort_source(path), threads)
             outputs = [o.name for o in self.session.get_outputs()]
@@ -83,10 +81,8 @@ class OnnxRuntimeEngine:
             collective = segment.collective
             if collective is not None:
                 values[collective.output] = self.collective(collective, values[collective.input].numpy())
-        logits = values[LOGITS]
-        medusa = values.get(MEDUSA_LOGITS)
-        return StepOutput(logits=logits if isinstance(logits, np.ndarray) else logits.numpy(),
-                          medusa=None if medusa is None else (medusa if isinstance(medusa, np.ndarray) else medusa.numpy()))
+        return StepOutput(logits=_host(values[LOGITS]),  # [B, R, V]
+                          medusa=_host(values[MEDUSA_LOGITS]) if self.has_medusa else None)  # [B, R, K, V]
 
     @staticmethod
     def _run_segment(segment, session, values: dict, views: dict) -> dict:
@@ -128,3 +124,8 @@ class OnnxRuntimeEngine:
         span = slice(index * self.block_size, (index + 1) * self.block_size)
         for name, pool in self.pools.items():
             pool[slot, :, span] = self.blocks[name][block]
+
+
+def _host(value) -> np.ndarray:
+    """A step output as numpy: a segment's OrtValue, or a collective's array as it is."""
+    return value if isinstance(value, np.ndarray) else value.numpy()

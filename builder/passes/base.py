@@ -60,6 +60,11 @@ class PassError(UserError):
     """A pass failed; the message names it and the passes that ran before it."""
 
 
+def after(ran: list[str]) -> str:
+    """The tail of a pass error: which passes ran before the failing one."""
+    return f" (after {', '.join(ran)})" if ran else " (it ran first)"
+
+
 def record_metadata(graph: gs.Graph, key: str, value) -> None:
     """A decision a pass records in the graph itself; it becomes model metadata (JSON) that the
     emitter reads into the manifest."""

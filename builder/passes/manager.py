@@ -15,9 +15,8 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from ..errors import UserError
-from .base import Pass, PassContext, PassError, PassResult
+from .base import Pass, PassContext, PassError, PassResult, after
 from .instruments import Dump, Instrument, OpCounts, Provenance, Timing, to_onnx  # noqa: F401  (to_onnx: API)
-from .numerics_gate import after
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ...contract.tensor_parallel import gather_caches, shard_caches
 from ...plugins import fp4
 from ...plugins.segments import run_ranks
 from .. import numerics
-from .base import PassError
+from .base import PassError, after
 from .instruments import Instrument
 
 
@@ -88,6 +88,3 @@ class NumericsGate(Instrument):
         model = gs.export_onnx(graph)
         return fp4.simulate(model) if fp4.has_fp4(model) else model  # ONNX Runtime has no FP4 kernels
 
-
-def after(ran: list[str]) -> str:
-    return f" (after {', '.join(ran)})" if ran else " (it ran first)"

@@ -18,7 +18,7 @@ INLINE_BELOW = 1024  # bytes: smaller slices stay in the graph
 
 
 def _proto(constant: gs.Constant) -> onnx.TensorProto | None:
-    values = constant._values if hasattr(constant, "_values") else constant.values
+    values = constant._values  # not .values: that would load external data
     return values.tensor if isinstance(values, LazyValues) else None
 
 
