@@ -12,6 +12,7 @@ from . import numerics
 from .emit.engine_dir import check_destination, staged
 from ..contract.tensor_parallel import kv_heads
 from .emit.manifest import graph_metadata, io_table, tool_versions, write_manifest
+from ..contract.gpu_targets import describe
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
 from .emit.rank_onnx import save_graph
 from .frontend.export import export_step, load_graph
@@ -57,7 +58,7 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "
-                 f"targets {', '.join(spec.build.targets) or 'portable'})")
+                 f"for {describe(flavor.built_for(spec.build.targets))})")
     with staged(options.out) as tmp:
         manager_for = _manager_factory(disabled, options, tmp, progress)
         workdir = tmp / ".export"
@@ -115,8 +116,7 @@ def _manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], c
         "spec": spec.model_dump(mode="json"),
         "spec_sha256": spec.sha256(),
         "model": spec.arch.model_dump(),
-        "tensorrt": {"flavor": flavor.name, "version": flavor.version},
-        "targets": list(spec.build.targets) or ["portable"],
+        "tensorrt": flavor.built_for(spec.build.targets),
         "tools": tool_versions(),
         "tensor_parallel": spec.world_size,
         "ranks": ranks,

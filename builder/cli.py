@@ -156,8 +156,9 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--gpu", default="H100-SXM", show_default=True, help="GPU from the table (trtbuild plan --list-gpus).")
 @click.option("--gpus", type=click.IntRange(min=1), default=None, help="GPUs available (default: the tensor parallelism).")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4"]), default=None,
-              help="Precision of the roofline figures (default: the spec's quantization or dtype, else fp16).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "w8a8", "int4", "fp4"]),
+              default=None, help="Precision of the roofline figures: int8/int4 weight-only, w8a8 int8 GEMMs, fp4 "
+                                 "NVFP4 (default: the spec's quantization or dtype, else fp16).")
 @click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor parallelism (default: the spec's, else 1).")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size (default: the spec's max_batch_size, else 1).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None,
@@ -167,18 +168,24 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
 def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus: bool, as_json: bool):
     """Diagnose the bottleneck before building: memory per rank and the roofline of prefill and decode.
 
-    SOURCE is a spec (YAML) or a checkpoint dir holding at least config.json (no weights needed).
+    SOURCE is a spec (YAML), a checkpoint dir holding at least config.json (no weights needed),
+    or a known model's name (llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b: their published
+    config.json ships with trtbuild). A spec whose checkpoint is not here is planned from the
+    known model its checkpoint dir names, if any (said on stderr).
 
     \b
     Example:
       trtbuild plan specs/llama-3-8b.yaml --gpu L40S
+      trtbuild plan llama-3-70b --gpu H200 --precision fp8
       trtbuild plan /models/Llama-2-70b-hf --gpu A100-80GB --precision int8
     """
     from .frontend.checkpoint import arch_config
     from .gpus import find_gpu, gpu_table
-    from .plan import Plan, medusa_plan, param_counts, workload_for
+    from .known_models import find_known, known_arch, known_names
+    from .plan import QUANTIZATION_PRECISION, Plan, medusa_plan, param_counts, workload_for
     from .plan_render import render
     from .spec import load_spec
+    from .spec_checks import tensor_parallel_refusal
 
     if list_gpus:
         for entry in gpu_table().values():
@@ -186,28 +193,46 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
                        f"{entry['tflops']['float16']:>6} TFLOP/s fp16  ({entry['source']})")
         return
     spec = None
-    if source.is_dir():
-        arch = arch_config(source)
-    elif source.is_file():
-        spec = load_spec(source)
+    if source.is_file():
+        spec = load_spec(source, absent_checkpoint=_stand_in_arch)
         arch = spec.arch
+    elif source.is_dir():
+        arch = arch_config(source)
+    elif (known := find_known(str(source))) is not None:
+        arch = known_arch(known)
+        click.echo(f"note: planning {known} from its shipped config.json (builder/data/models)", err=True)
     else:
-        raise UserError(f"{source}: neither a spec file nor a checkpoint dir")
-    dtype_precision = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-    quantized = {8: "int8", 4: "int4"}.get(spec.quantization.bits) if spec else None
-    precision = precision or quantized or (dtype_precision[spec.model.dtype.value] if spec else "fp16")
+        raise UserError(f"{source}: neither a spec file, a checkpoint dir nor a known model "
+                        f"({', '.join(known_names())})")
+    precision = precision or (QUANTIZATION_PRECISION.get(spec.quantization.mode) if spec else None) \
+        or ({"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value] if spec else "fp16")
     tp = tp or (spec.parallel.tensor if spec else 1)
-    if arch.num_heads % tp:
-        raise UserError(f"--tp: {tp} does not divide num_attention_heads={arch.num_heads}")
+    refusal = tensor_parallel_refusal(arch, tp)
+    if refusal is not None:
+        raise UserError(f"--tp: {refusal}")
     gpus = gpus or tp
     if tp > gpus:
         raise UserError(f"--tp: {tp} is more than --gpus {gpus}")
     result = Plan(arch=arch, gpu=find_gpu(gpu), gpus=gpus, tp=tp, precision=precision,
                   workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
-                  medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None)
+                  medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
+                  backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else render(result))
 
 
+
+
+def _stand_in_arch(checkpoint: Path):
+    """``plan`` needs only the architecture: a spec's absent checkpoint may be a known model."""
+    from .known_models import arch_for_absent_checkpoint
+
+    found = arch_for_absent_checkpoint(checkpoint)
+    if found is None:
+        return None
+    name, arch = found
+    click.echo(f"note: model.checkpoint {checkpoint} is not here; planning with the shipped config.json of "
+               f"{name} (architecture only)", err=True)
+    return arch
 
 
 @main.group()
@@ -260,3 +285,4 @@ def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, ste
 
 if __name__ == "__main__":
     main()
+

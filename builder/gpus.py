@@ -9,8 +9,9 @@ from importlib import resources
 from .errors import UserError
 
 GB = 1e9
-# Weight-only int4 runs its GEMMs in 16-bit after dequantization; fp32 GEMMs run as TF32.
-TFLOPS_KEY = {"fp32": "tf32", "fp16": "float16", "bf16": "bfloat16", "fp8": "fp8", "int8": "int8", "int4": "float16"}
+# Weight-only int8/int4 run their GEMMs in 16-bit after dequantization; w8a8 in int8; fp32 as TF32.
+TFLOPS_KEY = {"fp32": "tf32", "fp16": "float16", "bf16": "bfloat16", "fp8": "fp8", "int8": "float16",
+              "w8a8": "int8", "int4": "float16", "fp4": "fp4"}
 
 
 @dataclass(frozen=True)

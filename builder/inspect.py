@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..contract.gpu_targets import describe
 from ..contract.manifest import ManifestError, check_engine_dir, read_manifest
 from .errors import UserError
 from .progress import human_bytes, table
@@ -52,7 +53,7 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         f"heads {model['num_heads']}/{model['num_kv_heads']} kv, vocab {model['vocab_size']}",
         f"dtype        {manifest['spec']['model']['dtype']}",
         f"tensorrt     {manifest['tensorrt']['flavor']} {manifest['tensorrt']['version']}, "
-        f"targets {', '.join(manifest['targets'])}",
+        f"serves {describe(manifest['tensorrt'])}",
         f"limits       batch ≤ {limits['max_batch_size']}, input ≤ {limits['max_input_len']}, "
         f"sequence ≤ {limits['max_seq_len']}; CUDA-graph buckets {manifest['cuda_graph_batch_sizes']}",
         f"spec sha256  {manifest['spec_sha256'][:16]}…",

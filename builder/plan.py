@@ -3,24 +3,34 @@
 Every figure is arithmetic on the checkpoint's config.json and the GPU table
 (builder/data/gpus.json); nothing is loaded or run. Conventions:
 - weights: embeddings (and an untied lm_head) stay 16-bit in every mode, as the quantization
-  passes exclude them; int8 adds an fp16 scale per output channel, int4 one per group of 128;
+  passes exclude them; int8 and w8a8 add an fp16 scale per output channel, int4 one per group
+  of 128, fp4 (NVFP4) an fp8 scale per block of 16;
+- compute: int8 and int4 are weight-only (GEMMs in 16-bit after dequantization), w8a8 runs int8
+  GEMMs, fp8 and fp4 their own tensor cores where the GPU has them;
 - KV cache in the engine's dtype (16-bit; 32-bit for float32 specs);
 - decode reads every weight once per step (shared by the batch) and each sequence's KV at a
-  mean context of half of max_seq_len; the floor time is the larger of bytes / bandwidth
-  and FLOPs / peak;
-- a rank fits when weights + KV + workspace ≤ 90 % of its memory.
+  mean context of half of max_seq_len (a sequence grows to it); the floor time is the larger
+  of bytes / bandwidth and FLOPs / peak;
+- a rank fits when weights + its KV heads' cache + workspace ≤ 90 % of its memory; a GPU count
+  is considered only where the spec would accept it as parallel.tensor.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..contract.medusa import MIN_GAIN
+from ..contract.tensor_parallel import kv_heads_per_rank
 from .frontend.checkpoint import ArchConfig
 from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
-from .plan_advice import recommendations
+from .plan_advice import TYPICAL_TREE, deployment, recommendations
+from .spec_checks import tensor_parallel_refusal
 
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "w8a8", "int4", "fp4")
+# The spec's quantization modes as plan precisions.
+QUANTIZATION_PRECISION = {"int8_weight_only": "int8", "w8a8": "w8a8", "int4_weight_only": "int4", "fp8": "fp8",
+                          "nvfp4": "fp4"}
 INT4_GROUP = 128
+FP4_BLOCK = 16
 HEADROOM = 0.9
 
 
@@ -59,7 +69,9 @@ def weight_bytes(counts: ParamCounts, precision: str) -> float:
     fixed = 2 * (counts.embedding + counts.head + counts.other)
     linear = {"fp16": 2.0 * counts.linear, "bf16": 2.0 * counts.linear, "fp8": 1.0 * counts.linear,
               "int8": counts.linear + 2.0 * counts.linear_rows,
-              "int4": 0.5 * counts.linear + 2.0 * counts.linear / INT4_GROUP}[precision]
+              "w8a8": counts.linear + 2.0 * counts.linear_rows,
+              "int4": 0.5 * counts.linear + 2.0 * counts.linear / INT4_GROUP,
+              "fp4": 0.5 * counts.linear + 1.0 * counts.linear / FP4_BLOCK}[precision]
     return fixed + linear
 
 
@@ -105,6 +117,8 @@ class Plan:
     workload: Workload
     counts: ParamCounts
     medusa: MedusaPlan | None = None
+    backend: str | None = None        # the spec's build.backend (None: planning a bare checkpoint)
+    targets: tuple[str, ...] = ()     # the spec's build.targets
 
     # -- memory ------------------------------------------------------------------------------
     def weights(self, precision: str | None = None) -> float:
@@ -125,19 +139,18 @@ class Plan:
         return tokens * (4 * a.hidden_size + 2 * a.intermediate_size) * 2 + w.max_batch * a.vocab_size * 4
 
     def per_rank(self, precision: str | None = None, tp: int | None = None) -> float:
+        """Weights split N ways; KV heads split, or replicated where N exceeds them."""
         tp = tp or self.tp
-        return (self.weights(precision) + self.kv_total) / tp + self.workspace
+        kv_share = kv_heads_per_rank(tp, self.arch.num_kv_heads) / self.arch.num_kv_heads
+        return self.weights(precision) / tp + self.kv_total * kv_share + self.workspace
 
     def fits(self, precision: str | None = None, tp: int | None = None) -> bool:
         return self.per_rank(precision, tp) <= HEADROOM * self.gpu.memory_bytes
 
     def min_gpus(self, precision: str) -> int | None:
-        n = 1
-        while n <= 64:
-            if self.arch.num_heads % n == 0 and self.fits(precision, n):
-                return n
-            n *= 2
-        return None
+        """Fewest GPUs (a tensor parallelism the spec accepts, up to 64) whose ranks fit."""
+        return next((n for n in range(1, 65) if tensor_parallel_refusal(self.arch, n) is None
+                     and self.fits(precision, n)), None)
 
     # -- roofline -------------------------------------------------------------------------------
     @property
@@ -154,8 +167,9 @@ class Plan:
         return self.workload.max_seq_len // 2
 
     def decode_bytes(self, batch: int) -> float:
-        """Bytes one decode step reads on one rank: the weights once, each sequence's KV."""
-        return (self.weights() + batch * self.mean_context * self.kv_per_token) / self.tp
+        """Bytes one decode step reads on one rank: its weights once, each sequence's KV heads."""
+        kv_share = kv_heads_per_rank(self.tp, self.arch.num_kv_heads) / self.arch.num_kv_heads
+        return self.weights() / self.tp + batch * self.mean_context * self.kv_per_token * kv_share
 
     def decode_flops(self, batch: int) -> float:
         per_token = self.prefill_flops_per_token + self.attention_flops_per_context_token * self.mean_context
@@ -220,6 +234,10 @@ class Plan:
                      + self.attention_flops_per_context_token * self.mean_context)
         return max(read / self.gpu.bandwidth, batch * tokens * per_token / self.tp / peak)
 
+    def tree_cost(self, batch: int, tokens: int = TYPICAL_TREE) -> float:
+        """How many plain decode steps' time a verification of ``tokens`` per row costs."""
+        return self.verify_floor_s(batch, tokens) / self.verify_floor_s(batch, 1)
+
     def medusa_choice(self, batch: int) -> tuple[int, float, float]:
         """(tree choices, expected tokens per step, predicted decode speed-up) that maximise
         tokens per second at ``batch`` — the runtime's rule, with roofline step times."""
@@ -247,8 +265,8 @@ class Plan:
             "prefill_flops_per_token": self.prefill_flops_per_token,
             "attention_flops_per_context_token": self.attention_flops_per_context_token,
             "decode_bytes_per_token_batch1": round(self.decode_bytes(1)),
-            "decode_floor_ms": round(self.weights_floor_s() * 1e3, 4),
-            "decode_floor_ms_batch1": round(self.decode_floor_s(1) * 1e3, 4),
+            "weights_read_ms": round(self.weights_floor_s() * 1e3, 4),
+            "decode_floor_ms": round(self.decode_floor_s(1) * 1e3, 4),
             "allreduce_bytes_per_decode_step_batch1": self.allreduce_bytes(1),
             "allreduce_ms_batch1": round(self.comm_s(1) * 1e3, 4),
             "allreduce_ms_max_batch": round(self.comm_s(self.workload.max_batch) * 1e3, 4),
@@ -256,6 +274,7 @@ class Plan:
             "ridge_batch": self.ridge_batch(),
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
             "workload": self.workload.__dict__,
+            "deployment": deployment(self),
             "recommendations": self.recommendations(),
             "medusa": None if self.medusa is None else {
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),

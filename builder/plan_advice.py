@@ -4,10 +4,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_ONLY
+from ..contract.medusa import MIN_GAIN
 from .gpus import GB
+
+TYPICAL_TREE = 8  # tokens per Medusa verification when no heads are given (the advice's example)
 
 if TYPE_CHECKING:
     from .plan import Plan
+
+
+def deployment(plan: Plan) -> str:
+    """Which engines run on the planned GPU, and whether this spec builds them."""
+    g, backend = plan.gpu, plan.backend
+    if g.sm in TENSORRT_ONLY:
+        if backend == "tensorrt":
+            return f"{g.name} ({g.sm}) runs engines TensorRT builds on an {g.sm} GPU: build this spec on one"
+        why = {"tensorrt-rtx": "; this spec's backend tensorrt-rtx builds engines it cannot run",
+               "auto": "; this spec's backend auto builds TensorRT-RTX engines on a machine without a GPU"}
+        return (f"{g.name} ({g.sm}) cannot run TensorRT-RTX engines (its runtime refuses {g.sm}): build with "
+                f"build.backend: tensorrt on an {g.sm} GPU" + why.get(backend or "", ""))
+    if backend in ("tensorrt-rtx", "auto") and plan.targets and g.sm not in plan.targets:
+        return (f"{g.name} ({g.sm}) is not among this spec's build.targets ({', '.join(plan.targets)}): "
+                f"add {g.sm}" + ("" if g.sm in RTX_TARGETS else ", or build with backend tensorrt on it"))
+    return (f"{g.name} ({g.sm}) runs TensorRT-RTX engines built anywhere (targets including {g.sm}, or "
+            f"portable) and TensorRT engines built on an {g.sm} GPU")
 
 
 def recommendations(self: Plan) -> list[dict]:
@@ -36,14 +57,7 @@ def recommendations(self: Plan) -> list[dict]:
         out.append(_rec(f"decode stops being bandwidth-bound at batch {ridge}",
                         f"{self.weights() / GB:.1f} GB of weights per step vs "
                         f"{self.gpu.peak_flops(self.precision) / 1e12:.0f} TFLOP/s"))
-    bound = ridge is None or batch < ridge
-    step = self.decode_floor_s(batch)
-    out.append(_rec(
-        (f"Medusa helps at max_batch_size {batch}: decode is bandwidth-bound, so scoring a tree of "
-         f"candidates costs little more than one token") if bound else
-        (f"Medusa does not help at max_batch_size {batch}: decode is compute-bound; keep it for small batches"),
-        f"decode floor {step * 1e3:.2f} ms/step at batch {batch}, compute "
-        f"{self.decode_flops(batch) / self.gpu.peak_flops(self.precision) * 1e3:.2f} ms of it"))
+    out.append(_medusa(self, batch))
     if self.tp > 1:
         link = self.gpu.interconnect
         one = self.decode_floor_s(batch) * self.tp  # the same work on one rank (roofline ∝ 1/N)
@@ -61,6 +75,30 @@ def recommendations(self: Plan) -> list[dict]:
          "prefix caching is off in the runtime config; turn it on if prompts share prefixes: ")
         + "a cached 512-token prefix skips its prefill", f"{saved * 1e3:.2f} ms of prefill per request"))
     return out
+
+
+def _medusa(self: Plan, batch: int) -> dict:
+    """The runtime's rule (and the tree-size choice's): speculate when expected tokens per step
+    over the step's cost beat plain decoding by MIN_GAIN."""
+    if self.medusa is not None:
+        n, tokens, speedup = self.medusa_choice(batch)
+        cost = self.tree_cost(batch, 1 + n) if n else self.tree_cost(batch, 2)
+        if n:
+            return _rec(f"Medusa helps at max_batch_size {batch}: verify {n} guesses per step for a predicted "
+                        f"{speedup:.2f}x decode speed-up", f"{tokens:.2f} tokens per step for {cost:.2f}x a plain "
+                        "step's time (roofline, the heads' held-out accuracy)")
+        return _rec(f"Medusa does not help at max_batch_size {batch}: no tree of this spec's heads gains "
+                    f"{MIN_GAIN:.2f}x", f"even one guess costs {cost:.2f}x a plain step's time")
+    tree = TYPICAL_TREE
+    cost = self.tree_cost(batch, tree)
+    needed = MIN_GAIN * cost - 1  # accepted guesses per step at which a tree of `tree` tokens pays
+    if needed >= tree - 1:
+        return _rec(f"Medusa does not help at max_batch_size {batch}: scoring a tree costs more than its "
+                    "guesses can return", f"a tree of {tree} tokens costs {cost:.2f}x a plain step; it would need "
+                    f"{needed:.1f} accepted guesses of {tree - 1}")
+    return _rec(f"Medusa can help at max_batch_size {batch} if heads accept ≥ {needed:.2f} guesses per step "
+                "(train heads, then plan the spec for the predicted speed-up)",
+                f"a tree of {tree} tokens costs {cost:.2f}x a plain step")
 
 
 def _rec(text: str, figure: str) -> dict:

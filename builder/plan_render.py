@@ -3,8 +3,17 @@ from __future__ import annotations
 
 from .gpus import GB
 from .plan import PRECISIONS, Plan
-from .plan_advice import recommendations
+from .plan_advice import deployment, recommendations
 from .progress import table
+
+
+def _regime(plan: Plan) -> str:
+    ridge, batch = plan.ridge_batch(), plan.workload.max_batch
+    if ridge is None:
+        return "decode is bandwidth-bound at every batch size (each sequence's KV reads grow with the batch)"
+    if batch < ridge:
+        return f"decode is bandwidth-bound at batch {batch}; it turns compute-bound from batch {ridge}"
+    return f"decode is compute-bound at batch {batch} (from batch {ridge})"
 
 
 def render(plan: Plan) -> str:
@@ -15,8 +24,11 @@ def render(plan: Plan) -> str:
         f"gpu        {plan.gpus} × {g.name} ({g.sm}): {g.memory_bytes / GB:.0f} GB, {g.bandwidth / GB:.0f} GB/s, "
         f"{g.peak_flops(plan.precision) / 1e12:.0f} TFLOP/s {plan.precision}; tensor parallel {plan.tp}",
         f"workload   batch {w.max_batch} × {w.max_seq_len} tokens (prefill chunks ≤ {w.max_input_len})",
+        f"engines    {deployment(plan)}",
+        *([f"note       {g.name} has no {plan.precision} tensor cores; compute figures use its fp16 peak"]
+          if not g.supports(plan.precision) else []),
         "",
-        "memory (per rank: weights/tp + KV/tp + workspace; fits = within 90 % of the GPU)",
+        "memory (per rank: weights/tp + its KV heads' cache + workspace; fits = within 90 % of the GPU)",
     ]
     rows = [[p, f"{plan.weights(p) / GB:.2f}", f"{plan.per_rank(p) / GB:.2f}", "yes" if plan.fits(p) else "no",
              str(plan.min_gpus(p) or "> 64")] for p in PRECISIONS]
@@ -32,8 +44,7 @@ def render(plan: Plan) -> str:
         f"  decode:  {plan.decode_bytes(1) / GB:.3f} GB read per step at batch 1 (mean context {plan.mean_context}); "
         f"floor {plan.decode_floor_s(1) * 1e3:.3f} ms at batch 1 (weights alone {plan.weights_floor_s() * 1e3:.3f} ms), "
         f"{plan.decode_floor_s(w.max_batch) * 1e3:.3f} ms at batch {w.max_batch}",
-        f"  decode is {'bandwidth' if (plan.ridge_batch() or 10**9) > w.max_batch else 'compute'}-bound at batch "
-        f"{w.max_batch}; compute-bound from batch {plan.ridge_batch() or 'never'}",
+        "  " + _regime(plan),
         "",
         "recommendations",
     ]

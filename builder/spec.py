@@ -9,7 +9,7 @@ import hashlib
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import yaml
 # Strict ints and booleans: `max_batch_size: true` or `"8"` is a mistake to name, not a 1 or an 8.
@@ -17,15 +17,12 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Str
                       model_validator)
 
 from ..contract.tensor_parallel import kv_heads_per_rank
+from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_TARGETS  # noqa: F401  (RTX_TARGETS: API)
 from .errors import SpecError, UserError
 from .spec_checks import check_against_checkpoint, linear_names  # noqa: F401  (linear_names: API)
 from .spec_errors import FieldError, did_you_mean, spec_error
 from .frontend.checkpoint import ArchConfig, arch_config
 
-# Compute capabilities each TensorRT flavour can target ahead of time.
-RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
-TENSORRT_TARGETS = ("sm75", "sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110",
-                    "sm120", "sm121")
 
 
 class DType(str, Enum):
@@ -258,7 +255,10 @@ class Spec(_Section):
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
     @classmethod
-    def from_dict(cls, data: dict, base_dir: Path = Path(".")) -> "Spec":
+    def from_dict(cls, data: dict, base_dir: Path = Path("."),
+                  absent_checkpoint: Callable[[Path], ArchConfig | None] | None = None) -> "Spec":
+        """``absent_checkpoint``: for readers that need only the architecture (``plan``), the
+        facts to use when the checkpoint dir is not here (None: refuse, as a build must)."""
         if not isinstance(data, dict):
             raise SpecError("", f"a spec is a YAML mapping with sections {', '.join(cls.model_fields)}")
         try:
@@ -270,8 +270,9 @@ class Spec(_Section):
         checkpoint = spec.model.checkpoint
         if not checkpoint.is_absolute():
             checkpoint = (Path(base_dir) / checkpoint).resolve()
+        stand_in = absent_checkpoint(checkpoint) if absent_checkpoint and not checkpoint.exists() else None
         try:
-            arch = arch_config(checkpoint)
+            arch = stand_in or arch_config(checkpoint)
         except UserError as exc:
             raise SpecError("model.checkpoint", str(exc)) from None
         model = spec.model.model_copy(update={"checkpoint": checkpoint})
@@ -312,7 +313,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_spec(path: Path) -> Spec:
+def load_spec(path: Path, absent_checkpoint: Callable[[Path], ArchConfig | None] | None = None) -> Spec:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: spec file does not exist")
@@ -326,6 +327,6 @@ def load_spec(path: Path) -> Spec:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise UserError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return Spec.from_dict(data, base_dir=path.parent)
+    return Spec.from_dict(data, base_dir=path.parent, absent_checkpoint=absent_checkpoint)
 
 

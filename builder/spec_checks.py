@@ -34,19 +34,26 @@ def check_against_checkpoint(spec: Spec) -> None:
 
 
 def _check_tensor_parallel(spec: Spec) -> None:
-    """Megatron-style sharding needs whole heads, whole MLP columns and whole vocab slices per rank."""
-    arch, tp = spec.arch, spec.parallel.tensor
+    refusal = tensor_parallel_refusal(spec.arch, spec.parallel.tensor)
+    if refusal is not None:
+        raise SpecError("parallel.tensor", refusal)
+
+
+def tensor_parallel_refusal(arch: ArchConfig, tp: int) -> str | None:
+    """Why ``tp`` ranks cannot shard this architecture (None: they can). Megatron-style
+    sharding needs whole heads, whole MLP columns and whole vocab slices per rank; ``plan``
+    asks the same question for its GPU counts."""
     if arch.num_heads % tp:
-        raise SpecError("parallel.tensor", f"{tp} does not divide num_attention_heads={arch.num_heads}; "
-                                           f"valid: {_divisors(arch.num_heads)}")
+        return f"{tp} does not divide num_attention_heads={arch.num_heads}; valid: {_divisors(arch.num_heads)}"
     if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
-        raise SpecError("parallel.tensor", f"{tp} neither divides nor is a multiple of num_key_value_heads="
-                                           f"{arch.num_kv_heads} (KV heads are split or replicated whole)")
+        return (f"{tp} neither divides nor is a multiple of num_key_value_heads={arch.num_kv_heads} "
+                "(KV heads are split or replicated whole)")
     for field, size in (("intermediate_size", arch.intermediate_size), ("vocab_size", arch.vocab_size)):
         if size % tp:
-            raise SpecError("parallel.tensor", f"{tp} does not divide {field}={size} "
-                                               f"({'MLP columns' if field == 'intermediate_size' else 'the vocab-parallel LM head'} "
-                                               "split evenly across ranks)")
+            return (f"{tp} does not divide {field}={size} "
+                    f"({'MLP columns' if field == 'intermediate_size' else 'the vocab-parallel LM head'} "
+                    "split evenly across ranks)")
+    return None
 
 
 def _divisors(n: int) -> str:

@@ -8,7 +8,9 @@ from .json_file import read_json_object
 
 # Bump on any incompatible change of manifest.json. 2: tensor parallelism; each entry of
 # ``ranks`` carries its KV heads, I/O table and weight bytes (the top-level ``io`` is gone).
-SCHEMA_VERSION = 2
+# 3: ``tensorrt`` records the compute capabilities the engines serve (contract/gpu_targets.py);
+# the top-level ``targets`` (the spec's request, untrue for TensorRT builds) is gone.
+SCHEMA_VERSION = 3
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -20,7 +22,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 MANIFEST = "manifest.json"
-REQUIRED_KEYS = ("schema_version", "files", "ranks", "model", "limits", "spec", "tensorrt", "targets")
+REQUIRED_KEYS = ("schema_version", "files", "ranks", "model", "limits", "spec", "tensorrt")
 
 
 class ManifestError(ValueError):

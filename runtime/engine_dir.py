@@ -94,19 +94,3 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
     except ManifestError as exc:
         raise EngineDirError(str(exc)) from None
     return EngineDir(path=path, manifest=manifest)
-
-
-def check_gpu_target(engine_dir: EngineDir, rank: int, flavor: str, version: str, compute_capability: str) -> None:
-    """Refuses an engine built for other GPUs or another TensorRT, before TensorRT sees it."""
-    built = engine_dir.manifest["tensorrt"]
-    if built["flavor"] != flavor:
-        raise EngineDirError(f"rank{rank}.engine was built with {built['flavor']} {built['version']}; this "
-                             f"machine has {flavor} {version}: rebuild with build.backend: {flavor}")
-    if built["version"].split(".")[:2] != version.split(".")[:2]:
-        raise EngineDirError(f"rank{rank}.engine was built with {flavor} {built['version']}; this machine has "
-                             f"{version}: rebuild with the installed version")
-    targets = engine_dir.manifest["targets"]
-    if targets != ["portable"] and compute_capability not in targets:
-        raise EngineDirError(f"rank{rank}.engine was built for {', '.join(targets)}; this GPU is "
-                             f"{compute_capability}: rebuild with build.targets including {compute_capability}")
-

@@ -3,7 +3,7 @@ per rank for tensor-parallel dirs."""
 from __future__ import annotations
 
 from .engine import Engine
-from .engine_dir import EngineDir
+from .engine_dir import EngineDir, EngineDirError
 
 
 def resolve_backend(engine_dir: EngineDir, backend: str) -> str:
@@ -12,11 +12,11 @@ def resolve_backend(engine_dir: EngineDir, backend: str) -> str:
         raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
     if backend == "onnxruntime":
         return backend
-    from .tensorrt_engine import tensorrt_available
+    from .tensorrt_runtime import tensorrt_available
 
     reason = tensorrt_available(engine_dir)
     if reason is not None and backend == "tensorrt":
-        raise ValueError(f"--backend tensorrt: {reason}")
+        raise EngineDirError(f"--backend tensorrt: {reason}")
     return "tensorrt" if reason is None else "onnxruntime"
 
 

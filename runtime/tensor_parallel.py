@@ -84,11 +84,11 @@ def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks:
     """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo), or on a GPU its
     rankN.engine in TensorRT with an NCCL communicator (one GPU per rank: LOCAL_RANK under torchrun)."""
     if backend == "tensorrt":
-        from cuda.bindings import runtime as cudart
-
         from .nccl import NcclCommunicator
         from .tensorrt_engine import TensorRTEngine
+        from .tensorrt_runtime import cuda_runtime
 
+        cudart = cuda_runtime()
         count = cudart.cudaGetDeviceCount()[1]
         device = int(os.environ.get("LOCAL_RANK", rank)) % max(1, count)
         cudart.cudaSetDevice(device)

@@ -12,28 +12,15 @@ import numpy as np
 
 from ..contract.step import cache_names
 from .engine import StepOutput, step_arrays
-from .engine_dir import EngineDir, check_gpu_target
+from .engine_dir import EngineDir
+from .tensorrt_runtime import cuda_runtime, load_flavor
 from .scheduler import Step, StepKind
 
 _ELEMENT = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
-def tensorrt_available(engine_dir: EngineDir | None = None) -> str | None:
-    """None when this machine can run TensorRT engines, else the reason it cannot."""
-    try:
-        import tensorrt  # noqa: F401
-        from cuda.bindings import runtime as cudart
-    except Exception as exc:  # not installed, or its CUDA libraries are missing
-        return f"TensorRT is not usable here ({type(exc).__name__}: {exc})"
-    err, count = cudart.cudaGetDeviceCount()
-    if err != cudart.cudaError_t.cudaSuccess or count == 0:
-        return "no CUDA GPU is visible"
-    return None
-
-
 def _ok(result):
-    from cuda.bindings import runtime as cudart
-
+    cudart = cuda_runtime()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != cudart.cudaError_t.cudaSuccess:
         raise RuntimeError(f"CUDA error: {cudart.cudaGetErrorString(err)[1].decode()}")
@@ -41,19 +28,16 @@ def _ok(result):
 
 
 class TensorRTEngine:
-    name = "tensorrt"
+    name = "tensorrt"  # the backend; the manifest names the flavour (tensorrt or tensorrt-rtx)
 
     def __init__(self, engine_dir: EngineDir, prefix_blocks: int = 0, block_size: int = 16, rank: int = 0,
                  device: int = 0, communicator: object | None = None):
         """``communicator``: for a rank of a tensor-parallel engine, the NCCL communicator capsule
         (runtime/nccl.py) its DistCollective layers run over."""
-        import tensorrt as trt
-        from cuda.bindings import runtime as cudart
-
+        # The flavour the manifest names (tensorrt or tensorrt_rtx), checked against this GPU.
+        trt, cudart = load_flavor(engine_dir, device), cuda_runtime()
         self.trt, self.cudart, self.dir, self.block_size = trt, cudart, engine_dir, block_size
         _ok(cudart.cudaSetDevice(device))
-        props = _ok(cudart.cudaGetDeviceProperties(device))
-        check_gpu_target(engine_dir, rank, "tensorrt", trt.__version__, f"sm{props.major}{props.minor}")
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(engine_dir.rank_file(rank, "engine").read_bytes())
         if self.engine is None:

@@ -56,7 +56,10 @@ def test_llama_3_8b_hand_computed_figures(tmp_path):
     assert plan.prefill_flops_per_token == 2 * (6_979_321_856 + 525_336_576)
     assert plan.weights("fp16") == 16_060_522_496
     assert plan.weights_floor_s() * 1e3 == pytest.approx(16_060_522_496 / 3.35e12 * 1e3, rel=1e-9)  # 4.794 ms
-    assert plan.as_dict()["decode_floor_ms"] == pytest.approx(4.7942, abs=1e-4)
+    assert plan.as_dict()["weights_read_ms"] == pytest.approx(4.7942, abs=1e-4)
+    # The decode floor reads each sequence's KV too: 4096 tokens of mean context × 128 KiB.
+    assert plan.as_dict()["decode_floor_ms"] == pytest.approx((16_060_522_496 + 4096 * 131_072) / 3.35e12 * 1e3,
+                                                              abs=1e-4)
     assert plan.min_gpus("fp16") == 1
 
 
@@ -78,6 +81,9 @@ def test_recommendations_name_their_figures(tmp_path):
     assert all(r["figure"] for r in recs)
     big_batch = make_plan(ckpt, gpu="H100-SXM", batch=512, seq_len=256).recommendations()
     assert any(r["recommendation"].startswith("Medusa does not help at max_batch_size 512") for r in big_batch)
+    small = make_plan(ckpt, gpu="H100-SXM", batch=1, seq_len=256).recommendations()
+    assert any(r["recommendation"].startswith("Medusa can help at max_batch_size 1 if heads accept ≥ 0.1")
+               for r in small)
 
 
 def test_cli_plan_json_and_errors(tmp_path):
@@ -100,6 +106,79 @@ def test_cli_plan_json_and_errors(tmp_path):
     spec.write_text(f"model: {{checkpoint: {tmp_path / 'missing'}}}\n")
     bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", str(spec)], capture_output=True, text=True)
     assert bad.returncode == 2 and "model.checkpoint" in bad.stderr and "does not exist" in bad.stderr
+    unknown = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-9-1t"], capture_output=True,
+                             text=True)
+    assert unknown.returncode == 2 and unknown.stderr.strip() == (
+        "error: llama-9-1t: neither a spec file, a checkpoint dir nor a known model (llama-3-70b, llama-3-8b, "
+        "mistral-7b, qwen2.5-7b)")
+
+
+def plan_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_readme_examples_run_without_the_checkpoint():
+    """specs/llama-3-8b.yaml points at /models/…, absent here: plan uses the shipped config."""
+    proc = plan_cli(REPO / "specs" / "llama-3-8b.yaml", "--gpu", "L40S")
+    assert proc.returncode == 0, proc.stderr
+    assert "planning with the shipped config.json of llama-3-8b" in proc.stderr
+    assert "8.030 B parameters" in proc.stdout
+    by_name = plan_cli("llama-3-70b", "--gpu", "H200", "--precision", "fp8", "--json")
+    assert by_name.returncode == 0, by_name.stderr
+    figures = json.loads(by_name.stdout)
+    assert figures["parameters"] == pytest.approx(70.55e9, rel=0.001) and figures["precision"] == "fp8"
+
+
+@pytest.mark.parametrize("gpu, expected", [
+    ("H200", "H200 (sm90) cannot run TensorRT-RTX engines (its runtime refuses sm90): build with build.backend: "
+             "tensorrt on an sm90 GPU; this spec's backend auto builds TensorRT-RTX engines on a machine without a GPU"),
+    ("B200", "B200 (sm100) cannot run TensorRT-RTX engines (its runtime refuses sm100)"),
+    ("RTX-5090", "RTX-5090 (sm120) is not among this spec's build.targets (sm80, sm86, sm89): add sm120"),
+    ("L40S", "L40S (sm89) runs TensorRT-RTX engines built anywhere (targets including sm89, or portable)"),
+])
+def test_plan_says_which_engines_run_on_the_gpu(gpu, expected):
+    proc = plan_cli(REPO / "specs" / "tiny-code.yaml", "--gpu", gpu)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("engines"))
+    assert expected in line
+
+
+def test_quantized_specs_are_planned_as_themselves(tmp_path):
+    from trtbuild.builder.plan import weight_bytes
+
+    counts = param_counts(arch_config(config_dir(tmp_path, "llama-3-8b", LLAMA_3_8B)))
+    fixed = 2 * (counts.embedding + counts.head + counts.other)
+    assert weight_bytes(counts, "fp8") == fixed + counts.linear
+    assert weight_bytes(counts, "fp4") == fixed + counts.linear * (0.5 + 1 / 16)  # an fp8 scale per 16
+    for mode, precision in (("fp8", "fp8"), ("nvfp4", "fp4"), ("w8a8", "w8a8"), ("int4_weight_only", "int4")):
+        spec = tmp_path / f"{mode}.yaml"
+        spec.write_text(f"model: {{checkpoint: {TINY_CODE}}}\nbuild: {{targets: [sm120], max_seq_len: 512}}\n"
+                        f"quantization: {{mode: {mode}, calibration: {{data: [{TINY_CODE / 'heldout.txt'}]}}}}\n")
+        proc = plan_cli(spec, "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["precision"] == precision
+    h100 = plan_cli(spec.parent / "nvfp4.yaml", "--gpu", "H100-SXM")
+    assert "note       H100-SXM has no fp4 tensor cores; compute figures use its fp16 peak" in h100.stdout
+
+
+def test_min_gpus_counts_only_tensor_parallelism_the_spec_accepts(tmp_path):
+    # 24 heads over 3 KV heads: 2 and 4 ranks would split a KV head, so 3 or 6 is next after 1.
+    config = dict(LLAMA_3_8B, hidden_size=6144, num_attention_heads=24, num_key_value_heads=3, intermediate_size=24576,
+                  vocab_size=129024)
+    plan = make_plan(config_dir(tmp_path, "gqa3", config), gpu="L40S", batch=32, seq_len=8192)
+    assert not plan.fits("fp16", 1) and plan.fits("fp16", 2)  # memory alone would say 2
+    assert plan.min_gpus("fp16") == 3
+    bad = plan_cli(config_dir(tmp_path, "gqa3b", config), "--tp", "2")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --tp: 2 neither divides nor is a multiple of num_key_value_heads=3 (KV heads are split or "
+        "replicated whole)")
+
+
+def test_plan_says_one_thing_at_a_time():
+    text = plan_cli(REPO / "specs" / "tiny-code.yaml").stdout
+    assert "never" not in text
+    assert "decode is bandwidth-bound at every batch size" in text
 
 
 def test_unknown_gpu_lists_the_table():
@@ -125,4 +204,12 @@ def test_medusa_prediction_follows_the_roofline(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan",
                            str(REPO / "specs" / "tiny-code-medusa.yaml"), "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["medusa"]["1"]["tree_choices"] > 0
+    figures = json.loads(proc.stdout)
+    assert figures["medusa"]["1"]["tree_choices"] > 0
+    # The advice and the tree choice follow one rule: the advice says what the choice says.
+    advice = next(r["recommendation"] for r in figures["recommendations"] if "Medusa" in r["recommendation"])
+    batch = str(figures["workload"]["max_batch"])
+    assert advice.startswith("Medusa helps" if figures["medusa"][batch]["tree_choices"] else "Medusa does not help")
+    huge = dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, max_batch=1024))
+    advice = next(r["recommendation"] for r in huge.recommendations() if "Medusa" in r["recommendation"])
+    assert advice.startswith("Medusa does not help at max_batch_size 1024")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trtbuild.runtime.tensorrt_engine import tensorrt_available
+from trtbuild.runtime.tensorrt_runtime import tensorrt_available
 
 # Decided before the engine fixtures build anything: no GPU or no TensorRT, nothing to run.
 _UNAVAILABLE = tensorrt_available(None)

@@ -12,19 +12,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from ...contract.gpu_targets import RTX_TARGETS, built_for, sm, tensorrt_only_refusal
 from ..errors import SpecError, UserError
 from ..progress import peak_rss_bytes
-from ..spec import RTX_TARGETS, Backend, DType, Spec
+from ..spec import Backend, DType, Spec
 
 
 @dataclass(frozen=True)
 class Flavor:
     name: str          # "tensorrt" | "tensorrt-rtx"
     module: ModuleType
+    gpu: str | None = None  # TensorRT: the compute capability of the GPU it builds on (and for)
 
     @property
     def version(self) -> str:
         return self.module.__version__
+
+    def built_for(self, targets: tuple[str, ...]) -> dict:
+        """The manifest's ``tensorrt`` entry: flavour, version and the GPUs the engines serve."""
+        return {"flavor": self.name, "version": self.version, **built_for(self.name, targets, self.gpu)}
 
 
 def _import(name: str) -> ModuleType | None:
@@ -41,12 +47,22 @@ def _tensorrt_can_build(module: ModuleType) -> bool:
         return False
 
 
+def building_gpu(device: int = 0) -> str:
+    """Compute capability of the GPU TensorRT builds on (it builds for that GPU only)."""
+    from cuda.bindings import runtime as cudart
+
+    err, props = cudart.cudaGetDeviceProperties(device)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise UserError(f"cannot read the properties of GPU {device} ({err.name}) that TensorRT builds on")
+    return sm(props.major, props.minor)
+
+
 def resolve_flavor(backend: Backend) -> Flavor:
     """The TensorRT flavour to build with; ``auto`` takes TensorRT when it can build here."""
     if backend in (Backend.auto, Backend.tensorrt):
         trt = _import("tensorrt")
         if trt is not None and _tensorrt_can_build(trt):
-            return Flavor("tensorrt", trt)
+            return Flavor("tensorrt", trt, gpu=building_gpu())
         if backend == Backend.tensorrt:
             raise SpecError("build.backend", "tensorrt cannot build here (needs the tensorrt package "
                                              "and a GPU); use tensorrt-rtx or auto")
@@ -66,12 +82,23 @@ def flavor_by_name(name: str) -> Flavor:
 
 
 def check_targets(spec: Spec, flavor: Flavor) -> None:
-    if flavor.name == "tensorrt-rtx":
-        bad = [t for t in spec.build.targets if t not in RTX_TARGETS]
-        if bad:
-            raise SpecError("build.targets", f"{', '.join(bad)} cannot be targeted by TensorRT-RTX "
-                                             f"(valid: {', '.join(RTX_TARGETS)}); build with backend "
-                                             "tensorrt on such a GPU")
+    """Refuses targets the resolved flavour cannot serve, before any work."""
+    targets = spec.build.targets
+    if flavor.name == "tensorrt":
+        if targets and flavor.gpu not in targets:
+            raise SpecError("build.targets", f"{', '.join(targets)}, but TensorRT builds for the GPU it runs on, "
+                                             f"which is {flavor.gpu}; build on a GPU of the target class, or "
+                                             "use backend tensorrt-rtx for ahead-of-time targets")
+        return
+    refusal = tensorrt_only_refusal(targets)
+    if refusal is not None:
+        raise SpecError("build.targets", f"{refusal} (backend {spec.build.backend.value} resolved to "
+                                         "TensorRT-RTX here)")
+    bad = [t for t in targets if t not in RTX_TARGETS]
+    if bad:
+        raise SpecError("build.targets", f"{', '.join(bad)} cannot be targeted by TensorRT-RTX "
+                                         f"(valid: {', '.join(RTX_TARGETS)}); build with backend "
+                                         "tensorrt on such a GPU")
 
 
 @dataclass(frozen=True)

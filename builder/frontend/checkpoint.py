@@ -80,8 +80,11 @@ def _flag(raw: dict, path: Path, key: str, default: bool) -> bool:
 
 def arch_config(checkpoint: Path) -> ArchConfig:
     """config.json's facts, each number checked once here (build and plan both read them)."""
-    raw = read_config(checkpoint)
-    path = Path(checkpoint) / "config.json"
+    return parse_arch(read_config(checkpoint), Path(checkpoint) / "config.json")
+
+
+def parse_arch(raw: dict, path: Path) -> ArchConfig:
+    """The facts of a config.json mapping read from ``path`` (named in every error)."""
     archs = raw.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise UserError(f"{path}: architectures must be a list of names, got {archs!r}")

@@ -1,0 +1,118 @@
+"""TensorRTEngine's own code on a simulated device (tests/simulated_device.py), not a GPU test:
+its device buffers, addresses, pitches, slot and block offsets, bucket padding, CUDA-graph
+capture and replay and Medusa buffers must give exactly the ONNX Runtime backend's tokens."""
+from __future__ import annotations
+
+import pytest
+
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.tensorrt_engine import TensorRTEngine
+
+from simulated_device import SimulatedDevice
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n        self.",
+           "    for i in range(len(", "# Copyright", "def __repr__(self):\n        return '<%s %r>' % (",
+           "from collections import", "x"]
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+SHARED = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n" * 2
+
+
+@pytest.fixture
+def device(monkeypatch, tiny_engine, medusa_engine):
+    device = SimulatedDevice(compute_capability="sm89")
+    device.install(monkeypatch, [tiny_engine, medusa_engine])
+    return device
+
+
+def cpu_tokens(engine_dir, prompts, **options):
+    llm = LLM(engine_dir, backend="onnxruntime", threads=2, **options)
+    return [c.token_ids for c in llm.generate(prompts, GREEDY)]
+
+
+def gpu(engine_dir, **options) -> LLM:
+    llm = LLM(engine_dir, backend="tensorrt", **options)
+    assert isinstance(llm.engine, TensorRTEngine)
+    return llm
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_plain_decode_pads_to_buckets_replays_graphs_and_matches_cpu(device, tiny_engine, batch):
+    prompts = PROMPTS[:batch]
+    llm = gpu(tiny_engine)
+    assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == cpu_tokens(tiny_engine, prompts)
+    bucket = next(b for b in llm.engine.buckets if b >= batch)  # 3 rows run in the bucket of 4
+    assert {key[0] for key in llm.engine.graphs} >= {bucket}
+    assert device.calls["cudaGraphLaunch"] >= GREEDY.max_tokens - 2  # decode steps replay their capture
+    assert device.calls["cudaStreamBeginCapture"] == len(llm.engine.graphs)
+    llm.engine.close()
+    assert not device.buffers  # every allocation freed
+
+
+def test_requests_joining_mid_decode_match_cpu(device, tiny_engine):
+    def run(llm):
+        first = [llm.submit(p, GREEDY) for p in PROMPTS[:3]]
+        for _ in range(5):
+            llm.step()
+        later = [llm.submit(p, GREEDY) for p in PROMPTS[3:]]
+        done = {c.rid: c.token_ids for c in llm.run_until_done()}
+        return [done[r] for r in first + later]
+
+    assert run(gpu(tiny_engine)) == run(LLM(tiny_engine, backend="onnxruntime", threads=2))
+
+
+def test_prefix_cache_hits_load_saved_blocks_and_match_cpu(device, tiny_engine):
+    prompts = [SHARED + tail for tail in ("    return", "    if", "    parser.add_argument(")]
+    llm = gpu(tiny_engine, prefix_cache=True)
+    outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
+    assert [c.token_ids for c in outs] == cpu_tokens(tiny_engine, prompts, prefix_cache=False)
+    assert all(c.cached_tokens >= 32 for c in outs[1:]) and llm.scheduler.prefix_cache.stats.hits >= 4
+
+
+def test_medusa_verification_and_keep_path_match_plain_decoding(device, medusa_engine):
+    llm = gpu(medusa_engine, medusa_tree_size=63)
+    outs = [c.token_ids for c in llm.generate(PROMPTS[:4], GREEDY)]
+    stats = llm.speculation.stats
+    assert stats.verify_steps > 0 and stats.accepted_tokens > 0  # keep_path moved accepted K/V
+    assert outs == cpu_tokens(medusa_engine, PROMPTS[:4], medusa_tree_size=0)
+
+
+# -- planted bugs: the simulation must notice them ---------------------------------------------
+
+def keep_path_off_by_one(self, slot, start, nodes):
+    """The accepted nodes' K/V moved one position too early (start + i instead of start + 1 + i)."""
+    d, cudart = self.dir, self.cudart
+    position, row = d.head_dim * self.element, d.max_seq_len * d.head_dim * self.element
+    for name in self.cache_names:
+        base = self.pools[name] + slot * self.slot_bytes
+        for i, node in enumerate(nodes):
+            cudart.cudaMemcpy2DAsync(base + (start + i) * position, row, base + (start + node) * position, row,
+                                     position, d.num_kv_heads, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                     self.stream)
+
+
+def test_a_planted_keep_path_off_by_one_changes_the_tokens(device, medusa_engine, monkeypatch):
+    expected = cpu_tokens(medusa_engine, PROMPTS[:4], medusa_tree_size=0)
+    monkeypatch.setattr(TensorRTEngine, "keep_path", keep_path_off_by_one)
+    llm = gpu(medusa_engine, medusa_tree_size=63)
+    assert [c.token_ids for c in llm.generate(PROMPTS[:4], GREEDY)] != expected
+
+
+def test_a_planted_block_offset_changes_the_tokens(device, tiny_engine, monkeypatch):
+    prompts = [SHARED + tail for tail in ("    return", "    if")]
+    expected = cpu_tokens(tiny_engine, prompts, prefix_cache=False)
+    load_block = TensorRTEngine.load_block  # planted: each cached block lands one block too far
+    monkeypatch.setattr(TensorRTEngine, "load_block", lambda self, block, slot, index: load_block(
+        self, block, slot, index + 1))
+    llm = gpu(tiny_engine, prefix_cache=True)
+    outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
+    assert outs[1].cached_tokens >= 32  # the bug's path ran
+    assert [c.token_ids for c in outs] != expected
+
+
+def test_an_overrun_is_a_cuda_error_not_silent(device, tiny_engine, monkeypatch):
+    llm = gpu(tiny_engine)
+    slot_bytes = llm.engine.slot_bytes
+    monkeypatch.setattr(llm.engine, "slot_bytes", slot_bytes + 4)  # slot ids past the pool's end
+    with pytest.raises(RuntimeError, match="overrun an allocation"):
+        llm.engine.copy_slot(llm.engine.dir.max_batch_size, 0, llm.engine.dir.max_seq_len)
