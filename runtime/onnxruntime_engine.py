@@ -1,6 +1,6 @@
 """CPU backend: runs the rank ONNX (the graph compiled into the engine) in ONNX Runtime.
 
-The KV pools are numpy arrays [capacity + 1, H_kv, S_max, D] per layer. Each step binds
+The KV pools (runtime/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, D] per layer. Each step binds
 ``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through IO binding,
 so TensorScatter writes the new K/V into the pool itself: no per-step copy of the cache.
 """
@@ -10,11 +10,12 @@ import numpy as np
 import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
-from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, cache_names
+from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
+from .kv_pools import HostPools, PoolShape
 from .scheduler import Step
 
 
@@ -41,13 +42,8 @@ class OnnxRuntimeEngine:
         else:
             self.session = ort_config.session(fp4.ort_source(path), threads)
             outputs = [o.name for o in self.session.get_outputs()]
-        dtype = CACHE_DTYPES[engine_dir.dtype]
-        slot_shape = (engine_dir.num_kv_heads, engine_dir.max_seq_len, engine_dir.head_dim)
-        self.cache_names = cache_names(engine_dir.num_layers)
-        # +1: the scratch slot the slot table swaps through.
-        self.pools = {n: np.zeros((engine_dir.max_batch_size + 1, *slot_shape), dtype) for n in self.cache_names}
-        block_shape = (engine_dir.num_kv_heads, block_size, engine_dir.head_dim)
-        self.blocks = {n: np.zeros((prefix_blocks, *block_shape), dtype) for n in self.cache_names}
+        self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
+        self.pools, self.cache_names = self.kv.pools, self.kv.shape.names
         self.has_medusa = MEDUSA_LOGITS in outputs
 
     def step(self, step: Step) -> StepOutput:
@@ -106,24 +102,16 @@ class OnnxRuntimeEngine:
         """Nothing to release: the pools are numpy arrays."""
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
-        source = start + np.asarray(nodes)
-        for pool in self.pools.values():
-            cache = pool[slot]  # [H_kv, S_max, D]
-            cache[:, start + 1:start + 1 + len(nodes)] = cache[:, source]  # the gather copies first
+        self.kv.keep_path(slot, start, nodes)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        for pool in self.pools.values():
-            pool[dst, :, :length] = pool[src, :, :length]  # [H_kv, length, D]
+        self.kv.copy_slot(src, dst, length)
 
     def save_block(self, slot: int, index: int, block: int) -> None:
-        span = slice(index * self.block_size, (index + 1) * self.block_size)
-        for name, pool in self.pools.items():
-            self.blocks[name][block] = pool[slot, :, span]
+        self.kv.save_block(slot, index, block)
 
     def load_block(self, block: int, slot: int, index: int) -> None:
-        span = slice(index * self.block_size, (index + 1) * self.block_size)
-        for name, pool in self.pools.items():
-            pool[slot, :, span] = self.blocks[name][block]
+        self.kv.load_block(block, slot, index)
 
 
 def _host(value) -> np.ndarray:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..contract.step import cache_names
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
+from .kv_pools import DevicePools, PoolShape
 from .tensorrt_runtime import cuda_runtime, load_flavor
 from .scheduler import Step, StepKind
 
@@ -51,12 +51,7 @@ class TensorRTEngine:
                 raise RuntimeError(f"TensorRT refused the NCCL communicator for rank {rank}")
             self.contexts[kind] = context
         d = engine_dir
-        self.element = np.dtype(_ELEMENT[d.dtype]).itemsize
-        self.slot_bytes = d.num_kv_heads * d.max_seq_len * d.head_dim * self.element
-        self.block_bytes = d.num_kv_heads * block_size * d.head_dim * self.element
-        self.cache_names = cache_names(d.num_layers)
-        self.pools = {n: self._alloc((d.max_batch_size + 1) * self.slot_bytes, zero=True) for n in self.cache_names}
-        self.blocks = {n: self._alloc(max(1, prefix_blocks) * self.block_bytes) for n in self.cache_names}
+        self.kv = DevicePools(PoolShape.of(d, _ELEMENT[d.dtype], prefix_blocks, block_size), cudart, self.stream, _ok)
         # A Medusa verification scores the whole tree: S and R up to its size.
         self.num_heads = d.medusa["num_heads"] if d.medusa else 0
         rows = d.medusa["tree_size"] if d.medusa else 1
@@ -118,8 +113,8 @@ class TensorRTEngine:
             context.set_tensor_address(name, self.inputs[name])
         batch = arrays.input_ids.shape[0]
         shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
-        for name in self.cache_names:
-            address = self.pools[name] + first_slot * self.slot_bytes
+        for name in self.kv.shape.names:
+            address = self.kv.slot_address(name, first_slot)
             context.set_input_shape(f"past_{name}", shape)
             context.set_tensor_address(f"past_{name}", address)
             context.set_tensor_address(f"present_{name}", address)
@@ -135,48 +130,22 @@ class TensorRTEngine:
         return _ok(cudart.cudaGraphInstantiate(graph, 0))
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Positions [0, length) of each KV head: one 2-D copy per pool (rows = heads, pitch = a head's S_max)."""
-        d = self.dir
-        row = d.max_seq_len * d.head_dim * self.element
-        width = length * d.head_dim * self.element
-        for pool in self.pools.values():
-            _ok(self.cudart.cudaMemcpy2DAsync(pool + dst * self.slot_bytes, row, pool + src * self.slot_bytes, row,
-                                              width, d.num_kv_heads,
-                                              self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+        self.kv.copy_slot(src, dst, length)
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
-        d, cudart = self.dir, self.cudart
-        position, row = d.head_dim * self.element, d.max_seq_len * d.head_dim * self.element
-        for name in self.cache_names:
-            base = self.pools[name] + slot * self.slot_bytes
-            for i, node in enumerate(nodes):  # in order: node ≥ i + 1, so no source is overwritten first
-                _ok(cudart.cudaMemcpy2DAsync(base + (start + 1 + i) * position, row, base + (start + node) * position,
-                                             row, position, d.num_kv_heads,
-                                             cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
-
-    def _copy_span(self, dst: int, dst_pitch: int, src: int, src_pitch: int) -> None:
-        width = self.block_size * self.dir.head_dim * self.element
-        _ok(self.cudart.cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, self.dir.num_kv_heads,
-                                          self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+        self.kv.keep_path(slot, start, nodes)
 
     def save_block(self, slot: int, index: int, block: int) -> None:
-        row = self.dir.max_seq_len * self.dir.head_dim * self.element
-        offset = index * self.block_size * self.dir.head_dim * self.element
-        for name in self.cache_names:
-            self._copy_span(self.blocks[name] + block * self.block_bytes, self.block_bytes // self.dir.num_kv_heads,
-                            self.pools[name] + slot * self.slot_bytes + offset, row)
+        self.kv.save_block(slot, index, block)
 
     def load_block(self, block: int, slot: int, index: int) -> None:
-        row = self.dir.max_seq_len * self.dir.head_dim * self.element
-        offset = index * self.block_size * self.dir.head_dim * self.element
-        for name in self.cache_names:
-            self._copy_span(self.pools[name] + slot * self.slot_bytes + offset, row,
-                            self.blocks[name] + block * self.block_bytes, self.block_bytes // self.dir.num_kv_heads)
+        self.kv.load_block(block, slot, index)
 
     def close(self) -> None:
         for graph in self.graphs.values():
             self.cudart.cudaGraphExecDestroy(graph)
-        for ptr in [*self.pools.values(), *self.blocks.values(), *self.inputs.values(), self.logits,
+        self.kv.close()
+        for ptr in [*self.inputs.values(), self.logits,
                     *([self.medusa] if self.medusa is not None else [])]:
             self.cudart.cudaFree(ptr)
         self.cudart.cudaStreamDestroy(self.stream)

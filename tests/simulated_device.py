@@ -158,6 +158,8 @@ class SimulatedDevice:
         m.cudaFree = lambda ptr: self._call("cudaFree", lambda: self._free(ptr))
         m.cudaMemset = lambda ptr, value, nbytes: self._call(
             "cudaMemset", lambda: self._span(int(ptr), nbytes).fill(value))
+        m.cudaMemcpy = lambda dst, src, nbytes, kind: self._call(
+            "cudaMemcpy", lambda: self._copy(int(dst), int(src), nbytes, kind))
         m.cudaMemcpyAsync = lambda dst, src, nbytes, kind, stream: self._call(
             "cudaMemcpyAsync", lambda: self._enqueue(stream, lambda: self._copy(int(dst), int(src), nbytes, kind)))
         m.cudaMemcpy2DAsync = lambda dst, dpitch, src, spitch, width, height, kind, stream: self._call(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from trtbuild.runtime.kv_pools import DevicePools
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.tensorrt_engine import TensorRTEngine
@@ -81,19 +82,16 @@ def test_medusa_verification_and_keep_path_match_plain_decoding(device, medusa_e
 
 def keep_path_off_by_one(self, slot, start, nodes):
     """The accepted nodes' K/V moved one position too early (start + i instead of start + 1 + i)."""
-    d, cudart = self.dir, self.cudart
-    position, row = d.head_dim * self.element, d.max_seq_len * d.head_dim * self.element
-    for name in self.cache_names:
-        base = self.pools[name] + slot * self.slot_bytes
+    for name in self.pools:
+        base = self.slot_address(name, slot)
         for i, node in enumerate(nodes):
-            cudart.cudaMemcpy2DAsync(base + (start + i) * position, row, base + (start + node) * position, row,
-                                     position, d.num_kv_heads, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
-                                     self.stream)
+            self._copy2d(base + (start + i) * self.position, self.row, base + (start + node) * self.position,
+                         self.row, self.position)
 
 
 def test_a_planted_keep_path_off_by_one_changes_the_tokens(device, medusa_engine, monkeypatch):
     expected = cpu_tokens(medusa_engine, PROMPTS[:4], medusa_tree_size=0)
-    monkeypatch.setattr(TensorRTEngine, "keep_path", keep_path_off_by_one)
+    monkeypatch.setattr(DevicePools, "keep_path", keep_path_off_by_one)
     llm = gpu(medusa_engine, medusa_tree_size=63)
     assert [c.token_ids for c in llm.generate(PROMPTS[:4], GREEDY)] != expected
 
@@ -101,8 +99,8 @@ def test_a_planted_keep_path_off_by_one_changes_the_tokens(device, medusa_engine
 def test_a_planted_block_offset_changes_the_tokens(device, tiny_engine, monkeypatch):
     prompts = [SHARED + tail for tail in ("    return", "    if")]
     expected = cpu_tokens(tiny_engine, prompts, prefix_cache=False)
-    load_block = TensorRTEngine.load_block  # planted: each cached block lands one block too far
-    monkeypatch.setattr(TensorRTEngine, "load_block", lambda self, block, slot, index: load_block(
+    load_block = DevicePools.load_block  # planted: each cached block lands one block too far
+    monkeypatch.setattr(DevicePools, "load_block", lambda self, block, slot, index: load_block(
         self, block, slot, index + 1))
     llm = gpu(tiny_engine, prefix_cache=True)
     outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
@@ -112,7 +110,6 @@ def test_a_planted_block_offset_changes_the_tokens(device, tiny_engine, monkeypa
 
 def test_an_overrun_is_a_cuda_error_not_silent(device, tiny_engine, monkeypatch):
     llm = gpu(tiny_engine)
-    slot_bytes = llm.engine.slot_bytes
-    monkeypatch.setattr(llm.engine, "slot_bytes", slot_bytes + 4)  # slot ids past the pool's end
+    monkeypatch.setattr(llm.engine.kv, "slot_bytes", llm.engine.kv.slot_bytes + 4)  # the last slot overruns
     with pytest.raises(RuntimeError, match="overrun an allocation"):
         llm.engine.copy_slot(llm.engine.dir.max_batch_size, 0, llm.engine.dir.max_seq_len)

@@ -1,9 +1,14 @@
-"""The TensorRT backend on a GPU: same greedy tokens as transformers. Skipped without a GPU."""
+"""The TensorRT backend on a GPU: same greedy tokens as transformers. Skipped without a GPU.
+
+Engines are built for this GPU with the flavour that serves it (TensorRT-RTX on sm80/86/89/12x,
+TensorRT on sm90/sm100). Without a GPU, tests/test_simulated_device.py runs the same backend code
+on a simulated device."""
 from __future__ import annotations
 
 import pytest
 
-from trtbuild.runtime.tensorrt_runtime import tensorrt_available
+from trtbuild.contract.gpu_targets import TENSORRT_ONLY
+from trtbuild.runtime.tensorrt_runtime import gpu_compute_capability, installed_flavors, tensorrt_available
 
 # Decided before the engine fixtures build anything: no GPU or no TensorRT, nothing to run.
 _UNAVAILABLE = tensorrt_available(None)
@@ -11,28 +16,62 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_UNAVAILABLE}")]
 
 
-def test_tensorrt_backend_matches_transformers(tiny_engine):
+def build_for_this_gpu(tmp_path_factory, spec_name: str):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import REPO
+
+    sm = gpu_compute_capability()
+    flavor = "tensorrt" if sm in TENSORRT_ONLY else "tensorrt-rtx"
+    if installed_flavors()[flavor] is None:
+        pytest.skip(f"this GPU ({sm}) is served by {flavor}, which is not installed")
+    spec = yaml.safe_load((REPO / "specs" / spec_name).read_text())
+    spec["model"]["checkpoint"] = str(REPO / "models" / "tiny-code")
+    if "medusa" in spec.get("speculative", {}):
+        spec["speculative"]["medusa"]["heads"] = str(REPO / "models" / "tiny-code" / "medusa")
+    spec["build"].update(backend=flavor, targets=[sm])
+    folder = tmp_path_factory.mktemp("gpu")
+    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(folder / "spec.yaml"), "-o",
+                    str(folder / "engine")], check=True)
+    return folder / "engine"
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(tmp_path_factory):
+    return build_for_this_gpu(tmp_path_factory, "tiny-code.yaml")
+
+
+@pytest.fixture(scope="module")
+def gpu_medusa_engine(tmp_path_factory):
+    return build_for_this_gpu(tmp_path_factory, "tiny-code-medusa.yaml")
+
+
+def test_tensorrt_backend_matches_transformers(gpu_engine):
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
     from conftest import TINY_CODE
     from ort_greedy import transformers_greedy
 
-    llm = LLM(tiny_engine, backend="tensorrt")
+    llm = LLM(gpu_engine, backend="tensorrt")
     prompts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     ids = [o.prompt_token_ids for o in outs]
     assert [o.token_ids for o in outs] == transformers_greedy(TINY_CODE, ids, 16)
 
 
-def test_tensorrt_medusa_matches_plain_decoding(medusa_engine):
+def test_tensorrt_medusa_matches_plain_decoding(gpu_medusa_engine):
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
     prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:"]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    plain = LLM(medusa_engine, backend="tensorrt", medusa_tree_size=0).generate(prompts, params)
-    llm = LLM(medusa_engine, backend="tensorrt")
+    plain = LLM(gpu_medusa_engine, backend="tensorrt", medusa_tree_size=0).generate(prompts, params)
+    llm = LLM(gpu_medusa_engine, backend="tensorrt")
     spec = llm.generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     print("medusa on tensorrt:", llm.speculation.stats.as_dict())
@@ -44,17 +83,18 @@ def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path, tiny_engine):
     import sys
 
     import yaml
-    from cuda.bindings import runtime as cudart
 
     from conftest import REPO, TINY_CODE
+    from trtbuild.runtime.tensorrt_runtime import cuda_runtime
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    if cudart.cudaGetDeviceCount()[1] < 2:
+    if cuda_runtime().cudaGetDeviceCount()[1] < 2:
         pytest.skip("needs two GPUs for two tensor-parallel ranks")
     spec = yaml.safe_load((REPO / "specs" / "tiny-code-tp2.yaml").read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)
-    spec["build"].update(backend="tensorrt", targets=[])
+    sm = gpu_compute_capability()
+    spec["build"].update(backend="tensorrt" if sm in TENSORRT_ONLY else "tensorrt-rtx", targets=[sm])
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(tmp_path / "spec.yaml"), "-o",
                     str(tmp_path / "tp2")], check=True)

@@ -1,0 +1,100 @@
+"""The TensorRT backend's device-memory code on a real GPU, without TensorRT (no TensorRT flavour
+runs on every lent GPU): KV pools from cudaMalloc moved by ``copy_slot``, ``keep_path``,
+``save_block`` and ``load_block`` (runtime/kv_pools.DevicePools) must equal the ONNX Runtime
+backend's numpy moves (HostPools) byte for byte after a random sequence of moves, and a
+stream capture → instantiate → launch of a move must do what the move does eagerly.
+
+    python tools/gpu_memory_check.py          # prints one line per check, exit 1 on a mismatch
+
+tests/test_simulated_device.py runs the same checks on the simulated device.
+"""
+from __future__ import annotations
+
+import random
+import sys
+
+import numpy as np
+
+from trtbuild.runtime.kv_pools import DevicePools, HostPools, PoolShape
+
+
+def _ok_for(cudart):
+    def ok(result):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"CUDA error: {cudart.cudaGetErrorString(err)[1].decode()}")
+        return rest[0] if len(rest) == 1 else rest
+    return ok
+
+
+def _random_move(rng: random.Random, s: PoolShape):
+    kind = rng.choice(("copy_slot", "keep_path", "save_block", "load_block"))
+    slot = rng.randrange(s.capacity)
+    index = rng.randrange(s.max_seq_len // s.block_size)
+    if kind == "copy_slot":
+        return kind, (slot, rng.randrange(s.capacity), rng.randint(1, s.max_seq_len))
+    if kind == "keep_path":
+        nodes = tuple(sorted(rng.sample(range(1, 10), rng.randint(1, 4))))  # nodes[i] ≥ i + 1
+        return kind, (slot, rng.randrange(s.max_seq_len - 10), nodes)
+    if kind == "save_block":
+        return kind, (slot, index, rng.randrange(s.prefix_blocks))
+    return kind, (rng.randrange(s.prefix_blocks), slot, index)
+
+
+def check(cudart, dtype=np.float16, moves: int = 300, seed: int = 0) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) for each check, on the device behind ``cudart``."""
+    ok = _ok_for(cudart)
+    shape = PoolShape(num_layers=2, capacity=5, num_kv_heads=2, max_seq_len=64, head_dim=16, dtype=np.dtype(dtype),
+                      prefix_blocks=4, block_size=8)
+    stream = ok(cudart.cudaStreamCreate())
+    device, host = DevicePools(shape, cudart, stream, ok), HostPools(shape)
+    rng, data = random.Random(seed), np.random.default_rng(seed)
+    for name in shape.names:
+        host.pools[name][:] = data.standard_normal(host.pools[name].shape).astype(dtype)
+        device.write(name, host.pools[name])
+    results = []
+    try:
+        counts: dict[str, int] = {}
+        for _ in range(moves):
+            kind, args = _random_move(rng, shape)
+            getattr(device, kind)(*args)
+            getattr(host, kind)(*args)
+            counts[kind] = counts.get(kind, 0) + 1
+        equal = all(np.array_equal(device.read(n).view(np.uint8), host.pools[n].view(np.uint8)) for n in shape.names)
+        results.append(("random moves equal numpy", equal, ", ".join(f"{k} ×{v}" for k, v in sorted(counts.items()))))
+
+        ok(cudart.cudaStreamBeginCapture(stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
+        device.copy_slot(0, 3, 40)
+        device.keep_path(3, 5, (2, 4))
+        graph = ok(cudart.cudaStreamEndCapture(stream))
+        replay = ok(cudart.cudaGraphInstantiate(graph, 0))
+        captured_untouched = all(np.array_equal(device.read(n), host.pools[n]) for n in shape.names)
+        ok(cudart.cudaGraphLaunch(replay, stream))
+        host.copy_slot(0, 3, 40)
+        host.keep_path(3, 5, (2, 4))
+        replayed = all(np.array_equal(device.read(n).view(np.uint8), host.pools[n].view(np.uint8))
+                       for n in shape.names)
+        results.append(("capture does not run the moves", captured_untouched, "pools unchanged until launch"))
+        results.append(("graph launch equals the moves", replayed, "copy_slot + keep_path replayed"))
+        cudart.cudaGraphExecDestroy(replay)
+    finally:
+        device.close()
+        cudart.cudaStreamDestroy(stream)
+    return results
+
+
+def main() -> int:
+    from cuda.bindings import runtime as cudart
+
+    err, props = cudart.cudaGetDeviceProperties(0)
+    print(f"gpu {props.name.decode(errors='replace')} sm{props.major}{props.minor}")
+    failed = False
+    for dtype in (np.float16, np.float32):
+        for name, passed, detail in check(cudart, dtype):
+            print(f"{np.dtype(dtype).name:<8} {name:<32} {'ok' if passed else 'MISMATCH'}  ({detail})")
+            failed |= not passed
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
