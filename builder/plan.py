@@ -23,7 +23,7 @@ from ..contract.tensor_parallel import kv_heads_per_rank
 from .frontend.checkpoint import ArchConfig
 from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
 from .plan_advice import TYPICAL_TREE, deployment, recommendations
-from .spec_checks import tensor_parallel_refusal
+from .spec_checks import tensor_parallel_ok
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "w8a8", "int4", "fp4")
 # The spec's quantization modes as plan precisions.
@@ -149,8 +149,7 @@ class Plan:
 
     def min_gpus(self, precision: str) -> int | None:
         """Fewest GPUs (a tensor parallelism the spec accepts, up to 64) whose ranks fit."""
-        return next((n for n in range(1, 65) if tensor_parallel_refusal(self.arch, n) is None
-                     and self.fits(precision, n)), None)
+        return next((n for n in range(1, 65) if tensor_parallel_ok(self.arch, n) and self.fits(precision, n)), None)
 
     # -- roofline -------------------------------------------------------------------------------
     @property

@@ -39,10 +39,17 @@ def _check_tensor_parallel(spec: Spec) -> None:
         raise SpecError("parallel.tensor", refusal)
 
 
+def tensor_parallel_ok(arch: ArchConfig, tp: int) -> bool:
+    return (arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0)
+            and arch.intermediate_size % tp == 0 and arch.vocab_size % tp == 0)
+
+
 def tensor_parallel_refusal(arch: ArchConfig, tp: int) -> str | None:
     """Why ``tp`` ranks cannot shard this architecture (None: they can). Megatron-style
     sharding needs whole heads, whole MLP columns and whole vocab slices per rank; ``plan``
     asks the same question for its GPU counts."""
+    if tensor_parallel_ok(arch, tp):
+        return None
     if arch.num_heads % tp:
         return f"{tp} does not divide num_attention_heads={arch.num_heads}; valid: {_divisors(arch.num_heads)}"
     if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
@@ -56,8 +63,9 @@ def tensor_parallel_refusal(arch: ArchConfig, tp: int) -> str | None:
     return None
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def _divisors(n: int, limit: int = 1024) -> str:
+    """Divisors of ``n`` up to ``limit`` (a tensor parallelism beyond that is not a real choice)."""
+    return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def linear_names(arch: ArchConfig) -> list[str]:
