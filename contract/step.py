@@ -9,6 +9,7 @@ outputs ``logits`` float32 [B, R, V], ``medusa_logits`` [B, R, K, V] with heads,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -66,9 +67,33 @@ class StepArrays:
         return dict(self.__dict__)
 
 
+    @classmethod
+    def empty(cls, batch: int, seq: int, rows: int, max_seq_len: int) -> "StepArrays":
+        """Buffers of one step shape, to fill with ``fill_step_arrays`` (and reuse across steps)."""
+        return cls(input_ids=np.zeros((batch, seq), np.int32), position_ids=np.zeros((batch, seq), np.int32),
+                   write_index=np.zeros(batch, np.int64), kv_length=np.zeros(batch, np.int64),
+                   attention_mask=np.zeros((batch, 1, seq, max_seq_len), np.bool_),
+                   logits_index=np.zeros((batch, rows), np.int64))
+
+
 def causal_mask(slots: np.ndarray, max_seq_len: int) -> np.ndarray:
     """bool [B, 1, S, S_max]: the token written at ``slots[b, s]`` sees cache positions ≤ it."""
-    return np.arange(max_seq_len)[None, None, None, :] <= slots[:, None, :, None]
+    return _positions(max_seq_len)[None, None, None, :] <= slots[:, None, :, None]
+
+
+@lru_cache(maxsize=8)
+def _positions(max_seq_len: int) -> np.ndarray:
+    positions = np.arange(max_seq_len)
+    positions.flags.writeable = False
+    return positions
+
+
+def step_shape(tokens: Sequence[Sequence[int]], pad_batch: int | None = None,
+               trees: Sequence[TreeRows | None] = (), all_logits: bool = False) -> tuple[int, int, int]:
+    """(B, S, R) of a step: rows padded to ``pad_batch``, the longest row, logits rows."""
+    rows, seq = len(tokens), max(len(t) for t in tokens)
+    every = all_logits or any(tree is not None for tree in trees)
+    return max(rows, pad_batch or rows), seq, seq if every else 1
 
 
 def step_arrays(tokens: Sequence[Sequence[int]], starts: Sequence[int], max_seq_len: int,
@@ -84,24 +109,33 @@ def step_arrays(tokens: Sequence[Sequence[int]], starts: Sequence[int], max_seq_
     inside the cache. A row verifying a tree writes its nodes in tree order at start + i,
     takes positions start + depth, and sees the cache before ``start`` plus its ancestors.
     """
-    rows, seq = len(tokens), max(len(t) for t in tokens)
-    batch = max(rows, pad_batch or rows)
-    ids = np.zeros((batch, seq), np.int32)
-    write = np.full(batch, max_seq_len - seq, np.int64)
-    lengths = np.full(batch, max_seq_len, np.int64)
-    last = np.zeros((batch, 1), np.int64)
+    out = StepArrays.empty(*step_shape(tokens, pad_batch, trees, all_logits), max_seq_len)
+    return fill_step_arrays(out, tokens, starts, max_seq_len, trees)
+
+
+def fill_step_arrays(out: StepArrays, tokens: Sequence[Sequence[int]], starts: Sequence[int], max_seq_len: int,
+                     trees: Sequence[TreeRows | None] = ()) -> StepArrays:
+    """``step_arrays`` written into ``out`` (shaped by ``step_shape``): no allocation that grows
+    with S_max, so a runtime can keep one set of buffers per step shape."""
+    batch, seq = out.input_ids.shape
+    ids, write, lengths, last = out.input_ids, out.write_index, out.kv_length, out.logits_index
+    ids.fill(0)
+    write.fill(max_seq_len - seq)
+    lengths.fill(max_seq_len)
+    last.fill(0)
     for row, (row_tokens, start) in enumerate(zip(tokens, starts)):
         ids[row, : len(row_tokens)] = row_tokens
         write[row], lengths[row], last[row, 0] = start, start + len(row_tokens), len(row_tokens) - 1
     slots = write[:, None] + np.arange(seq)[None, :]  # [B, S] where each token's K/V is written
-    mask = causal_mask(slots, max_seq_len)            # [B, 1, S, S_max]
-    positions = slots.copy()
+    np.less_equal(_positions(max_seq_len)[None, None, None, :], slots[:, None, :, None],
+                  out=out.attention_mask)  # [B, 1, S, S_max]
+    positions = out.position_ids
+    positions[:] = slots
     for row, tree in enumerate(trees):
         if tree is not None:
             start, size = write[row], tree.size
             positions[row, :size] = start + tree.depths
-            mask[row, 0, :size, start:start + size] = tree.ancestors
-    if all_logits or any(tree is not None for tree in trees):
-        last = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()  # [B, S]
-    return StepArrays(input_ids=ids, position_ids=positions.astype(np.int32), write_index=write,
-                      kv_length=lengths, attention_mask=mask, logits_index=last)
+            out.attention_mask[row, 0, :size, start:start + size] = tree.ancestors
+    if last.shape[1] > 1:
+        last[:] = np.arange(seq, dtype=np.int64)[None, :]  # [B, S]
+    return out

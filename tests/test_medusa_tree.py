@@ -2,7 +2,6 @@
 exact asserts, no engine."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from trtbuild.builder.medusa.tree import check_tree, default_tree, ordered, rank_accuracy
 from trtbuild.runtime.engine import step_arrays
 from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy, accept_typical
-from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+from trtbuild.runtime.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.scheduler import Draft, KeepPath, Phase, Request, Scheduler, StepKind
 from trtbuild.runtime.speculation import AcceptanceModel, SpeculationPolicy, StepTimes
@@ -155,9 +154,11 @@ def test_near_max_seq_len_the_batch_decodes_plainly():
 
 
 def test_keep_path_moves_kv_positions_in_order():
-    pool = np.arange(2 * 1 * 10 * 1, dtype=np.float32).reshape(2, 1, 10, 1)  # [slots, H, S_max, D]
-    engine = SimpleNamespace(pools={"key_0": pool})
-    OnnxRuntimeEngine.keep_path(engine, slot=1, start=2, nodes=(2, 5))
+    pools = HostPools(PoolShape(num_layers=1, capacity=2, num_kv_heads=1, max_seq_len=10, head_dim=1,
+                                dtype=np.dtype(np.float32), prefix_blocks=0, block_size=4))
+    pool = pools.pools["key_0"]  # [slots, H, S_max, D]
+    pool[:] = np.arange(2 * 1 * 10 * 1, dtype=np.float32).reshape(2, 1, 10, 1)
+    pools.keep_path(slot=1, start=2, nodes=(2, 5))
     assert pool[1, 0, :, 0].tolist() == [10, 11, 12, 14, 17, 15, 16, 17, 18, 19]
     assert pool[0, 0, :, 0].tolist() == list(range(10))
 
