@@ -6,16 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def session_options(threads: int = 0, external_data_dir: Path | None = None):
+def session_options(threads: int = 0, external_data_dir: Path | None = None, spin: bool = True):
     """``threads`` 0 lets ONNX Runtime choose; ``external_data_dir`` resolves the weights of a
-    model handed over in memory (a graph segment, a simulated FP4 graph) from that folder."""
+    model handed over in memory (a graph segment, a simulated FP4 graph) from that folder.
+
+    ``spin``: worker threads spin between ops instead of sleeping. A decode step is ~200 small
+    ops, and waking a sleeping worker for each costs more than most ops' arithmetic: measured on
+    2 cores (benchmarks/cpu_decode.py), spinning nearly doubles decode tok/s. Off where several
+    sessions share the cores (tensor-parallel ranks, graph segments), so that spinning pools do
+    not starve each other. Numerics are the same either way."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
-    # Spinning threads burn the cores the Python loop between steps needs.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     # DequantizeLinear → MatMul may become ONNX Runtime's n-bit GEMM; keep its activations in
     # float (accuracy level 1 = fp32) so it computes what the graph says, not an int8 proxy.
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
@@ -25,14 +30,14 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None):
     return options
 
 
-def session(model, threads: int = 0, external_data_dir: Path | None = None):
+def session(model, threads: int = 0, external_data_dir: Path | None = None, spin: bool = True):
     """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto."""
     import onnx
     import onnxruntime as ort
 
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else \
         str(model) if isinstance(model, Path) else model
-    return ort.InferenceSession(source, session_options(threads, external_data_dir),
+    return ort.InferenceSession(source, session_options(threads, external_data_dir, spin),
                                 providers=["CPUExecutionProvider"])
 
 

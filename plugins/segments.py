@@ -97,7 +97,7 @@ class SegmentedRank:
 
     def __init__(self, model: onnx.ModelProto, base_dir: Path | None, threads: int = 0):
         self.segments = split(model)
-        self.sessions = [None if s.model is None else ort_config.session(s.model, threads, base_dir)
+        self.sessions = [None if s.model is None else ort_config.session(s.model, threads, base_dir, spin=False)
                          for s in self.segments]
 
 

@@ -15,7 +15,8 @@ from .scheduler import Step
 class StepOutput:
     """float32 logits [B, R, V] and, when the engine has Medusa heads, medusa [B, R, K, V].
 
-    R = 1 (each row's last new token) for prefill and decode; R = S for verification."""
+    R = 1 (each row's last new token) for prefill and decode; R = S for verification. The arrays
+    are valid until the engine's next call (a backend may reuse its output buffers)."""
 
     logits: np.ndarray
     medusa: np.ndarray | None = None

@@ -6,17 +6,27 @@ so TensorScatter writes the new K/V into the pool itself: no per-step copy of th
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
-from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS
+from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import HostPools, PoolShape
-from .scheduler import Step
+from .scheduler import Step, StepKind
+
+
+@dataclass(frozen=True)
+class _Bound:
+    arrays: StepArrays
+    binding: object              # onnxruntime.IOBinding
+    logits: np.ndarray           # [B, 1, V]
+    medusa: np.ndarray | None    # [B, 1, K, V]
 
 
 class OnnxRuntimeEngine:
@@ -45,11 +55,19 @@ class OnnxRuntimeEngine:
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
         self.pools, self.cache_names = self.kv.pools, self.kv.shape.names
         self.has_medusa = MEDUSA_LOGITS in outputs
+        self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
 
     def step(self, step: Step) -> StepOutput:
-        arrays = step_arrays(step, self.engine_dir.max_seq_len)
         if self.segments is not None:
-            return self._step_segments(arrays, step)
+            return self._step_segments(step_arrays(step, self.engine_dir.max_seq_len), step)
+        batch, seq, rows = step_shape(step.tokens, trees=step.trees)
+        if step.kind == StepKind.decode and rows == 1:  # the steady state: same shapes step after step
+            key = (step.first_slot, batch, seq)
+            bound = self._bound.get(key) or self._bind(key)
+            fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
+            self.session.run_with_iobinding(bound.binding)
+            return StepOutput(logits=bound.logits, medusa=bound.medusa)
+        arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_cpu_input(name, value)
@@ -65,6 +83,29 @@ class OnnxRuntimeEngine:
         outputs = binding.get_outputs()
         return StepOutput(logits=outputs[0].numpy(),  # [B, R, V]
                           medusa=outputs[1].numpy() if self.has_medusa else None)  # [B, R, K, V]
+
+    def _bind(self, key: tuple[int, int, int]) -> _Bound:
+        """Buffers and an IO binding for decode steps of one shape, reused every such step:
+        inputs are numpy buffers the step fills in place, caches are views of the pools, the
+        outputs land in preallocated arrays (valid until the next step, as StepOutput says)."""
+        first_slot, batch, seq = key
+        d = self.engine_dir
+        arrays = StepArrays.empty(batch, seq, 1, d.max_seq_len)
+        binding = self.session.io_binding()
+        for name, value in arrays.as_dict().items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
+        logits = np.empty((batch, 1, d.vocab_size), np.float32)  # [B, 1, V]
+        binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        medusa = None
+        if self.has_medusa:
+            medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
+            binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
+        for name in self.cache_names:
+            view = ort.OrtValue.ortvalue_from_numpy(self.pools[name][first_slot:first_slot + batch])
+            binding.bind_ortvalue_input(f"past_{name}", view)
+            binding.bind_ortvalue_output(f"present_{name}", view)
+        self._bound[key] = _Bound(arrays, binding, logits, medusa)
+        return self._bound[key]
 
     def _step_segments(self, arrays, step: Step) -> StepOutput:
         """The rank graph piece by piece, this rank's collective between pieces; caches in place."""

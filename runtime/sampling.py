@@ -56,8 +56,10 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> tuple[int, float | None]:
         """(token, its log-probability under the model's distribution if asked)."""
-        logits = logits.astype(np.float64)  # [V]
         p = self.params
+        if p.greedy and not p.logprobs:  # the argmax needs no float64 copy of the row
+            return int(np.argmax(logits)), None
+        logits = logits.astype(np.float64)  # [V]
         if p.greedy:
             token = int(np.argmax(logits))
         else:

@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""CPU decode speed of the ONNX Runtime backend, side by side with onnxruntime-genai, and where a
+decode step's time goes.
+
+    python benchmarks/cpu_decode.py [--fp32-dir DIR] [--int4-dir DIR] [--repeats 3] [--no-genai] [--json]
+
+Engines: specs/tiny-code.yaml (fp32) and the same with int4 GPTQ, group 128 (built into a
+temporary dir unless given). Each engine at batch 1 and 8: random 64-token prompts (seeded), 128
+greedy tokens; decode tok/s = batch / the median decode step (each row makes one token a step),
+and the batch-1 prefill time (to each row's first token); the median of --repeats runs of each.
+
+With onnxruntime-genai installed (`pip install -e ".[bench]"`), its model builder converts the
+same checkpoint in this run, measured the same way: fp32; int4 block 128 at accuracy level 1
+(float activations, like ours) and at its CPU default, level 4 (int8 activations). Perplexity of
+each int4 model on the bundled held-out text (4096 tokens) shows whether activations were
+quantized. Compare within one run: figures move ±20 % between runs on a shared 2-core machine.
+
+Then the step-time breakdown of trtbuild's decode at batch 1 and 8: the step loop outside the
+engine (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings,
+outputs) and ONNX Runtime's run, and ONNX Runtime's profile by op type.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKPOINT = REPO / "models" / "tiny-code"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from trtbuild.builder.progress import table as format_table  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 64, 128
+
+
+def build(out: Path, quantization: dict | None, workdir: Path) -> Path:
+    import yaml
+
+    spec = yaml.safe_load((REPO / "specs" / "tiny-code.yaml").read_text())
+    spec["model"]["checkpoint"] = str(CHECKPOINT)
+    if quantization:
+        spec["quantization"] = quantization
+    path = workdir / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out),
+                    "--log-level", "error"], check=True, capture_output=True)
+    return out
+
+
+def gptq_int4(workdir: Path) -> dict:
+    from quantization import calibration_text  # the quantization benchmark's calibration text
+
+    return {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 128,
+            "calibration": {"data": [str(calibration_text(workdir / "calibration.txt"))]}}
+
+
+def prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(4, vocab, size=(batch, PROMPT_LEN)).tolist()
+
+
+# -- trtbuild ---------------------------------------------------------------------------------
+
+def trtbuild_run(llm, batch: int, seed: int) -> tuple[float, float]:
+    """(decode tok/s, prefill s): the batch over the median decode step (every row makes one
+    token per step; the median shrugs off a step a neighbour process delayed)."""
+    from trtbuild.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    rids = {llm.submit(p, params) for p in prompts(batch, seed, llm.engine_dir.vocab_size)}
+    start, started = time.perf_counter(), set()
+    while started != rids:  # prefill: until every row has its first token
+        deltas, _ = llm.step()
+        started |= {d.rid for d in deltas}
+    prefill, steps = time.perf_counter() - start, []
+    while llm.has_work():
+        begin = time.perf_counter()
+        llm.step()
+        steps.append(time.perf_counter() - begin)
+    return batch / statistics.median(steps), prefill
+
+
+def trtbuild_runner(engine: Path, threads: int):
+    from trtbuild.runtime.llm import LLM
+
+    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
+    trtbuild_run(llm, 1, seed=99)  # warm-up
+    return lambda batch, seed: trtbuild_run(llm, batch, seed)
+
+
+EVAL_TOKENS, EVAL_CONTEXT = 4096, 512  # trtbuild eval's windows (runtime/evaluate.py)
+
+
+def trtbuild_perplexity(engine: Path, threads: int) -> float:
+    from trtbuild.runtime.evaluate import evaluate
+
+    return evaluate(engine, CHECKPOINT / "heldout.txt", EVAL_CONTEXT, EVAL_TOKENS, threads=threads).perplexity
+
+
+# -- onnxruntime-genai ------------------------------------------------------------------------
+
+def genai_build(out: Path, precision: str, threads: int, accuracy_level: int | None = None) -> Path:
+    extra = ["--extra_options", f"accuracy_level={accuracy_level}", "block_size=128"] if accuracy_level else []
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(CHECKPOINT), "-o", str(out),
+                    "-p", precision, "-e", "cpu", "-c", str(out.parent / "cache"), *extra],
+                   check=True, capture_output=True)
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config, indent=2))
+    return out
+
+
+def genai_run(model, batch: int, seed: int, vocab: int) -> tuple[float, float]:
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=PROMPT_LEN + NEW_TOKENS, batch_size=batch, do_sample=False)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(np.asarray(prompts(batch, seed, vocab), np.int32))
+    generator.generate_next_token()  # each row's first token, from the prefill's logits
+    prefill, steps = time.perf_counter() - start, []
+    while not generator.is_done():
+        begin = time.perf_counter()
+        generator.generate_next_token()
+        steps.append(time.perf_counter() - begin)
+    return batch / statistics.median(steps), prefill
+
+
+def genai_runner(path: Path, vocab: int):
+    import onnxruntime_genai as og
+
+    model = og.Model(str(path))
+    genai_run(model, 1, 99, vocab)  # warm-up
+    return lambda batch, seed: genai_run(model, batch, seed, vocab)
+
+
+def measure(runners: dict, repeats: int) -> dict[str, dict]:
+    """Every runner at batch 1 and 8, round-robin ``repeats`` times (so a slow spell of the
+    machine hits every engine alike); medians of tok/s and of batch-1 prefill ms."""
+    samples: dict[str, dict] = {name: {1: [], 8: [], "prefill_ms": []} for name in runners}
+    for seed in range(repeats):
+        for name, run in runners.items():
+            for batch in (1, 8):
+                rate, prefill = run(batch, seed)
+                samples[name][batch].append(rate)
+                if batch == 1:
+                    samples[name]["prefill_ms"].append(prefill * 1e3)
+    return {name: {key: statistics.median(values) for key, values in s.items()} for name, s in samples.items()}
+
+
+def genai_perplexity(path: Path, threads: int) -> float:
+    """Perplexity of the genai model's ONNX graph over trtbuild eval's windows, in ONNX Runtime."""
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    from trtbuild.runtime.evaluate import windows
+
+    ids = Tokenizer.from_file(str(CHECKPOINT / "tokenizer.json")).encode((CHECKPOINT / "heldout.txt").read_text()).ids
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    config = json.loads((path / "genai_config.json").read_text())["model"]["decoder"]
+    heads, head_dim = config["num_key_value_heads"], config["head_size"]
+    nll, count = 0.0, 0
+    for window in windows(ids, EVAL_CONTEXT, EVAL_TOKENS):
+        tokens, targets = window[None, :-1], window[1:]
+        feeds = {"input_ids": tokens, "attention_mask": np.ones_like(tokens)}
+        for info in session.get_inputs():
+            if info.name == "position_ids":
+                feeds["position_ids"] = np.arange(tokens.shape[1], dtype=np.int64)[None]
+            elif info.name.startswith("past_key_values"):
+                dtype = np.float16 if "float16" in info.type else np.float32
+                feeds[info.name] = np.zeros((1, heads, 0, head_dim), dtype)
+        logits = session.run(["logits"], feeds)[0][0].astype(np.float64)  # [C, V]
+        top = logits.max(axis=-1, keepdims=True)
+        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+        nll += float((logz - logits[np.arange(len(targets)), targets]).sum())
+        count += len(targets)
+    return float(np.exp(nll / count))
+
+
+# -- where a decode step's time goes ----------------------------------------------------------
+
+def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
+    """Per decode step (ms): step loop outside the engine, the engine's host side, ONNX Runtime's
+    run; and ONNX Runtime's profile (a second, profiling session) summed by op type."""
+    import onnxruntime as ort
+
+    from trtbuild.contract import onnxruntime as ort_config
+    from trtbuild.plugins import fp4
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
+    engine_obj = llm.engine
+    timing = {"run": 0.0}
+    session = engine_obj.session
+    run = session.run_with_iobinding
+
+    def timed_run(binding, *args):
+        begin = time.perf_counter()
+        run(binding, *args)
+        timing["run"] += time.perf_counter() - begin
+
+    def measure(sess) -> dict:
+        sess.run_with_iobinding = timed_run if sess is session else sess.run_with_iobinding
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+        for p in prompts(batch, 7, llm.engine_dir.vocab_size):
+            llm.submit(p, params)
+        while llm.stats.decode_steps == 0:
+            llm.step()
+        steps, engine_s, loop_s, timing["run"] = llm.stats.decode_steps, llm.stats.engine_s, llm.stats.loop_s, 0.0
+        while llm.has_work():
+            llm.step()
+        n = llm.stats.decode_steps - steps
+        return {"steps": n, "loop_ms": (llm.stats.loop_s - loop_s) / n * 1e3,
+                "engine_ms": (llm.stats.engine_s - engine_s) / n * 1e3, "run_ms": timing["run"] / n * 1e3}
+
+    measure(session)  # warm-up
+    figures = measure(session)
+    options = ort_config.session_options(threads)
+    options.enable_profiling = True
+    options.profile_file_prefix = str(workdir / f"profile-b{batch}")
+    profiled = ort.InferenceSession(fp4.ort_source(engine_obj.engine_dir.rank_file(0, "onnx")), options,
+                                    providers=["CPUExecutionProvider"])
+    engine_obj.session = profiled
+    engine_obj._bound.clear()  # its reused bindings belong to the first session
+    measure(profiled)
+    trace = json.loads(Path(profiled.end_profiling()).read_text())
+    by_op: dict[str, float] = defaultdict(float)
+    for event in trace:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            by_op[event["args"]["op_name"]] += event["dur"] / 1e3  # ms
+    total = sum(by_op.values())
+    figures["ops"] = {op: ms / total for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])}
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fp32-dir", type=Path, help="engine dir of specs/tiny-code.yaml (default: build one)")
+    ap.add_argument("--int4-dir", type=Path, help="the same with int4 GPTQ g128 (default: build one)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai even if installed")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    try:
+        import onnxruntime_genai  # noqa: F401
+        genai = not args.no_genai
+    except ImportError:
+        genai = False
+        print("onnxruntime-genai not installed (pip install -e \".[bench]\"): trtbuild rows only", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        fp32 = args.fp32_dir or build(work / "fp32", None, work)
+        int4 = args.int4_dir or build(work / "int4-gptq-g128", gptq_int4(work), work)
+        vocab = json.loads((fp32 / "manifest.json").read_text())["model"]["vocab_size"]
+        runners = {"trtbuild fp32": trtbuild_runner(fp32, args.threads),
+                   "trtbuild int4 gptq g128 (float activations)": trtbuild_runner(int4, args.threads)}
+        perplexity = {"trtbuild int4 gptq g128 (float activations)": trtbuild_perplexity(int4, args.threads)}
+        if genai:
+            models = {"onnxruntime-genai fp32": genai_build(work / "genai-fp32", "fp32", args.threads),
+                      "onnxruntime-genai int4 rtn b128, accuracy 1 (float activations)":
+                          genai_build(work / "genai-int4-l1", "int4", args.threads, accuracy_level=1),
+                      "onnxruntime-genai int4 rtn b128, accuracy 4 (int8 activations, its CPU default)":
+                          genai_build(work / "genai-int4-l4", "int4", args.threads, accuracy_level=4)}
+            runners.update({name: genai_runner(path, vocab) for name, path in models.items()})
+            perplexity.update({name: genai_perplexity(path, args.threads) for name, path in models.items()
+                               if "int4" in name})
+        figures = measure(runners, args.repeats)
+        rows = [(name, figures[name], perplexity.get(name)) for name in runners]
+        steps = {batch: breakdown(fp32, args.threads, batch, work) for batch in (1, 8)}
+    if args.json:
+        print(json.dumps({"rows": [{"engine": n, **r, "perplexity": p} for n, r, p in rows], "breakdown": steps},
+                         indent=2, default=str))
+        return
+    base = {b: rows[0][1][b] for b in (1, 8)}
+    genai_fp32 = next((r for n, r, _ in rows if n == "onnxruntime-genai fp32"), None)
+    table = [[name, f"{r[1]:.0f}", f"{r[8]:.0f}", f"{r['prefill_ms']:.1f}", "" if p is None else f"{p:.3f}"]
+             for name, r, p in rows]
+    print(f"decode tok/s ({PROMPT_LEN}-token random prompts, {NEW_TOKENS} greedy tokens, median of "
+          f"{args.repeats}, {args.threads} threads)")
+    print(format_table(table, ["engine", "batch 1 tok/s", "batch 8 tok/s", "prefill 64 ms (b1)", "perplexity"]))
+    if genai_fp32:
+        print(f"\ntrtbuild fp32 / genai fp32: {base[1] / genai_fp32[1]:.2f}x at batch 1, "
+              f"{base[8] / genai_fp32[8]:.2f}x at batch 8")
+        int4, genai_l1, genai_l4 = rows[1][1], rows[3][1], rows[4][1]
+        print(f"trtbuild int4 / genai int4 (float activations): {int4[1] / genai_l1[1]:.2f}x at batch 1, "
+              f"{int4[8] / genai_l1[8]:.2f}x at batch 8; / genai int4 (int8 activations): "
+              f"{int4[1] / genai_l4[1]:.2f}x, {int4[8] / genai_l4[8]:.2f}x")
+    print("\nwhere a decode step's time goes (trtbuild fp32, ms per step)")
+    print(format_table([[str(b), f"{s['loop_ms']:.3f}", f"{s['loop_ms'] - s['engine_ms']:.3f}",
+                         f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}"] for b, s in steps.items()],
+                       ["batch", "step", "loop outside engine", "engine host side", "onnxruntime run"]))
+    for b, s in steps.items():
+        top = ", ".join(f"{op} {share * 100:.0f} %" for op, share in list(s["ops"].items())[:6])
+        print(f"onnxruntime ops at batch {b}: {top}")
+
+
+if __name__ == "__main__":
+    main()
