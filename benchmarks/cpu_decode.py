@@ -193,7 +193,9 @@ def genai_perplexity(path: Path, threads: int) -> float:
 
 def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
     """Per decode step (ms): step loop outside the engine, the engine's host side, ONNX Runtime's
-    run; and ONNX Runtime's profile (a second, profiling session) summed by op type."""
+    run; the step with ONNX Runtime's workers sleeping between ops instead of spinning (the
+    configuration before this benchmark existed); and ONNX Runtime's profile (a profiling
+    session) summed by op type."""
     import onnxruntime as ort
 
     from trtbuild.contract import onnxruntime as ort_config
@@ -202,18 +204,23 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
     from trtbuild.runtime.sampling import SamplingParams
 
     llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
-    engine_obj = llm.engine
-    timing = {"run": 0.0}
-    session = engine_obj.session
-    run = session.run_with_iobinding
+    engine_obj, timing = llm.engine, {"run": 0.0}
+    source = fp4.ort_source(engine_obj.engine_dir.rank_file(0, "onnx"))
 
-    def timed_run(binding, *args):
-        begin = time.perf_counter()
-        run(binding, *args)
-        timing["run"] += time.perf_counter() - begin
+    def use(session) -> None:
+        """The engine runs ``session`` from now on, its runs timed."""
+        run = session.run_with_iobinding
 
-    def measure(sess) -> dict:
-        sess.run_with_iobinding = timed_run if sess is session else sess.run_with_iobinding
+        def timed(binding, *args):
+            begin = time.perf_counter()
+            run(binding, *args)
+            timing["run"] += time.perf_counter() - begin
+
+        session.run_with_iobinding = timed
+        engine_obj.session = session
+        engine_obj._bound.clear()  # reused bindings belong to the session that made them
+
+    def measure() -> dict:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         for p in prompts(batch, 7, llm.engine_dir.vocab_size):
             llm.submit(p, params)
@@ -226,16 +233,18 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
         return {"steps": n, "loop_ms": (llm.stats.loop_s - loop_s) / n * 1e3,
                 "engine_ms": (llm.stats.engine_s - engine_s) / n * 1e3, "run_ms": timing["run"] / n * 1e3}
 
-    measure(session)  # warm-up
-    figures = measure(session)
+    use(engine_obj.session)
+    measure()  # warm-up
+    figures = measure()
+    use(ort_config.session(source, threads, spin=False))
+    measure()
+    figures["sleeping_loop_ms"] = measure()["loop_ms"]
     options = ort_config.session_options(threads)
     options.enable_profiling = True
     options.profile_file_prefix = str(workdir / f"profile-b{batch}")
-    profiled = ort.InferenceSession(fp4.ort_source(engine_obj.engine_dir.rank_file(0, "onnx")), options,
-                                    providers=["CPUExecutionProvider"])
-    engine_obj.session = profiled
-    engine_obj._bound.clear()  # its reused bindings belong to the first session
-    measure(profiled)
+    profiled = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    use(profiled)
+    measure()
     trace = json.loads(Path(profiled.end_profiling()).read_text())
     by_op: dict[str, float] = defaultdict(float)
     for event in trace:
@@ -301,8 +310,11 @@ def main() -> None:
               f"{int4[1] / genai_l4[1]:.2f}x, {int4[8] / genai_l4[8]:.2f}x")
     print("\nwhere a decode step's time goes (trtbuild fp32, ms per step)")
     print(format_table([[str(b), f"{s['loop_ms']:.3f}", f"{s['loop_ms'] - s['engine_ms']:.3f}",
-                         f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}"] for b, s in steps.items()],
-                       ["batch", "step", "loop outside engine", "engine host side", "onnxruntime run"]))
+                         f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}",
+                         f"{s['sleeping_loop_ms']:.3f} ({s['sleeping_loop_ms'] / s['loop_ms']:.2f}x)"]
+                        for b, s in steps.items()],
+                       ["batch", "step", "loop outside engine", "engine host side", "onnxruntime run",
+                        "step, workers sleeping"]))
     for b, s in steps.items():
         top = ", ".join(f"{op} {share * 100:.0f} %" for op, share in list(s["ops"].items())[:6])
         print(f"onnxruntime ops at batch {b}: {top}")
