@@ -1,8 +1,9 @@
 """CPU backend: runs the rank ONNX (the graph compiled into the engine) in ONNX Runtime.
 
-The KV pools (runtime/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, D] per layer. Each step binds
-``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through IO binding,
-so TensorScatter writes the new K/V into the pool itself: no per-step copy of the cache.
+The KV pools (runtime/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, D] per layer.
+Each step binds ``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through
+IO binding, so TensorScatter writes the new K/V into the pool itself: no per-step copy of the
+cache. Plain decode steps reuse one binding per shape (``_bind``).
 """
 from __future__ import annotations
 
