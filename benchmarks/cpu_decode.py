@@ -17,9 +17,7 @@ quantized. Compare within one run: figures move ±20 % between runs on a shared 
 
 Then the step-time breakdown of trtbuild's decode at batch 1 and 8: the step loop outside the
 engine (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings,
-outputs) and ONNX Runtime's run; the same step with ONNX Runtime's workers sleeping between ops
-and with the rank graph instead of the CPU decode graph (each a same-run before/after); and
-ONNX Runtime's profile by op type.
+outputs) and ONNX Runtime's run, and ONNX Runtime's profile by op type.
 """
 from __future__ import annotations
 
@@ -207,9 +205,7 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
 
     llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
     engine_obj, timing = llm.engine, {"run": 0.0}
-    rank_onnx = engine_obj.engine_dir.rank_file(0, "onnx")
-    # What decode steps run: the CPU decode graph (GroupQueryAttention) where it applies.
-    source = engine_obj.decode_model if engine_obj.decode_model is not None else fp4.ort_source(rank_onnx)
+    source = fp4.ort_source(engine_obj.engine_dir.rank_file(0, "onnx"))
 
     def use(session) -> None:
         """The engine runs ``session`` from now on, its runs timed."""
@@ -221,7 +217,7 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
             timing["run"] += time.perf_counter() - begin
 
         session.run_with_iobinding = timed
-        engine_obj.decode_session = session
+        engine_obj.session = session
         engine_obj._bound.clear()  # reused bindings belong to the session that made them
 
     def measure() -> dict:
@@ -237,20 +233,16 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
         return {"steps": n, "loop_ms": (llm.stats.loop_s - loop_s) / n * 1e3,
                 "engine_ms": (llm.stats.engine_s - engine_s) / n * 1e3, "run_ms": timing["run"] / n * 1e3}
 
-    use(engine_obj.decode_session)
+    use(engine_obj.session)
     measure()  # warm-up
     figures = measure()
-    use(ort_config.session(source, threads, rank_onnx.parent, spin=False))
+    use(ort_config.session(source, threads, spin=False))
     measure()
     figures["sleeping_loop_ms"] = measure()["loop_ms"]
-    use(ort_config.session(fp4.ort_source(rank_onnx), threads))
-    measure()
-    figures["rank_graph_loop_ms"] = measure()["loop_ms"]
-    options = ort_config.session_options(threads, rank_onnx.parent)
+    options = ort_config.session_options(threads)
     options.enable_profiling = True
     options.profile_file_prefix = str(workdir / f"profile-b{batch}")
-    profiled = ort.InferenceSession(source.SerializeToString() if engine_obj.decode_model is not None else source,
-                                    options, providers=["CPUExecutionProvider"])
+    profiled = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     use(profiled)
     measure()
     trace = json.loads(Path(profiled.end_profiling()).read_text())
@@ -319,11 +311,10 @@ def main() -> None:
     print("\nwhere a decode step's time goes (trtbuild fp32, ms per step)")
     print(format_table([[str(b), f"{s['loop_ms']:.3f}", f"{s['loop_ms'] - s['engine_ms']:.3f}",
                          f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}",
-                         f"{s['sleeping_loop_ms']:.3f} ({s['sleeping_loop_ms'] / s['loop_ms']:.2f}x)",
-                         f"{s['rank_graph_loop_ms']:.3f} ({s['rank_graph_loop_ms'] / s['loop_ms']:.2f}x)"]
+                         f"{s['sleeping_loop_ms']:.3f} ({s['sleeping_loop_ms'] / s['loop_ms']:.2f}x)"]
                         for b, s in steps.items()],
                        ["batch", "step", "loop outside engine", "engine host side", "onnxruntime run",
-                        "step, workers sleeping", "step, rank graph"]))
+                        "step, workers sleeping"]))
     for b, s in steps.items():
         top = ", ".join(f"{op} {share * 100:.0f} %" for op, share in list(s["ops"].items())[:6])
         print(f"onnxruntime ops at batch {b}: {top}")
