@@ -17,7 +17,8 @@ quantized. Compare within one run: figures move ±20 % between runs on a shared 
 
 Then the step-time breakdown of trtbuild's decode at batch 1 and 8: the step loop outside the
 engine (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings,
-outputs) and ONNX Runtime's run, and ONNX Runtime's profile by op type.
+outputs) and ONNX Runtime's run; the same step with ONNX Runtime's workers sleeping between ops
+(the configuration before, measured in the same run); and ONNX Runtime's profile by op type.
 """
 from __future__ import annotations
 
@@ -191,11 +192,12 @@ def genai_perplexity(path: Path, threads: int) -> float:
 
 # -- where a decode step's time goes ----------------------------------------------------------
 
-def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
-    """Per decode step (ms): step loop outside the engine, the engine's host side, ONNX Runtime's
-    run; the step with ONNX Runtime's workers sleeping between ops instead of spinning (the
-    configuration before this benchmark existed); and ONNX Runtime's profile (a profiling
-    session) summed by op type."""
+def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: int) -> dict:
+    """Per decode step (ms, medians over steps that decode every row): the step loop outside the
+    engine, the engine's host side and ONNX Runtime's run; the same step with ONNX Runtime's
+    workers sleeping between ops (the configuration before this benchmark); and ONNX Runtime's
+    profile (a profiling session) summed by op type. The two configurations take turns
+    ``repeats`` times, each in its own runtime (spinning pools of one would slow the other)."""
     import onnxruntime as ort
 
     from trtbuild.contract import onnxruntime as ort_config
@@ -203,13 +205,11 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
-    engine_obj, timing = llm.engine, {"run": 0.0}
-    source = fp4.ort_source(engine_obj.engine_dir.rank_file(0, "onnx"))
-
-    def use(session) -> None:
-        """The engine runs ``session`` from now on, its runs timed."""
-        run = session.run_with_iobinding
+    def runtime(session_of=None):
+        """An LLM whose engine runs ``session_of(rank ONNX)`` (default: its own), runs timed."""
+        llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
+        session = session_of(fp4.ort_source(llm.engine_dir.rank_file(0, "onnx"))) if session_of else llm.engine.session
+        run, timing = session.run_with_iobinding, {"run": 0.0}
 
         def timed(binding, *args):
             begin = time.perf_counter()
@@ -217,35 +217,41 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path) -> dict:
             timing["run"] += time.perf_counter() - begin
 
         session.run_with_iobinding = timed
-        engine_obj.session = session
-        engine_obj._bound.clear()  # reused bindings belong to the session that made them
+        llm.engine.session = session
+        return llm, timing
 
-    def measure() -> dict:
+    def measure(llm, timing) -> dict:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         for p in prompts(batch, 7, llm.engine_dir.vocab_size):
             llm.submit(p, params)
-        while llm.stats.decode_steps == 0:
-            llm.step()
-        steps, engine_s, loop_s, timing["run"] = llm.stats.decode_steps, llm.stats.engine_s, llm.stats.loop_s, 0.0
+        rows: dict[str, list[float]] = {"loop": [], "engine": [], "run": []}
         while llm.has_work():
+            stats = llm.stats
+            before = (stats.loop_s, stats.engine_s, stats.prefill_steps, stats.decode_steps)
+            timing["run"] = 0.0
             llm.step()
-        n = llm.stats.decode_steps - steps
-        return {"steps": n, "loop_ms": (llm.stats.loop_s - loop_s) / n * 1e3,
-                "engine_ms": (llm.stats.engine_s - engine_s) / n * 1e3, "run_ms": timing["run"] / n * 1e3}
+            if stats.prefill_steps == before[2] and stats.decode_steps == before[3] + 1:  # decode only
+                rows["loop"].append(stats.loop_s - before[0])
+                rows["engine"].append(stats.engine_s - before[1])
+                rows["run"].append(timing["run"])
+        return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in rows.items()}
 
-    use(engine_obj.session)
-    measure()  # warm-up
-    figures = measure()
-    use(ort_config.session(source, threads, spin=False))
-    measure()
-    figures["sleeping_loop_ms"] = measure()["loop_ms"]
+    current, sleeping = [], []
+    for _ in range(repeats):
+        llm, timing = runtime()
+        measure(llm, timing)  # warm-up
+        current.append(measure(llm, timing))
+        llm, timing = runtime(lambda source: ort_config.session(source, threads, spin=False))
+        measure(llm, timing)
+        sleeping.append(measure(llm, timing)["loop_ms"])
+    figures = {key: statistics.median(r[key] for r in current) for key in current[0]}
+    figures["sleeping_loop_ms"] = statistics.median(sleeping)
     options = ort_config.session_options(threads)
     options.enable_profiling = True
     options.profile_file_prefix = str(workdir / f"profile-b{batch}")
-    profiled = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-    use(profiled)
-    measure()
-    trace = json.loads(Path(profiled.end_profiling()).read_text())
+    llm, timing = runtime(lambda source: ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]))
+    measure(llm, timing)
+    trace = json.loads(Path(llm.engine.session.end_profiling()).read_text())
     by_op: dict[str, float] = defaultdict(float)
     for event in trace:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
@@ -289,7 +295,7 @@ def main() -> None:
                                if "int4" in name})
         figures = measure(runners, args.repeats)
         rows = [(name, figures[name], perplexity.get(name)) for name in runners]
-        steps = {batch: breakdown(fp32, args.threads, batch, work) for batch in (1, 8)}
+        steps = {batch: breakdown(fp32, args.threads, batch, work, args.repeats) for batch in (1, 8)}
     if args.json:
         print(json.dumps({"rows": [{"engine": n, **r, "perplexity": p} for n, r, p in rows], "breakdown": steps},
                          indent=2, default=str))
