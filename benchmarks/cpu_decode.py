@@ -10,7 +10,8 @@ greedy tokens; decode tok/s = batch / the median decode step (each row makes one
 and the batch-1 prefill time (to each row's first token); the median of --repeats runs of each.
 
 With onnxruntime-genai installed (`pip install -e ".[bench]"`), its model builder converts the
-same checkpoint in this run, measured the same way: fp32; int4 block 128 at accuracy level 1
+same checkpoint in this run, measured the same way (every engine in a process of its own, the
+engines taking turns --repeats times): fp32; int4 block 128 at accuracy level 1
 (float activations, like ours) and at its CPU default, level 4 (int8 activations). Perplexity of
 each int4 model on the bundled held-out text (4096 tokens) shows whether activations were
 quantized. Compare within one run: figures move ±20 % between runs on a shared 2-core machine.
@@ -89,12 +90,12 @@ def trtbuild_run(llm, batch: int, seed: int) -> tuple[float, float]:
     return batch / statistics.median(steps), prefill
 
 
-def trtbuild_runner(engine: Path, threads: int):
+def trtbuild_measure(engine: Path, threads: int, seed: int) -> dict:
     from trtbuild.runtime.llm import LLM
 
     llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
     trtbuild_run(llm, 1, seed=99)  # warm-up
-    return lambda batch, seed: trtbuild_run(llm, batch, seed)
+    return {str(batch): trtbuild_run(llm, batch, seed) for batch in (1, 8)}
 
 
 EVAL_TOKENS, EVAL_CONTEXT = 4096, 512  # trtbuild eval's windows (runtime/evaluate.py)
@@ -137,25 +138,28 @@ def genai_run(model, batch: int, seed: int, vocab: int) -> tuple[float, float]:
     return batch / statistics.median(steps), prefill
 
 
-def genai_runner(path: Path, vocab: int):
+def genai_measure(path: Path, seed: int, vocab: int) -> dict:
     import onnxruntime_genai as og
 
     model = og.Model(str(path))
     genai_run(model, 1, 99, vocab)  # warm-up
-    return lambda batch, seed: genai_run(model, batch, seed, vocab)
+    return {str(batch): genai_run(model, batch, seed, vocab) for batch in (1, 8)}
 
 
-def measure(runners: dict, repeats: int) -> dict[str, dict]:
-    """Every runner at batch 1 and 8, round-robin ``repeats`` times (so a slow spell of the
-    machine hits every engine alike); medians of tok/s and of batch-1 prefill ms."""
-    samples: dict[str, dict] = {name: {1: [], 8: [], "prefill_ms": []} for name in runners}
+def measure(engines: dict[str, tuple[str, Path]], threads: int, repeats: int, vocab: int) -> dict[str, dict]:
+    """Each engine in a process of its own (ONNX Runtime thread pools left spinning by one
+    engine would slow the next), round-robin ``repeats`` times so that a slow spell of the
+    machine hits every engine alike; medians of tok/s and of batch-1 prefill ms."""
+    samples: dict[str, dict] = {name: {1: [], 8: [], "prefill_ms": []} for name in engines}
     for seed in range(repeats):
-        for name, run in runners.items():
+        for name, (kind, path) in engines.items():
+            out = subprocess.run([sys.executable, __file__, "--one", kind, str(path), "--threads", str(threads),
+                                  "--seed", str(seed), "--vocab", str(vocab)],
+                                 check=True, capture_output=True, text=True).stdout
+            figures = json.loads(out.strip().splitlines()[-1])
             for batch in (1, 8):
-                rate, prefill = run(batch, seed)
-                samples[name][batch].append(rate)
-                if batch == 1:
-                    samples[name]["prefill_ms"].append(prefill * 1e3)
+                samples[name][batch].append(figures[str(batch)][0])
+            samples[name]["prefill_ms"].append(figures["1"][1] * 1e3)
     return {name: {key: statistics.median(values) for key, values in s.items()} for name, s in samples.items()}
 
 
@@ -269,7 +273,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai even if installed")
     ap.add_argument("--json", action="store_true")
+    # One measurement in this process (the parent runs each engine in a process of its own).
+    ap.add_argument("--one", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        kind, path = args.one[0], Path(args.one[1])
+        figures = trtbuild_measure(path, args.threads, args.seed) if kind == "trtbuild" else \
+            genai_measure(path, args.seed, args.vocab)
+        print(json.dumps(figures))
+        return
     try:
         import onnxruntime_genai  # noqa: F401
         genai = not args.no_genai
@@ -281,8 +295,7 @@ def main() -> None:
         fp32 = args.fp32_dir or build(work / "fp32", None, work)
         int4 = args.int4_dir or build(work / "int4-gptq-g128", gptq_int4(work), work)
         vocab = json.loads((fp32 / "manifest.json").read_text())["model"]["vocab_size"]
-        runners = {"trtbuild fp32": trtbuild_runner(fp32, args.threads),
-                   "trtbuild int4 gptq g128 (float activations)": trtbuild_runner(int4, args.threads)}
+        engines = {"trtbuild fp32": ("trtbuild", fp32), "trtbuild int4 gptq g128 (float activations)": ("trtbuild", int4)}
         perplexity = {"trtbuild int4 gptq g128 (float activations)": trtbuild_perplexity(int4, args.threads)}
         if genai:
             models = {"onnxruntime-genai fp32": genai_build(work / "genai-fp32", "fp32", args.threads),
@@ -290,11 +303,11 @@ def main() -> None:
                           genai_build(work / "genai-int4-l1", "int4", args.threads, accuracy_level=1),
                       "onnxruntime-genai int4 rtn b128, accuracy 4 (int8 activations, its CPU default)":
                           genai_build(work / "genai-int4-l4", "int4", args.threads, accuracy_level=4)}
-            runners.update({name: genai_runner(path, vocab) for name, path in models.items()})
+            engines.update({name: ("genai", path) for name, path in models.items()})
             perplexity.update({name: genai_perplexity(path, args.threads) for name, path in models.items()
                                if "int4" in name})
-        figures = measure(runners, args.repeats)
-        rows = [(name, figures[name], perplexity.get(name)) for name in runners]
+        figures = measure(engines, args.threads, args.repeats, vocab)
+        rows = [(name, figures[name], perplexity.get(name)) for name in engines]
         steps = {batch: breakdown(fp32, args.threads, batch, work, args.repeats) for batch in (1, 8)}
     if args.json:
         print(json.dumps({"rows": [{"engine": n, **r, "perplexity": p} for n, r, p in rows], "breakdown": steps},
