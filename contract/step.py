@@ -76,11 +76,6 @@ class StepArrays:
                    logits_index=np.zeros((batch, rows), np.int64))
 
 
-def causal_mask(slots: np.ndarray, max_seq_len: int) -> np.ndarray:
-    """bool [B, 1, S, S_max]: the token written at ``slots[b, s]`` sees cache positions ≤ it."""
-    return _positions(max_seq_len)[None, None, None, :] <= slots[:, None, :, None]
-
-
 @lru_cache(maxsize=8)
 def _positions(max_seq_len: int) -> np.ndarray:
     positions = np.arange(max_seq_len)
@@ -127,6 +122,7 @@ def fill_step_arrays(out: StepArrays, tokens: Sequence[Sequence[int]], starts: S
         ids[row, : len(row_tokens)] = row_tokens
         write[row], lengths[row], last[row, 0] = start, start + len(row_tokens), len(row_tokens) - 1
     slots = write[:, None] + np.arange(seq)[None, :]  # [B, S] where each token's K/V is written
+    # Causal: the token written at slots[b, s] sees cache positions ≤ it.
     np.less_equal(_positions(max_seq_len)[None, None, None, :], slots[:, None, :, None],
                   out=out.attention_mask)  # [B, 1, S, S_max]
     positions = out.position_ids

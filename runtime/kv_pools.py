@@ -76,6 +76,14 @@ class HostPools:
             pool[slot, :, self._span(index)] = self.blocks[name][block]
 
 
+def device_alloc(cudart, ok, nbytes: int, zero: bool = False) -> int:
+    """cudaMalloc (and cudaMemset to 0 when asked): an address as an int."""
+    ptr = int(ok(cudart.cudaMalloc(nbytes)))
+    if zero:
+        ok(cudart.cudaMemset(ptr, 0, nbytes))
+    return ptr
+
+
 class DevicePools:
     """The same pools in device memory, moved with 2-D copies on ``stream`` (rows = KV heads,
     pitch = one head's S_max positions), so a move costs the bytes it moves."""
@@ -88,14 +96,8 @@ class DevicePools:
         self.row = s.max_seq_len * self.position                 # one head's positions in a slot
         self.slot_bytes = s.num_kv_heads * self.row
         self.block_bytes = s.num_kv_heads * s.block_size * self.position
-        self.pools = {n: self._alloc(s.capacity * self.slot_bytes, zero=True) for n in s.names}
-        self.blocks = {n: self._alloc(max(1, s.prefix_blocks) * self.block_bytes) for n in s.names}
-
-    def _alloc(self, nbytes: int, zero: bool = False) -> int:
-        ptr = int(self.ok(self.cudart.cudaMalloc(nbytes)))
-        if zero:
-            self.ok(self.cudart.cudaMemset(ptr, 0, nbytes))
-        return ptr
+        self.pools = {n: device_alloc(cudart, ok, s.capacity * self.slot_bytes, zero=True) for n in s.names}
+        self.blocks = {n: device_alloc(cudart, ok, max(1, s.prefix_blocks) * self.block_bytes) for n in s.names}
 
     def slot_address(self, name: str, slot: int) -> int:
         return self.pools[name] + slot * self.slot_bytes

@@ -12,19 +12,11 @@ import numpy as np
 
 from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
-from .kv_pools import DevicePools, PoolShape
-from .tensorrt_runtime import cuda_runtime, load_flavor
+from .kv_pools import DevicePools, PoolShape, device_alloc
+from .tensorrt_runtime import cuda_check, cuda_runtime, load_flavor
 from .scheduler import Step, StepKind
 
 _ELEMENT = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-
-
-def _ok(result):
-    cudart = cuda_runtime()
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"CUDA error: {cudart.cudaGetErrorString(err)[1].decode()}")
-    return rest[0] if len(rest) == 1 else rest
 
 
 class TensorRTEngine:
@@ -37,6 +29,7 @@ class TensorRTEngine:
         # The flavour the manifest names (tensorrt or tensorrt_rtx), checked against this GPU.
         trt, cudart = load_flavor(engine_dir, device), cuda_runtime()
         self.trt, self.cudart, self.dir, self.block_size = trt, cudart, engine_dir, block_size
+        self.ok = _ok = cuda_check(cudart)
         _ok(cudart.cudaSetDevice(device))
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(engine_dir.rank_file(rank, "engine").read_bytes())
@@ -58,23 +51,17 @@ class TensorRTEngine:
         b, s, s_max = d.max_batch_size, max(d.max_input_len, rows), d.max_seq_len
         sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
                  "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
-        self.inputs = {name: self._alloc(size) for name, size in sizes.items()}
-        self.logits = self._alloc(b * rows * d.vocab_size * 4)
-        self.medusa = self._alloc(b * rows * self.num_heads * d.vocab_size * 4) if self.num_heads else None
+        self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items()}
+        self.logits = device_alloc(cudart, _ok, b * rows * d.vocab_size * 4)
+        self.medusa = device_alloc(cudart, _ok, b * rows * self.num_heads * d.vocab_size * 4) if self.num_heads else None
         self.buckets = sorted(d.cuda_graph_batch_sizes)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch bucket, S) → CUDA graph
-
-    def _alloc(self, nbytes: int, zero: bool = False) -> int:
-        ptr = _ok(self.cudart.cudaMalloc(nbytes))
-        if zero:
-            _ok(self.cudart.cudaMemset(ptr, 0, nbytes))
-        return int(ptr)
 
     def _bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
     def step(self, step: Step) -> StepOutput:
-        cudart = self.cudart
+        cudart, _ok = self.cudart, self.ok
         rows = len(step.rids)
         # Plain decode pads to a CUDA-graph bucket; dummy rows write the last position of free or
         # prefilling slots, which no prompt reaches. A verification writes S positions, which a
@@ -123,7 +110,7 @@ class TensorRTEngine:
             context.set_tensor_address("medusa_logits", self.medusa)
 
     def _capture(self, context):
-        cudart = self.cudart
+        cudart, _ok = self.cudart, self.ok
         _ok(cudart.cudaStreamBeginCapture(self.stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
         context.execute_async_v3(self.stream)
         graph = _ok(cudart.cudaStreamEndCapture(self.stream))

@@ -20,9 +20,9 @@ def _module(name: str) -> ModuleType | None:
         return None
 
 
-def installed_flavors() -> dict[str, str | None]:
+def installed_flavors(flavors=tuple(MODULES)) -> dict[str, str | None]:
     """Flavour → the version importable here (None: not installed or not loadable)."""
-    return {flavor: getattr(_module(module), "__version__", None) for flavor, module in MODULES.items()}
+    return {flavor: getattr(_module(MODULES[flavor]), "__version__", None) for flavor in flavors}
 
 
 def cuda_runtime() -> ModuleType:
@@ -31,6 +31,16 @@ def cuda_runtime() -> ModuleType:
     if module is None:
         raise EngineDirError("cuda-python is not usable here: pip install cuda-python")
     return module
+
+
+def cuda_check(cudart: ModuleType):
+    """A function unwrapping cuda-python's (error, *results) tuples, raising on an error."""
+    def ok(result):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"CUDA error: {cudart.cudaGetErrorString(err)[1].decode()}")
+        return rest[0] if len(rest) == 1 else rest
+    return ok
 
 
 def gpu_compute_capability(device: int = 0) -> str | None:
@@ -48,15 +58,15 @@ def gpu_compute_capability(device: int = 0) -> str | None:
 def tensorrt_available(engine_dir: EngineDir | None = None, device: int = 0) -> str | None:
     """None when this machine can run the engine dir's TensorRT engines (without a dir: any
     TensorRT flavour on a GPU), else the reason, naming what to install or rebuild."""
-    installed = installed_flavors()
-    if engine_dir is None and not any(installed.values()):
-        return "no TensorRT flavour is installed (pip install tensorrt, or \"trtbuild[rtx]\" for tensorrt-rtx)"
-    compute_capability = gpu_compute_capability(device)
+    compute_capability = gpu_compute_capability(device)  # first: importing TensorRT costs more
     if compute_capability is None:
         return "no CUDA GPU is visible"
     if engine_dir is None:
-        return None
-    return runtime_refusal(engine_dir.manifest["tensorrt"], installed, compute_capability)
+        if any(installed_flavors().values()):
+            return None
+        return "no TensorRT flavour is installed (pip install tensorrt, or \"trtbuild[rtx]\" for tensorrt-rtx)"
+    built = engine_dir.manifest["tensorrt"]
+    return runtime_refusal(built, installed_flavors((built["flavor"],)), compute_capability)
 
 
 def load_flavor(engine_dir: EngineDir, device: int = 0) -> ModuleType:

@@ -229,13 +229,15 @@ class SimulatedDevice:
         of each TensorRT flavour to offer (default: the one each engine dir names, at its version)."""
         import json
 
+        from trtbuild.contract.gpu_targets import MODULES
+
         monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", self.module())
         if flavors is None:
             flavors = {}
             for path in engine_dirs:
                 built = json.loads((Path(path) / "manifest.json").read_text())["tensorrt"]
-                flavors[{"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[built["flavor"]]] = built["version"]
-        for name in ("tensorrt", "tensorrt_rtx"):
+                flavors[MODULES[built["flavor"]]] = built["version"]
+        for name in MODULES.values():
             monkeypatch.setitem(sys.modules, name, self.tensorrt(name, flavors[name], engine_dirs)
                                 if name in flavors else None)  # None: importing it fails, as if absent
 

@@ -16,15 +16,7 @@ import sys
 import numpy as np
 
 from trtbuild.runtime.kv_pools import DevicePools, HostPools, PoolShape
-
-
-def _ok_for(cudart):
-    def ok(result):
-        err, *rest = result if isinstance(result, tuple) else (result,)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"CUDA error: {cudart.cudaGetErrorString(err)[1].decode()}")
-        return rest[0] if len(rest) == 1 else rest
-    return ok
+from trtbuild.runtime.tensorrt_runtime import cuda_check
 
 
 def _random_move(rng: random.Random, s: PoolShape):
@@ -43,7 +35,7 @@ def _random_move(rng: random.Random, s: PoolShape):
 
 def check(cudart, dtype=np.float16, moves: int = 300, seed: int = 0) -> list[tuple[str, bool, str]]:
     """(check, passed, detail) for each check, on the device behind ``cudart``."""
-    ok = _ok_for(cudart)
+    ok = cuda_check(cudart)
     shape = PoolShape(num_layers=2, capacity=5, num_kv_heads=2, max_seq_len=64, head_dim=16, dtype=np.dtype(dtype),
                       prefix_blocks=4, block_size=8)
     stream = ok(cudart.cudaStreamCreate())

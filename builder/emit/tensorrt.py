@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from ...contract.gpu_targets import RTX_TARGETS, built_for, sm, tensorrt_only_refusal
+from ...contract.gpu_targets import MODULES, RTX_TARGETS, built_for, sm, tensorrt_only_refusal
 from ..errors import SpecError, UserError
 from ..progress import peak_rss_bytes
 from ..spec import Backend, DType, Spec
@@ -60,13 +60,13 @@ def building_gpu(device: int = 0) -> str:
 def resolve_flavor(backend: Backend) -> Flavor:
     """The TensorRT flavour to build with; ``auto`` takes TensorRT when it can build here."""
     if backend in (Backend.auto, Backend.tensorrt):
-        trt = _import("tensorrt")
+        trt = _import(MODULES["tensorrt"])
         if trt is not None and _tensorrt_can_build(trt):
             return Flavor("tensorrt", trt, gpu=building_gpu())
         if backend == Backend.tensorrt:
             raise SpecError("build.backend", "tensorrt cannot build here (needs the tensorrt package "
                                              "and a GPU); use tensorrt-rtx or auto")
-    rtx = _import("tensorrt_rtx")
+    rtx = _import(MODULES["tensorrt-rtx"])
     if rtx is None:
         raise SpecError("build.backend", f"{backend.value}: no TensorRT flavour can build here; "
                                          "pip install tensorrt-rtx (builds without a GPU)")
@@ -75,7 +75,7 @@ def resolve_flavor(backend: Backend) -> Flavor:
 
 def flavor_by_name(name: str) -> Flavor:
     """The flavour a parent process resolved, re-imported in a build subprocess."""
-    module = _import({"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[name])
+    module = _import(MODULES[name])
     if module is None:
         raise UserError(f"{name} cannot be imported in the engine-build process")
     return Flavor(name, module)
