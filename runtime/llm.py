@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
 from .engine import StepOutput
 from .engines import make_engine
 from .outputs import Completion, Delta, RequestOutput
@@ -155,9 +157,14 @@ class LLM:
             return self.tokenizer.encode(prompt).ids
         tokens = list(prompt)
         vocab = self.engine_dir.vocab_size
-        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        # numpy integers are ids too; bools and floats are mistakes to name, not ids.
+        wrong = next((t for t in tokens if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))), None)
+        if wrong is not None:
+            raise ValueError(f"prompt: token ids are integers, got {wrong!r} ({type(wrong).__name__})")
+        tokens = [int(t) for t in tokens]
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
         return tokens
 
     def generate(self, prompts: list[str] | str | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

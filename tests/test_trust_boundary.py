@@ -6,6 +6,7 @@ write; no entry point that reads a checkpoint unpickles anything.
 """
 from __future__ import annotations
 
+import re
 import json
 import shutil
 import subprocess
@@ -260,11 +261,17 @@ def test_prompts_and_workloads_outside_the_vocabulary_are_refused(tiny_engine, t
 
     llm = LLM(tiny_engine, backend="onnxruntime")
     for prompt, message in (([5, -1], "token id -1 is outside the vocabulary [0, 4096)"),
-                            ([4096], "token id 4096 is outside"), ([1.5], "token id 1.5 is outside"),
+                            ([4096], "token id 4096 is outside"),
+                            ([1.5], "prompt: token ids are integers, got 1.5 (float)"),
+                            ([True], "prompt: token ids are integers, got True (bool)"),
                             ("caf\udce9", "prompt: not valid UTF-8 text")):
-        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
             llm.generate([prompt], SamplingParams(max_tokens=2))
     assert not llm.has_work()  # nothing half-queued
+    import numpy as np
+
+    (ids,) = llm.generate([np.array([5, 17, 300])], SamplingParams(max_tokens=2))  # numpy ids are ids
+    assert ids.prompt_token_ids == [5, 17, 300] and all(type(t) is int for t in ids.prompt_token_ids)
     (done,) = llm.generate(["def f(x):"], SamplingParams(max_tokens=3, temperature=1.0, top_k=10**6, seed=1))
     assert len(done.token_ids) == 3  # top_k beyond the vocabulary keeps every token
     workload = tmp_path / "w.jsonl"
