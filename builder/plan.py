@@ -138,11 +138,13 @@ class Plan:
         tokens = w.max_batch * w.max_input_len
         return tokens * (4 * a.hidden_size + 2 * a.intermediate_size) * 2 + w.max_batch * a.vocab_size * 4
 
+    def kv_share(self, tp: int) -> float:
+        """The share of the model's KV heads a rank holds: split, or replicated where N exceeds them."""
+        return kv_heads_per_rank(tp, self.arch.num_kv_heads) / self.arch.num_kv_heads
+
     def per_rank(self, precision: str | None = None, tp: int | None = None) -> float:
-        """Weights split N ways; KV heads split, or replicated where N exceeds them."""
         tp = tp or self.tp
-        kv_share = kv_heads_per_rank(tp, self.arch.num_kv_heads) / self.arch.num_kv_heads
-        return self.weights(precision) / tp + self.kv_total * kv_share + self.workspace
+        return self.weights(precision) / tp + self.kv_total * self.kv_share(tp) + self.workspace
 
     def fits(self, precision: str | None = None, tp: int | None = None) -> bool:
         return self.per_rank(precision, tp) <= HEADROOM * self.gpu.memory_bytes
@@ -167,8 +169,7 @@ class Plan:
 
     def decode_bytes(self, batch: int) -> float:
         """Bytes one decode step reads on one rank: its weights once, each sequence's KV heads."""
-        kv_share = kv_heads_per_rank(self.tp, self.arch.num_kv_heads) / self.arch.num_kv_heads
-        return self.weights() / self.tp + batch * self.mean_context * self.kv_per_token * kv_share
+        return self.weights() / self.tp + batch * self.mean_context * self.kv_per_token * self.kv_share(self.tp)
 
     def decode_flops(self, batch: int) -> float:
         per_token = self.prefill_flops_per_token + self.attention_flops_per_context_token * self.mean_context

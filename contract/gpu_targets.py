@@ -28,8 +28,7 @@ def sm(major: int, minor: int) -> str:
 
 def rtx_serves(compute_capability: str) -> bool:
     """Whether a portable TensorRT-RTX engine runs on this compute capability."""
-    return compute_capability in RTX_PORTABLE or (compute_capability.startswith("sm12") and
-                                                  compute_capability not in TENSORRT_ONLY)
+    return compute_capability in RTX_PORTABLE or compute_capability.startswith("sm12")  # ">12.0"
 
 
 def tensorrt_only_refusal(targets: tuple[str, ...] | list[str]) -> str | None:

@@ -54,7 +54,6 @@ class OnnxRuntimeEngine:
             self.session = ort_config.session(fp4.ort_source(path), threads)
             outputs = [o.name for o in self.session.get_outputs()]
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
-        self.pools, self.cache_names = self.kv.pools, self.kv.shape.names
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
 
@@ -76,8 +75,8 @@ class OnnxRuntimeEngine:
         if self.has_medusa:
             binding.bind_output("medusa_logits")  # second
         rows = slice(step.first_slot, step.first_slot + len(step.rids))
-        for name in self.cache_names:
-            view = ort.OrtValue.ortvalue_from_numpy(self.pools[name][rows])  # shares the pool's memory
+        for name, pool in self.kv.pools.items():
+            view = ort.OrtValue.ortvalue_from_numpy(pool[rows])  # shares the pool's memory
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
         self.session.run_with_iobinding(binding)
@@ -101,8 +100,8 @@ class OnnxRuntimeEngine:
         if self.has_medusa:
             medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
             binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
-        for name in self.cache_names:
-            view = ort.OrtValue.ortvalue_from_numpy(self.pools[name][first_slot:first_slot + batch])
+        for name, pool in self.kv.pools.items():
+            view = ort.OrtValue.ortvalue_from_numpy(pool[first_slot:first_slot + batch])
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
         self._bound[key] = _Bound(arrays, binding, logits, medusa)
@@ -111,7 +110,7 @@ class OnnxRuntimeEngine:
     def _step_segments(self, arrays, step: Step) -> StepOutput:
         """The rank graph piece by piece, this rank's collective between pieces; caches in place."""
         rows = slice(step.first_slot, step.first_slot + len(step.rids))
-        views = {name: ort.OrtValue.ortvalue_from_numpy(self.pools[name][rows]) for name in self.cache_names}
+        views = {name: ort.OrtValue.ortvalue_from_numpy(pool[rows]) for name, pool in self.kv.pools.items()}
         values: dict[str, object] = dict(arrays.as_dict())
         for segment, session in zip(self.segments.segments, self.segments.sessions):
             if session is not None:

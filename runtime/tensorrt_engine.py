@@ -100,7 +100,7 @@ class TensorRTEngine:
             context.set_tensor_address(name, self.inputs[name])
         batch = arrays.input_ids.shape[0]
         shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
-        for name in self.kv.shape.names:
+        for name in self.kv.pools:
             address = self.kv.slot_address(name, first_slot)
             context.set_input_shape(f"past_{name}", shape)
             context.set_tensor_address(f"past_{name}", address)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import enum
-import hashlib
 import sys
 import types
 from collections import Counter
@@ -240,7 +239,3 @@ class SimulatedDevice:
         for name in MODULES.values():
             monkeypatch.setitem(sys.modules, name, self.tensorrt(name, flavors[name], engine_dirs)
                                 if name in flavors else None)  # None: importing it fails, as if absent
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
