@@ -54,6 +54,17 @@ def run_onnx(model: onnx.ModelProto | Path, inputs: dict[str, np.ndarray], threa
     return ort_config.run(ort_config.session(model, threads), inputs)
 
 
+def decode_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The seeded step cut to a plain decode step: each row's first new token only (one row at
+    position 0, one after random cached K/V), logits at it."""
+    write = inputs["write_index"]
+    out = dict(inputs)
+    out.update(input_ids=inputs["input_ids"][:, :1], position_ids=inputs["position_ids"][:, :1],
+               kv_length=write + 1, attention_mask=np.ascontiguousarray(inputs["attention_mask"][:, :, :1]),
+               logits_index=np.zeros((len(write), 1), np.int64))
+    return out
+
+
 def run_torch(step: torch.nn.Module, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
     args = [torch.from_numpy(np.ascontiguousarray(v)) for v in inputs.values()]
     with torch.no_grad():

@@ -3,7 +3,9 @@
 The KV pools (runtime/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, D] per layer.
 Each step binds ``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through
 IO binding, so TensorScatter writes the new K/V into the pool itself: no per-step copy of the
-cache. Plain decode steps reuse one binding per shape (``_bind``).
+cache. Plain decode steps reuse one binding per shape (``_bind``) and run the decode graph
+(contract/cpu_decode_graph.py: GroupQueryAttention per layer, packed QKV, fused residual norms)
+where it applies.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
+from ..contract.cpu_decode_graph import DecodeGraph, decode_graph
 from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
@@ -20,6 +23,10 @@ from .engine import StepOutput, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import HostPools, PoolShape
 from .scheduler import Step, StepKind
+
+
+# The decode graph is a second session holding the weights again: worth it for CPU-sized models.
+DECODE_GRAPH_MAX_WEIGHT_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class OnnxRuntimeEngine:
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
         self.engine_dir, self.block_size = engine_dir, block_size
         path = engine_dir.rank_file(rank, "onnx")
-        self.segments = None
+        self.segments, self.decode = None, None
         if engine_dir.tensor_parallel > 1:  # the rank graph holds DistCollective nodes
             if collective is None:
                 raise ValueError(f"{path} is one rank of a tensor-parallel engine: run it through the "
@@ -53,9 +60,25 @@ class OnnxRuntimeEngine:
         else:
             self.session = ort_config.session(fp4.ort_source(path), threads)
             outputs = [o.name for o in self.session.get_outputs()]
+            self.decode = self._decode_graph(engine_dir, rank, path)
+            self.decode_session = self.session if self.decode is None else \
+                ort_config.session(self.decode.model, threads, path.parent)
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
+
+    @staticmethod
+    def _decode_graph(engine_dir: EngineDir, rank: int, path) -> DecodeGraph | None:
+        """The graph plain decode steps run (contract/cpu_decode_graph.py); None: decode runs the
+        rank graph. It is a second session over the same weights, so it is skipped for weights
+        over DECODE_GRAPH_MAX_WEIGHT_BYTES."""
+        import onnx
+
+        if engine_dir.manifest["ranks"][rank]["weight_bytes"] > DECODE_GRAPH_MAX_WEIGHT_BYTES:
+            return None
+        model = fp4.cpu_model(path) if fp4.has_fp4(onnx.load(path, load_external_data=False)) else \
+            onnx.load(path, load_external_data=False)
+        return decode_graph(model, engine_dir.model["num_heads"], engine_dir.num_kv_heads)
 
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
@@ -65,7 +88,7 @@ class OnnxRuntimeEngine:
             key = (step.first_slot, batch, seq)
             bound = self._bound.get(key) or self._bind(key)
             fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
-            self.session.run_with_iobinding(bound.binding)
+            self.decode_session.run_with_iobinding(bound.binding)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
@@ -91,7 +114,7 @@ class OnnxRuntimeEngine:
         first_slot, batch, seq = key
         d = self.engine_dir
         arrays = StepArrays.empty(batch, seq, 1, d.max_seq_len)
-        binding = self.session.io_binding()
+        binding = self.decode_session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
         logits = np.empty((batch, 1, d.vocab_size), np.float32)  # [B, 1, V]

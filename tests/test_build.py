@@ -12,6 +12,8 @@ from trtbuild.builder.build import BuildOptions, build
 from trtbuild.contract.manifest import check_engine_dir
 from trtbuild.builder.progress import Progress, Verbosity
 from trtbuild.builder.spec import load_spec
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
 
 from conftest import TINY_CODE, write_spec
 from ort_greedy import greedy, transformers_greedy
@@ -55,6 +57,13 @@ def test_every_site_fused_on_the_tiny_model(tiny_engine):
     for name in ("fuse_rmsnorm", "fuse_rotary", "fuse_attention"):
         numerics = records[name]["numerics"]
         assert numerics["ok"] and numerics["vs_torch"]["max_abs"] < 1e-3, (name, numerics)
+    # Once attention is fused, the CPU decode graph (GroupQueryAttention) is checked against it:
+    # every layer's chain, its q/k/v packed, and 11 residual norms fused (the 13 norms less the
+    # first, which reads the embedding, and the last, which reads the gathered logits row).
+    decode = records["fuse_attention"]["numerics"]["cpu_decode"]
+    assert (decode["layers"], decode["packed_qkv"], decode["skip_norms"]) == (6, 6, 11), decode
+    assert decode["max_abs"] < 1e-4, decode
+    assert "cpu_decode" not in records["fuse_rotary"]["numerics"]
     graph = onnx.load(tiny_engine / "rank0.onnx", load_external_data=False).graph
     ops = {n.op_type for n in graph.node}
     assert {"Attention", "TensorScatter", "RotaryEmbedding", "RMSNormalization"} <= ops
@@ -97,6 +106,14 @@ def test_other_families_build_and_match_transformers(family, checkpoints, tmp_pa
     arch = spec.arch
     ours = greedy(tmp_path / "out" / "rank0.onnx", prompts, 8, arch.num_layers, arch.num_kv_heads, arch.head_dim, 128)
     assert ours == transformers_greedy(checkpoints[family], prompts, 8)
+    # The runtime's decode steps run GroupQueryAttention where the chain is the plain pattern; Qwen3's
+    # per-head norms sit inside it, so its decode runs the rank graph. Same tokens either way.
+    decode = records["fuse_attention"]["numerics"].get("cpu_decode")
+    llm = LLM(tmp_path / "out", backend="onnxruntime", threads=2)
+    assert (llm.engine.decode.layers if llm.engine.decode else 0) == (0 if family == "qwen3" else 2)
+    assert (decode is None) == (family == "qwen3")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ours
 
 
 def test_same_spec_and_checkpoint_give_identical_onnx(checkpoints, tmp_path):

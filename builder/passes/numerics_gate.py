@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
+from ...contract.cpu_decode_graph import decode_graph
 from ...contract.tensor_parallel import gather_caches, shard_caches
 from ...plugins import fp4
 from ...plugins.segments import run_ranks
@@ -24,15 +25,17 @@ from .instruments import Instrument
 class NumericsGate(Instrument):
     def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
                  quantized_reference: dict | None = None, quantized_rtol: float | None = None,
-                 num_kv_heads: int | None = None):
+                 num_kv_heads: int | None = None, heads: tuple[int, int] | None = None):
         """``workdir`` holds the graphs' external weight files; ``quantized_reference`` is torch
         eager with the dequantized weights, the reference once the graph holds quantized weights
         (quantization error is measured, not a pass's mistake); ``num_kv_heads`` of the whole
-        model, to give each rank its cache shard."""
+        model, to give each rank its cache shard; ``heads`` (query, KV) of a single-rank graph,
+        for the CPU decode graph (contract/cpu_decode_graph.py), checked against the rank graph
+        at a decode step whenever it applies."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
         self.workdir, self.quantized_reference = workdir, quantized_reference
         self.quantized_rtol = quantized_rtol or rtol
-        self.num_kv_heads = num_kv_heads
+        self.num_kv_heads, self.heads = num_kv_heads, heads
         self.previous: dict | None = None  # outputs of the graphs before the current pass
         self.first = True
 
@@ -58,6 +61,15 @@ class NumericsGate(Instrument):
             record["vs_previous"] = numerics.worst(vs_previous)
         if len(graphs) > 1:
             record["ranks_together"] = len(graphs)
+        decode = self.check_decode(graphs[0]) if len(graphs) == 1 and self.heads is not None else None
+        if decode is not None:
+            counts, stats = decode
+            record["cpu_decode"] = {**counts, **numerics.worst(stats)}
+            bad_decode = {name: s for name, s in stats.items() if not s.within(self.atol, self.rtol)}
+            if bad_decode:
+                name, stat = max(bad_decode.items(), key=lambda kv: kv[1].max_abs)
+                raise PassError(f"after pass {p.name} the CPU decode graph (GroupQueryAttention) differs from the "
+                                f"rank graph: {name} max_abs {stat.max_abs:.3g} exceeds atol {self.atol}{after(ran)}")
         rtol = self.quantized_rtol if use_quantized else self.rtol
         bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, rtol)}
         record["ok"] = not bad
@@ -82,6 +94,23 @@ class NumericsGate(Instrument):
         outputs = run_ranks(models, feeds, self.workdir)
         logits = {name: value for name, value in outputs[0].items() if not name.startswith("present_")}
         return {**logits, **gather_caches(outputs, self.num_kv_heads)}
+
+    def check_decode(self, graph: gs.Graph) -> tuple[dict[str, int], dict] | None:
+        """(the decode graph's fusion counts, stats of the decode graph vs the rank graph at a
+        decode step), or None when the decode rewrite does not apply to this graph (yet)."""
+        model = self._model(graph)
+        found = decode_graph(model, *self.heads)
+        if found is None:
+            return None
+        decoded = found.model
+        inputs = numerics.decode_inputs(self.inputs)
+        models = [model, decoded]
+        if self.workdir is not None:  # external weights resolve relative to the model file
+            models = [self.workdir / "numerics.onnx", self.workdir / "numerics_decode.onnx"]
+            onnx.save_model(model, models[0])
+            onnx.save_model(decoded, models[1])
+        reference, actual = (numerics.run_onnx(m, inputs) for m in models)
+        return found.counts, numerics.compare(actual, reference)
 
     @staticmethod
     def _model(graph: gs.Graph) -> onnx.ModelProto:

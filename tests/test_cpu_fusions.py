@@ -1,0 +1,88 @@
+"""The decode graph's CPU fusions on small hand-made graphs: what they match, what they leave
+alone, and that ONNX Runtime computes the same numbers after them."""
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from trtbuild.contract import onnxruntime as ort_config
+from trtbuild.contract.cpu_fusions import pack_qkv, skip_norm
+
+HIDDEN = 16
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=24):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+def _tensor(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _run(model, feeds):
+    return ort_config.run(ort_config.session(model, 1), feeds)
+
+
+def test_skip_norm_fuses_residual_norms_and_keeps_the_sum():
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal(HIDDEN).astype(np.float32), "w")
+    nodes = [helper.make_node("Add", ["a", "b"], ["sum"]),
+             helper.make_node("RMSNormalization", ["sum", "w"], ["normed"], epsilon=1e-5, axis=-1),
+             # a norm over another axis is not the fused op's form: left alone
+             helper.make_node("Add", ["normed", "sum"], ["sum2"]),
+             helper.make_node("RMSNormalization", ["sum2", "w2"], ["normed2"], epsilon=1e-5, axis=1)]
+    weight2 = numpy_helper.from_array(rng.standard_normal((3, HIDDEN)).astype(np.float32), "w2")
+    model = _model(nodes, [_tensor("a", [2, 3, HIDDEN]), _tensor("b", [2, 3, HIDDEN])],
+                   [_tensor("sum", None), _tensor("normed2", None)], [weight, weight2])
+    fused, count = skip_norm(model)
+    assert count == 1
+    assert [n.op_type for n in fused.graph.node] == ["SkipSimplifiedLayerNormalization", "Add", "RMSNormalization"]
+    feeds = {"a": rng.standard_normal((2, 3, HIDDEN)).astype(np.float32),
+             "b": rng.standard_normal((2, 3, HIDDEN)).astype(np.float32)}
+    before, after = _run(model, feeds), _run(fused, feeds)
+    for name in ("sum", "normed2"):  # the residual sum stays an output, exactly
+        np.testing.assert_allclose(after[name], before[name], rtol=1e-5, atol=1e-5)
+
+
+def _attention(query, key, value):
+    return helper.make_node("GroupQueryAttention", [query, key, value, "past_k", "past_v", "seqlens", "total"],
+                            ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=2, kv_num_heads=1)
+
+
+def test_pack_qkv_packs_three_projections_of_one_input():
+    rng = np.random.default_rng(1)
+    weights = [numpy_helper.from_array(rng.standard_normal((HIDDEN, n)).astype(np.float32), name)
+               for name, n in (("wq", 16), ("wk", 8), ("wv", 8))]
+    nodes = [helper.make_node("MatMul", ["x", w], [w + "_out"]) for w in ("wq", "wk", "wv")]
+    nodes.append(_attention("wq_out", "wk_out", "wv_out"))
+    inputs = [_tensor("x", [1, 1, HIDDEN]), _tensor("past_k", [1, 1, 8, 8]), _tensor("past_v", [1, 1, 8, 8]),
+              helper.make_tensor_value_info("seqlens", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    model = _model(nodes, inputs, [_tensor("out", None), _tensor("present_k", None), _tensor("present_v", None)],
+                   weights)
+    packed, count = pack_qkv(model)
+    assert count == 1
+    assert [n.op_type for n in packed.graph.node] == ["Concat", "MatMul", "GroupQueryAttention"]
+    attention = packed.graph.node[-1]
+    assert attention.input[1] == attention.input[2] == ""
+    feeds = {"x": rng.standard_normal((1, 1, HIDDEN)).astype(np.float32),
+             "past_k": rng.standard_normal((1, 1, 8, 8)).astype(np.float32),
+             "past_v": rng.standard_normal((1, 1, 8, 8)).astype(np.float32),
+             "seqlens": np.array([3], np.int32), "total": np.array(4, np.int32)}
+    before, after = _run(model, feeds), _run(packed, feeds)
+    for name in ("out", "present_k", "present_v"):
+        np.testing.assert_allclose(after[name], before[name], rtol=1e-5, atol=1e-5)
+
+
+def test_pack_qkv_leaves_a_projection_someone_else_reads():
+    weights = [numpy_helper.from_array(np.ones((HIDDEN, n), np.float32), name)
+               for name, n in (("wq", 16), ("wk", 8), ("wv", 8))]
+    nodes = [helper.make_node("MatMul", ["x", w], [w + "_out"]) for w in ("wq", "wk", "wv")]
+    nodes += [_attention("wq_out", "wk_out", "wv_out"), helper.make_node("Identity", ["wk_out"], ["k_copy"])]
+    inputs = [_tensor("x", [1, 1, HIDDEN]), _tensor("past_k", [1, 1, 8, 8]), _tensor("past_v", [1, 1, 8, 8]),
+              helper.make_tensor_value_info("seqlens", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    model = _model(nodes, inputs, [_tensor("out", None), _tensor("k_copy", None)], weights)
+    packed, count = pack_qkv(model)
+    assert count == 0 and packed.graph.node == model.graph.node
