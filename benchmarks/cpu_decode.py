@@ -18,8 +18,9 @@ quantized. Compare within one run: figures move ±20 % between runs on a shared 
 
 Then the step-time breakdown of trtbuild's decode at batch 1 and 8: the step loop outside the
 engine (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings,
-outputs) and ONNX Runtime's run; the same step with ONNX Runtime's workers sleeping between ops
-(the configuration before, measured in the same run); and ONNX Runtime's profile by op type.
+outputs) and ONNX Runtime's run; the same step with ONNX Runtime's workers sleeping between ops,
+and with the rank graph instead of the CPU decode graph (contract/cpu_decode_graph.py) — each a
+before/after in the same run; and ONNX Runtime's profile by op type.
 """
 from __future__ import annotations
 
@@ -199,9 +200,10 @@ def genai_perplexity(path: Path, threads: int) -> float:
 def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: int) -> dict:
     """Per decode step (ms, medians over steps that decode every row): the step loop outside the
     engine, the engine's host side and ONNX Runtime's run; the same step with ONNX Runtime's
-    workers sleeping between ops (the configuration before this benchmark); and ONNX Runtime's
-    profile (a profiling session) summed by op type. The two configurations take turns
-    ``repeats`` times, each in its own runtime (spinning pools of one would slow the other)."""
+    workers sleeping between ops, and with decode steps on the rank graph instead of the CPU
+    decode graph (each the configuration before); and ONNX Runtime's profile of the decode
+    graph (a profiling session) summed by op type. The three configurations take turns
+    ``repeats`` times, each in its own runtime (spinning pools of one would slow another)."""
     import onnxruntime as ort
 
     from trtbuild.contract import onnxruntime as ort_config
@@ -209,10 +211,18 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    def runtime(session_of=None):
-        """An LLM whose engine runs ``session_of(rank ONNX)`` (default: its own), runs timed."""
+    def runtime(session_of=None, rank_graph: bool = False):
+        """An LLM whose decode steps run ``session_of(graph)`` (default: the engine's own decode
+        session) over its CPU decode graph, or over the rank graph itself; runs timed."""
         llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
-        session = session_of(fp4.ort_source(llm.engine_dir.rank_file(0, "onnx"))) if session_of else llm.engine.session
+        rank_onnx = llm.engine_dir.rank_file(0, "onnx")
+        decode = llm.engine.decode
+        if rank_graph or decode is None:
+            graph, weights = fp4.ort_source(rank_onnx), None
+        else:
+            graph, weights = decode.model.SerializeToString(), rank_onnx.parent
+        session = (session_of(graph, weights) if session_of else
+                   ort_config.session(graph, threads) if rank_graph else llm.engine.decode_session)
         run, timing = session.run_with_iobinding, {"run": 0.0}
 
         def timed(binding, *args):
@@ -221,7 +231,7 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
             timing["run"] += time.perf_counter() - begin
 
         session.run_with_iobinding = timed
-        llm.engine.session = session
+        llm.engine.decode_session = session
         return llm, timing
 
     def measure(llm, timing) -> dict:
@@ -240,22 +250,29 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
                 rows["run"].append(timing["run"])
         return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in rows.items()}
 
-    current, sleeping = [], []
+    current, sleeping, rank = [], [], []
     for _ in range(repeats):
         llm, timing = runtime()
         measure(llm, timing)  # warm-up
         current.append(measure(llm, timing))
-        llm, timing = runtime(lambda source: ort_config.session(source, threads, spin=False))
+        llm, timing = runtime(lambda graph, weights: ort_config.session(graph, threads, weights, spin=False))
         measure(llm, timing)
         sleeping.append(measure(llm, timing)["loop_ms"])
+        llm, timing = runtime(rank_graph=True)
+        measure(llm, timing)
+        rank.append(measure(llm, timing)["loop_ms"])
     figures = {key: statistics.median(r[key] for r in current) for key in current[0]}
-    figures["sleeping_loop_ms"] = statistics.median(sleeping)
-    options = ort_config.session_options(threads)
-    options.enable_profiling = True
-    options.profile_file_prefix = str(workdir / f"profile-b{batch}")
-    llm, timing = runtime(lambda source: ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]))
+    figures["sleeping_loop_ms"], figures["rank_graph_loop_ms"] = statistics.median(sleeping), statistics.median(rank)
+
+    def profiled(graph, weights):
+        options = ort_config.session_options(threads, weights)
+        options.enable_profiling = True
+        options.profile_file_prefix = str(workdir / f"profile-b{batch}")
+        return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+    llm, timing = runtime(profiled)
     measure(llm, timing)
-    trace = json.loads(Path(llm.engine.session.end_profiling()).read_text())
+    trace = json.loads(Path(llm.engine.decode_session.end_profiling()).read_text())
     by_op: dict[str, float] = defaultdict(float)
     for event in trace:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
@@ -330,10 +347,11 @@ def main() -> None:
     print("\nwhere a decode step's time goes (trtbuild fp32, ms per step)")
     print(format_table([[str(b), f"{s['loop_ms']:.3f}", f"{s['loop_ms'] - s['engine_ms']:.3f}",
                          f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}",
-                         f"{s['sleeping_loop_ms']:.3f} ({s['sleeping_loop_ms'] / s['loop_ms']:.2f}x)"]
+                         f"{s['sleeping_loop_ms']:.3f} ({s['sleeping_loop_ms'] / s['loop_ms']:.2f}x)",
+                         f"{s['rank_graph_loop_ms']:.3f} ({s['rank_graph_loop_ms'] / s['loop_ms']:.2f}x)"]
                         for b, s in steps.items()],
                        ["batch", "step", "loop outside engine", "engine host side", "onnxruntime run",
-                        "step, workers sleeping"]))
+                        "step, workers sleeping", "step, rank graph"]))
     for b, s in steps.items():
         top = ", ".join(f"{op} {share * 100:.0f} %" for op, share in list(s["ops"].items())[:6])
         print(f"onnxruntime ops at batch {b}: {top}")
