@@ -255,7 +255,7 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
         llm, timing = runtime()
         measure(llm, timing)  # warm-up
         current.append(measure(llm, timing))
-        llm, timing = runtime(lambda graph, weights: ort_config.session(graph, threads, weights, spin=False))
+        llm, timing = runtime(lambda graph, weights: ort_config.session(graph, threads, weights, ort_config.Spinning.never))
         measure(llm, timing)
         sleeping.append(measure(llm, timing)["loop_ms"])
         llm, timing = runtime(rank_graph=True)

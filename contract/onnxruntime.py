@@ -3,24 +3,37 @@ runtime, ``trtbuild eval`` and the tests all run a rank graph the same way, so w
 accepted is what eval measures and the runtime serves."""
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 
-def session_options(threads: int = 0, external_data_dir: Path | None = None, spin: bool = True):
-    """``threads`` 0 lets ONNX Runtime choose; ``external_data_dir`` resolves the weights of a
-    model handed over in memory (a graph segment, a simulated FP4 graph) from that folder.
+class Spinning(Enum):
+    """How a session's worker threads wait.
 
-    ``spin``: worker threads spin between ops instead of sleeping. A decode step is ~200 small
-    ops, and waking a sleeping worker for each costs more than most ops' arithmetic: measured on
-    2 cores (benchmarks/cpu_decode.py), spinning nearly doubles decode tok/s. Off where several
-    sessions share the cores (tensor-parallel ranks, graph segments), so that spinning pools do
-    not starve each other. Numerics are the same either way."""
+    A decode step is ~100–200 small ops, and waking a sleeping worker for each costs more than
+    most ops' arithmetic: on 2 cores (benchmarks/cpu_decode.py) spinning makes a decode step
+    1.6–1.9× faster. But an idle worker keeps spinning for milliseconds after its session's run
+    returns, and two spinning pools on the same cores starve each other."""
+
+    always = "always"          # the session that runs step after step (decode)
+    within_run = "within_run"  # spins during a run, stops when it returns: a second session on the cores
+    never = "never"            # several sessions take turns within one step (tensor-parallel segments)
+
+
+def session_options(threads: int = 0, external_data_dir: Path | None = None,
+                    spinning: Spinning = Spinning.always):
+    """``threads`` 0 lets ONNX Runtime choose; ``external_data_dir`` resolves the weights of a
+    model handed over in memory (a graph segment, the CPU decode graph, a simulated FP4 graph)
+    from that folder. ``spinning``: see Spinning; numerics are the same either way."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning",
+                                     "0" if spinning == Spinning.never else "1")
+    if spinning == Spinning.within_run:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     # DequantizeLinear → MatMul may become ONNX Runtime's n-bit GEMM; keep its activations in
     # float (accuracy level 1 = fp32) so it computes what the graph says, not an int8 proxy.
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
@@ -30,14 +43,15 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None, spi
     return options
 
 
-def session(model, threads: int = 0, external_data_dir: Path | None = None, spin: bool = True):
+def session(model, threads: int = 0, external_data_dir: Path | None = None,
+            spinning: Spinning = Spinning.always):
     """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto."""
     import onnx
     import onnxruntime as ort
 
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else \
         str(model) if isinstance(model, Path) else model
-    return ort.InferenceSession(source, session_options(threads, external_data_dir, spin),
+    return ort.InferenceSession(source, session_options(threads, external_data_dir, spinning),
                                 providers=["CPUExecutionProvider"])
 
 

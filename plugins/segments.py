@@ -17,6 +17,7 @@ import onnx
 from onnx import helper
 
 from ..contract import onnxruntime as ort_config
+from ..contract.onnxruntime import Spinning
 from .collectives import OP, Collective
 
 
@@ -97,7 +98,7 @@ class SegmentedRank:
 
     def __init__(self, model: onnx.ModelProto, base_dir: Path | None, threads: int = 0):
         self.segments = split(model)
-        self.sessions = [None if s.model is None else ort_config.session(s.model, threads, base_dir, spin=False)
+        self.sessions = [None if s.model is None else ort_config.session(s.model, threads, base_dir, Spinning.never)
                          for s in self.segments]
 
 

@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
 from ..contract.cpu_decode_graph import DecodeGraph, decode_graph
+from ..contract.onnxruntime import Spinning
 from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
@@ -58,9 +59,12 @@ class OnnxRuntimeEngine:
             self.segments, self.collective = SegmentedRank(model, path.parent, threads), collective
             outputs = [o.name for o in model.graph.output]
         else:
-            self.session = ort_config.session(fp4.ort_source(path), threads)
-            outputs = [o.name for o in self.session.get_outputs()]
             self.decode = self._decode_graph(engine_dir, rank, path)
+            # With a decode graph the rank graph serves prefill and verification steps: its workers
+            # stop spinning when a step returns, or they would take a core from the decode steps.
+            self.session = ort_config.session(fp4.ort_source(path), threads, spinning=(
+                Spinning.always if self.decode is None else Spinning.within_run))
+            outputs = [o.name for o in self.session.get_outputs()]
             self.decode_session = self.session if self.decode is None else \
                 ort_config.session(self.decode.model, threads, path.parent)
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))

@@ -1,7 +1,6 @@
 """The decode graph's CPU fusions on small hand-made graphs: what they match, what they leave
 alone, and that ONNX Runtime computes the same numbers after them."""
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild.contract import onnxruntime as ort_config
