@@ -58,7 +58,7 @@ class Sampler:
         """(token, its log-probability under the model's distribution if asked)."""
         p = self.params
         if p.greedy and not p.logprobs:  # the argmax needs no float64 copy of the row
-            return int(np.argmax(logits)), None
+            return int(logits.argmax()), None
         logits = logits.astype(np.float64)  # [V]
         if p.greedy:
             token = int(np.argmax(logits))

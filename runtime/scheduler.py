@@ -17,6 +17,8 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .slots import Move, SlotTable
 
+NOTHING_ACCEPTED = Accepted((), ())  # a plain row's "path": no guesses
+
 
 class Phase(Enum):
     waiting = "waiting"
@@ -262,8 +264,7 @@ class Scheduler:
             request = self.requests[rid]
             request.draft = None
             request.written = max(request.written, step.starts[row] + len(tokens))
-            path = accepted.get(rid) if accepted and tree is not None else None
-            path = path or Accepted((), ())
+            path = (accepted.get(rid) if accepted and tree is not None else None) or NOTHING_ACCEPTED
             # The root and the accepted nodes are now cached; rejected nodes are garbage past kv_length.
             request.computed += len(tokens) if tree is None else 1 + len(path.nodes)
             if step.kind == StepKind.prefill and does_sample:
@@ -280,7 +281,7 @@ class Scheduler:
                     self.finish(rid, reason)
                     break
             else:
-                if path.nodes != tuple(range(1, len(path.nodes) + 1)):
+                if path.nodes and path.nodes != tuple(range(1, len(path.nodes) + 1)):
                     # slot_of, not the step's row: a release earlier in this loop may have moved it.
                     self._pending.append(KeepPath(self.slots.slot_of(rid), step.starts[row], path.nodes))
         return emitted
