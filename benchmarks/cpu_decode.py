@@ -207,22 +207,23 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
     import onnxruntime as ort
 
     from trtbuild.contract import onnxruntime as ort_config
-    from trtbuild.plugins import fp4
+    from trtbuild.contract.onnxruntime import Spinning
     from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
     from trtbuild.runtime.sampling import SamplingParams
 
-    def runtime(session_of=None, rank_graph: bool = False):
-        """An LLM whose decode steps run ``session_of(graph)`` (default: the engine's own decode
-        session) over its CPU decode graph, or over the rank graph itself; runs timed."""
+    def runtime(spinning=Spinning.always, use_decode_graph: bool = True, profile: str | None = None):
+        """An LLM on an engine configured so (``profile``: a profiling session, its file prefix);
+        the engine's ONNX Runtime runs timed."""
         llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
-        rank_onnx = llm.engine_dir.rank_file(0, "onnx")
-        decode = llm.engine.decode
-        if rank_graph or decode is None:
-            graph, weights = fp4.ort_source(rank_onnx), None
-        else:
-            graph, weights = decode.model.SerializeToString(), rank_onnx.parent
-        session = (session_of(graph, weights) if session_of else
-                   ort_config.session(graph, threads) if rank_graph else llm.engine.decode_session)
+        llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=threads, spinning=spinning,
+                                       use_decode_graph=use_decode_graph)
+        session = llm.engine.session
+        if profile is not None:
+            options = ort_config.session_options(threads, llm.engine.weights_dir, spinning)
+            options.enable_profiling, options.profile_file_prefix = True, profile
+            session = llm.engine.session = ort.InferenceSession(llm.engine.source, options,
+                                                                providers=["CPUExecutionProvider"])
         run, timing = session.run_with_iobinding, {"run": 0.0}
 
         def timed(binding, *args):
@@ -231,7 +232,6 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
             timing["run"] += time.perf_counter() - begin
 
         session.run_with_iobinding = timed
-        llm.engine.decode_session = session
         return llm, timing
 
     def measure(llm, timing) -> dict:
@@ -255,27 +255,22 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
         llm, timing = runtime()
         measure(llm, timing)  # warm-up
         current.append(measure(llm, timing))
-        llm, timing = runtime(lambda graph, weights: ort_config.session(graph, threads, weights, ort_config.Spinning.never))
+        llm, timing = runtime(spinning=Spinning.never)
         measure(llm, timing)
         sleeping.append(measure(llm, timing)["loop_ms"])
-        llm, timing = runtime(rank_graph=True)
+        llm, timing = runtime(use_decode_graph=False)
         measure(llm, timing)
         rank.append(measure(llm, timing)["loop_ms"])
     figures = {key: statistics.median(r[key] for r in current) for key in current[0]}
     figures["sleeping_loop_ms"], figures["rank_graph_loop_ms"] = statistics.median(sleeping), statistics.median(rank)
-
-    def profiled(graph, weights):
-        options = ort_config.session_options(threads, weights)
-        options.enable_profiling = True
-        options.profile_file_prefix = str(workdir / f"profile-b{batch}")
-        return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
-
-    llm, timing = runtime(profiled)
+    llm, timing = runtime(profile=str(workdir / f"profile-b{batch}"))
     measure(llm, timing)
-    trace = json.loads(Path(llm.engine.decode_session.end_profiling()).read_text())
+    trace = json.loads(Path(llm.engine.session.end_profiling()).read_text())
     by_op: dict[str, float] = defaultdict(float)
     for event in trace:
-        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+        # The If choosing the decode graph spans its ops: count the ops, not the If.
+        if (event.get("cat") == "Node" and event["name"].endswith("_kernel_time")
+                and event["args"]["op_name"] != "If"):
             by_op[event["args"]["op_name"]] += event["dur"] / 1e3  # ms
     total = sum(by_op.values())
     figures["ops"] = {op: ms / total for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])}

@@ -106,6 +106,7 @@ def _match(index: _Index, attention: onnx.NodeProto, inputs: set[str], outputs: 
 @dataclass(frozen=True)
 class DecodeGraph:
     model: onnx.ModelProto
+    rank: onnx.ModelProto  # the rank graph it was made from
     layers: int        # attention chains → GroupQueryAttention (every layer's, or no decode graph)
     packed_qkv: int    # of those, with q/k/v projections packed into one MatMul
     skip_norms: int    # Add → RMSNormalization pairs fused
@@ -160,4 +161,4 @@ def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> D
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     packed, packed_count = pack_qkv(out)
     fused, norm_count = skip_norm(packed)
-    return DecodeGraph(fused, len(chains), packed_count, norm_count)
+    return DecodeGraph(fused, model, len(chains), packed_count, norm_count)

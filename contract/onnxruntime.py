@@ -8,16 +8,17 @@ from pathlib import Path
 
 
 class Spinning(Enum):
-    """How a session's worker threads wait.
+    """How a session's worker threads wait between ops.
 
     A decode step is ~100–200 small ops, and waking a sleeping worker for each costs more than
     most ops' arithmetic: on 2 cores (benchmarks/cpu_decode.py) spinning makes a decode step
-    1.6–1.9× faster. But an idle worker keeps spinning for milliseconds after its session's run
-    returns, and two spinning pools on the same cores starve each other."""
+    1.5–1.7× faster. But an idle worker keeps spinning for ~40 ms after its session's run
+    returns, so several spinning sessions on the same cores starve each other: the runtime keeps
+    one session per engine (contract/cpu_step_graph.py), and sessions that take turns within a
+    step (tensor-parallel segments) sleep."""
 
-    always = "always"          # the session that runs step after step (decode)
-    within_run = "within_run"  # spins during a run, stops when it returns: a second session on the cores
-    never = "never"            # several sessions take turns within one step (tensor-parallel segments)
+    always = "always"
+    never = "never"
 
 
 def session_options(threads: int = 0, external_data_dir: Path | None = None,
@@ -32,8 +33,6 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None,
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning",
                                      "0" if spinning == Spinning.never else "1")
-    if spinning == Spinning.within_run:
-        options.add_session_config_entry("session.force_spinning_stop", "1")
     # DequantizeLinear → MatMul may become ONNX Runtime's n-bit GEMM; keep its activations in
     # float (accuracy level 1 = fp32) so it computes what the graph says, not an int8 proxy.
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")

@@ -2,10 +2,10 @@
 
 The KV pools (runtime/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, D] per layer.
 Each step binds ``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through
-IO binding, so TensorScatter writes the new K/V into the pool itself: no per-step copy of the
-cache. Plain decode steps reuse one binding per shape (``_bind``) and run the decode graph
+IO binding, so the graph writes the new K/V into the pool itself: no per-step copy of the cache.
+Plain decode steps reuse one binding per shape (``_bind``) and run the CPU decode graph
 (contract/cpu_decode_graph.py: GroupQueryAttention per layer, packed QKV, fused residual norms)
-where it applies.
+where it applies; one session holds it and the rank graph (contract/cpu_step_graph.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
 from ..contract.cpu_decode_graph import DecodeGraph, decode_graph
+from ..contract.cpu_step_graph import PLAIN_DECODE, step_model
 from ..contract.onnxruntime import Spinning
 from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
 from ..plugins import fp4
@@ -26,8 +27,10 @@ from .kv_pools import HostPools, PoolShape
 from .scheduler import Step, StepKind
 
 
-# The decode graph is a second session holding the weights again: worth it for CPU-sized models.
+# The decode graph's kernels prepack the weights again: worth it for CPU-sized models.
 DECODE_GRAPH_MAX_WEIGHT_BYTES = 2 << 30
+# The If's condition; bindings point at these arrays, so they live as long as the module.
+_PLAIN_DECODE, _NOT_PLAIN_DECODE = np.array(True), np.array(False)
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,12 @@ class OnnxRuntimeEngine:
     name = "onnxruntime"
 
     def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
-                 rank: int = 0, collective: CollectiveFn | None = None):
+                 rank: int = 0, collective: CollectiveFn | None = None, spinning: Spinning = Spinning.always,
+                 use_decode_graph: bool = True):
         """``collective``: how this rank joins the others (a tensor-parallel engine dir's rank
-        graphs hold DistCollective nodes; ONNX Runtime runs the pieces between them)."""
+        graphs hold DistCollective nodes; ONNX Runtime runs the pieces between them).
+        ``spinning`` and ``use_decode_graph`` (False: every step on the rank graph) are for
+        comparisons (benchmarks/cpu_decode.py); the defaults are the fast configuration."""
         if engine_dir.dtype not in CACHE_DTYPES:
             raise ValueError(f"the onnxruntime backend runs float32 and float16 engine dirs; this one is "
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
@@ -59,14 +65,13 @@ class OnnxRuntimeEngine:
             self.segments, self.collective = SegmentedRank(model, path.parent, threads), collective
             outputs = [o.name for o in model.graph.output]
         else:
-            self.decode = self._decode_graph(engine_dir, rank, path)
-            # With a decode graph the rank graph serves prefill and verification steps: its workers
-            # stop spinning when a step returns, or they would take a core from the decode steps.
-            self.session = ort_config.session(fp4.ort_source(path), threads, spinning=(
-                Spinning.always if self.decode is None else Spinning.within_run))
+            self.decode = self._decode_graph(engine_dir, rank, path) if use_decode_graph else None
+            # What the session runs (kept for profiling): the rank graph, or it and the decode graph.
+            self.source = fp4.ort_source(path) if self.decode is None else \
+                step_model(self.decode.rank, self.decode.model).SerializeToString()
+            self.weights_dir = path.parent
+            self.session = ort_config.session(self.source, threads, self.weights_dir, spinning)
             outputs = [o.name for o in self.session.get_outputs()]
-            self.decode_session = self.session if self.decode is None else \
-                ort_config.session(self.decode.model, threads, path.parent)
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
@@ -74,8 +79,8 @@ class OnnxRuntimeEngine:
     @staticmethod
     def _decode_graph(engine_dir: EngineDir, rank: int, path) -> DecodeGraph | None:
         """The graph plain decode steps run (contract/cpu_decode_graph.py); None: decode runs the
-        rank graph. It is a second session over the same weights, so it is skipped for weights
-        over DECODE_GRAPH_MAX_WEIGHT_BYTES."""
+        rank graph. Its kernels hold their own packed weights, so it is skipped for weights over
+        DECODE_GRAPH_MAX_WEIGHT_BYTES."""
         import onnx
 
         if engine_dir.manifest["ranks"][rank]["weight_bytes"] > DECODE_GRAPH_MAX_WEIGHT_BYTES:
@@ -92,12 +97,14 @@ class OnnxRuntimeEngine:
             key = (step.first_slot, batch, seq)
             bound = self._bound.get(key) or self._bind(key)
             fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
-            self.decode_session.run_with_iobinding(bound.binding)
+            self.session.run_with_iobinding(bound.binding)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_cpu_input(name, value)
+        if self.decode is not None:
+            binding.bind_cpu_input(PLAIN_DECODE, _NOT_PLAIN_DECODE)
         binding.bind_output("logits")  # first, so it is get_outputs()[0]
         if self.has_medusa:
             binding.bind_output("medusa_logits")  # second
@@ -118,9 +125,11 @@ class OnnxRuntimeEngine:
         first_slot, batch, seq = key
         d = self.engine_dir
         arrays = StepArrays.empty(batch, seq, 1, d.max_seq_len)
-        binding = self.decode_session.io_binding()
+        binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
+        if self.decode is not None:
+            binding.bind_cpu_input(PLAIN_DECODE, _PLAIN_DECODE)
         logits = np.empty((batch, 1, d.vocab_size), np.float32)  # [B, 1, V]
         binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         medusa = None
