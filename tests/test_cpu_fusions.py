@@ -85,3 +85,26 @@ def test_pack_qkv_leaves_a_projection_someone_else_reads():
     model = _model(nodes, inputs, [_tensor("out", None), _tensor("k_copy", None)], weights)
     packed, count = pack_qkv(model)
     assert count == 0 and packed.graph.node == model.graph.node
+
+
+def test_step_model_runs_the_branch_plain_decode_names():
+    from trtbuild.contract.cpu_step_graph import PLAIN_DECODE, step_model
+
+    rng = np.random.default_rng(2)
+    weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
+
+    def graph(op):
+        return _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node(op, ["y", "y"], ["logits"])],
+                      [_tensor("x", [1, HIDDEN])], [_tensor("logits", None)], [weight])
+
+    rank, decode = graph("Add"), graph("Mul")
+    model = step_model(rank, decode)
+    assert not model.graph.initializer  # each branch holds the weights it reads
+    branches = {a.name: a.g for a in model.graph.node[0].attribute}
+    assert [t.name for t in branches["then_branch"].initializer] == ["w"] == \
+        [t.name for t in branches["else_branch"].initializer]
+    x = rng.standard_normal((1, HIDDEN)).astype(np.float32)
+    y = x @ numpy_helper.to_array(weight)
+    for plain, expected in ((True, y * y), (False, y + y)):
+        out = _run(model, {"x": x, PLAIN_DECODE: np.array(plain)})["logits"]
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -136,21 +136,32 @@ def test_errors_are_openai_shaped(server, client):
     assert httpx.get(f"{server}/health").status_code == 200  # open without a key
 
 
+def _aborted(server) -> float:
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    line = next((l for l in text.splitlines() if l.startswith('trtbuild:request_success_total{finished_reason="abort"}')),
+                None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_a_disconnect_frees_the_slot(server):
     headers = {"Authorization": f"Bearer {KEY}"}
+    # 900 tokens take ≥ 0.3 s on 2 cores: both clients leave long before the last one, and the
+    # abort count shows their slots were freed by the disconnect, not by the last token.
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 900, "ignore_eos": True}
+    aborted = _aborted(server)
     with httpx.Client(timeout=30) as http:  # streaming: read two chunks, then hang up
         with http.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=headers) as response:
             chunks = response.iter_lines()
             assert next(chunks).startswith("data: ") and _running(server) == 1
     with pytest.raises(httpx.ReadTimeout):  # not streaming: give up waiting for the answer
-        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(30, read=1.0))
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(30, read=0.1))
     for _ in range(2):
         deadline = time.monotonic() + 10
         while _running(server) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _running(server) == 0
         time.sleep(0.5)  # still 0: nothing came back
+    assert _aborted(server) == aborted + 2  # both ended by the disconnect, not by running out of tokens
 
 
 def test_bounded_queue_and_sigterm_drain(tiny_engine):

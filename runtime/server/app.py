@@ -3,7 +3,6 @@ that abort, and a draining state for SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from ..async_llm import AsyncLLM
 from ..outputs import Completion
 from ..sampling import SamplingParams
 from . import chat
+from .gate import Gate
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, chunk_body, completion_body, usage
 
@@ -45,20 +45,7 @@ def create_app(engine: AsyncLLM, model: str, api_key: str | None = None, max_que
     state = ServerState(engine, model, api_key, max_queue, chat.chat_template(engine.llm.engine_dir.path))
     app.state.trtbuild = state
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        if request.url.path not in OPEN_ROUTES and state.api_key is not None:
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {state.api_key}".encode()):
-                return _error(ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                       kind="authentication_error", code="invalid_api_key"))
-        if state.draining and request.url.path.startswith("/v1/"):
-            return _error(ApiError(503, "the server is shutting down", kind="server_error", code="draining"))
-        state.inflight += 1
-        try:
-            return await call_next(request)
-        finally:
-            state.inflight -= 1
+    app.add_middleware(Gate, state=state, error_response=_error, open_routes=OPEN_ROUTES)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -163,6 +150,7 @@ async def _serve(state: ServerState, request: Request, body, prompts: list[list[
         return StreamingResponse(_sse(state, rid, body, streams, prompt_tokens, chat), media_type="text/event-stream")
     done = await _until_done_or_disconnect(request, [_collect(s) for s in streams])
     if done is None:  # the client left: its requests were aborted; nobody reads this
+        state.metrics.aborted(len(streams))
         return Response(status_code=499)
     for completion in done:
         state.metrics.finished(completion)
@@ -224,7 +212,7 @@ async def _sse(state: ServerState, rid: str, body, streams: list, prompt_tokens:
             await merged.put((index, exc))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    generated, open_choices = 0, len(streams)
+    generated, open_choices, failed = 0, len(streams), False
     try:
         if chat:
             for index in range(len(streams)):
@@ -233,6 +221,7 @@ async def _sse(state: ServerState, rid: str, body, streams: list, prompt_tokens:
         while open_choices:
             index, delta = await merged.get()
             if isinstance(delta, Exception):
+                failed = True
                 yield _event(ApiError(500, f"generation failed: {delta}", kind="server_error").body())
                 return
             finish = delta.finish_reason if delta.finished else None
@@ -251,6 +240,8 @@ async def _sse(state: ServerState, rid: str, body, streams: list, prompt_tokens:
     finally:
         for task in tasks:
             task.cancel()
+        if open_choices and not failed:  # the client left mid-stream: the open choices were aborted
+            state.metrics.aborted(open_choices)
 
 
 def _event(body: dict) -> str:

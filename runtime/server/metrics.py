@@ -45,6 +45,10 @@ class Metrics:
             if acceptance:
                 self.medusa_acceptance.set(sum(acceptance) / len(acceptance))
 
+    def aborted(self, count: int) -> None:
+        """Requests whose client went away before they finished (their KV slots were freed)."""
+        self.requests.labels(finished_reason="abort").inc(count)
+
     def finished(self, completion) -> None:
         self.requests.labels(finished_reason=completion.finish_reason).inc()
         self.prompt_tokens.inc(len(completion.prompt_token_ids) - completion.cached_tokens)
