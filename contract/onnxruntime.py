@@ -12,7 +12,7 @@ class Spinning(Enum):
 
     A decode step is ~100–200 small ops, and waking a sleeping worker for each costs more than
     most ops' arithmetic: on 2 cores (benchmarks/cpu_decode.py) spinning makes a decode step
-    1.5–1.7× faster. But an idle worker keeps spinning for ~40 ms after its session's run
+    1.5–2.1× faster. But an idle worker keeps spinning for ~40 ms after its session's run
     returns, so several spinning sessions on the same cores starve each other: the runtime keeps
     one session per engine (contract/cpu_step_graph.py), and sessions that take turns within a
     step (tensor-parallel segments) sleep."""
