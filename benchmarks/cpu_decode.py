@@ -209,7 +209,7 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
     from trtbuild.contract import onnxruntime as ort_config
     from trtbuild.contract.onnxruntime import Spinning
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine, cpu_graph
     from trtbuild.runtime.sampling import SamplingParams
 
     def runtime(spinning=Spinning.always, use_decode_graph: bool = True, profile: str | None = None):
@@ -219,11 +219,11 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
         llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=threads, spinning=spinning,
                                        use_decode_graph=use_decode_graph)
         session = llm.engine.session
-        if profile is not None:
-            options = ort_config.session_options(threads, llm.engine.weights_dir, spinning)
+        if profile is not None:  # the same graph, in a session that profiles
+            options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning)
             options.enable_profiling, options.profile_file_prefix = True, profile
-            session = llm.engine.session = ort.InferenceSession(llm.engine.source, options,
-                                                                providers=["CPUExecutionProvider"])
+            source, _ = cpu_graph(llm.engine_dir, 0, use_decode_graph)
+            session = llm.engine.session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
         run, timing = session.run_with_iobinding, {"run": 0.0}
 
         def timed(binding, *args):

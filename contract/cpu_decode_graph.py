@@ -9,11 +9,11 @@ MatMul feeding GroupQueryAttention, and each residual Add → RMSNormalization a
 SkipSimplifiedLayerNormalization. Together this is the structure of onnxruntime-genai's CPU graph.
 
 A decode step of the rank graph is ~190 ops on the bundled model; the decode graph's is ~85, and
-runs a step in the time onnxruntime-genai's graph does (benchmarks/cpu_decode.py). It is
-CPU-only and in memory: the rank ONNX
-TensorRT compiles is untouched, and steps GroupQueryAttention cannot express (prefill chunks of
-several rows, Medusa tree verification) run the rank graph itself. The build's numerics check
-runs this graph at a decode step against the rank graph (pass log ``numerics.cpu_decode``).
+runs a step in the time onnxruntime-genai's graph does (benchmarks/cpu_decode.py). It is CPU-only
+and in memory: the rank ONNX TensorRT compiles is untouched, and steps GroupQueryAttention cannot
+express (prefill chunks of several rows, Medusa tree verification) run the rank graph itself, in
+the same session (contract/cpu_step_graph.py). The build's numerics check runs this graph at a
+decode step against the rank graph (pass log ``numerics.cpu_decode``).
 
     fusion: pattern (``_match``) + replacement (``decode_graph``) + check (builder/passes/numerics_gate.py)
 """
@@ -106,7 +106,6 @@ def _match(index: _Index, attention: onnx.NodeProto, inputs: set[str], outputs: 
 @dataclass(frozen=True)
 class DecodeGraph:
     model: onnx.ModelProto
-    rank: onnx.ModelProto  # the rank graph it was made from
     layers: int        # attention chains → GroupQueryAttention (every layer's, or no decode graph)
     packed_qkv: int    # of those, with q/k/v projections packed into one MatMul
     skip_norms: int    # Add → RMSNormalization pairs fused
@@ -161,4 +160,4 @@ def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> D
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     packed, packed_count = pack_qkv(out)
     fused, norm_count = skip_norm(packed)
-    return DecodeGraph(fused, model, len(chains), packed_count, norm_count)
+    return DecodeGraph(fused, len(chains), packed_count, norm_count)

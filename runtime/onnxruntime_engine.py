@@ -33,6 +33,25 @@ DECODE_GRAPH_MAX_WEIGHT_BYTES = 2 << 30
 _PLAIN_DECODE, _NOT_PLAIN_DECODE = np.array(True), np.array(False)
 
 
+def cpu_graph(engine_dir: EngineDir, rank: int = 0, use_decode_graph: bool = True
+              ) -> tuple[str | bytes, DecodeGraph | None]:
+    """What a single-rank engine's session runs (a model path or bytes) and the decode graph in
+    it: the rank graph with the CPU decode graph beside it (contract/cpu_step_graph.py), or the
+    rank graph alone where the decode rewrite does not apply, or for weights over
+    DECODE_GRAPH_MAX_WEIGHT_BYTES (the decode graph's kernels hold their own packed weights)."""
+    import onnx
+
+    path = engine_dir.rank_file(rank, "onnx")
+    if not use_decode_graph or engine_dir.manifest["ranks"][rank]["weight_bytes"] > DECODE_GRAPH_MAX_WEIGHT_BYTES:
+        return fp4.ort_source(path), None
+    structure = onnx.load(path, load_external_data=False)
+    model = fp4.cpu_model(path) if fp4.has_fp4(structure) else structure
+    decode = decode_graph(model, engine_dir.model["num_heads"], engine_dir.num_kv_heads)
+    if decode is None:
+        return fp4.ort_source(path), None
+    return step_model(model, decode.model).SerializeToString(), decode
+
+
 @dataclass(frozen=True)
 class _Bound:
     arrays: StepArrays
@@ -65,29 +84,13 @@ class OnnxRuntimeEngine:
             self.segments, self.collective = SegmentedRank(model, path.parent, threads), collective
             outputs = [o.name for o in model.graph.output]
         else:
-            self.decode = self._decode_graph(engine_dir, rank, path) if use_decode_graph else None
-            # What the session runs (kept for profiling): the rank graph, or it and the decode graph.
-            self.source = fp4.ort_source(path) if self.decode is None else \
-                step_model(self.decode.rank, self.decode.model).SerializeToString()
-            self.weights_dir = path.parent
-            self.session = ort_config.session(self.source, threads, self.weights_dir, spinning)
+            source, decode = cpu_graph(engine_dir, rank, use_decode_graph)
+            self.decode = decode.counts if decode is not None else None  # what the decode graph fused
+            self.session = ort_config.session(source, threads, path.parent, spinning)
             outputs = [o.name for o in self.session.get_outputs()]
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
-
-    @staticmethod
-    def _decode_graph(engine_dir: EngineDir, rank: int, path) -> DecodeGraph | None:
-        """The graph plain decode steps run (contract/cpu_decode_graph.py); None: decode runs the
-        rank graph. Its kernels hold their own packed weights, so it is skipped for weights over
-        DECODE_GRAPH_MAX_WEIGHT_BYTES."""
-        import onnx
-
-        if engine_dir.manifest["ranks"][rank]["weight_bytes"] > DECODE_GRAPH_MAX_WEIGHT_BYTES:
-            return None
-        model = fp4.cpu_model(path) if fp4.has_fp4(onnx.load(path, load_external_data=False)) else \
-            onnx.load(path, load_external_data=False)
-        return decode_graph(model, engine_dir.model["num_heads"], engine_dir.num_kv_heads)
 
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
