@@ -39,13 +39,10 @@ def cpu_graph(engine_dir: EngineDir, rank: int = 0, use_decode_graph: bool = Tru
     it: the rank graph with the CPU decode graph beside it (contract/cpu_step_graph.py), or the
     rank graph alone where the decode rewrite does not apply, or for weights over
     DECODE_GRAPH_MAX_WEIGHT_BYTES (the decode graph's kernels hold their own packed weights)."""
-    import onnx
-
     path = engine_dir.rank_file(rank, "onnx")
     if not use_decode_graph or engine_dir.manifest["ranks"][rank]["weight_bytes"] > DECODE_GRAPH_MAX_WEIGHT_BYTES:
         return fp4.ort_source(path), None
-    structure = onnx.load(path, load_external_data=False)
-    model = fp4.cpu_model(path) if fp4.has_fp4(structure) else structure
+    model = fp4.cpu_model(path)
     decode = decode_graph(model, engine_dir.model["num_heads"], engine_dir.num_kv_heads)
     if decode is None:
         return fp4.ort_source(path), None

@@ -68,10 +68,15 @@ def reference(tiny_engine):
     return LLM(tiny_engine, backend="onnxruntime")
 
 
-def _running(server) -> float:
+def _metric(server, name: str) -> float:
+    """A sample of /metrics by its name and labels; 0 for a counter not yet incremented."""
     text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    line = next(l for l in text.splitlines() if l.startswith("trtbuild:num_requests_running"))
-    return float(line.split()[-1])
+    line = next((l for l in text.splitlines() if l.startswith(name + " ")), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def _running(server) -> float:
+    return _metric(server, "trtbuild:num_requests_running")
 
 
 def test_completion_text_equals_generate_streamed_or_not(client, reference):
@@ -137,10 +142,7 @@ def test_errors_are_openai_shaped(server, client):
 
 
 def _aborted(server) -> float:
-    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    line = next((l for l in text.splitlines() if l.startswith('trtbuild:request_success_total{finished_reason="abort"}')),
-                None)
-    return float(line.split()[-1]) if line else 0.0
+    return _metric(server, 'trtbuild:request_success_total{finished_reason="abort"}')
 
 
 def test_a_disconnect_frees_the_slot(server):

@@ -44,7 +44,9 @@ class NumericsGate(Instrument):
             return
         self.first = False
         try:
-            outputs = self.run(graphs)
+            models = [self._model(graph) for graph in graphs]  # exported (and saved) once, for both checks
+            single = self._runnable(models[0], "numerics.onnx") if len(models) == 1 else None
+            outputs = self.run(models, single)
         except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise PassError(f"pass {p.name} left a graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
@@ -61,7 +63,7 @@ class NumericsGate(Instrument):
             record["vs_previous"] = numerics.worst(vs_previous)
         if len(graphs) > 1:
             record["ranks_together"] = len(graphs)
-        decode = self.check_decode(graphs[0]) if len(graphs) == 1 and self.heads is not None else None
+        decode = self.check_decode(models[0], single) if single is not None and self.heads is not None else None
         if decode is not None:
             counts, stats = decode
             record["cpu_decode"] = {**counts, **numerics.worst(stats)}
@@ -81,36 +83,36 @@ class NumericsGate(Instrument):
                             f"(max_rel {stat.max_rel:.3g}) vs torch exceeds atol {self.atol} / rtol "
                             f"{rtol}{after(ran)}")
 
-    def run(self, graphs: list[gs.Graph]) -> dict:
-        models = [self._model(graph) for graph in graphs]
-        if len(models) == 1:
-            model = models[0]
-            if self.workdir is not None:  # external weights resolve relative to the model file
-                path = self.workdir / "numerics.onnx"
-                onnx.save_model(model, path)
-                model = path
-            return numerics.run_onnx(model, self.inputs)
+    def run(self, models: list[onnx.ModelProto], single: onnx.ModelProto | Path | None) -> dict:
+        """The step's outputs: ``single`` (the one rank graph, as ONNX Runtime loads it), or the
+        rank graphs together."""
+        if single is not None:
+            return numerics.run_onnx(single, self.inputs)
         feeds = shard_caches(self.inputs, len(models), self.num_kv_heads)
         outputs = run_ranks(models, feeds, self.workdir)
         logits = {name: value for name, value in outputs[0].items() if not name.startswith("present_")}
         return {**logits, **gather_caches(outputs, self.num_kv_heads)}
 
-    def check_decode(self, graph: gs.Graph) -> tuple[dict[str, int], dict] | None:
+    def check_decode(self, model: onnx.ModelProto, runnable: onnx.ModelProto | Path
+                     ) -> tuple[dict[str, int], dict] | None:
         """(the decode graph's fusion counts, stats of the decode graph vs the rank graph at a
-        decode step), or None when the decode rewrite does not apply to this graph (yet)."""
-        model = self._model(graph)
+        decode step), or None when the decode rewrite does not apply to this graph (yet).
+        ``runnable``: the rank graph as ONNX Runtime loads it."""
         found = decode_graph(model, *self.heads)
         if found is None:
             return None
-        decoded = found.model
         inputs = numerics.decode_inputs(self.inputs)
-        models = [model, decoded]
-        if self.workdir is not None:  # external weights resolve relative to the model file
-            models = [self.workdir / "numerics.onnx", self.workdir / "numerics_decode.onnx"]
-            onnx.save_model(model, models[0])
-            onnx.save_model(decoded, models[1])
-        reference, actual = (numerics.run_onnx(m, inputs) for m in models)
+        reference = numerics.run_onnx(runnable, inputs)
+        actual = numerics.run_onnx(self._runnable(found.model, "numerics_decode.onnx"), inputs)
         return found.counts, numerics.compare(actual, reference)
+
+    def _runnable(self, model: onnx.ModelProto, name: str) -> onnx.ModelProto | Path:
+        """``model``, or saved in the workdir, where its external weights resolve."""
+        if self.workdir is None:
+            return model
+        path = self.workdir / name
+        onnx.save_model(model, path)
+        return path
 
     @staticmethod
     def _model(graph: gs.Graph) -> onnx.ModelProto:
