@@ -19,7 +19,7 @@ from .engines import make_engine
 from .outputs import Completion, Delta, RequestOutput
 from .medusa import Accepted, Tree, accept_greedy, accept_typical
 from .speculation import AcceptanceModel, SpeculationPolicy, StepTimes, calibrate
-from .detokenize import IncrementalDecoder
+from .detokenize import Detokenizer
 from .engine_dir import EngineDirError, load
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
@@ -62,6 +62,7 @@ class LLM:
         except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
             raise EngineDirError(f"{d.path / 'tokenizer.json'}: not a loadable tokenizer "
                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.engine = make_engine(d, backend, threads, blocks, block_size, verify)
         self.scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
@@ -121,7 +122,7 @@ class LLM:
         self._check(tokens, params, rid or "")
         rid = rid or f"req-{next(self._ids)}"
         output = RequestOutput(Request(rid=rid, prompt=tokens, params=params), Sampler(params),
-                               IncrementalDecoder(self.tokenizer), time.perf_counter())
+                               self.detokenizer.stream(), time.perf_counter())
         with self._inbox_lock:
             if rid in self._rids:
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -343,7 +344,7 @@ class LLM:
         for request in decoding:
             medusa = heads_at.get(request.rid)
             if medusa is not None and request.phase == Phase.decoding and request.params.speculative:
-                request.draft = Draft(tree, tuple(tree.candidates(request.tokens[-1], medusa)[1:]))
+                request.draft = Draft(tree, tuple(tree.candidates(request.last_token, medusa)[1:]))
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:

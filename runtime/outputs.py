@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .detokenize import IncrementalDecoder
+from .detokenize import ByteStream, IncrementalDecoder
 from .sampling import Sampler
 from .scheduler import Request, Scheduler
 
@@ -49,7 +49,7 @@ class RequestOutput:
 
     request: Request
     sampler: Sampler
-    decoder: IncrementalDecoder
+    decoder: ByteStream | IncrementalDecoder
     arrival_s: float
     first_token_s: float | None = None
     decode_steps: int = 0

@@ -54,6 +54,11 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    @property
+    def last_token(self) -> int:
+        """``tokens[-1]`` without building ``tokens`` (a decode step needs only this, every step)."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -246,7 +251,7 @@ class Scheduler:
             drafts = [None] * len(requests)
         trees = tuple(d.tree if d is not None else None for d in drafts)
         return Step(kind=StepKind.decode, first_slot=0, rids=tuple(rids),
-                    tokens=tuple((r.tokens[-1], *(d.tokens if d is not None else ())) for r, d in zip(requests, drafts)),
+                    tokens=tuple((r.last_token, *(d.tokens if d is not None else ())) for r, d in zip(requests, drafts)),
                     starts=tuple(r.computed for r in requests), samples=(True,) * len(rids),
                     trees=trees if any(t is not None for t in trees) else ())
 
