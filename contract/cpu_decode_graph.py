@@ -20,13 +20,17 @@ decode step against the rank graph (pass log ``numerics.cpu_decode``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .cpu_fusions import attribute as _attr, pack_qkv, skip_norm
+from .cpu_fusions import attribute as _attr, drop_row_gather, pack_qkv, skip_norm
 
 SEQLENS, TOTAL = "cpu_decode/seqlens_k", "cpu_decode/total_sequence_length"
+# The step inputs the decode graph reads besides the caches: a decode step fills only these.
+READS = ("input_ids", "write_index", "kv_length")
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,20 @@ def _match(index: _Index, attention: onnx.NodeProto, inputs: set[str], outputs: 
                   replaced=(attention, transpose, reshape, k_scatter, v_scatter))
 
 
+def _prune(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without the nodes whose outputs nothing reads (in place)."""
+    nodes, outputs = list(model.graph.node), {o.name for o in model.graph.output}
+    while True:
+        used = {name for node in nodes for name in node.input} | outputs
+        live = [node for node in nodes if any(o in used for o in node.output)]
+        if len(live) == len(nodes):
+            break
+        nodes = live
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
 @dataclass(frozen=True)
 class DecodeGraph:
     model: onnx.ModelProto
@@ -146,18 +164,23 @@ def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> D
             nodes.append(node)
         elif replacement[id(node)] is not None:
             nodes.append(replacement[id(node)])
-    while True:  # the rotary, reshapes and slices nothing reads any more
-        used = {name for node in nodes for name in node.input} | outputs
-        live = [node for node in nodes if any(o in used for o in node.output)]
-        if len(live) == len(nodes):
-            break
-        nodes = live
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
+    out = _prune(out)  # the rotary, reshapes and slices nothing reads any more
     if not any(o.domain == "com.microsoft" for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     packed, packed_count = pack_qkv(out)
-    fused, norm_count = skip_norm(packed)
-    return DecodeGraph(fused, len(chains), packed_count, norm_count)
+    ungathered, _ = drop_row_gather(packed)
+    fused, norm_count = skip_norm(ungathered)
+    return DecodeGraph(_prune(fused), len(chains), packed_count, norm_count)
+
+
+def fill_decode_inputs(input_ids: np.ndarray, write_index: np.ndarray, kv_length: np.ndarray,
+                       tokens: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+    """The READS of a plain decode step (one token a row), written in place: the positions and
+    the [B, 1, 1, S_max] mask the rank graph would need are not computed at all."""
+    input_ids[:] = tokens                     # [B, 1]
+    write_index[:] = starts                   # [B]
+    np.add(write_index, 1, out=kv_length)     # [B]

@@ -1,10 +1,14 @@
-"""Two CPU fusions for the decode graph (contract/cpu_decode_graph.py), each pattern +
+"""CPU fusions for the decode graph (contract/cpu_decode_graph.py), each pattern +
 replacement, reporting its match count (the check is the decode graph's: the build's numerics
 gate runs it against the rank graph).
 
 - ``skip_norm``: ``Add(a, b) → RMSNormalization`` becomes com.microsoft
   SkipSimplifiedLayerNormalization, which returns the sum too (the residual stream): two ops
   and a temporary per norm become one.
+- ``drop_row_gather``: the step's ``GatherElements`` of the rows at ``logits_index`` is the
+  identity in a plain decode step (one token a row, so S = R = 1 and every index is 0): its
+  readers take the hidden state itself, and the last residual Add → final norm becomes a
+  ``skip_norm`` match like every other layer's.
 - ``pack_qkv``: a GroupQueryAttention's three projections of one input (plain MatMuls with
   weight initializers) become one MatMul over the weights concatenated at session load
   (a Concat of initializers, which ONNX Runtime folds once), fed to GroupQueryAttention as its
@@ -51,6 +55,28 @@ def skip_norm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
             [norm.output[0], "", "", add.output[0]], name=f"{norm.name}/skip", domain="com.microsoft",
             epsilon=float(attribute(norm, "epsilon", 1e-5)))]
     return _replace(model, replacement), len(replacement) // 2
+
+
+def drop_row_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """(the model with the logits-row gather bypassed, gathers bypassed: 0 or 1). Valid only for
+    steps of one token a row: the decode graph's."""
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    outputs = {o.name for o in graph.output}
+    for gather in graph.node:
+        expand = producer.get(gather.input[1]) if gather.op_type == "GatherElements" else None
+        unsqueeze = producer.get(expand.input[0]) if expand is not None and expand.op_type == "Expand" else None
+        if (unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.input[0] != "logits_index"
+                or gather.output[0] in outputs or attribute(gather, "axis", 0) != 1):
+            continue
+        hidden, picked = gather.input[0], gather.output[0]  # [B, S, D] → [B, R, D]
+        out = _replace(model, {id(gather): []})
+        for node in out.graph.node:
+            for i, name in enumerate(node.input):
+                if name == picked:
+                    node.input[i] = hidden
+        return out, 1
+    return model, 0
 
 
 def pack_qkv(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:

@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
-from ..contract.cpu_decode_graph import DecodeGraph, decode_graph
+from ..contract.cpu_decode_graph import DecodeGraph, decode_graph, fill_decode_inputs
 from ..contract.cpu_step_graph import PLAIN_DECODE, step_model
 from ..contract.onnxruntime import Spinning
 from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
@@ -92,11 +92,15 @@ class OnnxRuntimeEngine:
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
             return self._step_segments(step_arrays(step, self.engine_dir.max_seq_len), step)
-        batch, seq, rows = step_shape(step.tokens, trees=step.trees)
-        if step.kind == StepKind.decode and rows == 1:  # the steady state: same shapes step after step
+        batch, seq, _ = step_shape(step.tokens, trees=step.trees)
+        if step.kind == StepKind.decode and seq == 1:  # the steady state: one token a row, step after step
             key = (step.first_slot, batch, seq)
             bound = self._bound.get(key) or self._bind(key)
-            fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
+            arrays = bound.arrays
+            if self.decode is not None:
+                fill_decode_inputs(arrays.input_ids, arrays.write_index, arrays.kv_length, step.tokens, step.starts)
+            else:
+                fill_step_arrays(arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
             self.session.run_with_iobinding(bound.binding)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)

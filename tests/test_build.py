@@ -9,7 +9,9 @@ import onnx
 import pytest
 
 from trtbuild.builder.build import BuildOptions, build
+from trtbuild.contract.cpu_decode_graph import READS, decode_graph
 from trtbuild.contract.manifest import check_engine_dir
+from trtbuild.contract.step import io_cache_names
 from trtbuild.builder.progress import Progress, Verbosity
 from trtbuild.builder.spec import load_spec
 from trtbuild.runtime.llm import LLM
@@ -58,13 +60,17 @@ def test_every_site_fused_on_the_tiny_model(tiny_engine):
         numerics = records[name]["numerics"]
         assert numerics["ok"] and numerics["vs_torch"]["max_abs"] < 1e-3, (name, numerics)
     # Once attention is fused, the CPU decode graph (GroupQueryAttention) is checked against it:
-    # every layer's chain, its q/k/v packed, and 11 residual norms fused (the 13 norms less the
-    # first, which reads the embedding, and the last, which reads the gathered logits row).
+    # every layer's chain, its q/k/v packed, and 12 residual norms fused (the 13 norms less the
+    # first, which reads the embedding; the logits-row gather before the last is gone at decode).
     decode = records["fuse_attention"]["numerics"]["cpu_decode"]
-    assert (decode["layers"], decode["packed_qkv"], decode["skip_norms"]) == (6, 6, 11), decode
+    assert (decode["layers"], decode["packed_qkv"], decode["skip_norms"]) == (6, 6, 12), decode
     assert decode["max_abs"] < 1e-4, decode
     assert "cpu_decode" not in records["fuse_rotary"]["numerics"]
-    graph = onnx.load(tiny_engine / "rank0.onnx", load_external_data=False).graph
+    model = onnx.load(tiny_engine / "rank0.onnx", load_external_data=False)
+    # A decode step fills only what the decode graph reads (runtime/onnxruntime_engine.py).
+    read = {name for node in decode_graph(model, 8, 2).model.graph.node for name in node.input}
+    assert {i.name for i in model.graph.input} & read == {*READS, *io_cache_names(6, "past")}
+    graph = model.graph
     ops = {n.op_type for n in graph.node}
     assert {"Attention", "TensorScatter", "RotaryEmbedding", "RMSNormalization"} <= ops
     assert not ops & {"Softmax", "ScatterElements", "Pow", "Neg"}

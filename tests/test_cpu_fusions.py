@@ -4,7 +4,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild.contract import onnxruntime as ort_config
-from trtbuild.contract.cpu_fusions import pack_qkv, skip_norm
+from trtbuild.contract.cpu_fusions import drop_row_gather, pack_qkv, skip_norm
 
 HIDDEN = 16
 
@@ -108,3 +108,39 @@ def test_step_model_runs_the_branch_plain_decode_names():
     for plain, expected in ((True, y * y), (False, y + y)):
         out = _run(model, {"x": x, PLAIN_DECODE: np.array(plain)})["logits"]
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _row_gather_model(index_input):
+    """hidden [B, S, D] → GatherElements at Expand(Unsqueeze(index)) → Add → RMSNormalization."""
+    rng = np.random.default_rng(3)
+    weight = numpy_helper.from_array(rng.standard_normal(HIDDEN).astype(np.float32), "w")
+    shape = numpy_helper.from_array(np.array([2, 1, HIDDEN], np.int64), "shape")
+    axes = numpy_helper.from_array(np.array([2], np.int64), "axes")
+    nodes = [helper.make_node("Unsqueeze", [index_input, "axes"], ["index3"]),
+             helper.make_node("Expand", ["index3", "shape"], ["index"]),
+             helper.make_node("GatherElements", ["hidden", "index"], ["picked"], axis=1),
+             helper.make_node("Add", ["picked", "residual"], ["sum"]),
+             helper.make_node("RMSNormalization", ["sum", "w"], ["out"], epsilon=1e-5, axis=-1)]
+    inputs = [_tensor("hidden", [2, 1, HIDDEN]), _tensor("residual", [2, 1, HIDDEN]),
+              helper.make_tensor_value_info(index_input, TensorProto.INT64, [2, 1])]
+    return _model(nodes, inputs, [_tensor("out", None)], [weight, shape, axes])
+
+
+def test_drop_row_gather_bypasses_the_logits_row_gather_of_a_one_token_step():
+    model = _row_gather_model("logits_index")
+    dropped, count = drop_row_gather(model)
+    assert count == 1
+    assert [n.op_type for n in dropped.graph.node] == ["Unsqueeze", "Expand", "Add", "RMSNormalization"]
+    fused, norms = skip_norm(dropped)  # the last norm now fuses like the others
+    assert norms == 1
+    rng = np.random.default_rng(4)
+    feeds = {"hidden": rng.standard_normal((2, 1, HIDDEN)).astype(np.float32),
+             "residual": rng.standard_normal((2, 1, HIDDEN)).astype(np.float32),
+             "logits_index": np.zeros((2, 1), np.int64)}  # one token a row: index 0
+    np.testing.assert_allclose(_run(fused, feeds)["out"], _run(model, feeds)["out"], rtol=1e-5, atol=1e-5)
+
+
+def test_drop_row_gather_leaves_other_gathers():
+    model = _row_gather_model("other_index")
+    dropped, count = drop_row_gather(model)
+    assert count == 0 and dropped.graph.node == model.graph.node
