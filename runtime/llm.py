@@ -256,6 +256,8 @@ class LLM:
 
     def _take_inbox(self) -> None:
         """Admits what was submitted since the last step, then applies aborts."""
+        if not self._inbox and not self._aborts:  # most steps; one arriving now waits for the next
+            return
         with self._inbox_lock:
             arrived, self._inbox = list(self._inbox), deque()
             aborts, self._aborts = self._aborts, set()
@@ -270,6 +272,8 @@ class LLM:
         """Each finishing request's last delta carries its completion (an aborted one, which made
         no token this step, gets an empty one); completions go to waiting generate() callers,
         deltas to sync stream() callers."""
+        if not finished and not self._streams:  # most steps
+            return deltas
         done = {c.rid: c for c in finished}
         out = [replace(d, completion=done[d.rid]) if d.finished and d.rid in done else d for d in deltas]
         closed = {d.rid for d in out if d.completion is not None}
@@ -295,6 +299,8 @@ class LLM:
         policy = self.speculation
         if policy is not None and step.kind == StepKind.decode:
             policy.count_step(step.verifies, step.seq_len)
+        # One argmax over the batch for the rows that take it (plain rows: logits row 0).
+        argmax = out.logits[:, 0].argmax(-1).tolist() if not step.trees and out.logits.shape[1] == 1 else None  # [B]
         for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
             if not samples:
                 continue
@@ -314,7 +320,10 @@ class LLM:
                                           for n in path.nodes]
             if step.kind == StepKind.decode:
                 live.decode_steps += 1
-            token, logprob = live.sampler.sample(out.logits[row, node])
+            if argmax is not None and live.sampler.takes_argmax:
+                token, logprob = argmax[row], None
+            else:
+                token, logprob = live.sampler.sample(out.logits[row, node])
             if logprob is not None and live.sampler.params.top_logprobs:
                 live.top_logprobs.append(live.sampler.alternatives(out.logits[row, node],
                                                                    live.sampler.params.top_logprobs))

@@ -53,11 +53,13 @@ class Sampler:
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
+        # Greedy without logprobs: the token is the logits' argmax, which a batch takes at once.
+        self.takes_argmax = self.params.greedy and not self.params.logprobs
 
     def sample(self, logits: np.ndarray) -> tuple[int, float | None]:
         """(token, its log-probability under the model's distribution if asked)."""
         p = self.params
-        if p.greedy and not p.logprobs:  # the argmax needs no float64 copy of the row
+        if self.takes_argmax:  # the argmax needs no float64 copy of the row
             return int(logits.argmax()), None
         logits = logits.astype(np.float64)  # [V]
         if p.greedy:
