@@ -2,16 +2,18 @@
 """CPU decode speed of the ONNX Runtime backend, side by side with onnxruntime-genai, and where a
 decode step's time goes.
 
-    python benchmarks/cpu_decode.py [--fp32-dir DIR] [--int4-dir DIR] [--repeats 3] [--no-genai] [--json]
+    python benchmarks/cpu_decode.py [--fp32-dir DIR] [--int4-dir DIR] [--int4-a8-dir DIR] [--repeats 3] [--no-genai] [--json]
 
-Engines: specs/tiny-code.yaml (fp32) and the same with int4 GPTQ, group 128 (built into a
-temporary dir unless given). Each engine at batch 1 and 8: random 64-token prompts (seeded), 128
+Engines: specs/tiny-code.yaml (fp32) and the same with int4 GPTQ, group 128, once with float
+activations and once with ``quantization.cpu_activations: int8`` (built into a temporary dir
+unless given). Each engine at batch 1 and 8: random 64-token prompts (seeded), 128
 greedy tokens; decode tok/s = batch / the median decode step (each row makes one token a step),
 and the batch-1 prefill time (to each row's first token); the median of --repeats runs of each.
 
 With onnxruntime-genai installed (`pip install -e ".[bench]"`), its model builder converts the
 same checkpoint in this run, measured the same way (every engine in a process of its own, the
-engines taking turns --repeats times): fp32; int4 block 128 at accuracy level 1
+engines taking turns --repeats times; its steps decode each new token to text with its
+TokenizerStream, as ours do): fp32; int4 block 128 at accuracy level 1
 (float activations, like ours) and at its CPU default, level 4 (int8 activations). Perplexity of
 each int4 model on the bundled held-out text (4096 tokens) shows whether activations were
 quantized. Compare within one run: figures move ±20 % between runs on a shared 2-core machine.
@@ -42,6 +44,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
+INT4 = "trtbuild int4 gptq g128 (float activations)"
+INT4_A8 = "trtbuild int4 gptq g128, cpu_activations: int8"
+GENAI_FP32 = "onnxruntime-genai fp32"
+GENAI_INT4 = "onnxruntime-genai int4 rtn b128, accuracy 1 (float activations)"
+GENAI_INT4_A8 = "onnxruntime-genai int4 rtn b128, accuracy 4 (int8 activations, its CPU default)"
 
 
 def build(out: Path, quantization: dict | None, workdir: Path) -> Path:
@@ -58,10 +65,10 @@ def build(out: Path, quantization: dict | None, workdir: Path) -> Path:
     return out
 
 
-def gptq_int4(workdir: Path) -> dict:
+def gptq_int4(workdir: Path, cpu_activations: str = "float") -> dict:
     from quantization import calibration_text  # the quantization benchmark's calibration text
 
-    return {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 128,
+    return {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 128, "cpu_activations": cpu_activations,
             "calibration": {"data": [str(calibration_text(workdir / "calibration.txt"))]}}
 
 
@@ -122,19 +129,26 @@ def genai_build(out: Path, precision: str, threads: int, accuracy_level: int | N
     return out
 
 
-def genai_run(model, batch: int, seed: int, vocab: int) -> tuple[float, float]:
+def genai_run(model, tokenizer, batch: int, seed: int, vocab: int) -> tuple[float, float]:
+    """As trtbuild_run; each step also decodes every row's new token to text with genai's
+    TokenizerStream (as its streaming examples do), since a trtbuild step makes the text too."""
     import onnxruntime_genai as og
 
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=PROMPT_LEN + NEW_TOKENS, batch_size=batch, do_sample=False)
     generator = og.Generator(model, params)
+    streams = [tokenizer.create_stream() for _ in range(batch)]
     start = time.perf_counter()
     generator.append_tokens(np.asarray(prompts(batch, seed, vocab), np.int32))
     generator.generate_next_token()  # each row's first token, from the prefill's logits
+    for stream, token in zip(streams, generator.get_next_tokens()):
+        stream.decode(int(token))
     prefill, steps = time.perf_counter() - start, []
     while not generator.is_done():
         begin = time.perf_counter()
         generator.generate_next_token()
+        for stream, token in zip(streams, generator.get_next_tokens()):
+            stream.decode(int(token))
         steps.append(time.perf_counter() - begin)
     return batch / statistics.median(steps), prefill
 
@@ -143,8 +157,9 @@ def genai_measure(path: Path, seed: int, vocab: int) -> dict:
     import onnxruntime_genai as og
 
     model = og.Model(str(path))
-    genai_run(model, 1, 99, vocab)  # warm-up
-    return {str(batch): genai_run(model, batch, seed, vocab) for batch in (1, 8)}
+    tokenizer = og.Tokenizer(model)
+    genai_run(model, tokenizer, 1, 99, vocab)  # warm-up
+    return {str(batch): genai_run(model, tokenizer, batch, seed, vocab) for batch in (1, 8)}
 
 
 def measure(engines: dict[str, tuple[str, Path]], threads: int, repeats: int, vocab: int) -> dict[str, dict]:
@@ -220,7 +235,8 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
                                        use_decode_graph=use_decode_graph)
         session = llm.engine.session
         if profile is not None:  # the same graph, in a session that profiles
-            options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning)
+            options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning,
+                                                 llm.engine_dir.cpu_activations)
             options.enable_profiling, options.profile_file_prefix = True, profile
             source, _ = cpu_graph(llm.engine_dir, 0, use_decode_graph)
             session = llm.engine.session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
@@ -281,6 +297,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fp32-dir", type=Path, help="engine dir of specs/tiny-code.yaml (default: build one)")
     ap.add_argument("--int4-dir", type=Path, help="the same with int4 GPTQ g128 (default: build one)")
+    ap.add_argument("--int4-a8-dir", type=Path,
+                    help="the same with quantization.cpu_activations: int8 (default: build one)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai even if installed")
@@ -306,15 +324,14 @@ def main() -> None:
         work = Path(tmp)
         fp32 = args.fp32_dir or build(work / "fp32", None, work)
         int4 = args.int4_dir or build(work / "int4-gptq-g128", gptq_int4(work), work)
+        int4_a8 = args.int4_a8_dir or build(work / "int4-gptq-g128-a8", gptq_int4(work, "int8"), work)
         vocab = json.loads((fp32 / "manifest.json").read_text())["model"]["vocab_size"]
-        engines = {"trtbuild fp32": ("trtbuild", fp32), "trtbuild int4 gptq g128 (float activations)": ("trtbuild", int4)}
-        perplexity = {"trtbuild int4 gptq g128 (float activations)": trtbuild_perplexity(int4, args.threads)}
+        engines = {"trtbuild fp32": ("trtbuild", fp32), INT4: ("trtbuild", int4), INT4_A8: ("trtbuild", int4_a8)}
+        perplexity = {name: trtbuild_perplexity(engines[name][1], args.threads) for name in (INT4, INT4_A8)}
         if genai:
-            models = {"onnxruntime-genai fp32": genai_build(work / "genai-fp32", "fp32", args.threads),
-                      "onnxruntime-genai int4 rtn b128, accuracy 1 (float activations)":
-                          genai_build(work / "genai-int4-l1", "int4", args.threads, accuracy_level=1),
-                      "onnxruntime-genai int4 rtn b128, accuracy 4 (int8 activations, its CPU default)":
-                          genai_build(work / "genai-int4-l4", "int4", args.threads, accuracy_level=4)}
+            models = {GENAI_FP32: genai_build(work / "genai-fp32", "fp32", args.threads),
+                      GENAI_INT4: genai_build(work / "genai-int4-l1", "int4", args.threads, accuracy_level=1),
+                      GENAI_INT4_A8: genai_build(work / "genai-int4-l4", "int4", args.threads, accuracy_level=4)}
             engines.update({name: ("genai", path) for name, path in models.items()})
             perplexity.update({name: genai_perplexity(path, args.threads) for name, path in models.items()
                                if "int4" in name})
@@ -325,20 +342,19 @@ def main() -> None:
         print(json.dumps({"rows": [{"engine": n, **r, "perplexity": p} for n, r, p in rows], "breakdown": steps},
                          indent=2, default=str))
         return
-    base = {b: rows[0][1][b] for b in (1, 8)}
-    genai_fp32 = next((r for n, r, _ in rows if n == "onnxruntime-genai fp32"), None)
+    by_name = {name: r for name, r, _ in rows}
     table = [[name, f"{r[1]:.0f}", f"{r[8]:.0f}", f"{r['prefill_ms']:.1f}", "" if p is None else f"{p:.3f}"]
              for name, r, p in rows]
     print(f"decode tok/s ({PROMPT_LEN}-token random prompts, {NEW_TOKENS} greedy tokens, median of "
           f"{args.repeats}, {args.threads} threads)")
     print(format_table(table, ["engine", "batch 1 tok/s", "batch 8 tok/s", "prefill 64 ms (b1)", "perplexity"]))
-    if genai_fp32:
-        print(f"\ntrtbuild fp32 / genai fp32: {base[1] / genai_fp32[1]:.2f}x at batch 1, "
-              f"{base[8] / genai_fp32[8]:.2f}x at batch 8")
-        int4, genai_l1, genai_l4 = rows[1][1], rows[3][1], rows[4][1]
-        print(f"trtbuild int4 / genai int4 (float activations): {int4[1] / genai_l1[1]:.2f}x at batch 1, "
-              f"{int4[8] / genai_l1[8]:.2f}x at batch 8; / genai int4 (int8 activations): "
-              f"{int4[1] / genai_l4[1]:.2f}x, {int4[8] / genai_l4[8]:.2f}x")
+    if GENAI_FP32 in by_name:
+        print()
+        for ours, theirs, label in (("trtbuild fp32", GENAI_FP32, "fp32"),
+                                    (INT4, GENAI_INT4, "int4, float activations"),
+                                    (INT4_A8, GENAI_INT4_A8, "int4, int8 activations")):
+            a, b = by_name[ours], by_name[theirs]
+            print(f"trtbuild / onnxruntime-genai, {label}: {a[1] / b[1]:.2f}x at batch 1, {a[8] / b[8]:.2f}x at batch 8")
     print("\nwhere a decode step's time goes (trtbuild fp32, ms per step)")
     print(format_table([[str(b), f"{s['loop_ms']:.3f}", f"{s['loop_ms'] - s['engine_ms']:.3f}",
                          f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}",

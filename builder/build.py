@@ -74,7 +74,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         gate = (NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol, workdir=workdir,
                              quantized_reference=exported.quantized_reference,
                              quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
-                             heads=(spec.arch.num_heads, spec.arch.num_kv_heads) if spec.world_size == 1 else None)
+                             heads=(spec.arch.num_heads, spec.arch.num_kv_heads) if spec.world_size == 1 else None,
+                             activations=spec.quantization.activations)
                 if exported.reference else None)
         context = PassContext.for_spec(spec, quantized, quant_report, weights_dir=workdir)
         label = "passes" if spec.world_size == 1 else f"passes (whole model, then {spec.world_size} ranks)"

@@ -12,6 +12,7 @@ import onnx
 import torch
 
 from ..contract import onnxruntime as ort_config
+from ..contract.onnxruntime import CpuActivations
 from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
 from .spec import Spec
 
@@ -48,10 +49,11 @@ def seeded_inputs(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
     return inputs
 
 
-def run_onnx(model: onnx.ModelProto | Path, inputs: dict[str, np.ndarray], threads: int = 0) -> dict[str, np.ndarray]:
+def run_onnx(model: onnx.ModelProto | Path, inputs: dict[str, np.ndarray], threads: int = 0,
+             activations: CpuActivations = CpuActivations.float) -> dict[str, np.ndarray]:
     """Runs a model (in memory, or a file whose external weights lie beside it) on ``inputs``,
     in the ONNX Runtime configuration the runtime and ``trtbuild eval`` use."""
-    return ort_config.run(ort_config.session(model, threads), inputs)
+    return ort_config.run(ort_config.session(model, threads, activations=activations), inputs)
 
 
 def decode_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

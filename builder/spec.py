@@ -16,6 +16,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
+from ..contract.onnxruntime import CpuActivations
 from ..contract.tensor_parallel import kv_heads_per_rank
 from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_TARGETS  # noqa: F401  (RTX_TARGETS: API)
 from .errors import SpecError, UserError
@@ -143,6 +144,13 @@ class QuantizationSection(_Section):
     exclude: tuple[str, ...] = ("lm_head",)
     smoothquant_alpha: float = Field(0.5, ge=0.0, le=1.0, description="w8a8: migration strength")
     quantize_embeddings: StrictBool = Field(False, description="int8 per-row embedding table (DequantizeLinear → Gather)")
+    cpu_activations: Literal["float", "int8"] = Field(
+        "float", description="ONNX Runtime (CPU) only: int8 quantizes the activations of int4/int8 weight-only "
+                             "MatMuls on the fly (faster; the numerics check and eval measure the cost)")
+
+    @property
+    def activations(self) -> CpuActivations:
+        return CpuActivations(self.cpu_activations)
 
     @property
     def bits(self) -> int | None:

@@ -91,6 +91,9 @@ def _check_quantization(spec: Spec) -> None:
     if q.quantize_embeddings and q.mode not in ("int8_weight_only", "int4_weight_only", "w8a8"):
         raise SpecError("quantization.quantize_embeddings", f"applies to int8_weight_only, int4_weight_only and "
                                                             f"w8a8 (int8 rows); mode is {q.mode}")
+    if q.cpu_activations == "int8" and q.mode not in ("int8_weight_only", "int4_weight_only"):
+        raise SpecError("quantization.cpu_activations", f"int8 applies to int4_weight_only and int8_weight_only "
+                                                        f"(ONNX Runtime's n-bit GEMM); mode is {q.mode}")
     if q.quantize_embeddings and arch.tie_word_embeddings:
         raise SpecError("quantization.quantize_embeddings", "the checkpoint ties its embeddings to lm_head "
                                                             "(tie_word_embeddings): quantize lm_head instead")

@@ -21,11 +21,30 @@ class Spinning(Enum):
     never = "never"
 
 
+class CpuActivations(Enum):
+    """What ONNX Runtime's n-bit GEMM multiplies int4/int8 weights with where it replaces a
+    ``DequantizeLinear → MatMul`` (its accuracy level).
+
+    ``float``: the activations as they are (level 1, fp32): the graph's arithmetic, what the
+    numerics check and perplexity of the weights alone describe. ``int8``: activations
+    quantized to int8 per block on the fly (level 4: integer dot products), faster on CPUs with
+    them, at an accuracy cost the build's numerics check and ``trtbuild eval`` measure; only
+    where a spec asks for it (quantization.cpu_activations). TensorRT never reads this."""
+
+    float = "float"
+    int8 = "int8"
+
+    @property
+    def accuracy_level(self) -> int:
+        return 4 if self is CpuActivations.int8 else 1
+
+
 def session_options(threads: int = 0, external_data_dir: Path | None = None,
-                    spinning: Spinning = Spinning.always):
+                    spinning: Spinning = Spinning.always, activations: CpuActivations = CpuActivations.float):
     """``threads`` 0 lets ONNX Runtime choose; ``external_data_dir`` resolves the weights of a
     model handed over in memory (a graph segment, the CPU decode graph, a simulated FP4 graph)
-    from that folder. ``spinning``: see Spinning; numerics are the same either way."""
+    from that folder. ``spinning``: see Spinning; numerics are the same either way.
+    ``activations``: see CpuActivations (an engine dir's is ``EngineDir.cpu_activations``)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -33,9 +52,9 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None,
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning",
                                      "0" if spinning == Spinning.never else "1")
-    # DequantizeLinear → MatMul may become ONNX Runtime's n-bit GEMM; keep its activations in
-    # float (accuracy level 1 = fp32) so it computes what the graph says, not an int8 proxy.
-    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    # DequantizeLinear → MatMul may become ONNX Runtime's n-bit GEMM; its activations stay
+    # float unless the spec asked for int8 (CpuActivations).
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(activations.accuracy_level))
     if external_data_dir is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(external_data_dir))
@@ -43,14 +62,14 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None,
 
 
 def session(model, threads: int = 0, external_data_dir: Path | None = None,
-            spinning: Spinning = Spinning.always):
+            spinning: Spinning = Spinning.always, activations: CpuActivations = CpuActivations.float):
     """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto."""
     import onnx
     import onnxruntime as ort
 
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else \
         str(model) if isinstance(model, Path) else model
-    return ort.InferenceSession(source, session_options(threads, external_data_dir, spinning),
+    return ort.InferenceSession(source, session_options(threads, external_data_dir, spinning, activations),
                                 providers=["CPUExecutionProvider"])
 
 

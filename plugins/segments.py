@@ -17,7 +17,7 @@ import onnx
 from onnx import helper
 
 from ..contract import onnxruntime as ort_config
-from ..contract.onnxruntime import Spinning
+from ..contract.onnxruntime import CpuActivations, Spinning
 from .collectives import OP, Collective
 
 
@@ -96,9 +96,11 @@ def split(model: onnx.ModelProto) -> list[Segment]:
 class SegmentedRank:
     """One rank's segments as ONNX Runtime sessions."""
 
-    def __init__(self, model: onnx.ModelProto, base_dir: Path | None, threads: int = 0):
+    def __init__(self, model: onnx.ModelProto, base_dir: Path | None, threads: int = 0,
+                 activations: CpuActivations = CpuActivations.float):
         self.segments = split(model)
-        self.sessions = [None if s.model is None else ort_config.session(s.model, threads, base_dir, Spinning.never)
+        self.sessions = [None if s.model is None else
+                         ort_config.session(s.model, threads, base_dir, Spinning.never, activations)
                          for s in self.segments]
 
 
@@ -109,8 +111,9 @@ class LocalRanks:
     """All ranks of a tensor-parallel step in this process, collectives in numpy: the build's
     numerics check and ``trtbuild eval`` (exact sums, no process group needed)."""
 
-    def __init__(self, models: list[onnx.ModelProto], base_dir: Path | None, threads: int = 0):
-        self.ranks = [SegmentedRank(model, base_dir, threads) for model in models]
+    def __init__(self, models: list[onnx.ModelProto], base_dir: Path | None, threads: int = 0,
+                 activations: CpuActivations = CpuActivations.float):
+        self.ranks = [SegmentedRank(model, base_dir, threads, activations) for model in models]
         self.output_names = [o.name for o in models[0].graph.output]
 
     def run(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
@@ -129,6 +132,6 @@ class LocalRanks:
 
 
 def run_ranks(models: list[onnx.ModelProto], feeds: list[dict[str, np.ndarray]],
-              base_dir: Path | None) -> list[dict[str, np.ndarray]]:
+              base_dir: Path | None, activations: CpuActivations = CpuActivations.float) -> list[dict[str, np.ndarray]]:
     """One step of all ranks' graphs (see LocalRanks)."""
-    return LocalRanks(models, base_dir).run(feeds)
+    return LocalRanks(models, base_dir, 0, activations).run(feeds)

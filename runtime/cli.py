@@ -168,6 +168,8 @@ def evaluate(target: Path, data: Path, context: int, max_tokens, reference, thre
         click.echo(json.dumps(result.as_dict(), indent=2))
         return
     line = f"{target}: perplexity {result.perplexity:.3f} over {result.tokens} tokens (windows of {result.context})"
+    if result.cpu_activations == "int8":
+        line += " with int8 activations (quantization.cpu_activations)"
     if result.agreement is not None:
         line += f"; greedy agreement with {reference}: {100 * result.agreement:.1f}%"
     click.echo(line)

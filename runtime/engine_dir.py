@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract.manifest import ManifestError, check_engine_dir, read_manifest
+from ..contract.onnxruntime import CpuActivations
 
 
 class EngineDirError(ValueError):
@@ -57,6 +58,11 @@ class EngineDir:
     @property
     def dtype(self) -> str:
         return self.manifest["spec"]["model"]["dtype"]
+
+    @property
+    def cpu_activations(self) -> CpuActivations:
+        """What ONNX Runtime multiplies int4/int8 weights with (the spec's quantization.cpu_activations)."""
+        return CpuActivations(self.manifest["spec"].get("quantization", {}).get("cpu_activations", "float"))
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:

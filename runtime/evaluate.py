@@ -30,10 +30,12 @@ class EvalResult:
     tokens: int
     context: int
     agreement: float | None = None   # share of positions whose top-1 matches the reference's
+    cpu_activations: str | None = None  # an engine dir's (quantization.cpu_activations); None for checkpoints
 
     def as_dict(self) -> dict:
         return {"perplexity": round(self.perplexity, 4), "tokens": self.tokens, "context": self.context,
-                "greedy_agreement": None if self.agreement is None else round(self.agreement, 4)}
+                "greedy_agreement": None if self.agreement is None else round(self.agreement, 4),
+                "cpu_activations": self.cpu_activations}
 
 
 def windows(ids: list[int], context: int, max_tokens: int | None) -> np.ndarray:
@@ -103,12 +105,12 @@ def _rank_runner(d, threads: int):
     """feeds per rank → outputs per rank: one session, or for a tensor-parallel dir all ranks'
     graphs in this process with their collectives computed exactly (no process group)."""
     if d.tensor_parallel == 1:
-        session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads)
+        session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads, activations=d.cpu_activations)
         return lambda feeds: [ort_config.run(session, feeds[0])]
     from ..plugins.segments import LocalRanks
 
     models = [fp4.cpu_model(d.rank_file(rank, "onnx")) for rank in range(d.tensor_parallel)]
-    return LocalRanks(models, d.path, threads).run
+    return LocalRanks(models, d.path, threads, d.cpu_activations).run
 
 
 def is_engine_dir(path: Path) -> bool:
@@ -157,4 +159,5 @@ def evaluate(target: Path, data: Path, context: int = 512, max_tokens: int | Non
     agreement = None
     if compared is not None:
         agreement = float((score(compared, batches, threads).argmax == scores.argmax).mean())
-    return EvalResult(perplexity=scores.perplexity, tokens=scores.count, context=context, agreement=agreement)
+    return EvalResult(perplexity=scores.perplexity, tokens=scores.count, context=context, agreement=agreement,
+                      cpu_activations=None if isinstance(loaded, Path) else loaded.cpu_activations.value)

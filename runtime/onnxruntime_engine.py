@@ -78,12 +78,13 @@ class OnnxRuntimeEngine:
                 raise ValueError(f"{path} is one rank of a tensor-parallel engine: run it through the "
                                  "tensor-parallel engine (trtbuild.runtime.tensor_parallel)")
             model = fp4.cpu_model(path)
-            self.segments, self.collective = SegmentedRank(model, path.parent, threads), collective
+            self.segments = SegmentedRank(model, path.parent, threads, engine_dir.cpu_activations)
+            self.collective = collective
             outputs = [o.name for o in model.graph.output]
         else:
             source, decode = cpu_graph(engine_dir, rank, use_decode_graph)
             self.decode = decode.counts if decode is not None else None  # what the decode graph fused
-            self.session = ort_config.session(source, threads, path.parent, spinning)
+            self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
         self.has_medusa = MEDUSA_LOGITS in outputs

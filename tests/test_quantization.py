@@ -38,6 +38,8 @@ def spec_with(**quantization) -> dict:
     ({"mode": "int4_weight_only", "algorithm": "awq", "calibration": {"data": "/nonexistent.txt"}},
      "quantization.calibration.data: /nonexistent.txt is not a file"),
     ({"mode": "int4_weight_only", "exclude": ["lm_haed"]}, "quantization.exclude: 'lm_haed' matches no linear layer"),
+    ({"mode": "none", "cpu_activations": "int8"},
+     "quantization.cpu_activations: int8 applies to int4_weight_only and int8_weight_only"),
 ])
 def test_quantization_refusals_name_the_field(quantization, message):
     with pytest.raises(SpecError) as info:
@@ -190,6 +192,44 @@ def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     from trtbuild.runtime.llm import LLM               # the CPU runtime serves it too (NVFP4: simulated)
     from trtbuild.runtime.sampling import SamplingParams
     (completion,) = LLM(tmp_path / "out", backend="onnxruntime").generate(["def f(x):"], SamplingParams(max_tokens=4))
+    assert len(completion.token_ids) == 4
+
+
+@pytest.mark.slow
+def test_int8_cpu_activations_reach_every_onnx_runtime_session(tmp_path):
+    """quantization.cpu_activations: int8 is what the numerics check, eval and the runtime run."""
+    import dataclasses
+
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+    from trtbuild.contract.onnxruntime import CpuActivations
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.evaluate import evaluate, score_engine, windows
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    spec = Spec.from_dict({**spec_with(mode="int4_weight_only", cpu_activations="int8"),
+                           "build": {"max_input_len": 64, "max_seq_len": 256, "targets": ["sm89"]}})
+    summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
+    record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")["numerics"]
+    # Against torch with the same dequantized weights: float activations agree to ~1e-5; int8
+    # activations add their own rounding, which the check measures (and bounds).
+    assert record["ok"] and record["vs_torch"]["max_abs"] > 1e-3, record
+    engine_dir = load(tmp_path / "out")
+    assert engine_dir.cpu_activations == CpuActivations.int8
+    result = evaluate(tmp_path / "out", CALIB, 256, 1024)
+    assert result.cpu_activations == "int8"
+    as_float = dataclasses.replace(engine_dir, manifest={**engine_dir.manifest, "spec": {
+        **engine_dir.manifest["spec"], "quantization": {**engine_dir.manifest["spec"]["quantization"],
+                                                        "cpu_activations": "float"}}})
+    from tokenizers import Tokenizer
+    ids = Tokenizer.from_file(str(TINY_CODE / "tokenizer.json")).encode(CALIB.read_text()).ids
+    float_perplexity = score_engine(as_float, windows(ids, 256, 1024)).perplexity
+    assert float_perplexity != result.perplexity and abs(result.perplexity / float_perplexity - 1) < 0.05
+    llm = LLM(tmp_path / "out", backend="onnxruntime")
+    options = llm.engine.session.get_session_options()
+    assert options.get_session_config_entry("session.qdq_matmulnbits_accuracy_level") == "4"
+    (completion,) = llm.generate(["def f(x):"], SamplingParams(max_tokens=4))
     assert len(completion.token_ids) == 4
 
 

@@ -14,6 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ...contract.cpu_decode_graph import decode_graph
+from ...contract.onnxruntime import CpuActivations
 from ...contract.tensor_parallel import gather_caches, shard_caches
 from ...plugins import fp4
 from ...plugins.segments import run_ranks
@@ -25,17 +26,18 @@ from .instruments import Instrument
 class NumericsGate(Instrument):
     def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
                  quantized_reference: dict | None = None, quantized_rtol: float | None = None,
-                 num_kv_heads: int | None = None, heads: tuple[int, int] | None = None):
+                 num_kv_heads: int | None = None, heads: tuple[int, int] | None = None,
+                 activations: CpuActivations = CpuActivations.float):
         """``workdir`` holds the graphs' external weight files; ``quantized_reference`` is torch
         eager with the dequantized weights, the reference once the graph holds quantized weights
         (quantization error is measured, not a pass's mistake); ``num_kv_heads`` of the whole
         model, to give each rank its cache shard; ``heads`` (query, KV) of a single-rank graph,
         for the CPU decode graph (contract/cpu_decode_graph.py), checked against the rank graph
-        at a decode step whenever it applies."""
+        at a decode step whenever it applies; ``activations`` the spec's, as the runtime will run."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
         self.workdir, self.quantized_reference = workdir, quantized_reference
         self.quantized_rtol = quantized_rtol or rtol
-        self.num_kv_heads, self.heads = num_kv_heads, heads
+        self.num_kv_heads, self.heads, self.activations = num_kv_heads, heads, activations
         self.previous: dict | None = None  # outputs of the graphs before the current pass
         self.first = True
 
@@ -63,16 +65,17 @@ class NumericsGate(Instrument):
             record["vs_previous"] = numerics.worst(vs_previous)
         if len(graphs) > 1:
             record["ranks_together"] = len(graphs)
+        # Quantized graphs: int8 activations (CpuActivations.int8) round differently in the two graphs.
+        rtol = self.quantized_rtol if use_quantized else self.rtol
         decode = self.check_decode(models[0], single) if single is not None and self.heads is not None else None
         if decode is not None:
             counts, stats = decode
             record["cpu_decode"] = {**counts, **numerics.worst(stats)}
-            bad_decode = {name: s for name, s in stats.items() if not s.within(self.atol, self.rtol)}
+            bad_decode = {name: s for name, s in stats.items() if not s.within(self.atol, rtol)}
             if bad_decode:
                 name, stat = max(bad_decode.items(), key=lambda kv: kv[1].max_abs)
                 raise PassError(f"after pass {p.name} the CPU decode graph (GroupQueryAttention) differs from the "
                                 f"rank graph: {name} max_abs {stat.max_abs:.3g} exceeds atol {self.atol}{after(ran)}")
-        rtol = self.quantized_rtol if use_quantized else self.rtol
         bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, rtol)}
         record["ok"] = not bad
         for rank_record in records:
@@ -87,9 +90,9 @@ class NumericsGate(Instrument):
         """The step's outputs: ``single`` (the one rank graph, as ONNX Runtime loads it), or the
         rank graphs together."""
         if single is not None:
-            return numerics.run_onnx(single, self.inputs)
+            return numerics.run_onnx(single, self.inputs, activations=self.activations)
         feeds = shard_caches(self.inputs, len(models), self.num_kv_heads)
-        outputs = run_ranks(models, feeds, self.workdir)
+        outputs = run_ranks(models, feeds, self.workdir, self.activations)
         logits = {name: value for name, value in outputs[0].items() if not name.startswith("present_")}
         return {**logits, **gather_caches(outputs, self.num_kv_heads)}
 
@@ -102,8 +105,9 @@ class NumericsGate(Instrument):
         if found is None:
             return None
         inputs = numerics.decode_inputs(self.inputs)
-        reference = numerics.run_onnx(runnable, inputs)
-        actual = numerics.run_onnx(self._runnable(found.model, "numerics_decode.onnx"), inputs)
+        reference = numerics.run_onnx(runnable, inputs, activations=self.activations)
+        actual = numerics.run_onnx(self._runnable(found.model, "numerics_decode.onnx"), inputs,
+                                   activations=self.activations)
         return found.counts, numerics.compare(actual, reference)
 
     def _runnable(self, model: onnx.ModelProto, name: str) -> onnx.ModelProto | Path:
