@@ -4,9 +4,10 @@ decode step's time goes.
 
     python benchmarks/cpu_decode.py [--fp32-dir DIR] [--int4-dir DIR] [--int4-a8-dir DIR] [--repeats 3] [--no-genai] [--json]
 
-Engines: specs/tiny-code.yaml (fp32) and the same with int4 GPTQ, group 128, once with float
-activations and once with ``quantization.cpu_activations: int8`` (built into a temporary dir
-unless given). Each engine at batch 1 and 8: random 64-token prompts (seeded), 128
+Engines: specs/tiny-code.yaml (fp32) and the same with int4 GPTQ, group 128 (float
+activations), and once more with ``quantization.cpu_activations: int8`` and lm_head quantized too
+(``exclude: []``), as onnxruntime-genai's int4 models have it (built into a temporary dir unless
+given). Each engine at batch 1 and 8: random 64-token prompts (seeded), 128
 greedy tokens; decode tok/s = batch / the median decode step (each row makes one token a step),
 and the batch-1 prefill time (to each row's first token); the median of --repeats runs of each.
 
@@ -45,7 +46,7 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
 INT4 = "trtbuild int4 gptq g128 (float activations)"
-INT4_A8 = "trtbuild int4 gptq g128, cpu_activations: int8"
+INT4_A8 = "trtbuild int4 gptq g128 + lm_head, cpu_activations: int8"
 GENAI_FP32 = "onnxruntime-genai fp32"
 GENAI_INT4 = "onnxruntime-genai int4 rtn b128, accuracy 1 (float activations)"
 GENAI_INT4_A8 = "onnxruntime-genai int4 rtn b128, accuracy 4 (int8 activations, its CPU default)"
@@ -65,10 +66,13 @@ def build(out: Path, quantization: dict | None, workdir: Path) -> Path:
     return out
 
 
-def gptq_int4(workdir: Path, cpu_activations: str = "float") -> dict:
+def gptq_int4(workdir: Path, int8_activations: bool = False) -> dict:
+    """The quantization benchmark's int4 GPTQ g128; with ``int8_activations`` also lm_head
+    quantized, as in onnxruntime-genai's int4 models, the row it is compared with."""
     from quantization import calibration_text  # the quantization benchmark's calibration text
 
-    return {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 128, "cpu_activations": cpu_activations,
+    extra = {"cpu_activations": "int8", "exclude": []} if int8_activations else {}
+    return {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 128, **extra,
             "calibration": {"data": [str(calibration_text(workdir / "calibration.txt"))]}}
 
 
@@ -297,8 +301,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fp32-dir", type=Path, help="engine dir of specs/tiny-code.yaml (default: build one)")
     ap.add_argument("--int4-dir", type=Path, help="the same with int4 GPTQ g128 (default: build one)")
-    ap.add_argument("--int4-a8-dir", type=Path,
-                    help="the same with quantization.cpu_activations: int8 (default: build one)")
+    ap.add_argument("--int4-a8-dir", type=Path, help="the same with lm_head too and quantization.cpu_activations: "
+                                                     "int8 (default: build one)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai even if installed")
@@ -324,7 +328,7 @@ def main() -> None:
         work = Path(tmp)
         fp32 = args.fp32_dir or build(work / "fp32", None, work)
         int4 = args.int4_dir or build(work / "int4-gptq-g128", gptq_int4(work), work)
-        int4_a8 = args.int4_a8_dir or build(work / "int4-gptq-g128-a8", gptq_int4(work, "int8"), work)
+        int4_a8 = args.int4_a8_dir or build(work / "int4-gptq-g128-a8", gptq_int4(work, int8_activations=True), work)
         vocab = json.loads((fp32 / "manifest.json").read_text())["model"]["vocab_size"]
         engines = {"trtbuild fp32": ("trtbuild", fp32), INT4: ("trtbuild", int4), INT4_A8: ("trtbuild", int4_a8)}
         perplexity = {name: trtbuild_perplexity(engines[name][1], args.threads) for name in (INT4, INT4_A8)}
