@@ -5,10 +5,11 @@ GroupQueryAttention over the same pools, which writes each row's new K/V in plac
 position (past and present share the buffer) and attends over that row's filled length.
 
 Then the CPU fusions of contract/cpu_fusions.py: the three q/k/v projections packed into one
-MatMul feeding GroupQueryAttention, and each residual Add → RMSNormalization as one
-SkipSimplifiedLayerNormalization. Together this is the structure of onnxruntime-genai's CPU graph.
+MatMul feeding GroupQueryAttention, the logits-row gather (the identity at one token a row)
+bypassed, and each residual Add → RMSNormalization as one SkipSimplifiedLayerNormalization.
+Together this is the structure of onnxruntime-genai's CPU graph.
 
-A decode step of the rank graph is ~190 ops on the bundled model; the decode graph's is ~85, and
+A decode step of the rank graph is ~190 ops on the bundled model; the decode graph's is 78, and
 runs a step in the time onnxruntime-genai's graph does (benchmarks/cpu_decode.py). It is CPU-only
 and in memory: the rank ONNX TensorRT compiles is untouched, and steps GroupQueryAttention cannot
 express (prefill chunks of several rows, Medusa tree verification) run the rank graph itself, in
@@ -127,10 +128,12 @@ class DecodeGraph:
     layers: int        # attention chains → GroupQueryAttention (every layer's, or no decode graph)
     packed_qkv: int    # of those, with q/k/v projections packed into one MatMul
     skip_norms: int    # Add → RMSNormalization pairs fused
+    row_gathers: int   # logits-row gathers bypassed (0 or 1)
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"layers": self.layers, "packed_qkv": self.packed_qkv, "skip_norms": self.skip_norms}
+        return {"layers": self.layers, "packed_qkv": self.packed_qkv, "skip_norms": self.skip_norms,
+                "row_gathers": self.row_gathers}
 
 
 def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> DecodeGraph | None:
@@ -172,9 +175,9 @@ def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> D
     if not any(o.domain == "com.microsoft" for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     packed, packed_count = pack_qkv(out)
-    ungathered, _ = drop_row_gather(packed)
+    ungathered, gather_count = drop_row_gather(packed)
     fused, norm_count = skip_norm(ungathered)
-    return DecodeGraph(_prune(fused), len(chains), packed_count, norm_count)
+    return DecodeGraph(_prune(fused), len(chains), packed_count, norm_count, gather_count)
 
 
 def fill_decode_inputs(input_ids: np.ndarray, write_index: np.ndarray, kv_length: np.ndarray,

@@ -299,8 +299,9 @@ class LLM:
         policy = self.speculation
         if policy is not None and step.kind == StepKind.decode:
             policy.count_step(step.verifies, step.seq_len)
-        # One argmax over the batch for the rows that take it (plain rows: logits row 0).
-        argmax = out.logits[:, 0].argmax(-1).tolist() if not step.trees and out.logits.shape[1] == 1 else None  # [B]
+        # One argmax over the batch for the rows that take it (plain rows read logits row 0).
+        plain = not step.trees and out.logits.shape[1] == 1
+        argmax = out.logits[:, 0].argmax(-1).tolist() if plain else None  # [B]
         for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
             if not samples:
                 continue
