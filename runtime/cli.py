@@ -95,7 +95,7 @@ def _run(llm, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, st
     click.echo(prompt + completion.text)
     medusa = (f", {completion.decode_steps} decode steps ({completion.accepted_tokens} Medusa guesses accepted)"
               if llm.speculation is not None else "")
-    click.echo(f"[{len(completion.token_ids)} tokens, {completion.finish_reason}, backend {llm.backend}, "
+    click.echo(f"[{len(completion.token_ids)} tokens, {completion.finish_reason}, backend {llm.backend_label}, "
                f"ttft {completion.ttft_s * 1000:.1f} ms{medusa}]", err=True)
 
 

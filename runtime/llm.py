@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..contract.onnxruntime import CpuActivations
 from .engine import StepOutput
 from .engines import make_engine
 from .outputs import Completion, Delta, RequestOutput
@@ -98,6 +99,13 @@ class LLM:
     @property
     def backend(self) -> str:
         return self.engine.name
+
+    @property
+    def backend_label(self) -> str:
+        """The backend as the CLI prints it: ONNX Runtime says when it quantizes activations."""
+        if self.backend.startswith("onnxruntime") and self.engine_dir.cpu_activations == CpuActivations.int8:
+            return f"{self.backend}, int8 activations"
+        return self.backend
 
     def close(self) -> None:
         """Releases the engine (device memory; a tensor-parallel engine's rank processes)."""

@@ -227,6 +227,7 @@ def test_int8_cpu_activations_reach_every_onnx_runtime_session(tmp_path):
     float_perplexity = score_engine(as_float, windows(ids, 256, 1024)).perplexity
     assert float_perplexity != result.perplexity and abs(result.perplexity / float_perplexity - 1) < 0.05
     llm = LLM(tmp_path / "out", backend="onnxruntime")
+    assert llm.backend_label == "onnxruntime, int8 activations"  # what `trtbuild run` and `serve` print
     options = llm.engine.session.get_session_options()
     assert options.get_session_config_entry("session.qdq_matmulnbits_accuracy_level") == "4"
     (completion,) = llm.generate(["def f(x):"], SamplingParams(max_tokens=4))

@@ -75,7 +75,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     app = create_app(AsyncLLM(llm), name, api_key=api_key, max_queue=max_queue)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=max(1, int(grace)))
     server = _DrainingServer(config, app.state.trtbuild, grace)
-    click.echo(f"trtbuild serve: {name} ({llm.backend}) on http://{host}:{port}", err=True)
+    click.echo(f"trtbuild serve: {name} ({llm.backend_label}) on http://{host}:{port}", err=True)
     try:
         server.run()
     finally:
