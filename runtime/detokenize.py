@@ -78,9 +78,11 @@ def _byte_level_chars() -> dict[str, int]:
     return chars
 
 
-def _byte_table(tokenizer) -> list[bytes] | None:
+def _byte_table(tokenizer, vocab_size: int) -> list[bytes] | None:
     """Each id's bytes as tokenizer.decode (skipping special tokens) would emit them, or None
-    when the tokenizer's decoder is not ByteLevel alone or the table disagrees with decode."""
+    when the tokenizer's decoder is not ByteLevel alone or the table disagrees with decode. Ids
+    the tokenizer does not know (a model's vocabulary padded past it) decode to nothing, as in
+    tokenizer.decode."""
     from tokenizers import decoders
 
     if not isinstance(tokenizer.decoder, decoders.ByteLevel):
@@ -88,7 +90,7 @@ def _byte_table(tokenizer) -> list[bytes] | None:
     chars = _byte_level_chars()
     special = {int(i) for i, added in tokenizer.get_added_tokens_decoder().items() if added.special}
     vocab = tokenizer.get_vocab(with_added_tokens=True)  # token → id
-    table = [b""] * (max(vocab.values(), default=-1) + 1)
+    table = [b""] * max(max(vocab.values(), default=-1) + 1, vocab_size)
     for token, token_id in vocab.items():
         if token_id in special:
             continue
@@ -105,9 +107,10 @@ def _byte_table(tokenizer) -> list[bytes] | None:
 class Detokenizer:
     """Makes each request's incremental decoder; the byte table, if any, is made once here."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, vocab_size: int = 0):
+        """``vocab_size``: the model's, which may pad the tokenizer's."""
         self.tokenizer = tokenizer
-        self.table = _byte_table(tokenizer)
+        self.table = _byte_table(tokenizer, vocab_size)
 
     def stream(self) -> ByteStream | IncrementalDecoder:
         return ByteStream(self.table) if self.table is not None else IncrementalDecoder(self.tokenizer)

@@ -63,7 +63,7 @@ class LLM:
         except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
             raise EngineDirError(f"{d.path / 'tokenizer.json'}: not a loadable tokenizer "
                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer, d.vocab_size)
         self.engine = make_engine(d, backend, threads, blocks, block_size, verify)
         self.scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,

@@ -31,17 +31,19 @@ def _pieces(decoder, ids: list[int], step: int = 1) -> list[str]:
 
 def test_byte_level_tokenizers_stream_from_a_byte_table():
     tokenizer = Tokenizer.from_file(str(TINY_CODE / "tokenizer.json"))
-    detokenizer = Detokenizer(tokenizer)
+    vocab = tokenizer.get_vocab_size()
+    detokenizer = Detokenizer(tokenizer, vocab + 64)  # a model's vocabulary padded past the tokenizer's
     assert isinstance(detokenizer.stream(), ByteStream)
     text = "def naïve(x):\n    return '日本語 ü' + x  # ✓ done\n"
     ids = tokenizer.encode(text).ids
     for step in (1, 3):
         pieces = _pieces(detokenizer.stream(), ids, step)
         assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
-    # Random ids: bytes that are not UTF-8, characters cut at the end, the special <|endoftext|> (0).
+    # Random ids: bytes that are not UTF-8, characters cut at the end, the special <|endoftext|>
+    # (0), ids past the tokenizer's vocabulary (decoded as nothing).
     rng = np.random.default_rng(0)
     for _ in range(100):
-        ids = rng.integers(0, tokenizer.get_vocab_size(), int(rng.integers(1, 30))).tolist()
+        ids = rng.integers(0, vocab + 64, int(rng.integers(1, 30))).tolist()
         ids[int(rng.integers(len(ids)))] = 0
         assert "".join(_pieces(detokenizer.stream(), ids)) == tokenizer.decode(ids)
         assert "".join(_pieces(IncrementalDecoder(tokenizer), ids)) == tokenizer.decode(ids)
