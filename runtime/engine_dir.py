@@ -62,7 +62,12 @@ class EngineDir:
     @property
     def cpu_activations(self) -> CpuActivations:
         """What ONNX Runtime multiplies int4/int8 weights with (the spec's quantization.cpu_activations)."""
-        return CpuActivations(self.manifest["spec"].get("quantization", {}).get("cpu_activations", "float"))
+        value = self.manifest["spec"].get("quantization", {}).get("cpu_activations", "float")
+        try:
+            return CpuActivations(value)
+        except ValueError:
+            raise EngineDirError(f"{self.path / 'manifest.json'}: spec.quantization.cpu_activations {value!r} is "
+                                 f"not one of {', '.join(a.value for a in CpuActivations)}") from None
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
@@ -99,4 +104,6 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
         check_engine_dir(path, manifest, verify_hashes)
     except ManifestError as exc:
         raise EngineDirError(str(exc)) from None
-    return EngineDir(path=path, manifest=manifest)
+    engine_dir = EngineDir(path=path, manifest=manifest)
+    engine_dir.cpu_activations  # noqa: B018  (an unknown value is refused here, in one line, not mid-load)
+    return engine_dir

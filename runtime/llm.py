@@ -307,9 +307,8 @@ class LLM:
         policy = self.speculation
         if policy is not None and step.kind == StepKind.decode:
             policy.count_step(step.verifies, step.seq_len)
-        # One argmax over the batch for the rows that take it (plain rows read logits row 0).
-        plain = not step.trees and out.logits.shape[1] == 1
-        argmax = out.logits[:, 0].argmax(-1).tolist() if plain else None  # [B]
+        # Plain rows read logits row 0: those that take its argmax share one over the batch.
+        plain, argmax = not step.trees and out.logits.shape[1] == 1, None
         for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
             if not samples:
                 continue
@@ -329,7 +328,9 @@ class LLM:
                                           for n in path.nodes]
             if step.kind == StepKind.decode:
                 live.decode_steps += 1
-            if argmax is not None and live.sampler.takes_argmax:
+            if plain and live.sampler.takes_argmax:
+                if argmax is None:
+                    argmax = out.logits[:, 0].argmax(-1).tolist()  # [B]
                 token, logprob = argmax[row], None
             else:
                 token, logprob = live.sampler.sample(out.logits[row, node])

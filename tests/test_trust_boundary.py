@@ -154,6 +154,20 @@ def test_tampered_engine_dir_is_refused_in_one_line(tiny_engine, tmp_path, case)
         assert last.startswith("error: ") and message in last and "Traceback" not in proc.stderr, (case, command, proc.stderr[-800:])
 
 
+def test_unknown_cpu_activations_in_a_manifest_is_refused_in_one_line(tiny_engine, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(tiny_engine, d)
+    m = _manifest(d)
+    m["spec"]["quantization"]["cpu_activations"] = "int3"
+    _write(d, m)
+    for command in (["run", str(d), "--prompt", "def f(x):", "--max-tokens", "4", "--backend", "onnxruntime"],
+                    ["eval", str(d), "--data", str(TINY_CODE / "heldout.txt"), "--max-tokens", "600"]):
+        proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", *command], capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (command, proc.stderr[-800:])
+        assert proc.stderr.strip().splitlines()[-1] == (f"error: {d / 'manifest.json'}: spec.quantization.cpu_activations "
+                                                        "'int3' is not one of float, int8"), proc.stderr
+
+
 def test_build_never_replaces_a_directory_it_did_not_write(tmp_path):
     web_app = tmp_path / "site"
     (web_app / "src").mkdir(parents=True)
