@@ -2,7 +2,8 @@
 """CPU decode speed of the ONNX Runtime backend, side by side with onnxruntime-genai, and where a
 decode step's time goes.
 
-    python benchmarks/cpu_decode.py [--fp32-dir DIR] [--int4-dir DIR] [--int4-a8-dir DIR] [--repeats 3] [--no-genai] [--json]
+    python benchmarks/cpu_decode.py [--fp32-dir DIR] [--int4-dir DIR] [--int4-a8-dir DIR] [--repeats 3]
+                                    [--no-genai] [--no-llama-cpp] [--json]
 
 Engines: specs/tiny-code.yaml (fp32) and the same with int4 GPTQ, group 128 (float
 activations), and once more with ``quantization.cpu_activations: int8`` and lm_head quantized too
@@ -18,6 +19,10 @@ TokenizerStream, as ours do): fp32; int4 block 128 at accuracy level 1
 (float activations, like ours) and at its CPU default, level 4 (int8 activations). Perplexity of
 each int4 model on the bundled held-out text (4096 tokens) shows whether activations were
 quantized. Compare within one run: figures move ±20 % between runs on a shared 2-core machine.
+
+With llama-cpp-python installed, llama.cpp at batch 1 (its Python API decodes one sequence) on an
+f16 GGUF of the same checkpoint (benchmarks/gguf_export.py), each token detokenized, in the same
+rotation.
 
 Then the step-time breakdown of trtbuild's decode at batch 1 and 8: the step loop outside the
 engine (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings,
@@ -50,6 +55,7 @@ INT4_A8 = "trtbuild int4 gptq g128 + lm_head, cpu_activations: int8"
 GENAI_FP32 = "onnxruntime-genai fp32"
 GENAI_INT4 = "onnxruntime-genai int4 rtn b128, accuracy 1 (float activations)"
 GENAI_INT4_A8 = "onnxruntime-genai int4 rtn b128, accuracy 4 (int8 activations, its CPU default)"
+LLAMA_CPP = "llama.cpp f16 (llama-cpp-python)"
 
 
 def build(out: Path, quantization: dict | None, workdir: Path) -> Path:
@@ -166,6 +172,33 @@ def genai_measure(path: Path, seed: int, vocab: int) -> dict:
     return {str(batch): genai_run(model, tokenizer, batch, seed, vocab) for batch in (1, 8)}
 
 
+# -- llama.cpp (llama-cpp-python) --------------------------------------------------------------
+
+def llama_cpp_run(llm, seed: int, vocab: int) -> tuple[float, float]:
+    """Batch 1 only (its Python API decodes one sequence): as trtbuild_run, each token also
+    detokenized."""
+    prompt = prompts(1, seed, vocab)[0]
+    llm.reset()
+    start = time.perf_counter()
+    tokens = llm.generate(prompt, temp=0.0, top_k=1, reset=True)
+    llm.detokenize([next(tokens)])
+    prefill, steps = time.perf_counter() - start, []
+    for _ in range(NEW_TOKENS - 1):
+        begin = time.perf_counter()
+        llm.detokenize([next(tokens)])
+        steps.append(time.perf_counter() - begin)
+    tokens.close()
+    return 1 / statistics.median(steps), prefill
+
+
+def llama_cpp_measure(path: Path, threads: int, seed: int, vocab: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=PROMPT_LEN + NEW_TOKENS, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llama_cpp_run(llm, 99, vocab)  # warm-up
+    return {"1": llama_cpp_run(llm, seed, vocab), "8": None}
+
+
 def measure(engines: dict[str, tuple[str, Path]], threads: int, repeats: int, vocab: int) -> dict[str, dict]:
     """Each engine in a process of its own (ONNX Runtime thread pools left spinning by one
     engine would slow the next), round-robin ``repeats`` times so that a slow spell of the
@@ -178,9 +211,11 @@ def measure(engines: dict[str, tuple[str, Path]], threads: int, repeats: int, vo
                                  check=True, capture_output=True, text=True).stdout
             figures = json.loads(out.strip().splitlines()[-1])
             for batch in (1, 8):
-                samples[name][batch].append(figures[str(batch)][0])
+                if figures[str(batch)] is not None:  # llama.cpp: batch 1 only
+                    samples[name][batch].append(figures[str(batch)][0])
             samples[name]["prefill_ms"].append(figures["1"][1] * 1e3)
-    return {name: {key: statistics.median(values) for key, values in s.items()} for name, s in samples.items()}
+    return {name: {key: statistics.median(values) if values else None for key, values in s.items()}
+            for name, s in samples.items()}
 
 
 def genai_perplexity(path: Path, threads: int) -> float:
@@ -306,6 +341,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai even if installed")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if llama-cpp-python is installed")
     ap.add_argument("--json", action="store_true")
     # One measurement in this process (the parent runs each engine in a process of its own).
     ap.add_argument("--one", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -314,8 +350,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         kind, path = args.one[0], Path(args.one[1])
-        figures = trtbuild_measure(path, args.threads, args.seed) if kind == "trtbuild" else \
-            genai_measure(path, args.seed, args.vocab)
+        figures = (trtbuild_measure(path, args.threads, args.seed) if kind == "trtbuild" else
+                   genai_measure(path, args.seed, args.vocab) if kind == "genai" else
+                   llama_cpp_measure(path, args.threads, args.seed, args.vocab))
         print(json.dumps(figures))
         return
     try:
@@ -323,7 +360,14 @@ def main() -> None:
         genai = not args.no_genai
     except ImportError:
         genai = False
-        print("onnxruntime-genai not installed (pip install -e \".[bench]\"): trtbuild rows only", file=sys.stderr)
+        print("onnxruntime-genai not installed (pip install -e \".[bench]\"): no genai rows", file=sys.stderr)
+    try:
+        import llama_cpp  # noqa: F401
+        llama = not args.no_llama_cpp
+    except ImportError:
+        llama = False
+        print("llama-cpp-python not installed (pip install llama-cpp-python: it compiles llama.cpp, minutes): "
+              "no llama.cpp row", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         fp32 = args.fp32_dir or build(work / "fp32", None, work)
@@ -339,6 +383,10 @@ def main() -> None:
             engines.update({name: ("genai", path) for name, path in models.items()})
             perplexity.update({name: genai_perplexity(path, args.threads) for name, path in models.items()
                                if "int4" in name})
+        if llama:
+            from gguf_export import export
+
+            engines[LLAMA_CPP] = ("llama.cpp", export(CHECKPOINT, work / "tiny-code-f16.gguf", "f16"))
         figures = measure(engines, args.threads, args.repeats, vocab)
         rows = [(name, figures[name], perplexity.get(name)) for name in engines]
         steps = {batch: breakdown(fp32, args.threads, batch, work, args.repeats) for batch in (1, 8)}
@@ -347,8 +395,8 @@ def main() -> None:
                          indent=2, default=str))
         return
     by_name = {name: r for name, r, _ in rows}
-    table = [[name, f"{r[1]:.0f}", f"{r[8]:.0f}", f"{r['prefill_ms']:.1f}", "" if p is None else f"{p:.3f}"]
-             for name, r, p in rows]
+    table = [[name, f"{r[1]:.0f}", "—" if r[8] is None else f"{r[8]:.0f}", f"{r['prefill_ms']:.1f}",
+              "" if p is None else f"{p:.3f}"] for name, r, p in rows]
     print(f"decode tok/s ({PROMPT_LEN}-token random prompts, {NEW_TOKENS} greedy tokens, median of "
           f"{args.repeats}, {args.threads} threads)")
     print(format_table(table, ["engine", "batch 1 tok/s", "batch 8 tok/s", "prefill 64 ms (b1)", "perplexity"]))
@@ -359,6 +407,8 @@ def main() -> None:
                                     (INT4_A8, GENAI_INT4_A8, "int4, int8 activations")):
             a, b = by_name[ours], by_name[theirs]
             print(f"trtbuild / onnxruntime-genai, {label}: {a[1] / b[1]:.2f}x at batch 1, {a[8] / b[8]:.2f}x at batch 8")
+    if LLAMA_CPP in by_name:
+        print(f"trtbuild fp32 / {LLAMA_CPP}: {by_name['trtbuild fp32'][1] / by_name[LLAMA_CPP][1]:.2f}x at batch 1")
     print("\nwhere a decode step's time goes (trtbuild fp32, ms per step)")
     print(format_table([[str(b), f"{s['loop_ms']:.3f}", f"{s['loop_ms'] - s['engine_ms']:.3f}",
                          f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}",
