@@ -46,25 +46,26 @@ def export(checkpoint: Path, out: Path, weight_type: str = "f16") -> Path:
     import gguf
     from safetensors.numpy import load_file
 
-    config = json.loads((checkpoint / "config.json").read_text())
-    if config.get("architectures") != ["LlamaForCausalLM"] or config.get("tie_word_embeddings"):
+    from trtbuild.builder.frontend.checkpoint import arch_config, read_config
+
+    arch, config = arch_config(checkpoint), read_config(checkpoint)  # the builder's reading of config.json
+    if arch.architecture != "LlamaForCausalLM" or arch.tie_word_embeddings:
         raise SystemExit(f"{checkpoint}: this exporter writes untied LlamaForCausalLM checkpoints only")
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    heads, kv_heads = arch.num_heads, arch.num_kv_heads
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(checkpoint.name)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_context_length(arch.max_position_embeddings)
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_block_count(arch.num_layers)
+    writer.add_feed_forward_length(arch.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(arch.head_dim)
+    writer.add_value_length(arch.head_dim)
+    writer.add_rope_dimension_count(arch.head_dim)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if weight_type == "f16" else gguf.LlamaFileType.ALL_F32)
 
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
