@@ -9,7 +9,7 @@ Engines: specs/tiny-code.yaml (fp32) and the same with int4 GPTQ, group 128 (flo
 activations), and once more with ``quantization.cpu_activations: int8`` and lm_head quantized too
 (``exclude: []``), as onnxruntime-genai's int4 models have it (built into a temporary dir unless
 given). Each engine at batch 1 and 8: random 64-token prompts (seeded), 128
-greedy tokens; decode tok/s = batch / the median decode step (each row makes one token a step),
+greedy tokens; decode tok/s = the median over decode steps of the tokens a step made / its time,
 and the batch-1 prefill time (to each row's first token); the median of --repeats runs of each.
 
 With onnxruntime-genai installed (`pip install -e ".[bench]"`), its model builder converts the
@@ -24,11 +24,15 @@ With llama-cpp-python installed, llama.cpp at batch 1 (its Python API decodes on
 f16 GGUF of the same checkpoint (benchmarks/gguf_export.py), each token detokenized, in the same
 rotation.
 
-Then the step-time breakdown of trtbuild's decode at batch 1 and 8: the step loop outside the
-engine (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings,
-outputs) and ONNX Runtime's run; the same step with ONNX Runtime's workers sleeping between ops,
-and with the rank graph instead of the CPU decode graph (contract/cpu_decode_graph.py) — each a
-before/after in the same run; and ONNX Runtime's profile by op type.
+trtbuild rows run with the runtime's default multi-step decoding (greedy steps back to back,
+runtime/llm.py); "--multi-step 1" is the fp32 engine with a scheduler step per token.
+
+Then the time of each decoded token at batch 1 and 8: the step loop outside the engine
+(scheduler, sampling, detokenization), the engine's host side (step arrays, bindings, argmax
+feeding) and ONNX Runtime's run, with multi-step runs and without; the same with ONNX Runtime's
+workers sleeping between ops, and with the rank graph instead of the CPU decode graph
+(contract/cpu_decode_graph.py) — each a before/after in the same run; and ONNX Runtime's profile
+by op type.
 """
 from __future__ import annotations
 
@@ -48,8 +52,10 @@ REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT = REPO / "models" / "tiny-code"
 sys.path.insert(0, str(REPO / "benchmarks"))
 from trtbuild.builder.progress import table as format_table  # noqa: E402
+from trtbuild.runtime.llm import MULTI_STEP  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
+FP32_SINGLE = "trtbuild fp32, --multi-step 1"
 INT4 = "trtbuild int4 gptq g128 (float activations)"
 INT4_A8 = "trtbuild int4 gptq g128 + lm_head, cpu_activations: int8"
 GENAI_FP32 = "onnxruntime-genai fp32"
@@ -90,8 +96,9 @@ def prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
 # -- trtbuild ---------------------------------------------------------------------------------
 
 def trtbuild_run(llm, batch: int, seed: int) -> tuple[float, float]:
-    """(decode tok/s, prefill s): the batch over the median decode step (every row makes one
-    token per step; the median shrugs off a step a neighbour process delayed)."""
+    """(decode tok/s, prefill s): the median over decode steps of the tokens a step made / its
+    time (an LLM step makes each row one token, or up to --multi-step of them in a greedy run;
+    the median shrugs off a step a neighbour process delayed)."""
     from trtbuild.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -100,18 +107,18 @@ def trtbuild_run(llm, batch: int, seed: int) -> tuple[float, float]:
     while started != rids:  # prefill: until every row has its first token
         deltas, _ = llm.step()
         started |= {d.rid for d in deltas}
-    prefill, steps = time.perf_counter() - start, []
+    prefill, rates = time.perf_counter() - start, []
     while llm.has_work():
         begin = time.perf_counter()
-        llm.step()
-        steps.append(time.perf_counter() - begin)
-    return batch / statistics.median(steps), prefill
+        deltas, _ = llm.step()
+        rates.append(sum(d.token_id >= 0 for d in deltas) / (time.perf_counter() - begin))
+    return statistics.median(rates), prefill
 
 
-def trtbuild_measure(engine: Path, threads: int, seed: int) -> dict:
+def trtbuild_measure(engine: Path, threads: int, seed: int, multi_step: int) -> dict:
     from trtbuild.runtime.llm import LLM
 
-    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
+    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=multi_step)
     trtbuild_run(llm, 1, seed=99)  # warm-up
     return {str(batch): trtbuild_run(llm, batch, seed) for batch in (1, 8)}
 
@@ -252,11 +259,12 @@ def genai_perplexity(path: Path, threads: int) -> float:
 # -- where a decode step's time goes ----------------------------------------------------------
 
 def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: int) -> dict:
-    """Per decode step (ms, medians over steps that decode every row): the step loop outside the
-    engine, the engine's host side and ONNX Runtime's run; the same step with ONNX Runtime's
-    workers sleeping between ops, and with decode steps on the rank graph instead of the CPU
-    decode graph (each the configuration before); and ONNX Runtime's profile of the decode
-    graph (a profiling session) summed by op type. The three configurations take turns
+    """Per decoded token of every row (ms, medians over LLM steps that only decode): the step
+    loop outside the engine, the engine's host side and ONNX Runtime's run, with the default
+    multi-step runs and with --multi-step 1 (a scheduler step per token: before); the same with
+    ONNX Runtime's workers sleeping between ops, and with decode steps on the rank graph instead
+    of the CPU decode graph (each the configuration before); and ONNX Runtime's profile of the
+    decode graph (a profiling session) summed by op type. The configurations take turns
     ``repeats`` times, each in its own runtime (spinning pools of one would slow another)."""
     import onnxruntime as ort
 
@@ -266,10 +274,11 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine, cpu_graph
     from trtbuild.runtime.sampling import SamplingParams
 
-    def runtime(spinning=Spinning.always, use_decode_graph: bool = True, profile: str | None = None):
+    def runtime(spinning=Spinning.always, use_decode_graph: bool = True, profile: str | None = None,
+                multi_step: int = MULTI_STEP):
         """An LLM on an engine configured so (``profile``: a profiling session, its file prefix);
         the engine's ONNX Runtime runs timed."""
-        llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False)
+        llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=multi_step)
         llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=threads, spinning=spinning,
                                        use_decode_graph=use_decode_graph)
         session = llm.engine.session
@@ -299,25 +308,24 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
             before = (stats.loop_s, stats.engine_s, stats.prefill_steps, stats.decode_steps)
             timing["run"] = 0.0
             llm.step()
-            if stats.prefill_steps == before[2] and stats.decode_steps == before[3] + 1:  # decode only
-                rows["loop"].append(stats.loop_s - before[0])
-                rows["engine"].append(stats.engine_s - before[1])
-                rows["run"].append(timing["run"])
+            steps = stats.decode_steps - before[3]
+            if stats.prefill_steps == before[2] and steps:  # decode only
+                rows["loop"].append((stats.loop_s - before[0]) / steps)
+                rows["engine"].append((stats.engine_s - before[1]) / steps)
+                rows["run"].append(timing["run"] / steps)
         return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in rows.items()}
 
-    current, sleeping, rank = [], [], []
+    current, single, sleeping, rank = [], [], [], []
     for _ in range(repeats):
-        llm, timing = runtime()
-        measure(llm, timing)  # warm-up
-        current.append(measure(llm, timing))
-        llm, timing = runtime(spinning=Spinning.never)
-        measure(llm, timing)
-        sleeping.append(measure(llm, timing)["loop_ms"])
-        llm, timing = runtime(use_decode_graph=False)
-        measure(llm, timing)
-        rank.append(measure(llm, timing)["loop_ms"])
-    figures = {key: statistics.median(r[key] for r in current) for key in current[0]}
-    figures["sleeping_loop_ms"], figures["rank_graph_loop_ms"] = statistics.median(sleeping), statistics.median(rank)
+        for results, config in ((current, {}), (single, {"multi_step": 1}), (sleeping, {"spinning": Spinning.never}),
+                                (rank, {"use_decode_graph": False})):
+            llm, timing = runtime(**config)
+            measure(llm, timing)  # warm-up
+            results.append(measure(llm, timing))
+    figures = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
+               for name, results in (("multi_step", current), ("single_step", single))}
+    figures["sleeping_loop_ms"] = statistics.median(r["loop_ms"] for r in sleeping)
+    figures["rank_graph_loop_ms"] = statistics.median(r["loop_ms"] for r in rank)
     llm, timing = runtime(profile=str(workdir / f"profile-b{batch}"))
     measure(llm, timing)
     trace = json.loads(Path(llm.engine.session.end_profiling()).read_text())
@@ -350,7 +358,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         kind, path = args.one[0], Path(args.one[1])
-        figures = (trtbuild_measure(path, args.threads, args.seed) if kind == "trtbuild" else
+        figures = (trtbuild_measure(path, args.threads, args.seed, MULTI_STEP) if kind == "trtbuild" else
+                   trtbuild_measure(path, args.threads, args.seed, 1) if kind == "trtbuild-single" else
                    genai_measure(path, args.seed, args.vocab) if kind == "genai" else
                    llama_cpp_measure(path, args.threads, args.seed, args.vocab))
         print(json.dumps(figures))
@@ -374,7 +383,8 @@ def main() -> None:
         int4 = args.int4_dir or build(work / "int4-gptq-g128", gptq_int4(work), work)
         int4_a8 = args.int4_a8_dir or build(work / "int4-gptq-g128-a8", gptq_int4(work, int8_activations=True), work)
         vocab = json.loads((fp32 / "manifest.json").read_text())["model"]["vocab_size"]
-        engines = {"trtbuild fp32": ("trtbuild", fp32), INT4: ("trtbuild", int4), INT4_A8: ("trtbuild", int4_a8)}
+        engines = {"trtbuild fp32": ("trtbuild", fp32), FP32_SINGLE: ("trtbuild-single", fp32),
+                   INT4: ("trtbuild", int4), INT4_A8: ("trtbuild", int4_a8)}
         perplexity = {name: trtbuild_perplexity(engines[name][1], args.threads) for name in (INT4, INT4_A8)}
         if genai:
             models = {GENAI_FP32: genai_build(work / "genai-fp32", "fp32", args.threads),
@@ -403,20 +413,25 @@ def main() -> None:
     if GENAI_FP32 in by_name:
         print()
         for ours, theirs, label in (("trtbuild fp32", GENAI_FP32, "fp32"),
+                                    (FP32_SINGLE, GENAI_FP32, "fp32, --multi-step 1"),
                                     (INT4, GENAI_INT4, "int4, float activations"),
                                     (INT4_A8, GENAI_INT4_A8, "int4, int8 activations")):
             a, b = by_name[ours], by_name[theirs]
             print(f"trtbuild / onnxruntime-genai, {label}: {a[1] / b[1]:.2f}x at batch 1, {a[8] / b[8]:.2f}x at batch 8")
     if LLAMA_CPP in by_name:
         print(f"trtbuild fp32 / {LLAMA_CPP}: {by_name['trtbuild fp32'][1] / by_name[LLAMA_CPP][1]:.2f}x at batch 1")
-    print("\nwhere a decode step's time goes (trtbuild fp32, ms per step)")
-    print(format_table([[str(b), f"{s['loop_ms']:.3f}", f"{s['loop_ms'] - s['engine_ms']:.3f}",
-                         f"{s['engine_ms'] - s['run_ms']:.3f}", f"{s['run_ms']:.3f}",
-                         f"{s['sleeping_loop_ms']:.3f} ({s['sleeping_loop_ms'] / s['loop_ms']:.2f}x)",
-                         f"{s['rank_graph_loop_ms']:.3f} ({s['rank_graph_loop_ms'] / s['loop_ms']:.2f}x)"]
-                        for b, s in steps.items()],
-                       ["batch", "step", "loop outside engine", "engine host side", "onnxruntime run",
-                        "step, workers sleeping", "step, rank graph"]))
+    print(f"\nwhere a decoded token's time goes (trtbuild fp32, ms per token of each row; multi-step "
+          f"{MULTI_STEP}, and 1 as before it)")
+    print(format_table([[str(b), label, f"{t['loop_ms']:.3f}", f"{t['loop_ms'] - t['engine_ms']:.3f}",
+                         f"{t['engine_ms'] - t['run_ms']:.3f}", f"{t['run_ms']:.3f}"]
+                        for b, s in steps.items()
+                        for label, t in ((str(MULTI_STEP), s["multi_step"]), ("1", s["single_step"]))],
+                       ["batch", "multi-step", "per token", "loop outside engine", "engine host side",
+                        "onnxruntime run"]))
+    for b, s in steps.items():
+        base = s["multi_step"]["loop_ms"]
+        print(f"batch {b}: workers sleeping between ops {s['sleeping_loop_ms'] / base:.2f}x, rank graph "
+              f"instead of the decode graph {s['rank_graph_loop_ms'] / base:.2f}x the time per token")
     for b, s in steps.items():
         top = ", ".join(f"{op} {share * 100:.0f} %" for op, share in list(s["ops"].items())[:6])
         print(f"onnxruntime ops at batch {b}: {top}")

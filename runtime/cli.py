@@ -16,15 +16,22 @@ MEDUSA_TREE_SIZE = click.option(
          "measured step times and acceptance (off where it does not pay); 0: no speculation.")
 
 
-def _load(out: Path, backend: str, threads: int, prefix_cache: bool | None = None, batching: str = "inflight",
-          medusa_tree_size: int | None = None):
+MULTI_STEP = click.option(
+    "--multi-step", type=click.IntRange(min=1), default=8, show_default=True,  # = runtime.llm.MULTI_STEP
+    help="Greedy decode steps a batch runs back to back before its tokens are detokenized and "
+         "streamed (text comes in bursts of up to N tokens); a stop or eos id, an arrival or an "
+         "abort ends a run early. 1: every step.")
+
+
+def _load(out: Path, backend: str, threads: int, multi_step: int, prefix_cache: bool | None = None,
+          batching: str = "inflight", medusa_tree_size: int | None = None):
     from .engine_dir import EngineDirError
     from .llm import LLM
     from .scheduler import Batching
 
     try:
         return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching),
-                   medusa_tree_size=medusa_tree_size)
+                   medusa_tree_size=medusa_tree_size, multi_step=multi_step)
     except (EngineDirError, ValueError) as exc:
         _fail(str(exc))
 
@@ -49,9 +56,10 @@ def _fail(message: str):
               help="tensorrt runs rankN.engine on a GPU; onnxruntime runs rankN.onnx on CPU.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MEDUSA_TREE_SIZE
+@MULTI_STEP
 @click.option("--json", "as_json", is_flag=True, help="Print {text, token_ids, finish_reason} as JSON.")
 def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str,
-        threads: int, medusa_tree_size, as_json: bool):
+        threads: int, medusa_tree_size, multi_step, as_json: bool):
     """Generate a completion of --prompt with the engines in OUT.
 
     A tensor-parallel engine dir starts one process per rank on this machine; across machines,
@@ -64,7 +72,7 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
     """
     from .tensor_parallel import RankFailure
 
-    llm = _load(out, backend, threads, medusa_tree_size=medusa_tree_size)
+    llm = _load(out, backend, threads, multi_step, medusa_tree_size=medusa_tree_size)
     try:
         _run(llm, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, as_json)
     except RankFailure as exc:
@@ -109,9 +117,10 @@ def _run(llm, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, st
 @click.option("--backend", type=BACKENDS, default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MEDUSA_TREE_SIZE
+@MULTI_STEP
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, threads: int, medusa_tree_size,
-          as_json: bool):
+          multi_step, as_json: bool):
     """Serve a workload from OUT and report requests/s, output tokens/s, TTFT and inter-token latency.
 
     \b
@@ -120,7 +129,7 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
     """
     from . import bench as benchmark
 
-    llm = _load(out, backend, threads, prefix_cache=prefix_cache == "on", batching=mode,
+    llm = _load(out, backend, threads, multi_step, prefix_cache=prefix_cache == "on", batching=mode,
                 medusa_tree_size=medusa_tree_size)
     d = llm.engine_dir
     try:

@@ -1,7 +1,7 @@
 """The Engine protocol both backends satisfy; a scheduler step as the contract's arrays."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -29,6 +29,10 @@ class Engine(Protocol):
 
     def step(self, step: Step) -> StepOutput: ...
 
+    def greedy_run(self, step: Step) -> "GreedyRun":
+        """Plain decode steps from ``step`` (one token a row, no tree), run back to back, each
+        row fed the argmax of its previous step's logits (the LLM's multi-step decoding)."""
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copies cache positions [0, length) of slot ``src`` into slot ``dst``."""
 
@@ -42,6 +46,26 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Releases what the engine holds beyond Python objects (device memory, rank processes)."""
+
+
+class GreedyRun(Protocol):
+    def advance(self, tokens: np.ndarray) -> None:
+        """Runs the next step; writes each row's argmax token into ``tokens`` (int64 [B])."""
+
+
+class StepwiseGreedyRun:
+    """A GreedyRun through ``Engine.step``, one scheduler-shaped Step at a time: for engines
+    whose step already keeps the host out of the way (TensorRT's CUDA graphs, tensor-parallel
+    ranks); the CPU engine runs its reused binding instead (runtime/onnxruntime_engine.py)."""
+
+    def __init__(self, engine: Engine, step: Step):
+        self.engine, self.step = engine, step
+
+    def advance(self, tokens: np.ndarray) -> None:
+        logits = self.engine.step(self.step).logits  # [B, 1, V]
+        np.argmax(logits[:, 0], axis=-1, out=tokens)
+        step = self.step
+        self.step = replace(step, tokens=tuple((int(t),) for t in tokens), starts=tuple(s + 1 for s in step.starts))
 
 
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:

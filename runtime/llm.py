@@ -27,6 +27,10 @@ from .sampling import Sampler, SamplingParams
 from .scheduler import (Batching, CopySlot, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
                         StepKind)
 
+# Greedy decode steps run back to back by default: the Python between CPU steps costs more than
+# the wait it adds before text streams (~2 ms a burst at batch 1 on 2 cores; benchmarks/cpu_decode.py).
+MULTI_STEP = 8
+
 
 @dataclass
 class RuntimeStats:
@@ -47,9 +51,14 @@ class LLM:
     def __init__(self, engine_dir: str | Path, backend: str = "auto", threads: int = 0,
                  prefix_cache: bool | None = None, prefix_cache_blocks: int | None = None, block_size: int = 16,
                  batching: Batching = Batching.inflight, token_budget: int | None = None,
-                 verify: bool = True, medusa_tree_size: int | None = None):
+                 verify: bool = True, medusa_tree_size: int | None = None, multi_step: int = MULTI_STEP):
         """``medusa_tree_size``: for engine dirs with Medusa heads, None picks the tree prefix per
-        batch from measured step times and acceptance; an int pins it (0: no speculation)."""
+        batch from measured step times and acceptance; an int pins it (0: no speculation).
+        ``multi_step``: decode steps a batch of greedy requests runs back to back, each row fed
+        its own argmax, before the scheduler, detokenizer and stop strings see the tokens (1:
+        every step goes through them). Greedy tokens are the same either way."""
+        if not isinstance(multi_step, int) or multi_step < 1:
+            raise ValueError(f"multi_step must be an integer ≥ 1 (got {multi_step!r})")
         from tokenizers import Tokenizer
 
         self.engine_dir = load(Path(engine_dir), verify_hashes=verify)
@@ -71,6 +80,9 @@ class LLM:
             eos_token_ids=d.eos_token_ids(), batching=batching)
         self.stats = RuntimeStats()
         self.speculation = self._speculation(medusa_tree_size)
+        # Medusa engines verify the heads' guesses every step instead.
+        self.multi_step = multi_step if self.speculation is None else 1
+        self._stop_tables: dict[frozenset[int], np.ndarray] = {}  # stop ids → bool [V]
         self._live: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()          # held for a whole step
@@ -235,15 +247,19 @@ class LLM:
 
     # -- the step loop ------------------------------------------------------------------------------
     def step(self) -> tuple[list[Delta], list[Completion]]:
-        """One scheduler step: cache ops, one engine step, sampling, detokenization."""
+        """One scheduler step: cache ops, one engine step (or a greedy run of several, see
+        ``multi_step``), sampling, detokenization."""
         with self._lock:
             start = time.perf_counter()
             self._take_inbox()
             plan = self.scheduler.schedule()
             self._apply(plan)
             deltas: list[Delta] = []
-            if plan.step is not None:
-                step = plan.step
+            step = plan.step
+            run = self.scheduler.run_length(step, self.multi_step) if step is not None else 0
+            if run > 1:
+                deltas = self._greedy_run(step, run)
+            elif step is not None:
                 engine_start = time.perf_counter()
                 out = self.engine.step(step)
                 seconds = time.perf_counter() - engine_start
@@ -353,6 +369,51 @@ class LLM:
         if policy is not None and heads_at:
             self._draft(policy, heads_at)
         return deltas
+
+    def _greedy_run(self, step: Step, steps: int) -> list[Delta]:
+        """Up to ``steps`` decode steps back to back (scheduler.run_length), each row fed its own
+        argmax; ends early after a step where a row may have stopped (a stop or eos id), or when
+        a request arrives for a free slot or an abort. Then commits and detokenizes the tokens."""
+        engine_start = time.perf_counter()
+        run = self.engine.greedy_run(step)
+        tokens = np.empty((steps, len(step.rids)), np.int64)  # [n, B]
+        stops = self._stop_table(step)
+        done = steps
+        for i in range(steps):
+            run.advance(tokens[i])
+            if ((stops is not None and stops[tokens[i]].any())
+                    or (self._inbox and self.scheduler.slots.free) or self._aborts):
+                done = i + 1
+                break
+        self.stats.engine_s += time.perf_counter() - engine_start
+        self.stats.steps += done
+        self.stats.decode_steps += done
+        deltas: list[Delta] = []
+
+        def push(request: Request, token: int) -> None:
+            deltas.append(self._live[request.rid].push(token, self.scheduler))
+
+        for rid in step.rids:
+            self._live[rid].decode_steps += done
+        self.scheduler.commit_run(step, tokens[:done].tolist(), push)
+        return deltas
+
+    def _stop_table(self, step: Step) -> np.ndarray | None:
+        """bool [V]: the ids that end any of the step's rows (eos unless ignored, stop ids)."""
+        ids: set[int] = set()
+        for rid in step.rids:
+            params = self.scheduler.requests[rid].params
+            ids.update(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids.update(self.scheduler.eos_token_ids)
+        if not ids:
+            return None
+        key = frozenset(ids)
+        table = self._stop_tables.get(key)
+        if table is None:
+            table = self._stop_tables[key] = np.zeros(self.engine_dir.vocab_size, np.bool_)
+            table[[i for i in ids if 0 <= i < len(table)]] = True
+        return table
 
     def _draft(self, policy: SpeculationPolicy, heads_at: dict) -> None:
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]

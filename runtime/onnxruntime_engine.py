@@ -21,7 +21,7 @@ from ..contract.onnxruntime import Spinning
 from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
-from .engine import StepOutput, step_arrays
+from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import HostPools, PoolShape
 from .scheduler import Step, StepKind
@@ -123,6 +123,18 @@ class OnnxRuntimeEngine:
         return StepOutput(logits=outputs[0].numpy(),  # [B, R, V]
                           medusa=outputs[1].numpy() if self.has_medusa else None)  # [B, R, K, V]
 
+    def greedy_run(self, step: Step) -> GreedyRun:
+        if self.segments is not None:
+            return StepwiseGreedyRun(self, step)
+        key = (step.first_slot, len(step.rids), 1)
+        bound = self._bound.get(key) or self._bind(key)
+        arrays = bound.arrays
+        if self.decode is not None:
+            fill_decode_inputs(arrays.input_ids, arrays.write_index, arrays.kv_length, step.tokens, step.starts)
+        else:
+            fill_step_arrays(arrays, step.tokens, step.starts, self.engine_dir.max_seq_len)
+        return _BoundGreedyRun(self.session, bound, rank_graph=self.decode is None)
+
     def _bind(self, key: tuple[int, int, int]) -> _Bound:
         """Buffers and an IO binding for decode steps of one shape, reused every such step:
         inputs are numpy buffers the step fills in place, caches are views of the pools, the
@@ -194,6 +206,31 @@ class OnnxRuntimeEngine:
 
     def load_block(self, block: int, slot: int, index: int) -> None:
         self.kv.load_block(block, slot, index)
+
+
+class _BoundGreedyRun:
+    """Decode steps on one reused binding: each step's argmax becomes the next step's input in
+    place, and write_index/kv_length (and, on the rank graph, positions and the mask) advance by
+    one; nothing else happens between ONNX Runtime runs."""
+
+    def __init__(self, session, bound: _Bound, rank_graph: bool):
+        self.run, self.binding, arrays = session.run_with_iobinding, bound.binding, bound.arrays
+        self.logits = bound.logits[:, 0]    # [B, V]
+        self.ids = arrays.input_ids[:, 0]   # int32 [B]
+        self.write, self.length = arrays.write_index, arrays.kv_length
+        # The rank graph reads positions and the causal mask too.
+        self.positions, self.mask = (arrays.position_ids, arrays.attention_mask[:, 0, 0]) if rank_graph else (None, None)
+        self.rows = np.arange(len(self.ids))
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self.run(self.binding)
+        np.argmax(self.logits, axis=-1, out=tokens)
+        self.ids[:] = tokens
+        self.write += 1
+        self.length += 1
+        if self.mask is not None:
+            self.positions += 1
+            self.mask[self.rows, self.write] = True  # [B, S_max]: the new position is visible
 
 
 def _host(value) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 from .medusa import Accepted, Tree
 from .prefix_cache import PrefixCache
@@ -290,6 +291,43 @@ class Scheduler:
                     # slot_of, not the step's row: a release earlier in this loop may have moved it.
                     self._pending.append(KeepPath(self.slots.slot_of(rid), step.starts[row], path.nodes))
         return emitted
+
+    def run_length(self, step: Step, limit: int) -> int:
+        """How many plain decode steps ``step`` may run back to back, each row fed the argmax of
+        its previous step (multi-step decoding): up to ``limit`` and no row past max_tokens; 1
+        where a row samples, wants logprobs or verifies a tree, or a prompt is prefilling (its
+        chunks alternate with decode steps)."""
+        if limit <= 1 or step.kind != StepKind.decode or step.trees or self.slots.prefilling():
+            return 1
+        steps = limit
+        for rid in step.rids:
+            request = self.requests[rid]
+            if not request.params.greedy or request.params.logprobs:
+                return 1
+            steps = min(steps, request.params.max_tokens - len(request.output))
+        return max(steps, 1)
+
+    def commit_run(self, step: Step, tokens: list[list[int]], on_token: Callable[[Request, int], None]) -> None:
+        """Advances ``step``'s requests by a run of n = len(tokens) plain decode steps:
+        ``tokens[i][row]`` is what step i produced for the row and fed step i + 1, so the row's
+        last token and n - 1 new ones are now cached. Tokens are appended one at a time, each
+        followed by ``on_token(request, token)`` (detokenization, which may end the request at a
+        stop string); a row that ends takes no token after that, and what later steps wrote
+        past its end is garbage past its length."""
+        steps = len(tokens)
+        for row, rid in enumerate(step.rids):
+            request = self.requests[rid]
+            request.computed += steps
+            request.written = max(request.written, step.starts[row] + steps)
+            for produced in tokens:
+                token = produced[row]
+                request.output.append(token)
+                reason = self._finish_reason(request, token)
+                if reason:
+                    self.finish(rid, reason)
+                on_token(request, token)
+                if request.phase == Phase.finished:
+                    break
 
     def _save_prompt_blocks(self, request: Request) -> None:
         if self.prefix_cache is None:

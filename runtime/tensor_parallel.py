@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
-from .engine import StepOutput
+from .engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from .engine_dir import EngineDir, load
 
 # A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
@@ -215,6 +215,9 @@ class TensorParallelEngine:
 
     def step(self, step) -> StepOutput:
         return self._everywhere("step", step)
+
+    def greedy_run(self, step) -> GreedyRun:
+        return StepwiseGreedyRun(self, step)  # every rank takes each step
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self._everywhere("copy_slot", src, dst, length)

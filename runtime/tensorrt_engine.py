@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .engine import StepOutput, step_arrays
+from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import DevicePools, PoolShape, device_alloc
 from .tensorrt_runtime import cuda_check, cuda_runtime, load_flavor
@@ -59,6 +59,9 @@ class TensorRTEngine:
 
     def _bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
+
+    def greedy_run(self, step: Step) -> GreedyRun:
+        return StepwiseGreedyRun(self, step)  # each step a CUDA-graph launch already
 
     def step(self, step: Step) -> StepOutput:
         cudart, _ok = self.cudart, self.ok

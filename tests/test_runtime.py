@@ -50,8 +50,9 @@ def test_eight_prompts_of_different_lengths_in_one_batch(llm, reference):
 
 def test_requests_arriving_mid_decode_join_and_match(llm, reference):
     first = [llm.submit(p, GREEDY) for p in PROMPTS[:3]]
-    for _ in range(6):
+    for _ in range(3):
         llm.step()
+    assert all(len(llm.scheduler.requests[r].output) > 1 for r in first)  # decoding, not done
     later = [llm.submit(p, GREEDY) for p in PROMPTS[3:]]
     done = {c.rid: c for c in llm.run_until_done()}
     assert [done[r].token_ids for r in first + later] == [reference[p] for p in PROMPTS]
@@ -81,6 +82,68 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_on_strings(llm):
     stop = full[len(full) // 2: len(full) // 2 + 2]
     (cut,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True))
     assert cut.finish_reason == "stop" and stop not in cut.text and full.startswith(cut.text)
+
+
+def _run(llm, prompts, params) -> tuple[list, int]:
+    """Completions in prompt order, and how many LLM steps it took."""
+    rids = [llm.submit(p, q) for p, q in zip(prompts, params)]
+    done, steps = {}, 0
+    while llm.has_work():
+        done.update((c.rid, c) for c in llm.step()[1])
+        steps += 1
+    return [done[r] for r in rids], steps
+
+
+def test_multi_step_runs_end_requests_where_single_steps_do(tiny_engine, llm):
+    single = LLM(tiny_engine, backend="onnxruntime", threads=2, multi_step=1)
+    base, _ = _run(single, PROMPTS[:3], [SamplingParams(max_tokens=40, ignore_eos=True)] * 3)
+    text = base[1].text
+    # Endings inside a run: a stop id, a stop string, max_tokens (eos on: the model's own ending).
+    params = [SamplingParams(max_tokens=40, stop_token_ids=(base[0].token_ids[13],), ignore_eos=True),
+              SamplingParams(max_tokens=40, stop=(text[len(text) // 2:len(text) // 2 + 3],), ignore_eos=True),
+              SamplingParams(max_tokens=11)]
+    one, single_steps = _run(single, PROMPTS[:3], params)
+    many, multi_steps = _run(llm, PROMPTS[:3], params)
+    assert [(c.token_ids, c.text, c.finish_reason) for c in many] == [(c.token_ids, c.text, c.finish_reason) for c in one]
+    assert [c.finish_reason for c in one] == ["stop", "stop", "length"] and len(one[0].token_ids) <= 14
+    assert multi_steps * 2 < single_steps  # the runs happened
+
+
+def test_multi_step_streams_one_piece_per_token(llm, reference):
+    pieces = list(llm.stream(PROMPTS[3], GREEDY))
+    assert [p.token_id for p in pieces] == reference[PROMPTS[3]]
+    assert "".join(p.text for p in pieces) == llm.tokenizer.decode(reference[PROMPTS[3]])
+
+
+def test_multi_step_on_the_rank_graph_matches_transformers(tiny_engine, reference):
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2, prefix_cache=False)
+    llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=2, use_decode_graph=False)
+    outs, _ = _run(llm, PROMPTS[:3], [GREEDY] * 3)
+    assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS[:3]]
+
+
+def test_an_arrival_ends_a_run_after_the_current_step(tiny_engine, reference):
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2, prefix_cache=False)
+    first = llm.submit(PROMPTS[0], GREEDY)
+    llm.step()  # the prompt: its first token
+    make_run, later = llm.engine.greedy_run, []
+
+    class Arrival:  # a request arrives while the run's first step is running
+        def __init__(self, step):
+            self.run = make_run(step)
+
+        def advance(self, tokens):
+            self.run.advance(tokens)
+            if not later:
+                later.append(llm.submit(PROMPTS[1], GREEDY))
+
+    llm.engine.greedy_run = Arrival
+    llm.step()
+    assert len(llm.scheduler.requests[first].output) == 2 and llm.stats.decode_steps == 1
+    done = {c.rid: c for c in llm.run_until_done()}
+    assert done[first].token_ids == reference[PROMPTS[0]] and done[later[0]].token_ids == reference[PROMPTS[1]]
 
 
 def test_logprobs_equal_transformers_log_softmax(llm):
@@ -162,6 +225,26 @@ def test_cli_run_and_bench(tiny_engine):
     assert bench.returncode == 0, bench.stderr
     figures = json.loads(bench.stdout)
     assert figures["requests"] == 16 and figures["output_tokens_per_s"] > 0 and figures["ttft_ms_p99"] > 0
+
+
+def test_cli_multi_step_gives_the_same_tokens_and_refuses_zero(tiny_engine):
+    from trtbuild.runtime import llm as llm_module
+    from trtbuild.runtime.cli import run as run_command
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(tiny_engine), "--prompt",
+                               "import os\n", "--max-tokens", "20", "--backend", "onnxruntime", "--json", *extra],
+                              capture_output=True, text=True)
+
+    default, single = cli(), cli("--multi-step", "1")
+    assert default.returncode == 0 and single.returncode == 0, default.stderr + single.stderr
+    assert json.loads(default.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
+    zero = cli("--multi-step", "0")
+    assert zero.returncode == 2 and "--multi-step" in zero.stderr and "Traceback" not in zero.stderr
+    option = next(p for p in run_command.params if p.name == "multi_step")
+    assert option.default == llm_module.MULTI_STEP
+    with pytest.raises(ValueError, match="multi_step must be an integer"):
+        LLM(tiny_engine, backend="onnxruntime", multi_step=0)
 
 
 def test_concurrent_generate_calls_each_get_their_completions(tiny_engine):

@@ -124,3 +124,48 @@ def test_padded_chunks_never_write_past_the_cache():
     step = s.schedule().step
     # long needs 6 more at 8 (8 + 6 ≤ 16): fine on its own
     assert step.rids == ("long",) and step.starts == (8,) and len(step.tokens[0]) == 6
+
+
+def test_greedy_runs_stop_at_max_tokens_and_end_rows_at_their_stop_ids():
+    s = Scheduler(capacity=3, max_seq_len=64, max_chunk=8, eos_token_ids=(0,))
+    s.add(Request("A", [5, 6], SamplingParams(max_tokens=10)))
+    s.add(Request("B", [7], SamplingParams(max_tokens=6, stop_token_ids=(9,))))
+    step = s.schedule().step
+    assert s.run_length(step, 8) == 1  # a prefill step
+    s.commit(step, {"A": 11, "B": 21})
+    step = s.schedule().step
+    assert step.tokens == ((11,), (21,)) and step.starts == (2, 1)
+    assert s.run_length(step, 8) == 5 and s.run_length(step, 3) == 3 and s.run_length(step, 1) == 1  # B: 5 left
+
+    seen = []
+    s.commit_run(step, [[12, 22], [13, 9], [14, 23]], lambda request, token: seen.append((request.rid, token)))
+    a, b = s.requests["A"], s.requests["B"]
+    assert seen == [("A", 12), ("A", 13), ("A", 14), ("B", 22), ("B", 9)]  # B ends at its stop id
+    assert a.output == [11, 12, 13, 14] and a.computed == 5 and a.written == 5
+    assert b.output == [21, 22, 9] and b.finish_reason == "stop"
+    s.pop_finished()
+    step = s.schedule().step
+    assert step.rids == ("A",) and step.tokens == ((14,),) and step.starts == (5,)
+
+    def end_at_string(request, token):  # what LLM's detokenizer does when a stop string completes
+        if token == 15:
+            s.finish(request.rid, "stop")
+
+    s.commit_run(step, [[15], [16]], end_at_string)
+    assert a.output == [11, 12, 13, 14, 15] and a.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("params, prefilling, expected", [
+    (SamplingParams(max_tokens=20, temperature=0.7), False, 1),   # samples
+    (SamplingParams(max_tokens=20, logprobs=True), False, 1),     # reads its logits
+    (SamplingParams(max_tokens=20, top_k=1, temperature=0.7), False, 8),  # top_k 1 is greedy
+    (SamplingParams(max_tokens=20), True, 1),                     # a prompt's chunks alternate in
+])
+def test_run_length_is_one_where_a_step_must_see_its_logits_or_a_prompt_waits(params, prefilling, expected):
+    s = Scheduler(capacity=2, max_seq_len=64, max_chunk=4)
+    s.add(Request("A", [5, 6], params))
+    s.commit(s.schedule().step, {"A": 11})
+    if prefilling:
+        s.add(Request("B", list(range(10)), SamplingParams(max_tokens=4)))  # admitted; its chunks are next
+    step = s.schedule().step
+    assert step.kind == StepKind.decode and s.run_length(step, 8) == expected

@@ -30,7 +30,10 @@ class TokenCache:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix", [True, False])
-def test_every_step_sees_exactly_its_history(seed, prefix):
+@pytest.mark.parametrize("multi_step", [1, 4])
+def test_every_step_sees_exactly_its_history(seed, prefix, multi_step):
+    """With ``multi_step`` > 1, greedy decode steps run back to back (scheduler.run_length), each
+    row fed its previous token, sometimes cut short (as an arrival or a stop id cuts the LLM's)."""
     rng = np.random.default_rng(seed)
     capacity, s_max, bs = 4, 96, 4
     cache = PrefixCache(bs, 12) if prefix else None
@@ -58,6 +61,22 @@ def test_every_step_sees_exactly_its_history(seed, prefix):
         if step is None:
             continue
         assert step.first_slot + len(step.rids) <= capacity
+        steps = sched.run_length(step, multi_step)
+        if steps > 1:
+            steps = int(rng.integers(1, steps + 1))
+            fed = [list(t) for t in step.tokens]  # each row's token of the current step
+            produced = []
+            for i in range(steps):
+                for row, rid in enumerate(step.rids):
+                    start = step.starts[row] + i
+                    if i == 0:
+                        assert model.pool[row, :start].tolist() == sched.requests[rid].tokens[:start]
+                    model.pool[row, start] = fed[row][0]
+                fed = [[int(rng.integers(1, 50))] for _ in step.rids]
+                produced.append([t[0] for t in fed])
+            sched.commit_run(step, produced, lambda request, token: None)
+            finished += sched.pop_finished()
+            continue
         sampled = {}
         for row, (rid, tokens, start) in enumerate(zip(step.rids, step.tokens, step.starts)):
             request = sched.requests[rid]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from ..cli import MULTI_STEP
+
 
 class _DrainingServer:
     """uvicorn's server with SIGTERM/SIGINT as a drain: new requests get 503, in-flight ones finish
@@ -48,8 +50,9 @@ class _DrainingServer:
               help="Seconds in-flight requests may take to finish after SIGTERM.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
+@MULTI_STEP
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
-          grace: float, backend: str, threads: int):
+          grace: float, backend: str, threads: int, multi_step: int):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -67,7 +70,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     from .app import create_app
 
     try:
-        llm = LLM(engine_dir, backend=backend, threads=threads)
+        llm = LLM(engine_dir, backend=backend, threads=threads, multi_step=multi_step)
     except (EngineDirError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
