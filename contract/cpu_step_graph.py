@@ -7,6 +7,12 @@ worker keeps spinning for milliseconds after a run, so with two sessions on 2 co
 after decode steps ran 2× slower (benchmarks/cpu_decode.py). In one session the steps share one
 pool; the If costs a few microseconds a step.
 
+After the If, the model also computes each row's next decode inputs from the step's logits
+(``NEXT_INPUTS``): the argmax as ``input_ids``, and ``write_index``/``kv_length`` one further.
+The runtime binds them onto its input buffers, so greedy steps run back to back (runtime/llm.py,
+multi-step) with nothing but the run between them: Python's numpy calls between runs cost
+10–25 µs each on caches the run just evicted.
+
 Each branch holds the initializers it reads (copies of the same TensorProtos, external data
 included, so the weights file is not duplicated): ONNX Runtime's subgraph rewrites, e.g.
 ``DequantizeLinear → MatMul`` into its n-bit GEMM, only find weights in their own graph.
@@ -17,6 +23,8 @@ import onnx
 from onnx import TensorProto, helper
 
 PLAIN_DECODE = "plain_decode"  # bool scalar: the step is a plain decode step (one token a row)
+# Outputs: the inputs of the next greedy decode step, as a plain decode step leaves them.
+NEXT_INPUTS = {"input_ids": "next_input_ids", "write_index": "next_write_index", "kv_length": "next_kv_length"}
 
 
 def _branch(model: onnx.ModelProto, tag: str, outputs: list[str]) -> onnx.GraphProto:
@@ -46,9 +54,24 @@ def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto) -> onnx.ModelProt
         raise ValueError("the decode graph's outputs differ from the rank graph's")
     step = helper.make_node("If", [PLAIN_DECODE], outputs, name="cpu_step",
                             then_branch=_branch(decode, "decode", outputs), else_branch=_branch(rank, "rank", outputs))
-    graph = helper.make_graph([step], "cpu_step", [*rank.graph.input,
-                                                   helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])],
-                              list(rank.graph.output))
+    graph = helper.make_graph([step, *_next_inputs()], "cpu_step",
+                              [*rank.graph.input, helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])],
+                              [*rank.graph.output,
+                               helper.make_tensor_value_info(NEXT_INPUTS["input_ids"], TensorProto.INT32, ["B", "R"]),
+                               helper.make_tensor_value_info(NEXT_INPUTS["write_index"], TensorProto.INT64, ["B"]),
+                               helper.make_tensor_value_info(NEXT_INPUTS["kv_length"], TensorProto.INT64, ["B"])])
     model = helper.make_model(graph, opset_imports=list(decode.opset_import))
     model.ir_version = rank.ir_version
     return model
+
+
+def _next_inputs() -> list[onnx.NodeProto]:
+    """The NEXT_INPUTS nodes. Every one reads the logits, so it runs after the If has read the
+    inputs it may overwrite (bound onto the same buffers); the increment is the logits' row
+    count R, 1 at a plain decode step, rather than a constant that could be added first."""
+    return [helper.make_node("ArgMax", ["logits"], ["next/argmax"], axis=-1, keepdims=0, name="next/argmax"),  # [B, R]
+            helper.make_node("Cast", ["next/argmax"], [NEXT_INPUTS["input_ids"]], to=TensorProto.INT32,
+                             name="next/input_ids"),
+            helper.make_node("Shape", ["logits"], ["next/rows"], start=1, end=2, name="next/rows"),  # [1]: R
+            helper.make_node("Add", ["write_index", "next/rows"], [NEXT_INPUTS["write_index"]], name="next/write_index"),
+            helper.make_node("Add", ["kv_length", "next/rows"], [NEXT_INPUTS["kv_length"]], name="next/kv_length")]

@@ -49,23 +49,24 @@ class Engine(Protocol):
 
 
 class GreedyRun(Protocol):
-    def advance(self, tokens: np.ndarray) -> None:
-        """Runs the next step; writes each row's argmax token into ``tokens`` (int64 [B])."""
+    def advance(self) -> list[int]:
+        """Runs the next step; each row's argmax token."""
 
 
 class StepwiseGreedyRun:
     """A GreedyRun through ``Engine.step``, one scheduler-shaped Step at a time: for engines
     whose step already keeps the host out of the way (TensorRT's CUDA graphs, tensor-parallel
-    ranks); the CPU engine runs its reused binding instead (runtime/onnxruntime_engine.py)."""
+    ranks); the CPU engine feeds its reused binding instead (runtime/onnxruntime_engine.py)."""
 
     def __init__(self, engine: Engine, step: Step):
         self.engine, self.step = engine, step
 
-    def advance(self, tokens: np.ndarray) -> None:
+    def advance(self) -> list[int]:
         logits = self.engine.step(self.step).logits  # [B, 1, V]
-        np.argmax(logits[:, 0], axis=-1, out=tokens)
+        tokens = logits[:, 0].argmax(axis=-1).tolist()
         step = self.step
-        self.step = replace(step, tokens=tuple((int(t),) for t in tokens), starts=tuple(s + 1 for s in step.starts))
+        self.step = replace(step, tokens=tuple((t,) for t in tokens), starts=tuple(s + 1 for s in step.starts))
+        return tokens
 
 
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:

@@ -82,7 +82,6 @@ class LLM:
         self.speculation = self._speculation(medusa_tree_size)
         # Medusa engines verify the heads' guesses every step instead.
         self.multi_step = multi_step if self.speculation is None else 1
-        self._stop_tables: dict[frozenset[int], np.ndarray] = {}  # stop ids → bool [V]
         self._live: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()          # held for a whole step
@@ -376,15 +375,14 @@ class LLM:
         a request arrives for a free slot or an abort. Then commits and detokenizes the tokens."""
         engine_start = time.perf_counter()
         run = self.engine.greedy_run(step)
-        tokens = np.empty((steps, len(step.rids)), np.int64)  # [n, B]
-        stops = self._stop_table(step)
-        done = steps
-        for i in range(steps):
-            run.advance(tokens[i])
-            if ((stops is not None and stops[tokens[i]].any())
-                    or (self._inbox and self.scheduler.slots.free) or self._aborts):
-                done = i + 1
+        stops = self._stop_ids(step)
+        produced: list[list[int]] = []  # [n][B]
+        for _ in range(steps):
+            tokens = run.advance()
+            produced.append(tokens)
+            if (stops and not stops.isdisjoint(tokens)) or (self._inbox and self.scheduler.slots.free) or self._aborts:
                 break
+        done = len(produced)
         self.stats.engine_s += time.perf_counter() - engine_start
         self.stats.steps += done
         self.stats.decode_steps += done
@@ -395,25 +393,18 @@ class LLM:
 
         for rid in step.rids:
             self._live[rid].decode_steps += done
-        self.scheduler.commit_run(step, tokens[:done].tolist(), push)
+        self.scheduler.commit_run(step, produced, push)
         return deltas
 
-    def _stop_table(self, step: Step) -> np.ndarray | None:
-        """bool [V]: the ids that end any of the step's rows (eos unless ignored, stop ids)."""
+    def _stop_ids(self, step: Step) -> set[int]:
+        """The ids that end any of the step's rows: eos unless ignored, stop ids."""
         ids: set[int] = set()
         for rid in step.rids:
             params = self.scheduler.requests[rid].params
             ids.update(params.stop_token_ids)
             if not params.ignore_eos:
                 ids.update(self.scheduler.eos_token_ids)
-        if not ids:
-            return None
-        key = frozenset(ids)
-        table = self._stop_tables.get(key)
-        if table is None:
-            table = self._stop_tables[key] = np.zeros(self.engine_dir.vocab_size, np.bool_)
-            table[[i for i in ids if 0 <= i < len(table)]] = True
-        return table
+        return ids
 
     def _draft(self, policy: SpeculationPolicy, heads_at: dict) -> None:
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]

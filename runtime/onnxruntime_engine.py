@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
 from ..contract.cpu_decode_graph import DecodeGraph, decode_graph, fill_decode_inputs
-from ..contract.cpu_step_graph import PLAIN_DECODE, step_model
+from ..contract.cpu_step_graph import NEXT_INPUTS, PLAIN_DECODE, step_model
 from ..contract.onnxruntime import Spinning
 from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
 from ..plugins import fp4
@@ -133,7 +133,7 @@ class OnnxRuntimeEngine:
             fill_decode_inputs(arrays.input_ids, arrays.write_index, arrays.kv_length, step.tokens, step.starts)
         else:
             fill_step_arrays(arrays, step.tokens, step.starts, self.engine_dir.max_seq_len)
-        return _BoundGreedyRun(self.session, bound, rank_graph=self.decode is None)
+        return _BoundGreedyRun(self.session, bound, feeds_itself=self.decode is not None)
 
     def _bind(self, key: tuple[int, int, int]) -> _Bound:
         """Buffers and an IO binding for decode steps of one shape, reused every such step:
@@ -147,6 +147,9 @@ class OnnxRuntimeEngine:
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
         if self.decode is not None:
             binding.bind_cpu_input(PLAIN_DECODE, _PLAIN_DECODE)
+            for name, value in arrays.as_dict().items():  # the next step's inputs, over this one's
+                if name in NEXT_INPUTS:
+                    binding.bind_ortvalue_output(NEXT_INPUTS[name], ort.OrtValue.ortvalue_from_numpy(value))
         logits = np.empty((batch, 1, d.vocab_size), np.float32)  # [B, 1, V]
         binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         medusa = None
@@ -209,28 +212,28 @@ class OnnxRuntimeEngine:
 
 
 class _BoundGreedyRun:
-    """Decode steps on one reused binding: each step's argmax becomes the next step's input in
-    place, and write_index/kv_length (and, on the rank graph, positions and the mask) advance by
-    one; nothing else happens between ONNX Runtime runs."""
+    """Decode steps on one reused binding, each fed the previous step's argmax. On the step model
+    the graph writes the next step's inputs over this one's (NEXT_INPUTS), so nothing but the
+    run and reading the tokens happens between runs; on the rank graph alone the host takes the
+    argmax and advances write_index, kv_length, positions and the mask."""
 
-    def __init__(self, session, bound: _Bound, rank_graph: bool):
+    def __init__(self, session, bound: _Bound, feeds_itself: bool):
         self.run, self.binding, arrays = session.run_with_iobinding, bound.binding, bound.arrays
-        self.logits = bound.logits[:, 0]    # [B, V]
         self.ids = arrays.input_ids[:, 0]   # int32 [B]
-        self.write, self.length = arrays.write_index, arrays.kv_length
-        # The rank graph reads positions and the causal mask too.
-        self.positions, self.mask = (arrays.position_ids, arrays.attention_mask[:, 0, 0]) if rank_graph else (None, None)
-        self.rows = np.arange(len(self.ids))
+        self.feeds_itself = feeds_itself
+        self.logits = bound.logits[:, 0]    # [B, V]
+        self.write, self.length, self.positions = arrays.write_index, arrays.kv_length, arrays.position_ids
+        self.mask, self.rows = arrays.attention_mask[:, 0, 0], np.arange(len(self.ids))  # [B, S_max]
 
-    def advance(self, tokens: np.ndarray) -> None:
+    def advance(self) -> list[int]:
         self.run(self.binding)
-        np.argmax(self.logits, axis=-1, out=tokens)
-        self.ids[:] = tokens
-        self.write += 1
-        self.length += 1
-        if self.mask is not None:
+        if not self.feeds_itself:
+            self.ids[:] = self.logits.argmax(axis=-1)
+            self.write += 1
+            self.length += 1
             self.positions += 1
-            self.mask[self.rows, self.write] = True  # [B, S_max]: the new position is visible
+            self.mask[self.rows, self.write] = True  # the new position is visible
+        return self.ids.tolist()
 
 
 def _host(value) -> np.ndarray:

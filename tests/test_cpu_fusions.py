@@ -87,15 +87,16 @@ def test_pack_qkv_leaves_a_projection_someone_else_reads():
     assert count == 0 and packed.graph.node == model.graph.node
 
 
-def test_step_model_runs_the_branch_plain_decode_names():
-    from trtbuild.contract.cpu_step_graph import PLAIN_DECODE, step_model
+def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step():
+    from trtbuild.contract.cpu_step_graph import NEXT_INPUTS, PLAIN_DECODE, step_model
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
+    positions = [helper.make_tensor_value_info(name, TensorProto.INT64, [2]) for name in ("write_index", "kv_length")]
 
     def graph(op):
         return _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node(op, ["y", "y"], ["logits"])],
-                      [_tensor("x", [1, HIDDEN])], [_tensor("logits", None)], [weight])
+                      [_tensor("x", [2, 1, HIDDEN]), *positions], [_tensor("logits", None)], [weight])
 
     rank, decode = graph("Add"), graph("Mul")
     model = step_model(rank, decode)
@@ -103,11 +104,16 @@ def test_step_model_runs_the_branch_plain_decode_names():
     branches = {a.name: a.g for a in model.graph.node[0].attribute}
     assert [t.name for t in branches["then_branch"].initializer] == ["w"] == \
         [t.name for t in branches["else_branch"].initializer]
-    x = rng.standard_normal((1, HIDDEN)).astype(np.float32)
-    y = x @ numpy_helper.to_array(weight)
+    x = rng.standard_normal((2, 1, HIDDEN)).astype(np.float32)
+    y = x @ numpy_helper.to_array(weight)  # [B, R = 1, V]
+    write, length = np.array([5, 9]), np.array([6, 10])
     for plain, expected in ((True, y * y), (False, y + y)):
-        out = _run(model, {"x": x, PLAIN_DECODE: np.array(plain)})["logits"]
-        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+        out = _run(model, {"x": x, "write_index": write, "kv_length": length, PLAIN_DECODE: np.array(plain)})
+        np.testing.assert_allclose(out["logits"], expected, rtol=1e-5, atol=1e-5)
+        # The next greedy step's inputs: each row's argmax, one position further.
+        assert out[NEXT_INPUTS["input_ids"]].dtype == np.int32
+        assert out[NEXT_INPUTS["input_ids"]].tolist() == expected.argmax(-1).tolist()
+        assert out[NEXT_INPUTS["write_index"]].tolist() == [6, 10] and out[NEXT_INPUTS["kv_length"]].tolist() == [7, 11]
 
 
 def _row_gather_model(index_input):
