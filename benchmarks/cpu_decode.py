@@ -24,8 +24,9 @@ With llama-cpp-python installed, llama.cpp at batch 1 (its Python API decodes on
 f16 GGUF of the same checkpoint (benchmarks/gguf_export.py), each token detokenized, in the same
 rotation.
 
-trtbuild rows run with the runtime's default multi-step decoding (greedy steps back to back,
-runtime/llm.py); "--multi-step 1" is the fp32 engine with a scheduler step per token.
+trtbuild rows run multi-step decoding as the spec's runtime.multi_step says (default 8 greedy
+steps back to back, runtime/llm.py); "--multi-step 1" is the fp32 engine with a scheduler step
+per token, as before it.
 
 Then the time of each decoded token at batch 1 and 8: the step loop outside the engine
 (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings, argmax
@@ -52,7 +53,6 @@ REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT = REPO / "models" / "tiny-code"
 sys.path.insert(0, str(REPO / "benchmarks"))
 from trtbuild.builder.progress import table as format_table  # noqa: E402
-from trtbuild.runtime.llm import MULTI_STEP  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
 FP32_SINGLE = "trtbuild fp32, --multi-step 1"
@@ -115,7 +115,7 @@ def trtbuild_run(llm, batch: int, seed: int) -> tuple[float, float]:
     return statistics.median(rates), prefill
 
 
-def trtbuild_measure(engine: Path, threads: int, seed: int, multi_step: int) -> dict:
+def trtbuild_measure(engine: Path, threads: int, seed: int, multi_step: int | None) -> dict:
     from trtbuild.runtime.llm import LLM
 
     llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=multi_step)
@@ -275,7 +275,7 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
     from trtbuild.runtime.sampling import SamplingParams
 
     def runtime(spinning=Spinning.always, use_decode_graph: bool = True, profile: str | None = None,
-                multi_step: int = MULTI_STEP):
+                multi_step: int | None = None):
         """An LLM on an engine configured so (``profile``: a profiling session, its file prefix);
         the engine's ONNX Runtime runs timed."""
         llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=multi_step)
@@ -321,7 +321,7 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
                                 (rank, {"use_decode_graph": False})):
             llm, timing = runtime(**config)
             measure(llm, timing)  # warm-up
-            results.append(measure(llm, timing))
+            results.append({**measure(llm, timing), "steps": llm.multi_step})
     figures = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
                for name, results in (("multi_step", current), ("single_step", single))}
     figures["sleeping_loop_ms"] = statistics.median(r["loop_ms"] for r in sleeping)
@@ -358,7 +358,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         kind, path = args.one[0], Path(args.one[1])
-        figures = (trtbuild_measure(path, args.threads, args.seed, MULTI_STEP) if kind == "trtbuild" else
+        figures = (trtbuild_measure(path, args.threads, args.seed, None) if kind == "trtbuild" else
                    trtbuild_measure(path, args.threads, args.seed, 1) if kind == "trtbuild-single" else
                    genai_measure(path, args.seed, args.vocab) if kind == "genai" else
                    llama_cpp_measure(path, args.threads, args.seed, args.vocab))
@@ -420,12 +420,12 @@ def main() -> None:
             print(f"trtbuild / onnxruntime-genai, {label}: {a[1] / b[1]:.2f}x at batch 1, {a[8] / b[8]:.2f}x at batch 8")
     if LLAMA_CPP in by_name:
         print(f"trtbuild fp32 / {LLAMA_CPP}: {by_name['trtbuild fp32'][1] / by_name[LLAMA_CPP][1]:.2f}x at batch 1")
-    print(f"\nwhere a decoded token's time goes (trtbuild fp32, ms per token of each row; multi-step "
-          f"{MULTI_STEP}, and 1 as before it)")
+    print("\nwhere a decoded token's time goes (trtbuild fp32, ms per token of each row; with the spec's "
+          "runtime.multi_step, and 1 as before it)")
     print(format_table([[str(b), label, f"{t['loop_ms']:.3f}", f"{t['loop_ms'] - t['engine_ms']:.3f}",
                          f"{t['engine_ms'] - t['run_ms']:.3f}", f"{t['run_ms']:.3f}"]
                         for b, s in steps.items()
-                        for label, t in ((str(MULTI_STEP), s["multi_step"]), ("1", s["single_step"]))],
+                        for label, t in ((str(s["multi_step"]["steps"]), s["multi_step"]), ("1", s["single_step"]))],
                        ["batch", "multi-step", "per token", "loop outside engine", "engine host side",
                         "onnxruntime run"]))
     for b, s in steps.items():

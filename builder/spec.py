@@ -206,6 +206,7 @@ class RuntimeSection(_Section):
     top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     prefix_cache: StrictBool = True
+    multi_step: StrictInt = Field(8, ge=1)
 
 
 class Spec(_Section):

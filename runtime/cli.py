@@ -17,13 +17,13 @@ MEDUSA_TREE_SIZE = click.option(
 
 
 MULTI_STEP = click.option(
-    "--multi-step", type=click.IntRange(min=1), default=8, show_default=True,  # = runtime.llm.MULTI_STEP
+    "--multi-step", type=click.IntRange(min=1), default=None,
     help="Greedy decode steps a batch runs back to back before its tokens are detokenized and "
-         "streamed (text comes in bursts of up to N tokens); a stop or eos id, an arrival or an "
-         "abort ends a run early. 1: every step.")
+         "streamed (text comes in pieces of up to N tokens); a stop or eos id, an arrival or an "
+         "abort ends a run early. 1: every step. Default: the spec's runtime.multi_step (8).")
 
 
-def _load(out: Path, backend: str, threads: int, multi_step: int, prefix_cache: bool | None = None,
+def _load(out: Path, backend: str, threads: int, multi_step: int | None, prefix_cache: bool | None = None,
           batching: str = "inflight", medusa_tree_size: int | None = None):
     from .engine_dir import EngineDirError
     from .llm import LLM

@@ -82,6 +82,16 @@ class EngineDir:
     def runtime_defaults(self) -> dict:
         return self.manifest["spec"].get("runtime", {})
 
+    @property
+    def multi_step(self) -> int:
+        """Greedy decode steps the runtime runs back to back (spec runtime.multi_step; engine dirs
+        built before the field had none, and get its default)."""
+        value = self.runtime_defaults.get("multi_step", 8)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise EngineDirError(f"{self.path / 'manifest.json'}: spec.runtime.multi_step {value!r} is not an "
+                                 "integer ≥ 1")
+        return value
+
     def rank_file(self, rank: int, kind: str) -> Path:
         return self.path / self.manifest["ranks"][rank][kind]
 
@@ -105,5 +115,7 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
     except ManifestError as exc:
         raise EngineDirError(str(exc)) from None
     engine_dir = EngineDir(path=path, manifest=manifest)
-    engine_dir.cpu_activations  # noqa: B018  (an unknown value is refused here, in one line, not mid-load)
+    # Unknown values are refused here, in one line, not mid-load.
+    engine_dir.cpu_activations  # noqa: B018
+    engine_dir.multi_step  # noqa: B018
     return engine_dir

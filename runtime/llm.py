@@ -27,10 +27,6 @@ from .sampling import Sampler, SamplingParams
 from .scheduler import (Batching, CopySlot, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
                         StepKind)
 
-# Greedy decode steps run back to back by default: the Python between CPU steps costs more than
-# the wait it adds before text streams (~2 ms a burst at batch 1 on 2 cores; benchmarks/cpu_decode.py).
-MULTI_STEP = 8
-
 
 @dataclass
 class RuntimeStats:
@@ -51,13 +47,15 @@ class LLM:
     def __init__(self, engine_dir: str | Path, backend: str = "auto", threads: int = 0,
                  prefix_cache: bool | None = None, prefix_cache_blocks: int | None = None, block_size: int = 16,
                  batching: Batching = Batching.inflight, token_budget: int | None = None,
-                 verify: bool = True, medusa_tree_size: int | None = None, multi_step: int = MULTI_STEP):
+                 verify: bool = True, medusa_tree_size: int | None = None, multi_step: int | None = None):
         """``medusa_tree_size``: for engine dirs with Medusa heads, None picks the tree prefix per
         batch from measured step times and acceptance; an int pins it (0: no speculation).
         ``multi_step``: decode steps a batch of greedy requests runs back to back, each row fed
         its own argmax, before the scheduler, detokenizer and stop strings see the tokens (1:
-        every step goes through them). Greedy tokens are the same either way."""
-        if not isinstance(multi_step, int) or multi_step < 1:
+        every step goes through them; None: the spec's runtime.multi_step). Greedy tokens are
+        the same either way."""
+        if multi_step is not None and (not isinstance(multi_step, int) or isinstance(multi_step, bool)
+                                       or multi_step < 1):
             raise ValueError(f"multi_step must be an integer ≥ 1 (got {multi_step!r})")
         from tokenizers import Tokenizer
 
@@ -81,7 +79,7 @@ class LLM:
         self.stats = RuntimeStats()
         self.speculation = self._speculation(medusa_tree_size)
         # Medusa engines verify the heads' guesses every step instead.
-        self.multi_step = multi_step if self.speculation is None else 1
+        self.multi_step = 1 if self.speculation is not None else multi_step or d.multi_step
         self._live: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()          # held for a whole step

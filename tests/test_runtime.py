@@ -229,8 +229,7 @@ def test_cli_run_and_bench(tiny_engine):
 
 
 def test_cli_multi_step_gives_the_same_tokens_and_refuses_zero(tiny_engine):
-    from trtbuild.runtime import llm as llm_module
-    from trtbuild.runtime.cli import run as run_command
+    from trtbuild.builder.spec import RuntimeSection
 
     def cli(*extra):
         return subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(tiny_engine), "--prompt",
@@ -242,10 +241,10 @@ def test_cli_multi_step_gives_the_same_tokens_and_refuses_zero(tiny_engine):
     assert json.loads(default.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
     zero = cli("--multi-step", "0")
     assert zero.returncode == 2 and "--multi-step" in zero.stderr and "Traceback" not in zero.stderr
-    option = next(p for p in run_command.params if p.name == "multi_step")
-    assert option.default == llm_module.MULTI_STEP
     with pytest.raises(ValueError, match="multi_step must be an integer"):
         LLM(tiny_engine, backend="onnxruntime", multi_step=0)
+    # Unset, the spec's runtime.multi_step (the bundled spec leaves it at its default).
+    assert LLM(tiny_engine, backend="onnxruntime").multi_step == RuntimeSection().multi_step == 8
 
 
 def test_concurrent_generate_calls_each_get_their_completions(tiny_engine):

@@ -64,6 +64,7 @@ def test_defaults_and_explicit_buckets():
     ({"build": {"max_seq_len": 4096, "max_input_len": 64}},
      "build.max_seq_len: 4096 exceeds the checkpoint's max_position_embeddings=1024"),
     ({"build": {"max_batch_size": 0}}, "build.max_batch_size: Input should be greater than or equal to 1"),
+    ({"runtime": {"multi_step": 0}}, "runtime.multi_step: Input should be greater than or equal to 1"),
     ({"build": {"targets": ["sm42"]}}, "build.targets: 'sm42' is not a compute capability"),
     ({"build": {"targets": ["sm75"]}}, "build.targets: sm75 has no float32 GEMM"),
     ({"build": {"cuda_graph_batch_sizes": [16]}},

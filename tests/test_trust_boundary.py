@@ -154,18 +154,24 @@ def test_tampered_engine_dir_is_refused_in_one_line(tiny_engine, tmp_path, case)
         assert last.startswith("error: ") and message in last and "Traceback" not in proc.stderr, (case, command, proc.stderr[-800:])
 
 
-def test_unknown_cpu_activations_in_a_manifest_is_refused_in_one_line(tiny_engine, tmp_path):
+@pytest.mark.parametrize("section, field, value, valid", [
+    ("quantization", "cpu_activations", "int3", "is not one of float, int8"),
+    ("runtime", "multi_step", 0, "is not an integer ≥ 1"),
+    ("runtime", "multi_step", "8", "is not an integer ≥ 1"),
+])
+def test_an_invalid_runtime_setting_in_a_manifest_is_refused_in_one_line(tiny_engine, tmp_path, section, field, value,
+                                                                         valid):
     d = tmp_path / "copy"
     shutil.copytree(tiny_engine, d)
     m = _manifest(d)
-    m["spec"]["quantization"]["cpu_activations"] = "int3"
+    m["spec"].setdefault(section, {})[field] = value
     _write(d, m)
     for command in (["run", str(d), "--prompt", "def f(x):", "--max-tokens", "4", "--backend", "onnxruntime"],
                     ["eval", str(d), "--data", str(TINY_CODE / "heldout.txt"), "--max-tokens", "600"]):
         proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", *command], capture_output=True, text=True)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (command, proc.stderr[-800:])
-        assert proc.stderr.strip().splitlines()[-1] == (f"error: {d / 'manifest.json'}: spec.quantization.cpu_activations "
-                                                        "'int3' is not one of float, int8"), proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (f"error: {d / 'manifest.json'}: spec.{section}.{field} "
+                                                        f"{value!r} {valid}"), proc.stderr
 
 
 def test_build_never_replaces_a_directory_it_did_not_write(tmp_path):

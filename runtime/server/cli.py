@@ -52,7 +52,7 @@ class _DrainingServer:
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MULTI_STEP
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
-          grace: float, backend: str, threads: int, multi_step: int):
+          grace: float, backend: str, threads: int, multi_step: int | None):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
