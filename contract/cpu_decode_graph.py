@@ -21,6 +21,7 @@ decode step against the rank graph (pass log ``numerics.cpu_decode``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -136,9 +137,11 @@ class DecodeGraph:
                 "row_gathers": self.row_gathers}
 
 
-def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> DecodeGraph | None:
+def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int, weights_dir: Path | None = None
+                 ) -> DecodeGraph | None:
     """The decode graph, or None when some layer's chain is not the pattern (then decode runs
-    the rank graph, as every other step does). Heads are this rank's."""
+    the rank graph, as every other step does). Heads are this rank's; ``weights_dir`` holds the
+    model's external weights (quantized q/k/v projections are packed from their bytes)."""
     graph = model.graph
     index = _Index(graph)
     attentions = [n for n in graph.node if n.op_type == "Attention"]
@@ -174,7 +177,7 @@ def decode_graph(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> D
     out = _prune(out)  # the rotary, reshapes and slices nothing reads any more
     if not any(o.domain == "com.microsoft" for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    packed, packed_count = pack_qkv(out)
+    packed, packed_count = pack_qkv(out, weights_dir)
     ungathered, gather_count = drop_row_gather(packed)
     fused, norm_count = skip_norm(ungathered)
     return DecodeGraph(_prune(fused), len(chains), packed_count, norm_count, gather_count)

@@ -43,7 +43,7 @@ def cpu_graph(engine_dir: EngineDir, rank: int = 0, use_decode_graph: bool = Tru
     if not use_decode_graph or engine_dir.manifest["ranks"][rank]["weight_bytes"] > DECODE_GRAPH_MAX_WEIGHT_BYTES:
         return fp4.ort_source(path), None
     model = fp4.cpu_model(path)
-    decode = decode_graph(model, engine_dir.model["num_heads"], engine_dir.num_kv_heads)
+    decode = decode_graph(model, engine_dir.model["num_heads"], engine_dir.num_kv_heads, path.parent)
     if decode is None:
         return fp4.ort_source(path), None
     return step_model(model, decode.model).SerializeToString(), decode

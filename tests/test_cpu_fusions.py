@@ -1,6 +1,7 @@
 """The decode graph's CPU fusions on small hand-made graphs: what they match, what they leave
 alone, and that ONNX Runtime computes the same numbers after them."""
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild.contract import onnxruntime as ort_config
@@ -72,6 +73,63 @@ def test_pack_qkv_packs_three_projections_of_one_input():
     before, after = _run(model, feeds), _run(packed, feeds)
     for name in ("out", "present_k", "present_v"):
         np.testing.assert_allclose(after[name], before[name], rtol=1e-5, atol=1e-5)
+
+
+def _quantized_projections(kind: str, widths=(("wq", 16), ("wk", 8), ("wv", 8))):
+    """DequantizeLinear → MatMul q/k/v projections into a GroupQueryAttention: int4 codes with a
+    scale per 8 input channels (axis 0), or int8 codes with one scale per output channel."""
+    rng = np.random.default_rng(4)
+    nodes, tensors = [], []
+    for name, n in widths:
+        if kind == "int4":
+            codes = rng.integers(-8, 8, (HIDDEN, n))
+            tensors += [helper.make_tensor(f"{name}_q", TensorProto.INT4, [HIDDEN, n], codes.flatten().tolist()),
+                        numpy_helper.from_array(rng.uniform(0.01, 0.1, (HIDDEN // 8, n)).astype(np.float32), f"{name}_s")]
+            attributes = {"axis": 0, "block_size": 8}
+        else:
+            codes = rng.integers(-128, 128, (HIDDEN, n)).astype(np.int8)
+            tensors += [numpy_helper.from_array(codes, f"{name}_q"),
+                        numpy_helper.from_array(rng.uniform(0.01, 0.1, n).astype(np.float32), f"{name}_s")]
+            attributes = {"axis": 1}
+        nodes += [helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s"], [f"{name}_w"], **attributes),
+                  helper.make_node("MatMul", ["x", f"{name}_w"], [f"{name}_out"])]
+    nodes.append(_attention("wq_out", "wk_out", "wv_out"))
+    inputs = [_tensor("x", [1, 1, HIDDEN]), _tensor("past_k", [1, 1, 8, 8]), _tensor("past_v", [1, 1, 8, 8]),
+              helper.make_tensor_value_info("seqlens", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    return _model(nodes, inputs, [_tensor("out", None), _tensor("present_k", None), _tensor("present_v", None)],
+                  tensors)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_pack_qkv_packs_quantized_projections_from_external_weights(kind, tmp_path):
+    import onnx
+
+    path = tmp_path / "model.onnx"
+    onnx.save_model(_quantized_projections(kind), path, save_as_external_data=True, location="model.onnx.data",
+                    size_threshold=0)
+    model = onnx.load(path, load_external_data=False)  # as the runtime holds a rank graph
+    packed, count = pack_qkv(model, tmp_path)
+    assert count == 1
+    assert [n.op_type for n in packed.graph.node] == ["DequantizeLinear", "MatMul", "GroupQueryAttention"]
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((1, 1, HIDDEN)).astype(np.float32),
+             "past_k": rng.standard_normal((1, 1, 8, 8)).astype(np.float32),
+             "past_v": rng.standard_normal((1, 1, 8, 8)).astype(np.float32),
+             "seqlens": np.array([3], np.int32), "total": np.array(4, np.int32)}
+    before = ort_config.run(ort_config.session(path, 1), feeds)
+    after = ort_config.run(ort_config.session(packed, 1, tmp_path), feeds)
+    for name in ("out", "present_k", "present_v"):
+        np.testing.assert_allclose(after[name], before[name], rtol=1e-5, atol=1e-5)
+
+
+def test_pack_qkv_leaves_quantized_projections_of_different_forms():
+    model = _quantized_projections("int4")
+    blocks = next(a for a in model.graph.node[2].attribute if a.name == "block_size")  # wk's: 8 → 16 channels
+    blocks.i = 16
+    model.graph.initializer[3].CopyFrom(numpy_helper.from_array(np.full((1, 8), 0.05, np.float32), "wk_s"))
+    packed, count = pack_qkv(model)
+    assert count == 0 and packed.graph.node == model.graph.node
 
 
 def test_pack_qkv_leaves_a_projection_someone_else_reads():
@@ -150,3 +208,14 @@ def test_drop_row_gather_leaves_other_gathers():
     model = _row_gather_model("other_index")
     dropped, count = drop_row_gather(model)
     assert count == 0 and dropped.graph.node == model.graph.node
+
+
+def test_int4_codes_concatenate_exactly_whatever_their_widths():
+    from trtbuild.contract.cpu_fusions import _concat
+
+    rng = np.random.default_rng(6)
+    codes = [rng.integers(-8, 8, (3, n)) for n in (3, 5, 2)]  # rows of 1.5, 2.5 and 1 bytes
+    tensors = [helper.make_tensor(f"c{i}", TensorProto.INT4, c.shape, c.flatten().tolist()) for i, c in enumerate(codes)]
+    packed = _concat(tensors, 1, "packed", None)
+    assert list(packed.dims) == [3, 10] and len(packed.raw_data) == 15
+    assert numpy_helper.to_array(packed).tolist() == np.concatenate(codes, axis=1).tolist()

@@ -101,7 +101,7 @@ class NumericsGate(Instrument):
         """(the decode graph's fusion counts, stats of the decode graph vs the rank graph at a
         decode step), or None when the decode rewrite does not apply to this graph (yet).
         ``runnable``: the rank graph as ONNX Runtime loads it."""
-        found = decode_graph(model, *self.heads)
+        found = decode_graph(model, *self.heads, self.workdir)
         if found is None:
             return None
         inputs = numerics.decode_inputs(self.inputs)
