@@ -10,7 +10,9 @@ activations), and once more with ``quantization.cpu_activations: int8`` and lm_h
 (``exclude: []``), as onnxruntime-genai's int4 models have it (built into a temporary dir unless
 given). Each engine at batch 1 and 8: random 64-token prompts (seeded), 128
 greedy tokens; decode tok/s = the median over decode steps of the tokens a step made / its time,
-and the batch-1 prefill time (to each row's first token); the median of --repeats runs of each.
+and the batch-1 prefill time (to each row's first token); the median of --repeats rounds of each.
+Ratios against a peer pair the two engines within each round (they run back to back, who goes
+first rotating) and report the median and range of those per-round ratios.
 
 With onnxruntime-genai installed (`pip install -e ".[bench]"`), its model builder converts the
 same checkpoint in this run, measured the same way (every engine in a process of its own, the
@@ -55,6 +57,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
+FP32 = "trtbuild fp32"
 FP32_SINGLE = "trtbuild fp32, --multi-step 1"
 INT4 = "trtbuild int4 gptq g128 (float activations)"
 INT4_A8 = "trtbuild int4 gptq g128 + lm_head, cpu_activations: int8"
@@ -206,23 +209,38 @@ def llama_cpp_measure(path: Path, threads: int, seed: int, vocab: int) -> dict:
     return {"1": llama_cpp_run(llm, seed, vocab), "8": None}
 
 
-def measure(engines: dict[str, tuple[str, Path]], threads: int, repeats: int, vocab: int) -> dict[str, dict]:
+def measure(engines: dict[str, tuple[str, Path]], blocks: list[list[str]], threads: int, repeats: int,
+            vocab: int) -> dict[str, dict]:
     """Each engine in a process of its own (ONNX Runtime thread pools left spinning by one
-    engine would slow the next), round-robin ``repeats`` times so that a slow spell of the
-    machine hits every engine alike; medians of tok/s and of batch-1 prefill ms."""
+    engine would slow the next), ``repeats`` rounds; in a round the engines of a block (ours and
+    the peer it is compared with) run one right after the other, who goes first rotating, so a
+    slow spell of the shared machine hits both sides of a ratio alike. Per engine and batch the
+    samples in round order (one a round: ratios pair them), and batch-1 prefill ms."""
     samples: dict[str, dict] = {name: {1: [], 8: [], "prefill_ms": []} for name in engines}
     for seed in range(repeats):
-        for name, (kind, path) in engines.items():
-            out = subprocess.run([sys.executable, __file__, "--one", kind, str(path), "--threads", str(threads),
-                                  "--seed", str(seed), "--vocab", str(vocab)],
-                                 check=True, capture_output=True, text=True).stdout
-            figures = json.loads(out.strip().splitlines()[-1])
-            for batch in (1, 8):
-                if figures[str(batch)] is not None:  # llama.cpp: batch 1 only
-                    samples[name][batch].append(figures[str(batch)][0])
-            samples[name]["prefill_ms"].append(figures["1"][1] * 1e3)
+        for block in blocks:
+            for name in block[seed % len(block):] + block[:seed % len(block)]:
+                kind, path = engines[name]
+                out = subprocess.run([sys.executable, __file__, "--one", kind, str(path), "--threads", str(threads),
+                                      "--seed", str(seed), "--vocab", str(vocab)],
+                                     check=True, capture_output=True, text=True).stdout
+                figures = json.loads(out.strip().splitlines()[-1])
+                for batch in (1, 8):
+                    if figures[str(batch)] is not None:  # llama.cpp: batch 1 only
+                        samples[name][batch].append(figures[str(batch)][0])
+                samples[name]["prefill_ms"].append(figures["1"][1] * 1e3)
+    return samples
+
+
+def medians(samples: dict[str, dict]) -> dict[str, dict]:
     return {name: {key: statistics.median(values) if values else None for key, values in s.items()}
             for name, s in samples.items()}
+
+
+def paired_ratio(samples: dict[str, dict], ours: str, theirs: str, batch: int) -> tuple[float, float, float]:
+    """(median, lowest, highest) over rounds of ours / theirs tok/s, each from the same round."""
+    ratios = [a / b for a, b in zip(samples[ours][batch], samples[theirs][batch])]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def genai_perplexity(path: Path, threads: int) -> float:
@@ -383,7 +401,7 @@ def main() -> None:
         int4 = args.int4_dir or build(work / "int4-gptq-g128", gptq_int4(work), work)
         int4_a8 = args.int4_a8_dir or build(work / "int4-gptq-g128-a8", gptq_int4(work, int8_activations=True), work)
         vocab = json.loads((fp32 / "manifest.json").read_text())["model"]["vocab_size"]
-        engines = {"trtbuild fp32": ("trtbuild", fp32), FP32_SINGLE: ("trtbuild-single", fp32),
+        engines = {FP32: ("trtbuild", fp32), FP32_SINGLE: ("trtbuild-single", fp32),
                    INT4: ("trtbuild", int4), INT4_A8: ("trtbuild", int4_a8)}
         perplexity = {name: trtbuild_perplexity(engines[name][1], args.threads) for name in (INT4, INT4_A8)}
         if genai:
@@ -397,29 +415,34 @@ def main() -> None:
             from gguf_export import export
 
             engines[LLAMA_CPP] = ("llama.cpp", export(CHECKPOINT, work / "tiny-code-f16.gguf", "f16"))
-        figures = measure(engines, args.threads, args.repeats, vocab)
+        blocks = [[name for name in block if name in engines] for block in
+                  ([FP32, FP32_SINGLE, GENAI_FP32], [INT4, GENAI_INT4], [INT4_A8, GENAI_INT4_A8],
+                   [LLAMA_CPP])]
+        samples = measure(engines, [b for b in blocks if b], args.threads, args.repeats, vocab)
+        figures = medians(samples)
         rows = [(name, figures[name], perplexity.get(name)) for name in engines]
         steps = {batch: breakdown(fp32, args.threads, batch, work, args.repeats) for batch in (1, 8)}
+    comparisons = [(ours, theirs, label) for ours, theirs, label in (
+        (FP32, GENAI_FP32, "fp32"), (FP32_SINGLE, GENAI_FP32, "fp32, --multi-step 1"),
+        (INT4, GENAI_INT4, "int4, float activations"), (INT4_A8, GENAI_INT4_A8, "int4, int8 activations"),
+        (FP32, LLAMA_CPP, "fp32 vs llama.cpp f16")) if theirs in engines]
+    ratios = {label: {batch: paired_ratio(samples, ours, theirs, batch) for batch in (1, 8) if samples[theirs][batch]}
+              for ours, theirs, label in comparisons}
     if args.json:
-        print(json.dumps({"rows": [{"engine": n, **r, "perplexity": p} for n, r, p in rows], "breakdown": steps},
-                         indent=2, default=str))
+        print(json.dumps({"rows": [{"engine": n, **r, "perplexity": p} for n, r, p in rows], "ratios": ratios,
+                          "breakdown": steps}, indent=2, default=str))
         return
-    by_name = {name: r for name, r, _ in rows}
     table = [[name, f"{r[1]:.0f}", "—" if r[8] is None else f"{r[8]:.0f}", f"{r['prefill_ms']:.1f}",
               "" if p is None else f"{p:.3f}"] for name, r, p in rows]
     print(f"decode tok/s ({PROMPT_LEN}-token random prompts, {NEW_TOKENS} greedy tokens, median of "
           f"{args.repeats}, {args.threads} threads)")
     print(format_table(table, ["engine", "batch 1 tok/s", "batch 8 tok/s", "prefill 64 ms (b1)", "perplexity"]))
-    if GENAI_FP32 in by_name:
-        print()
-        for ours, theirs, label in (("trtbuild fp32", GENAI_FP32, "fp32"),
-                                    (FP32_SINGLE, GENAI_FP32, "fp32, --multi-step 1"),
-                                    (INT4, GENAI_INT4, "int4, float activations"),
-                                    (INT4_A8, GENAI_INT4_A8, "int4, int8 activations")):
-            a, b = by_name[ours], by_name[theirs]
-            print(f"trtbuild / onnxruntime-genai, {label}: {a[1] / b[1]:.2f}x at batch 1, {a[8] / b[8]:.2f}x at batch 8")
-    if LLAMA_CPP in by_name:
-        print(f"trtbuild fp32 / {LLAMA_CPP}: {by_name['trtbuild fp32'][1] / by_name[LLAMA_CPP][1]:.2f}x at batch 1")
+    if ratios:
+        print(f"\ntrtbuild / peer, tok/s: the median over the {args.repeats} rounds of the ratio within a round "
+              "(the two ran back to back), and its range")
+        for label, by_batch in ratios.items():
+            print(f"  {label}: " + ", ".join(f"{m:.2f}x at batch {b} ({lo:.2f}–{hi:.2f})"
+                                              for b, (m, lo, hi) in by_batch.items()))
     print("\nwhere a decoded token's time goes (trtbuild fp32, ms per token of each row; with the spec's "
           "runtime.multi_step, and 1 as before it)")
     print(format_table([[str(b), label, f"{t['loop_ms']:.3f}", f"{t['loop_ms'] - t['engine_ms']:.3f}",

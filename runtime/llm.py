@@ -389,9 +389,10 @@ class LLM:
         def push(request: Request, token: int) -> None:
             deltas.append(self._live[request.rid].push(token, self.scheduler))
 
-        for rid in step.rids:
-            self._live[rid].decode_steps += done
+        taken = {rid: len(self.scheduler.requests[rid].output) for rid in step.rids}
         self.scheduler.commit_run(step, produced, push)
+        for rid in step.rids:  # a row a stop string ended took fewer of the run's tokens
+            self._live[rid].decode_steps += len(self._live[rid].request.output) - taken[rid]
         return deltas
 
     def _stop_ids(self, step: Step) -> set[int]:
