@@ -16,6 +16,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
+from ..contract.manifest import DEFAULT_MULTI_STEP
 from ..contract.onnxruntime import CpuActivations
 from ..contract.tensor_parallel import kv_heads_per_rank
 from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_TARGETS  # noqa: F401  (RTX_TARGETS: API)
@@ -206,7 +207,7 @@ class RuntimeSection(_Section):
     top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     prefix_cache: StrictBool = True
-    multi_step: StrictInt = Field(8, ge=1)
+    multi_step: StrictInt = Field(DEFAULT_MULTI_STEP, ge=1)
 
 
 class Spec(_Section):

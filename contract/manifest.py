@@ -12,6 +12,10 @@ from .json_file import read_json_object
 # the top-level ``targets`` (the spec's request, untrue for TensorRT builds) is gone.
 SCHEMA_VERSION = 3
 
+# spec.runtime.multi_step's default, and what the runtime takes for a manifest written before
+# the field (greedy decode steps run back to back: runtime/llm.py).
+DEFAULT_MULTI_STEP = 8
+
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()

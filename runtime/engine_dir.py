@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..contract.manifest import ManifestError, check_engine_dir, read_manifest
+from ..contract.manifest import DEFAULT_MULTI_STEP, ManifestError, check_engine_dir, read_manifest
 from ..contract.onnxruntime import CpuActivations
 
 
@@ -86,7 +86,7 @@ class EngineDir:
     def multi_step(self) -> int:
         """Greedy decode steps the runtime runs back to back (spec runtime.multi_step; engine dirs
         built before the field had none, and get its default)."""
-        value = self.runtime_defaults.get("multi_step", 8)
+        value = self.runtime_defaults.get("multi_step", DEFAULT_MULTI_STEP)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise EngineDirError(f"{self.path / 'manifest.json'}: spec.runtime.multi_step {value!r} is not an "
                                  "integer ≥ 1")

@@ -174,6 +174,18 @@ def test_an_invalid_runtime_setting_in_a_manifest_is_refused_in_one_line(tiny_en
                                                         f"{value!r} {valid}"), proc.stderr
 
 
+def test_a_manifest_written_before_multi_step_runs_with_its_default(tiny_engine, tmp_path):
+    from trtbuild.contract.manifest import DEFAULT_MULTI_STEP
+    from trtbuild.runtime.engine_dir import load
+
+    d = tmp_path / "copy"
+    shutil.copytree(tiny_engine, d)
+    m = _manifest(d)
+    del m["spec"]["runtime"]["multi_step"]
+    _write(d, m)
+    assert load(d).multi_step == DEFAULT_MULTI_STEP == 8
+
+
 def test_build_never_replaces_a_directory_it_did_not_write(tmp_path):
     web_app = tmp_path / "site"
     (web_app / "src").mkdir(parents=True)
