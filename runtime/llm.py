@@ -373,7 +373,7 @@ class LLM:
         a request arrives for a free slot or an abort. Then commits and detokenizes the tokens."""
         engine_start = time.perf_counter()
         run = self.engine.greedy_run(step)
-        stops = self._stop_ids(step)
+        stops = self.scheduler.stop_ids(step)
         produced: list[list[int]] = []  # [n][B]
         for _ in range(steps):
             tokens = run.advance()
@@ -394,16 +394,6 @@ class LLM:
         for rid in step.rids:  # a row a stop string ended took fewer of the run's tokens
             self._live[rid].decode_steps += len(self._live[rid].request.output) - taken[rid]
         return deltas
-
-    def _stop_ids(self, step: Step) -> set[int]:
-        """The ids that end any of the step's rows: eos unless ignored, stop ids."""
-        ids: set[int] = set()
-        for rid in step.rids:
-            params = self.scheduler.requests[rid].params
-            ids.update(params.stop_token_ids)
-            if not params.ignore_eos:
-                ids.update(self.scheduler.eos_token_ids)
-        return ids
 
     def _draft(self, policy: SpeculationPolicy, heads_at: dict) -> None:
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]

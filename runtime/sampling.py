@@ -43,6 +43,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def takes_argmax(self) -> bool:
+        """Greedy without logprobs: the token is the logits' argmax, which a batch takes at once
+        (and a multi-step run feeds back without the host seeing the logits)."""
+        return self.greedy and not self.logprobs
+
 
 @dataclass
 class Sampler:
@@ -53,8 +59,7 @@ class Sampler:
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
-        # Greedy without logprobs: the token is the logits' argmax, which a batch takes at once.
-        self.takes_argmax = self.params.greedy and not self.params.logprobs
+        self.takes_argmax = self.params.takes_argmax  # read every token: an attribute, not a property
 
     def sample(self, logits: np.ndarray) -> tuple[int, float | None]:
         """(token, its log-probability under the model's distribution if asked)."""

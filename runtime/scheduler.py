@@ -302,7 +302,7 @@ class Scheduler:
         steps = limit
         for rid in step.rids:
             request = self.requests[rid]
-            if not request.params.greedy or request.params.logprobs:
+            if not request.params.takes_argmax:
                 return 1
             steps = min(steps, request.params.max_tokens - len(request.output))
         return max(steps, 1)
@@ -335,6 +335,17 @@ class Scheduler:
         slot = self.slots.slot_of(request.rid)
         for index, block in self.prefix_cache.insert(request.prompt):
             self._pending.append(SaveBlock(slot, index, block))
+
+    def stop_ids(self, step: Step) -> set[int]:
+        """The ids that end any of the step's rows (``_finish_reason``'s "stop"): eos unless
+        ignored, stop ids."""
+        ids: set[int] = set()
+        for rid in step.rids:
+            params = self.requests[rid].params
+            ids.update(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids.update(self.eos_token_ids)
+        return ids
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params
