@@ -150,6 +150,16 @@ def test_an_arrival_ends_a_run_after_the_current_step(tiny_engine, reference):
     assert done[first].token_ids == reference[PROMPTS[0]] and done[later[0]].token_ids == reference[PROMPTS[1]]
 
 
+def test_a_default_onnxruntime_session_still_opens_beside_the_runtime(llm, tiny_engine):
+    """The runtime keeps its threads per session (contract/cpu_step_graph.py): ONNX Runtime's
+    process-wide pool would make every other session in the process fail unless it opted in."""
+    import onnxruntime as ort
+
+    llm.generate([PROMPTS[0]], GREEDY)
+    session = ort.InferenceSession(str(tiny_engine / "rank0.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[0].name == "logits"
+
+
 def test_logprobs_equal_transformers_log_softmax(llm):
     import torch
     from transformers import AutoModelForCausalLM
