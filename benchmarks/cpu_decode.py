@@ -276,14 +276,16 @@ def genai_perplexity(path: Path, threads: int) -> float:
 
 # -- where a decode step's time goes ----------------------------------------------------------
 
-def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: int) -> dict:
-    """Per decoded token of every row (ms, medians over LLM steps that only decode): the step
-    loop outside the engine, the engine's host side and ONNX Runtime's run, with the default
-    multi-step runs and with --multi-step 1 (a scheduler step per token: before); the same with
-    ONNX Runtime's workers sleeping between ops, and with decode steps on the rank graph instead
-    of the CPU decode graph (each the configuration before); and ONNX Runtime's profile of the
-    decode graph (a profiling session) summed by op type. The configurations take turns
-    ``repeats`` times, each in its own runtime (spinning pools of one would slow another)."""
+# The breakdown's configurations: LLM/engine options, each the state before one change.
+BREAKDOWN = {"multi_step": {}, "single_step": {"multi_step": 1}, "sleeping": {"spinning": "never"},
+             "rank_graph": {"use_decode_graph": False}}
+
+
+def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: Path | None = None) -> dict:
+    """In this process, one BREAKDOWN configuration at ``batch``: per decoded token of every row
+    (ms, medians over LLM steps that only decode) the step loop outside the engine, the engine's
+    host side and ONNX Runtime's run; with ``profile`` (a file prefix), ONNX Runtime's profile of
+    the same steps summed by op type instead."""
     import onnxruntime as ort
 
     from trtbuild.contract import onnxruntime as ort_config
@@ -292,31 +294,28 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine, cpu_graph
     from trtbuild.runtime.sampling import SamplingParams
 
-    def runtime(spinning=Spinning.always, use_decode_graph: bool = True, profile: str | None = None,
-                multi_step: int | None = None):
-        """An LLM on an engine configured so (``profile``: a profiling session, its file prefix);
-        the engine's ONNX Runtime runs timed."""
-        llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=multi_step)
-        llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=threads, spinning=spinning,
-                                       use_decode_graph=use_decode_graph)
-        session = llm.engine.session
-        if profile is not None:  # the same graph, in a session that profiles
-            options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning,
-                                                 llm.engine_dir.cpu_activations)
-            options.enable_profiling, options.profile_file_prefix = True, profile
-            source, _ = cpu_graph(llm.engine_dir, 0, use_decode_graph)
-            session = llm.engine.session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-        run, timing = session.run_with_iobinding, {"run": 0.0}
+    options = BREAKDOWN[config]
+    spinning, use_decode_graph = Spinning(options.get("spinning", "always")), options.get("use_decode_graph", True)
+    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=options.get("multi_step"))
+    llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=threads, spinning=spinning, use_decode_graph=use_decode_graph)
+    session = llm.engine.session
+    if profile is not None:  # the same graph, in a session that profiles
+        session_options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning,
+                                                     llm.engine_dir.cpu_activations)
+        session_options.enable_profiling, session_options.profile_file_prefix = True, str(profile)
+        source, _ = cpu_graph(llm.engine_dir, 0, use_decode_graph)
+        session = llm.engine.session = ort.InferenceSession(source, session_options,
+                                                            providers=["CPUExecutionProvider"])
+    run, timing = session.run_with_iobinding, {"run": 0.0}
 
-        def timed(binding, *args):
-            begin = time.perf_counter()
-            run(binding, *args)
-            timing["run"] += time.perf_counter() - begin
+    def timed(binding, *args):
+        begin = time.perf_counter()
+        run(binding, *args)
+        timing["run"] += time.perf_counter() - begin
 
-        session.run_with_iobinding = timed
-        return llm, timing
+    session.run_with_iobinding = timed
 
-    def measure(llm, timing) -> dict:
+    def measure() -> dict:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         for p in prompts(batch, 7, llm.engine_dir.vocab_size):
             llm.submit(p, params)
@@ -333,20 +332,11 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
                 rows["run"].append(timing["run"] / steps)
         return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in rows.items()}
 
-    current, single, sleeping, rank = [], [], [], []
-    for _ in range(repeats):
-        for results, config in ((current, {}), (single, {"multi_step": 1}), (sleeping, {"spinning": Spinning.never}),
-                                (rank, {"use_decode_graph": False})):
-            llm, timing = runtime(**config)
-            measure(llm, timing)  # warm-up
-            results.append({**measure(llm, timing), "steps": llm.multi_step})
-    figures = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
-               for name, results in (("multi_step", current), ("single_step", single))}
-    figures["sleeping_loop_ms"] = statistics.median(r["loop_ms"] for r in sleeping)
-    figures["rank_graph_loop_ms"] = statistics.median(r["loop_ms"] for r in rank)
-    llm, timing = runtime(profile=str(workdir / f"profile-b{batch}"))
-    measure(llm, timing)
-    trace = json.loads(Path(llm.engine.session.end_profiling()).read_text())
+    if profile is None:
+        measure()  # warm-up
+        return {**measure(), "steps": llm.multi_step}
+    measure()
+    trace = json.loads(Path(session.end_profiling()).read_text())
     by_op: dict[str, float] = defaultdict(float)
     for event in trace:
         # The If choosing the decode graph spans its ops: count the ops, not the If.
@@ -354,7 +344,30 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
                 and event["args"]["op_name"] != "If"):
             by_op[event["args"]["op_name"]] += event["dur"] / 1e3  # ms
     total = sum(by_op.values())
-    figures["ops"] = {op: ms / total for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])}
+    return {"ops": {op: ms / total for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])}}
+
+
+def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: int) -> dict:
+    """Where a decoded token's time goes: breakdown_one for each BREAKDOWN configuration, with the
+    default multi-step runs and with --multi-step 1 (a scheduler step per token: before); the same
+    with ONNX Runtime's workers sleeping between ops, and with decode steps on the rank graph
+    instead of the CPU decode graph (each the configuration before); then the profile by op. The
+    configurations take turns ``repeats`` times, each in a process of its own (a spinning pool
+    left behind by one would slow the next for tens of milliseconds)."""
+    def one(*extra: str) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--one", "breakdown", str(engine), "--threads", str(threads),
+                              "--batch", str(batch), *extra], check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    results: dict[str, list[dict]] = {name: [] for name in BREAKDOWN}
+    for _ in range(repeats):
+        for name in BREAKDOWN:
+            results[name].append(one("--config", name))
+    figures = {name: {key: statistics.median(r[key] for r in results[name]) for key in results[name][0]}
+               for name in ("multi_step", "single_step")}
+    figures["sleeping_loop_ms"] = statistics.median(r["loop_ms"] for r in results["sleeping"])
+    figures["rank_graph_loop_ms"] = statistics.median(r["loop_ms"] for r in results["rank_graph"])
+    figures["ops"] = one("--config", "multi_step", "--profile", str(workdir / f"profile-b{batch}"))["ops"]
     return figures
 
 
@@ -373,10 +386,14 @@ def main() -> None:
     ap.add_argument("--one", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--config", choices=sorted(BREAKDOWN), default="multi_step", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         kind, path = args.one[0], Path(args.one[1])
-        figures = (trtbuild_measure(path, args.threads, args.seed, None) if kind == "trtbuild" else
+        figures = (breakdown_one(path, args.threads, args.batch, args.config, args.profile) if kind == "breakdown" else
+                   trtbuild_measure(path, args.threads, args.seed, None) if kind == "trtbuild" else
                    trtbuild_measure(path, args.threads, args.seed, 1) if kind == "trtbuild-single" else
                    genai_measure(path, args.seed, args.vocab) if kind == "genai" else
                    llama_cpp_measure(path, args.threads, args.seed, args.vocab))
