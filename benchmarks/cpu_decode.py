@@ -306,12 +306,12 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
         source, _ = cpu_graph(llm.engine_dir, 0, use_decode_graph)
         session = llm.engine.session = ort.InferenceSession(source, session_options,
                                                             providers=["CPUExecutionProvider"])
-    run, timing = session.run_with_iobinding, {"run": 0.0}
+    run, runs = session.run_with_iobinding, []  # seconds of each ONNX Runtime run in an LLM step
 
     def timed(binding, *args):
         begin = time.perf_counter()
         run(binding, *args)
-        timing["run"] += time.perf_counter() - begin
+        runs.append(time.perf_counter() - begin)
 
     session.run_with_iobinding = timed
 
@@ -319,18 +319,21 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         for p in prompts(batch, 7, llm.engine_dir.vocab_size):
             llm.submit(p, params)
-        rows: dict[str, list[float]] = {"loop": [], "engine": [], "run": []}
+        rows: dict[str, list[float]] = {"loop": [], "engine": [], "run": [], "first_run": [], "later_run": []}
         while llm.has_work():
             stats = llm.stats
             before = (stats.loop_s, stats.engine_s, stats.prefill_steps, stats.decode_steps)
-            timing["run"] = 0.0
+            runs.clear()
             llm.step()
             steps = stats.decode_steps - before[3]
             if stats.prefill_steps == before[2] and steps:  # decode only
                 rows["loop"].append((stats.loop_s - before[0]) / steps)
                 rows["engine"].append((stats.engine_s - before[1]) / steps)
-                rows["run"].append(timing["run"] / steps)
-        return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in rows.items()}
+                rows["run"].append(sum(runs) / steps)
+                if len(runs) > 1:  # a multi-step run: its first run comes after the step's Python
+                    rows["first_run"].append(runs[0])
+                    rows["later_run"].append(statistics.mean(runs[1:]))
+        return {f"{k}_ms": statistics.median(v) * 1e3 if v else None for k, v in rows.items()}
 
     if profile is None:
         measure()  # warm-up
@@ -363,7 +366,8 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
     for _ in range(repeats):
         for name in BREAKDOWN:
             results[name].append(one("--config", name))
-    figures = {name: {key: statistics.median(r[key] for r in results[name]) for key in results[name][0]}
+    figures = {name: {key: statistics.median(r[key] for r in results[name]) for key, value in results[name][0].items()
+                      if value is not None}  # single steps have no first and later runs
                for name in ("multi_step", "single_step")}
     figures["sleeping_loop_ms"] = statistics.median(r["loop_ms"] for r in results["sleeping"])
     figures["rank_graph_loop_ms"] = statistics.median(r["loop_ms"] for r in results["rank_graph"])
@@ -468,6 +472,10 @@ def main() -> None:
                         for label, t in ((str(s["multi_step"]["steps"]), s["multi_step"]), ("1", s["single_step"]))],
                        ["batch", "multi-step", "per token", "loop outside engine", "engine host side",
                         "onnxruntime run"]))
+    for b, s in steps.items():
+        t = s["multi_step"]
+        print(f"batch {b}: in a multi-step run the first ONNX Runtime run (after the step's Python) takes "
+              f"{t['first_run_ms']:.3f} ms, the later ones {t['later_run_ms']:.3f} ms")
     for b, s in steps.items():
         base = s["multi_step"]["loop_ms"]
         print(f"batch {b}: workers sleeping between ops {s['sleeping_loop_ms'] / base:.2f}x, rank graph "

@@ -5,9 +5,8 @@ everything else (prefill chunks, Medusa verification).
 Why one model and not two sessions: each ONNX Runtime session owns a thread pool whose idle
 worker keeps spinning for milliseconds after a run, so with two sessions on 2 cores a prefill
 after decode steps ran 2× slower (benchmarks/cpu_decode.py). In one session the steps share one
-pool; the If costs ~12–16 µs a step, 3–4 % of a batch-1 fp32 step on the bundled model (the
-decode graph with and without it, in processes taking turns: 0.388 against 0.376 ms with 2
-threads, medians of 10; 0.717 against 0.701 ms on 1 thread, the fastest of 8).
+pool; the If costs 12–18 µs of a batch-1 step on the bundled model (3–4 %) and ~7 µs at batch 8
+(benchmarks/cpu_step_overheads.py).
 ONNX Runtime's process-wide pool (``set_global_thread_pool_sizes`` with
 ``use_per_session_threads = False``) would let two sessions share workers without the If, but
 once it exists every session the process creates must opt in: a default ``InferenceSession``,
@@ -64,13 +63,26 @@ def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto) -> onnx.ModelProt
                             then_branch=_branch(decode, "decode", outputs), else_branch=_branch(rank, "rank", outputs))
     graph = helper.make_graph([step, *_next_inputs()], "cpu_step",
                               [*rank.graph.input, helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])],
-                              [*rank.graph.output,
-                               helper.make_tensor_value_info(NEXT_INPUTS["input_ids"], TensorProto.INT32, ["B", "R"]),
-                               helper.make_tensor_value_info(NEXT_INPUTS["write_index"], TensorProto.INT64, ["B"]),
-                               helper.make_tensor_value_info(NEXT_INPUTS["kv_length"], TensorProto.INT64, ["B"])])
+                              [*rank.graph.output, *_next_outputs()])
     model = helper.make_model(graph, opset_imports=list(decode.opset_import))
     model.ir_version = rank.ir_version
     return model
+
+
+def feeding_decode_model(decode: onnx.ModelProto) -> onnx.ModelProto:
+    """The decode graph with the NEXT_INPUTS nodes and no If: what the step model runs at a plain
+    decode step, less the If (benchmarks/cpu_step_overheads.py measures the difference)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(decode)
+    model.graph.node.extend(_next_inputs())
+    model.graph.output.extend(_next_outputs())
+    return model
+
+
+def _next_outputs() -> list[onnx.ValueInfoProto]:
+    return [helper.make_tensor_value_info(NEXT_INPUTS["input_ids"], TensorProto.INT32, ["B", "R"]),
+            helper.make_tensor_value_info(NEXT_INPUTS["write_index"], TensorProto.INT64, ["B"]),
+            helper.make_tensor_value_info(NEXT_INPUTS["kv_length"], TensorProto.INT64, ["B"])]
 
 
 def _next_inputs() -> list[onnx.NodeProto]:

@@ -146,7 +146,7 @@ def test_pack_qkv_leaves_a_projection_someone_else_reads():
 
 
 def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step():
-    from trtbuild.contract.cpu_step_graph import NEXT_INPUTS, PLAIN_DECODE, step_model
+    from trtbuild.contract.cpu_step_graph import NEXT_INPUTS, PLAIN_DECODE, feeding_decode_model, step_model
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
@@ -172,6 +172,11 @@ def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step()
         assert out[NEXT_INPUTS["input_ids"]].dtype == np.int32
         assert out[NEXT_INPUTS["input_ids"]].tolist() == expected.argmax(-1).tolist()
         assert out[NEXT_INPUTS["write_index"]].tolist() == [6, 10] and out[NEXT_INPUTS["kv_length"]].tolist() == [7, 11]
+    # Without the If (benchmarks/cpu_step_overheads.py's reference): the same plain decode step.
+    alone = _run(feeding_decode_model(decode), {"x": x, "write_index": write, "kv_length": length})
+    plain = _run(model, {"x": x, "write_index": write, "kv_length": length, PLAIN_DECODE: np.array(True)})
+    assert alone.keys() == plain.keys() and all(np.array_equal(alone[k], plain[k]) for k in plain)
+    assert len(decode.graph.node) == 2  # the decode model itself is left as it was
 
 
 def _row_gather_model(index_input):

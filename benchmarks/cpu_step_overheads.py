@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""What the CPU step model costs around its decode graph, timed alone (no LLM loop around it).
+
+    python benchmarks/cpu_step_overheads.py [--engine-dir DIR] [--rounds 8] [--threads 2] [--json]
+
+1. A plain decode step of the step model (the If choosing the decode graph, then the next-input
+   nodes: contract/cpu_step_graph.py) against the decode graph with the next-input nodes and no
+   If, and against the decode graph alone, at batch 1 and 8 with 128 cached tokens a row.
+2. How much slower a step runs after the calling thread spent a while elsewhere (a busy pause
+   standing in for Python's commit between multi-step runs), against steps back to back.
+
+Each configuration runs in a process of its own (a thread pool one leaves spinning would slow
+the next), the processes taking turns --rounds times; a figure is the median over rounds of each
+process's median step, with the fastest process's median beside it. Builds specs/tiny-code.yaml
+into a temporary dir unless --engine-dir is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+from trtbuild.builder.progress import table as format_table  # noqa: E402
+
+MODELS = ("step model", "decode graph + next inputs", "decode graph")
+PAUSES_US = (0, 50, 100, 200, 400, 800, 1600)
+PAST, WARM, STEPS = 128, 200, 600
+
+
+def bound_step(engine: Path, model: str, batch: int, threads: int):
+    """A function running one plain decode step of ``model`` on reused IO bindings."""
+    import onnxruntime as ort
+
+    from trtbuild.contract import onnxruntime as ort_config
+    from trtbuild.contract.cpu_decode_graph import fill_decode_inputs
+    from trtbuild.contract.cpu_step_graph import PLAIN_DECODE, feeding_decode_model
+    from trtbuild.contract.step import StepArrays
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.kv_pools import PoolShape
+    from trtbuild.runtime.onnxruntime_engine import cpu_graph
+
+    d = load(engine)
+    source, decode = cpu_graph(d)
+    if decode is None:
+        raise SystemExit(f"{engine}: the CPU decode graph does not apply to this engine")
+    if model != MODELS[0]:
+        source = (feeding_decode_model(decode.model) if model == MODELS[1] else decode.model).SerializeToString()
+    session = ort_config.session(source, threads, d.rank_file(0, "onnx").parent, activations=d.cpu_activations)
+    names = {i.name for i in session.get_inputs()}
+    arrays = StepArrays.empty(batch, 1, 1, d.max_seq_len)
+    binding = session.io_binding()
+    for name, value in arrays.as_dict().items():
+        if name in names:
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
+    if PLAIN_DECODE in names:
+        binding.bind_cpu_input(PLAIN_DECODE, np.array(True))
+    shape = PoolShape.of(d, np.float32, 0, 16)
+    rng = np.random.default_rng(0)
+    for name in shape.names:  # each cache its own buffer, written in place as the runtime's pools are
+        cache = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((batch, *shape.slot), dtype=np.float32))
+        binding.bind_ortvalue_input(f"past_{name}", cache)
+        binding.bind_ortvalue_output(f"present_{name}", cache)
+    logits = np.empty((batch, 1, d.vocab_size), np.float32)  # [B, 1, V]
+    binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+    # Fixed inputs every step (the next-input outputs are left to ONNX Runtime), so every step
+    # attends over the same PAST tokens.
+    fill_decode_inputs(arrays.input_ids, arrays.write_index, arrays.kv_length, [[5]] * batch, [PAST] * batch)
+    return lambda: session.run_with_iobinding(binding)
+
+
+def step_ms(run, pause_us: int = 0) -> float:
+    """Median ms of STEPS steps, each after ``pause_us`` of the calling thread busy elsewhere."""
+    for _ in range(WARM):
+        run()
+    times = []
+    for _ in range(STEPS):
+        if pause_us:
+            end = time.perf_counter() + pause_us * 1e-6
+            while time.perf_counter() < end:
+                pass
+        begin = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times) * 1e3
+
+
+def one(engine: Path, kind: str, batch: int, threads: int) -> dict:
+    """This process's figures: one model's step (ms), or the step model's step after each pause."""
+    if kind == "pauses":
+        run = bound_step(engine, MODELS[0], batch, threads)
+        return {str(pause): step_ms(run, pause) for pause in PAUSES_US}
+    return {"ms": step_ms(bound_step(engine, kind, batch, threads))}
+
+
+def taking_turns(engine: Path, kinds: list[str], batch: int, threads: int, rounds: int) -> dict[str, list[dict]]:
+    samples: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    for round_ in range(rounds):
+        for kind in kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]:  # who goes first rotates
+            out = subprocess.run([sys.executable, __file__, "--one", kind, "--engine-dir", str(engine),
+                                  "--batch", str(batch), "--threads", str(threads)],
+                                 check=True, capture_output=True, text=True).stdout
+            samples[kind].append(json.loads(out.strip().splitlines()[-1]))
+    return samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-dir", type=Path, help="engine dir of specs/tiny-code.yaml (default: build one)")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--one", choices=[*MODELS, "pauses"], help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.engine_dir, args.one, args.batch, args.threads)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = args.engine_dir
+        if engine is None:
+            engine = Path(tmp) / "tiny-code"
+            subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
+                            "-o", str(engine), "--log-level", "error"], check=True, capture_output=True)
+        models = {batch: taking_turns(engine, list(MODELS), batch, args.threads, args.rounds) for batch in (1, 8)}
+        pauses = {batch: taking_turns(engine, ["pauses"], batch, args.threads, args.rounds)["pauses"]
+                  for batch in (1, 8)}
+    figures = {
+        "models": {batch: {kind: {"median_ms": statistics.median(r["ms"] for r in runs),
+                                  "fastest_ms": min(r["ms"] for r in runs)} for kind, runs in by_kind.items()}
+                   for batch, by_kind in models.items()},
+        "pauses": {batch: {pause: statistics.median(r[str(pause)] for r in runs) for pause in PAUSES_US}
+                   for batch, runs in pauses.items()}}
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return
+    print(f"a plain decode step alone, {PAST} cached tokens a row ({args.threads} threads, {args.rounds} processes "
+          "each, taking turns): median ms (fastest process)")
+    rows = []
+    for batch, by_kind in figures["models"].items():
+        base = by_kind[MODELS[0]]["median_ms"]
+        for kind, f in by_kind.items():
+            rows.append([str(batch), kind, f"{f['median_ms']:.3f} ({f['fastest_ms']:.3f})",
+                         f"{(base - f['median_ms']) * 1e3:+.1f}"])
+    print(format_table(rows, ["batch", "model", "step ms", "step model minus this, us"]))
+    print("\nthe step model's step after the calling thread was busy elsewhere for a while: median ms")
+    print(format_table([[str(batch), *(f"{by_pause[p]:.3f}" for p in PAUSES_US)]
+                        for batch, by_pause in figures["pauses"].items()],
+                       ["batch", *(f"pause {p} us" for p in PAUSES_US)]))
+
+
+if __name__ == "__main__":
+    main()
