@@ -34,8 +34,9 @@ Then the time of each decoded token at batch 1 and 8: the step loop outside the 
 (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings, argmax
 feeding) and ONNX Runtime's run, with multi-step runs and without; the same with ONNX Runtime's
 workers sleeping between ops, and with the rank graph instead of the CPU decode graph
-(contract/cpu_decode_graph.py) — each a before/after in the same run; and ONNX Runtime's profile
-by op type.
+(contract/cpu_decode_graph.py) — each a before/after in the same run, each configuration in a
+process of its own; the first ONNX Runtime run of a multi-step run (after the step's Python)
+against the later ones; and ONNX Runtime's profile by op type.
 """
 from __future__ import annotations
 
