@@ -5,8 +5,8 @@ everything else (prefill chunks, Medusa verification).
 Why one model and not two sessions: each ONNX Runtime session owns a thread pool whose idle
 worker keeps spinning for milliseconds after a run, so with two sessions on 2 cores a prefill
 after decode steps ran 2× slower (benchmarks/cpu_decode.py). In one session the steps share one
-pool; the If costs 12–18 µs of a batch-1 step on the bundled model (3–4 %) and ~7 µs at batch 8
-(benchmarks/cpu_step_overheads.py).
+pool; the If costs 12–18 µs of a batch-1 step on the bundled model (3–4 %; at batch 8 it is
+within the noise of benchmarks/cpu_step_overheads.py).
 ONNX Runtime's process-wide pool (``set_global_thread_pool_sizes`` with
 ``use_per_session_threads = False``) would let two sessions share workers without the If, but
 once it exists every session the process creates must opt in: a default ``InferenceSession``,
