@@ -112,12 +112,13 @@ def genai_loop_ms(genai: Path, batch: int) -> float:
     import onnxruntime_genai as og
 
     model = og.Model(str(genai))
+    vocab = json.loads((genai / "genai_config.json").read_text())["model"]["vocab_size"]
     medians = []
     for seed in range(4):  # the first is a warm-up
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=GENAI_LENGTH, batch_size=batch, do_sample=False)
         generator = og.Generator(model, params)
-        generator.append_tokens(np.random.default_rng(seed).integers(4, 4096, (batch, 64)).astype(np.int32))
+        generator.append_tokens(np.random.default_rng(seed).integers(4, vocab, (batch, 64)).astype(np.int32))
         generator.generate_next_token()
         steps = []
         while not generator.is_done():
