@@ -93,15 +93,9 @@ class OnnxRuntimeEngine:
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
             return self._step_segments(step_arrays(step, self.engine_dir.max_seq_len), step)
-        batch, seq, _ = step_shape(step.tokens, trees=step.trees)
+        _, seq, _ = step_shape(step.tokens, trees=step.trees)
         if step.kind == StepKind.decode and seq == 1:  # the steady state: one token a row, step after step
-            key = (step.first_slot, batch, seq)
-            bound = self._bound.get(key) or self._bind(key)
-            arrays = bound.arrays
-            if self.decode is not None:
-                fill_decode_inputs(arrays.input_ids, arrays.write_index, arrays.kv_length, step.tokens, step.starts)
-            else:
-                fill_step_arrays(arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
+            bound = self._filled(step)
             self.session.run_with_iobinding(bound.binding)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
@@ -126,14 +120,18 @@ class OnnxRuntimeEngine:
     def greedy_run(self, step: Step) -> GreedyRun:
         if self.segments is not None:
             return StepwiseGreedyRun(self, step)
+        return _BoundGreedyRun(self.session, self._filled(step), feeds_itself=self.decode is not None)
+
+    def _filled(self, step: Step) -> _Bound:
+        """The reused binding of a plain decode step's shape, its inputs filled for ``step``."""
         key = (step.first_slot, len(step.rids), 1)
         bound = self._bound.get(key) or self._bind(key)
         arrays = bound.arrays
         if self.decode is not None:
             fill_decode_inputs(arrays.input_ids, arrays.write_index, arrays.kv_length, step.tokens, step.starts)
         else:
-            fill_step_arrays(arrays, step.tokens, step.starts, self.engine_dir.max_seq_len)
-        return _BoundGreedyRun(self.session, bound, feeds_itself=self.decode is not None)
+            fill_step_arrays(arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
+        return bound
 
     def _bind(self, key: tuple[int, int, int]) -> _Bound:
         """Buffers and an IO binding for decode steps of one shape, reused every such step:
