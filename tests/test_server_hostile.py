@@ -147,6 +147,7 @@ def test_max_queue_holds_for_a_burst_and_refuses_what_can_never_fit(server):
         burst = [_raw_request(server.port, {**long, "max_tokens": 8}) for _ in range(6)]  # all at once
         codes = sorted(_status(s) for s in burst)
         assert codes == [200, 200, 200, 429, 429, 429], codes   # --max-queue 3: three wait, three are refused
+        assert _metric(server.base, "trtbuild:num_requests_waiting") == 3
     finally:
         for sock in holders + burst:
             sock.close()
@@ -241,33 +242,25 @@ def _stream_lines(base: str, body: dict, lines: list) -> None:
         lines.append(f"closed: {type(exc).__name__}")
 
 
-def _events_then_signal(running, grace_signals: list, pause: float = 0.3) -> tuple[list, list]:
-    """Two open streams (one SSE, one not), then the signals; returns what each client saw."""
+def test_grace_end_sends_an_error_event_then_exits_cleanly(tiny_engine, tmp_path):
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 1000, "ignore_eos": True}
     streamed, plain = [], []
-    clients = [threading.Thread(target=_stream_lines, args=(running.base, {**body, "stream": True}, streamed)),
-               threading.Thread(target=_stream_lines, args=(running.base, body, plain))]
-    for client in clients:
-        client.start()
-    deadline = time.monotonic() + 10
-    while not streamed and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for sig in grace_signals:
-        running.proc.send_signal(sig)
-        time.sleep(pause)
-    for client in clients:
-        client.join(timeout=30)
-    return streamed, plain
-
-
-def test_grace_end_sends_an_error_event_then_exits_cleanly(tiny_engine, tmp_path):
     with served(tiny_engine, tmp_path / "serve.log", "--grace", "0.5") as running:
-        streamed, plain = _events_then_signal(running, [signal.SIGTERM])
+        clients = [threading.Thread(target=_stream_lines, args=(running.base, {**body, "stream": True}, streamed)),
+                   threading.Thread(target=_stream_lines, args=(running.base, body, plain))]
+        for client in clients:
+            client.start()
+        deadline = time.monotonic() + 20   # both running before the signal (a later one would get 503 draining)
+        while _metric(running.base, "trtbuild:num_requests_running") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running.proc.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(timeout=30)
         assert running.proc.wait(timeout=15) == 0
         log = running.log_text()
     assert json.loads(streamed[-1].removeprefix("data: "))["error"]["code"] == "shutdown", streamed[-3:]
     assert "data: [DONE]" not in streamed
-    assert json.loads(plain[-1])["error"]["code"] == "shutdown"
+    assert json.loads(plain[-1])["error"]["code"] == "shutdown", plain
     assert "Traceback" not in log and "ERROR" not in log, log
 
 
@@ -278,7 +271,8 @@ def test_a_second_signal_exits_at_once(tiny_engine, tmp_path, second):
         streamed = []
         client = threading.Thread(target=_stream_lines, args=(running.base, body, streamed))
         client.start()
-        while not streamed:
+        deadline = time.monotonic() + 20
+        while not streamed and time.monotonic() < deadline:
             time.sleep(0.02)
         running.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -286,8 +280,9 @@ def test_a_second_signal_exits_at_once(tiny_engine, tmp_path, second):
         started = time.monotonic()
         running.proc.send_signal(second)
         assert running.proc.wait(timeout=10) == 0
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 3   # not the 60 s grace (here ~0.5 s)
         client.join(timeout=10)
         log = running.log_text()
     assert "data: [DONE]" not in streamed
+    assert json.loads(streamed[-1].removeprefix("data: "))["error"]["code"] == "shutdown", streamed[-3:]
     assert "Traceback" not in log and "ERROR" not in log, log

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -82,17 +81,13 @@ def create_app(engine: AsyncLLM, model: str, limits: Limits, api_key: str | None
     async def failed(request: Request, exc: Exception):  # a bug or an engine failure: no traceback to the client
         return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):  # no route takes a body model; kept for safety
-        return _error(ApiError(400, f"invalid request: {exc.errors()[0].get('msg', 'invalid')}"))
-
     @app.get("/health")
     async def health():
         return JSONResponse({"status": "draining" if state.draining else "ok"}, status_code=503 if state.draining else 200)
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.observe_engine(state.llm)
+        state.metrics.observe_engine(state.llm, state.admission.accepted)
         return Response(state.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

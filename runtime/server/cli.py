@@ -66,7 +66,8 @@ class _DrainingServer:
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but /health.")
 @click.option("--model-name", default=None, help="The model id clients send (default: the engine dir's name).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests waiting for a KV slot beyond which new ones get 429 with Retry-After.")
+              help="Requests waiting for a KV slot (counted from when they are accepted) beyond which new ones "
+                   "get 429 with Retry-After; one request asking for more (prompts x n) gets 400.")
 @click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds in-flight requests may take to finish after SIGTERM; then they end with an error.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024, show_default=True,

@@ -5,10 +5,14 @@ impossible request is refused before anything is tokenized."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..sampling import SamplingParams
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, _Sampling, parse
+
+if TYPE_CHECKING:
+    from ..llm import LLM
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class Prepared:
 class Inputs:
     """What turning a body into requests needs: read-only, shared by the worker threads."""
 
-    llm: object            # the LLM: tokens(), tokenizer, engine_dir, default_params()
+    llm: "LLM"
     model: str
     limits: Limits
     template: ChatTemplate
