@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..sampling import SamplingParams
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
-from .protocol import ApiError, ChatRequest, CompletionRequest, _Sampling, parse
+from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse
 
 if TYPE_CHECKING:
     from ..llm import LLM
@@ -26,7 +26,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class Prepared:
-    body: _Sampling
+    body: SamplingRequest
     jobs: list[tuple[list[int], SamplingParams]]   # one per prompt × n, in choice order
     prompt_tokens: int
     chat: bool
@@ -74,7 +74,7 @@ class Inputs:
         return self._prepared(body, [self._tokens(text)], chat=True)
 
     # -- checks before any tokenizing -----------------------------------------------------------
-    def _checked(self, body: _Sampling) -> _Sampling:
+    def _checked(self, body: SamplingRequest) -> SamplingRequest:
         if body.model != self.model:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
@@ -114,11 +114,11 @@ class Inputs:
         return tokens
 
     # -- sampling ---------------------------------------------------------------------------------
-    def _prepared(self, body: _Sampling, prompts: list[list[int]], chat: bool) -> Prepared:
+    def _prepared(self, body: SamplingRequest, prompts: list[list[int]], chat: bool) -> Prepared:
         jobs = [(tokens, self._params(body, len(tokens), i, chat)) for tokens in prompts for i in range(body.n)]
         return Prepared(body, jobs, sum(len(tokens) for tokens in prompts), chat)
 
-    def _params(self, body: _Sampling, prompt_len: int, index: int, chat: bool) -> SamplingParams:
+    def _params(self, body: SamplingRequest, prompt_len: int, index: int, chat: bool) -> SamplingParams:
         limit = self.llm.engine_dir.max_seq_len
         if prompt_len == 0:
             raise ApiError(400, "prompt: empty", param="prompt")

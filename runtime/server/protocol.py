@@ -43,7 +43,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     # extra="allow": unknown fields are ignored as the reference server does, but kept, so the
     # OpenAI ones this server does not implement can be refused by name (see ``unsupported``).
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -93,7 +93,7 @@ class _Sampling(BaseModel):
         return None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -116,13 +116,13 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-def parse(raw: bytes, kind: type[_Sampling]) -> _Sampling:
+def parse(raw: bytes, kind: type[SamplingRequest]) -> SamplingRequest:
     """The body as ``kind``, or an ApiError naming the field at fault."""
     try:
         return kind.model_validate_json(raw)
