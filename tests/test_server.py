@@ -5,53 +5,23 @@ loop is bounded."""
 from __future__ import annotations
 
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from serving import served
+
 pytestmark = pytest.mark.slow
 
 KEY = "test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start(engine_dir, *args, api_key: str | None = KEY):
-    port = _free_port()
-    command = [sys.executable, "-m", "trtbuild.builder.cli", "serve", str(engine_dir), "--port", str(port),
-               "--model-name", "tiny", "--backend", "onnxruntime", *args]
-    if api_key:
-        command += ["--api-key", api_key]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stderr.read())
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not start")
-
-
 @pytest.fixture(scope="module")
-def server(tiny_engine):
-    proc, base = _start(tiny_engine)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+def server(tiny_engine, tmp_path_factory):
+    with served(tiny_engine, tmp_path_factory.mktemp("logs") / "serve.log", api_key=KEY) as running:
+        yield running.base
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +136,9 @@ def test_a_disconnect_frees_the_slot(server):
     assert _aborted(server) == aborted + 2  # both ended by the disconnect, not by running out of tokens
 
 
-def test_bounded_queue_and_sigterm_drain(tiny_engine):
-    proc, base = _start(tiny_engine, "--max-queue", "2", "--grace", "20", api_key=None)
-    try:
+def test_bounded_queue_and_sigterm_drain(tiny_engine, tmp_path):
+    with served(tiny_engine, tmp_path / "serve.log", "--max-queue", "2", "--grace", "20") as running:
+        proc, base = running.proc, running.base
         body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True}
         results = []
         threads = [threading.Thread(target=lambda: results.append(httpx.post(f"{base}/v1/completions", json=body,
@@ -194,6 +164,3 @@ def test_bounded_queue_and_sigterm_drain(tiny_engine):
         worker.join(timeout=60)
         assert inflight[0].status_code == 200 and inflight[0].json()["usage"]["completion_tokens"] == 900
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()

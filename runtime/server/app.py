@@ -1,26 +1,30 @@
 """The FastAPI app: OpenAI routes over one ``AsyncLLM``, auth, a bounded queue, disconnects
-that abort, and a draining state for SIGTERM."""
+that abort, a draining state for SIGTERM, and request preparation off the event loop."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..async_llm import AsyncLLM
 from ..outputs import Completion
-from ..sampling import SamplingParams
 from . import chat
+from .admission import Admission, Ticket
 from .gate import Gate
+from .inputs import Inputs, Limits, Prepared
 from .metrics import Metrics
-from .protocol import ApiError, ChatRequest, CompletionRequest, chunk_body, completion_body, usage
+from .protocol import ApiError, chunk_body, completion_body, usage
 
 OPEN_ROUTES = ("/health",)                    # no API key needed
 DISCONNECT_POLL_S = 0.05
+_STOP = object()      # put in an SSE response's queue when the grace period ends
+PREPARE_WORKERS = 2   # bodies parsed, rendered and tokenized at once; engine steps use the default executor
 
 
 @dataclass
@@ -28,21 +32,36 @@ class ServerState:
     engine: AsyncLLM
     model: str
     api_key: str | None
-    max_queue: int
-    template: str
+    inputs: Inputs
+    admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
+    workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(PREPARE_WORKERS, "trtbuild-inputs"))
     draining: bool = False
     inflight: int = 0
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)   # the grace period is over
+    open_streams: set = field(default_factory=set)                     # the SSE responses' queues
     ids: itertools.count = field(default_factory=itertools.count)
 
     @property
     def llm(self):
         return self.engine.llm
 
+    @property
+    def limits(self) -> Limits:
+        return self.inputs.limits
 
-def create_app(engine: AsyncLLM, model: str, api_key: str | None = None, max_queue: int = 64) -> FastAPI:
+    def stop(self) -> None:
+        """The grace period is over: open requests end now with a shutdown error (event loop only)."""
+        self.stopping.set()
+        for queue in self.open_streams:
+            queue.put_nowait((0, _STOP))
+
+
+def create_app(engine: AsyncLLM, model: str, limits: Limits, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="trtbuild", docs_url=None, redoc_url=None, openapi_url=None)
-    state = ServerState(engine, model, api_key, max_queue, chat.chat_template(engine.llm.engine_dir.path))
+    template = chat.ChatTemplate(chat.chat_template(engine.llm.engine_dir.path))
+    state = ServerState(engine, model, api_key, Inputs(engine.llm, model, limits, template),
+                        Admission(engine.llm, limits.max_queue))
     app.state.trtbuild = state
 
     app.add_middleware(Gate, state=state, error_response=_error, open_routes=OPEN_ROUTES)
@@ -51,18 +70,16 @@ def create_app(engine: AsyncLLM, model: str, api_key: str | None = None, max_que
     async def api_error(request: Request, exc: ApiError):
         return _error(exc)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # unknown routes, wrong methods
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        error = ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                         code={404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code))
+        return _error(error, exc.headers)
+
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception):  # a bug or an engine failure: no traceback to the client
         return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        if err.get("type") == "json_invalid":
-            return _error(ApiError(400, "the body is not valid JSON", code="invalid_json"))
-        param = ".".join(loc) or None
-        return _error(ApiError(400, f"{param or 'body'}: {err.get('msg', 'invalid')}", param=param))
 
     @app.get("/health")
     async def health():
@@ -70,7 +87,7 @@ def create_app(engine: AsyncLLM, model: str, api_key: str | None = None, max_que
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.observe_engine(state.llm)
+        state.metrics.observe_engine(state.llm, state.admission.accepted)
         return Response(state.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -78,84 +95,89 @@ def create_app(engine: AsyncLLM, model: str, api_key: str | None = None, max_que
         return {"object": "list", "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "trtbuild"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompts = _prompts(body.prompt)
-        return await _serve(state, request, body, [_tokens(state, p) for p in prompts], chat=False)
+    async def completions(request: Request):
+        return await _serve(state, request, state.inputs.completion)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = chat.render(state.template, messages)
-        except Exception as exc:  # noqa: BLE001  (a template error is the engine dir's, reported)
-            raise ApiError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        return await _serve(state, request, body, [_tokens(state, text)], chat=True)
+    async def chat_completions(request: Request):
+        return await _serve(state, request, state.inputs.chat)
 
     return app
 
 
-def _error(exc: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
+    headers = {**(headers or {}), **({"Retry-After": "1"} if exc.status == 429 else {})}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="trtbuild"'
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
-def _prompts(prompt) -> list:
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return list(prompt)
+async def _body(request: Request, limit: int) -> bytes:
+    """The raw body, refused (413) past ``limit`` bytes before it is all read."""
+    too_large = ApiError(413, f"the request body is over {limit} bytes (--max-body-bytes)", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _tokens(state: ServerState, prompt) -> list[int]:
-    try:
-        return state.llm.tokens(prompt)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="prompt") from None
-
-
-def _params(state: ServerState, body, prompt_len: int, index: int, chat: bool) -> SamplingParams:
-    limit = state.llm.engine_dir.max_seq_len
-    requested = body.max_completion_tokens or body.max_tokens
-    max_tokens = requested or (min(state.llm.default_params().max_tokens, limit - prompt_len) if chat else 16)
-    if prompt_len + max_tokens > limit:
-        raise ApiError(400, f"the prompt's {prompt_len} tokens + max_tokens {max_tokens} exceed the engine's "
-                            f"max_seq_len {limit}", param="max_tokens", code="context_length_exceeded")
-    if max_tokens < 1 or prompt_len == 0:
-        raise ApiError(400, "the prompt is empty or fills the context", param="prompt")
-    # completions: logprobs=N asks for the sampled tokens' and N alternatives; chat: logprobs + top_logprobs=N
-    logprobs = body.logprobs is not None if not chat else body.logprobs
-    alternatives = (body.logprobs or 0) if not chat else (body.top_logprobs or 0)
-    try:
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                              seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
-                              stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=logprobs,
-                              top_logprobs=alternatives if logprobs else 0)
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
-
-
-async def _serve(state: ServerState, request: Request, body, prompts: list[list[int]], chat: bool):
-    if body.model != state.model:
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model!r}",
-                       param="model", code="model_not_found")
-    jobs = [(tokens, _params(state, body, len(tokens), i, chat)) for tokens in prompts for i in range(body.n)]
-    if state.llm.queue_depth() + len(jobs) > state.max_queue:
-        raise ApiError(429, f"the queue is full ({state.max_queue} requests waiting); retry shortly",
-                       kind="rate_limit_error", code="queue_full")
+async def _serve(state: ServerState, request: Request, prepare):
+    raw = await _body(request, state.limits.max_body_bytes)
+    prepared: Prepared = await asyncio.get_running_loop().run_in_executor(state.workers, prepare, raw)
+    ticket = state.admission.admit(len(prepared.jobs))   # no await between this and the streams' creation
+    chat, body = prepared.chat, prepared.body
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(state.ids)}"
-    streams = [state.engine.stream(tokens, params, rid=f"{rid}-{i}") for i, (tokens, params) in enumerate(jobs)]
-    prompt_tokens = sum(len(tokens) for tokens in prompts)
+    streams = [_handed_over(ticket, state.engine.stream(tokens, params, rid=f"{rid}-{i}"))
+               for i, (tokens, params) in enumerate(prepared.jobs)]
     if body.stream:
-        return StreamingResponse(_sse(state, rid, body, streams, prompt_tokens, chat), media_type="text/event-stream")
-    done = await _until_done_or_disconnect(request, [_collect(s) for s in streams])
+        return _TicketedStream(ticket, _sse(state, rid, body, streams, prepared.prompt_tokens, chat),
+                               media_type="text/event-stream")
+    try:
+        done = await _until_done_or_disconnect(state, request, [_collect(s) for s in streams])
+    finally:
+        ticket.close()
     if done is None:  # the client left: its requests were aborted; nobody reads this
         state.metrics.aborted(len(streams))
         return Response(status_code=499)
     for completion in done:
         state.metrics.finished(completion)
     choices = [_choice(i, c, chat, state.llm.tokenizer) for i, c in enumerate(done)]
-    return completion_body(rid, state.model, choices, usage(prompt_tokens, sum(len(c.token_ids) for c in done)), chat)
+    used = usage(prepared.prompt_tokens, sum(len(c.token_ids) for c in done))
+    return completion_body(rid, state.model, choices, used, chat)
+
+
+async def _handed_over(ticket: Ticket, stream):
+    """``stream`` submits its request on its first step, before its first await: from here the
+    engine's queue counts it instead of the ticket."""
+    ticket.handed_over()
+    async for delta in stream:
+        yield delta
+
+
+class _TicketedStream(StreamingResponse):
+    """Releases the ticket however the response ends, even if its body was never iterated (the
+    client left before the first byte)."""
+
+    def __init__(self, ticket: Ticket, content, media_type: str):
+        super().__init__(content, media_type=media_type)
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.close()
+
+
+def _shut_down() -> ApiError:
+    return ApiError(503, "the server shut down before the request finished (--grace ended)", kind="server_error",
+                    code="shutdown")
 
 
 async def _collect(stream) -> Completion:
@@ -164,18 +186,21 @@ async def _collect(stream) -> Completion:
             return delta.completion
 
 
-async def _until_done_or_disconnect(request: Request, coroutines: list) -> list[Completion] | None:
+async def _until_done_or_disconnect(state: ServerState, request: Request, coroutines: list) -> list[Completion] | None:
     """The completions, or None if the client goes away first: then every request is aborted
-    (the streams' cleanup frees their KV slots within a step)."""
+    (the streams' cleanup frees their KV slots within a step). 503 if the grace period ends first."""
     work = asyncio.ensure_future(asyncio.gather(*coroutines))
     while not work.done():
-        if await request.is_disconnected():
+        gone = await request.is_disconnected()
+        if gone or state.stopping.is_set():
             work.cancel()
             try:
                 await work
             except asyncio.CancelledError:
                 pass
-            return None
+            if gone:
+                return None
+            raise _shut_down()
         await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
     return work.result()
 
@@ -213,6 +238,7 @@ async def _sse(state: ServerState, rid: str, body, streams: list, prompt_tokens:
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     generated, open_choices, failed = 0, len(streams), False
+    state.open_streams.add(merged)
     try:
         if chat:
             for index in range(len(streams)):
@@ -220,6 +246,11 @@ async def _sse(state: ServerState, rid: str, body, streams: list, prompt_tokens:
                                                             "finish_reason": None}], chat))
         while open_choices:
             index, delta = await merged.get()
+            if delta is _STOP:  # the grace period ended: say so before the connection closes
+                failed = True
+                state.metrics.aborted(open_choices)
+                yield _event(_shut_down().body())
+                return
             if isinstance(delta, Exception):
                 failed = True
                 yield _event(ApiError(500, f"generation failed: {delta}", kind="server_error").body())
@@ -240,6 +271,7 @@ async def _sse(state: ServerState, rid: str, body, streams: list, prompt_tokens:
     finally:
         for task in tasks:
             task.cancel()
+        state.open_streams.discard(merged)
         if open_choices and not failed:  # the client left mid-stream: the open choices were aborted
             state.metrics.aborted(open_choices)
 

@@ -27,10 +27,37 @@ def chat_template(engine_dir: Path) -> str:
     return DEFAULT_TEMPLATE
 
 
-def render(template: str, messages: list[dict]) -> str:
-    """Sandboxed Jinja: a template from an engine dir is untrusted input."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+class TemplateRefused(ValueError):
+    """The template itself refused the messages (its ``raise_exception``): the client's error."""
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                    bos_token="", eos_token="")
+
+class TemplateFault(RuntimeError):
+    """The engine dir's template does not compile or fails to render: the server's error."""
+
+
+class ChatTemplate:
+    """Compiled once, in sandboxed Jinja (a template from an engine dir is untrusted input)."""
+
+    def __init__(self, source: str):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _refuse
+        try:
+            self.template, self.fault = environment.from_string(source), None
+        except Exception as exc:  # noqa: BLE001  (any compile error is the template's)
+            self.template, self.fault = None, f"{type(exc).__name__}: {exc}"
+
+    def render(self, messages: list[dict]) -> str:
+        if self.template is None:
+            raise TemplateFault(f"the engine dir's chat template does not compile ({self.fault})")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        except TemplateRefused:
+            raise
+        except Exception as exc:  # noqa: BLE001  (undefined names, sandbox violations, type errors …)
+            raise TemplateFault(f"the engine dir's chat template failed: {type(exc).__name__}: {exc}") from None
+
+
+def _refuse(message: str):
+    raise TemplateRefused(str(message))

@@ -1,9 +1,8 @@
 """``trtbuild serve``: run the OpenAI-compatible server (uvicorn) over an engine dir."""
 from __future__ import annotations
 
+import asyncio
 import sys
-import threading
-import time
 from pathlib import Path
 
 import click
@@ -11,27 +10,49 @@ import click
 from ..cli import MULTI_STEP
 
 
+STOP_WAIT_S = 2.0   # after the grace period: time for open responses to send their shutdown error
+
+
 class _DrainingServer:
     """uvicorn's server with SIGTERM/SIGINT as a drain: new requests get 503, in-flight ones finish
-    for up to ``grace`` seconds, then the server stops (a second signal stops it at once)."""
+    for up to ``grace`` seconds, then whatever is still open ends with a shutdown error and the
+    server stops. A second signal stops it at once. ``announce`` hears the port actually bound."""
 
-    def __init__(self, config, state, grace: float):
+    def __init__(self, config, state, grace: float, announce):
         import uvicorn
 
-        server = self
+        drain = self._drain
         class Server(uvicorn.Server):  # noqa: E306  (a subclass bound to this drain)
+            async def startup(self, sockets=None) -> None:
+                self.loop = asyncio.get_running_loop()
+                await super().startup(sockets)
+                if self.started:
+                    announce(self.servers[0].sockets[0].getsockname()[1])
+
             def handle_exit(self, sig, frame):
+                # Not uvicorn's own handling: it would re-raise the signal after the loop ends
+                # (a SIGINT then dies with a KeyboardInterrupt traceback, a SIGTERM with -15).
                 if state.draining:
-                    return super().handle_exit(sig, frame)
+                    self.force_exit = self.should_exit = True
+                    return
                 state.draining = True
-                threading.Thread(target=server._drain, args=(self,), daemon=True).start()
+                self.loop.call_soon_threadsafe(lambda: self.drain_tasks.add(self.loop.create_task(drain(self))))
 
         self.server, self.state, self.grace = Server(config), state, grace
+        self.server.drain_tasks = set()   # held so the drain task is not collected
 
-    def _drain(self, server) -> None:
-        deadline = time.monotonic() + self.grace
-        while self.state.inflight and time.monotonic() < deadline:
-            time.sleep(0.05)
+    async def _drain(self, server) -> None:
+        """Waits out the grace period (or a second signal), then ends what is still open with a
+        shutdown error event / 503 so no client sees a bare closed connection."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace
+        while self.state.inflight and loop.time() < deadline and not server.should_exit:
+            await asyncio.sleep(0.05)
+        if self.state.inflight:
+            self.state.stop()
+            deadline = loop.time() + STOP_WAIT_S
+            while self.state.inflight and loop.time() < deadline and not server.should_exit:
+                await asyncio.sleep(0.02)
         server.should_exit = True
 
     def run(self) -> None:
@@ -45,14 +66,23 @@ class _DrainingServer:
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but /health.")
 @click.option("--model-name", default=None, help="The model id clients send (default: the engine dir's name).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests waiting for a KV slot beyond which new ones get 429 with Retry-After.")
+              help="Requests waiting for a KV slot (counted from when they are accepted) beyond which new ones "
+                   "get 429 with Retry-After; one request asking for more (prompts x n) gets 400.")
 @click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds in-flight requests may take to finish after SIGTERM.")
+              help="Seconds in-flight requests may take to finish after SIGTERM; then they end with an error.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024, show_default=True,
+              help="Largest request body; a larger one gets 413, read no further than the limit.")
+@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=262144, show_default=True,
+              help="Longest text prompt (chat: all message contents together); a longer one gets 400 before "
+                   "it is tokenized.")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds a connection may take to send a request's headers before it is closed.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MULTI_STEP
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
-          grace: float, backend: str, threads: int, multi_step: int | None):
+          grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, backend: str, threads: int,
+          multi_step: int | None):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -68,6 +98,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     from ..engine_dir import EngineDirError
     from ..llm import LLM
     from .app import create_app
+    from .connections import with_header_timeout
+    from .inputs import Limits
 
     try:
         llm = LLM(engine_dir, backend=backend, threads=threads, multi_step=multi_step)
@@ -75,11 +107,17 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     name = model_name or Path(engine_dir).resolve().name
-    app = create_app(AsyncLLM(llm), name, api_key=api_key, max_queue=max_queue)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=max(1, int(grace)))
-    server = _DrainingServer(config, app.state.trtbuild, grace)
-    click.echo(f"trtbuild serve: {name} ({llm.backend_label}) on http://{host}:{port}", err=True)
+    limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars, max_queue=max_queue)
+    app = create_app(AsyncLLM(llm), name, limits, api_key=api_key)
+    # The drain serves the grace period; uvicorn's own graceful wait only closes what is left.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1, lifespan="off",
+                            http=with_header_timeout(header_timeout))
+    shown = f"[{host}]" if ":" in host else host
+    announce = lambda bound: click.echo(f"trtbuild serve: {name} ({llm.backend_label}) on http://{shown}:{bound}",  # noqa: E731
+                                        err=True)
+    server = _DrainingServer(config, app.state.trtbuild, grace, announce)
     try:
         server.run()
     finally:
+        app.state.trtbuild.workers.shutdown(wait=False, cancel_futures=True)
         llm.close()

@@ -24,8 +24,7 @@ class Gate:
             return
         state, path = self.state, scope["path"]
         if path not in self.open_routes and state.api_key is not None:
-            sent = Headers(scope=scope).get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {state.api_key}".encode()):
+            if not _authorized(Headers(scope=scope).get("authorization", ""), state.api_key):
                 await self.error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                                    kind="authentication_error", code="invalid_api_key"))(scope, receive, send)
                 return
@@ -38,3 +37,9 @@ class Gate:
             await self.app(scope, receive, send)
         finally:
             state.inflight -= 1
+
+
+def _authorized(header: str, api_key: str) -> bool:
+    """``Bearer KEY``: the scheme is case-insensitive (RFC 9110 §11.1), the key compared in constant time."""
+    scheme, _, credentials = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), api_key.encode())

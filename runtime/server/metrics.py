@@ -29,10 +29,11 @@ class Metrics:
         self.medusa_tokens_per_step = Gauge("trtbuild:spec_decode_tokens_per_step",
                                             "Mean tokens per verification step (Medusa)", registry=registry)
 
-    def observe_engine(self, llm) -> None:
-        """Gauges from the runtime's state, read when /metrics is scraped."""
+    def observe_engine(self, llm, accepted: int) -> None:
+        """Gauges from the runtime's state, read when /metrics is scraped; ``accepted``: requests the
+        server took that the engine has not been handed yet (they wait too)."""
         scheduler = llm.scheduler
-        self.waiting.set(len(scheduler.waiting) + llm.inbox_size)
+        self.waiting.set(llm.queue_depth() + accepted)
         self.running.set(scheduler.slots.num_active)
         self.kv_usage.set(scheduler.slots.num_active / scheduler.slots.capacity)
         cache = scheduler.prefix_cache

@@ -1,11 +1,29 @@
-"""The OpenAI wire format: request bodies (validated, unknown fields ignored as the reference
-server does) and the response / stream-chunk bodies built from completions."""
+"""The OpenAI wire format: request bodies (strictly typed and ranged: "0.5" is not a number and
+"yes" not a boolean), the OpenAI fields this server does not implement (refused by name unless
+neutral), and the response / stream-chunk bodies built from completions."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**63 - 1
+
+# OpenAI fields with no implementation here, and the values that ask for nothing (accepted, so
+# clients that always send them work). Any other value is refused naming the field.
+UNSUPPORTED = {
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": (None, {}),
+    "best_of": (None, 1), "suffix": (None, ""), "echo": (None, False),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
+}
 
 
 class ApiError(Exception):
@@ -21,61 +39,101 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields (user, presence_penalty, …) are ignored
+class SamplingRequest(BaseModel):
+    # extra="allow": unknown fields are ignored as the reference server does, but kept, so the
+    # OpenAI ones this server does not implement can be refused by name (see ``unsupported``).
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=0)
-    seed: StrictInt | None = None
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] = []
-    n: StrictInt = Field(1, ge=1, le=16)
+    stop_token_ids: list[int] = Field([], max_length=MAX_STOP_TOKEN_IDS)
+    n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("up to 4 non-empty stop strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"up to {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value):
+        if any(t < 0 for t in value):
+            raise ValueError("token ids are ≥ 0")
+        return value
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def unsupported(self) -> ApiError | None:
+        """The first OpenAI field sent with a value that asks for something not implemented."""
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNSUPPORTED.get(name)
+            if neutral is not None and not any(type(value) is type(n) and value == n for n in neutral):
+                return ApiError(400, f"{name}: not supported by this server (send it only as one of "
+                                     f"{', '.join(json.dumps(n) for n in neutral)}, or leave it out)",
+                                param=name, code="unsupported_parameter")
+        return None
 
-class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: bool = False
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def parse(raw: bytes, kind: type[SamplingRequest]) -> SamplingRequest:
+    """The body as ``kind``, or an ApiError naming the field at fault."""
+    try:
+        return kind.model_validate_json(raw)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
+        # Union members add their type name to the location (prompt.list[int].0): drop those.
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float")))]
+        param = ".".join(loc) or None
+        raise ApiError(400, f"{param or 'body'}: {err['msg']}", param=param) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Load benchmark of ``trtbuild serve`` (guidellm over loopback) against ``LLM`` offline on the
+same workload, in the same run.
+
+    python benchmarks/serve_load.py build/tiny-code --plot serve_load.png \\
+        [--guidellm .loadgen-venv/bin/guidellm] [--concurrency 1,2,4,8] [--requests 24] \\
+        [--prompt-tokens 64] [--output-tokens 64]
+
+The load generator is guidellm (https://github.com/vllm-project/guidellm), installed in a venv of
+its own because it pins another torch than this project's:
+
+    python3 -m venv .loadgen-venv && .loadgen-venv/bin/pip install guidellm
+
+Why guidellm and not ``vllm bench serve``: both drive an OpenAI server with a concurrency sweep
+and report TTFT and inter-token latency percentiles, but ``vllm bench serve`` needs the whole of
+vLLM importable (its CUDA build of torch, its kernels: gigabytes, and no CPU wheel on PyPI),
+while guidellm is a plain HTTP client that installs from PyPI and runs here. Its JSON report
+keeps every request's body, so the offline side replays exactly the prompts it sent.
+
+What runs, in order:
+  1. ``trtbuild serve ENGINE_DIR`` on 127.0.0.1, port 0 (ONNX Runtime backend), one warm-up request;
+  2. ``guidellm run``: the concurrent profile at each --concurrency (closed loop: that many
+     requests in flight), --requests per level, synthetic prompts of --prompt-tokens tokens (the
+     engine dir's tokenizer), ``ignore_eos`` so each request generates exactly --output-tokens;
+  3. right after each level, with the server idle, ``LLM`` (same engine dir and backend) replays
+     that level's prompts in process with the same cap on requests in flight (interleaved so that
+     both sides see the same load from whatever else runs on the machine).
+The table gives, per concurrency, guidellm's p50/p99 TTFT and inter-token latency, total tokens/s
+(prompt + generated, first request sent to last answered) through the server and offline, and the
+server's overhead: 1 - server / offline tokens/s (goal at saturation, the engine's batch size:
+<= 10 %). The load generator shares the machine's cores with the server; on a small machine its
+own CPU time is part of what the overhead column shows. The plot (PNG) goes to --plot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+from trtbuild.builder.progress import table as format_table  # noqa: E402
+
+MODEL_NAME = "tiny"
+
+
+def start_server(engine_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "trtbuild.builder.cli", "serve", str(engine_dir), "--port", "0",
+               "--model-name", MODEL_NAME, "--backend", "onnxruntime", "--max-queue", "256"]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink)
+    deadline = time.monotonic() + 120
+    while not (found := re.search(r"on http://127\.0\.0\.1:(\d+)", log.read_text())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"error: the server did not start:\n{log.read_text()}")
+        time.sleep(0.1)
+    return proc, f"http://127.0.0.1:{found.group(1)}"
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path) -> dict:
+    """One concurrency level (guidellm's concurrent profile), its JSON report's benchmark."""
+    command = [guidellm, "run",
+               "--backend", f"kind=openai_http,target={base},model={MODEL_NAME},request_format=/v1/completions",
+               "--tokenizer", f"kind=huggingface_auto,model={REPO / 'models' / 'tiny-code'}",
+               "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+               "--profile", f"kind=concurrent,streams={concurrency}",
+               "--constraint", f"kind=max_requests,count={args.requests}",
+               "--output", f"kind=json,path={report}", "--disable-console"]
+    report.unlink(missing_ok=True)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=report.parent)
+    if proc.returncode != 0 or not report.is_file():
+        raise SystemExit(f"error: guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(report.read_text())["benchmarks"][0]
+
+
+def server_level(benchmark: dict) -> dict:
+    """One concurrency level of guidellm's report: its latency percentiles, our throughput figure
+    from its per-request timings, and the prompts it sent (in the order it sent them)."""
+    metrics, requests = benchmark["metrics"], benchmark["requests"]["successful"]
+    percentile = lambda name, p: metrics[name]["successful"]["percentiles"][p]  # noqa: E731
+    wall = max(r["request_end_time"] for r in requests) - min(r["request_start_time"] for r in requests)
+    ordered = sorted(requests, key=lambda r: r["request_start_time"])
+    return {"concurrency": benchmark["config"]["strategy"]["streams"], "requests": len(requests),
+            "errored": benchmark["metrics"]["request_totals"]["errored"],
+            "ttft_p50": percentile("time_to_first_token_ms", "p50"), "ttft_p99": percentile("time_to_first_token_ms", "p99"),
+            "itl_p50": percentile("inter_token_latency_ms", "p50"), "itl_p99": percentile("inter_token_latency_ms", "p99"),
+            "tokens": sum(r["prompt_tokens"] + r["output_tokens"] for r in requests), "wall_s": wall,
+            "prompts": [json.loads(r["request_args"])["body"]["prompt"] for r in ordered],
+            "max_tokens": [json.loads(r["request_args"])["body"]["max_tokens"] for r in ordered]}
+
+
+def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: int) -> dict:
+    """The same prompts through ``LLM`` in process, at most ``concurrency`` in flight (refilled as
+    each finishes, as guidellm's concurrent profile does)."""
+    from trtbuild.runtime.sampling import SamplingParams
+
+    pending = list(zip(prompts, max_tokens))
+    in_flight, tokens = set(), 0
+    started = time.perf_counter()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            prompt, limit = pending.pop(0)
+            in_flight.add(llm.submit(prompt, SamplingParams(max_tokens=limit, temperature=1.0, ignore_eos=True)))
+        _, finished = llm.step()
+        for completion in finished:
+            in_flight.discard(completion.rid)
+            tokens += len(completion.prompt_token_ids) + len(completion.token_ids)
+    return {"tokens": tokens, "wall_s": time.perf_counter() - started}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [r["concurrency"] for r in rows]
+    fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    throughput.plot(levels, [r["server_tps"] for r in rows], "o-", label="trtbuild serve (guidellm)")
+    throughput.plot(levels, [r["offline_tps"] for r in rows], "s--", label="LLM offline")
+    throughput.set(xlabel="requests in flight", ylabel="total tokens/s", title="throughput")
+    throughput.legend()
+    for key, style in (("ttft_p50", "o-"), ("ttft_p99", "o:"), ("itl_p50", "s-"), ("itl_p99", "s:")):
+        latency.plot(levels, [r[key] for r in rows], style, label=key.replace("_", " "))
+    latency.set(xlabel="requests in flight", ylabel="ms", title="latency (guidellm)", yscale="log")
+    latency.legend()
+    for axes in (throughput, latency):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(levels, [str(c) for c in levels])
+        axes.minorticks_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--plot", type=Path, required=True, help="where to write the PNG")
+    parser.add_argument("--guidellm", default=str(REPO / ".loadgen-venv" / "bin" / "guidellm"),
+                        help="the guidellm executable (default: .loadgen-venv/bin/guidellm)")
+    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 2, 4, 8])
+    parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    args = parser.parse_args()
+    if not Path(args.guidellm).is_file():
+        raise SystemExit(f"error: --guidellm {args.guidellm}: not found; install it with "
+                         "python3 -m venv .loadgen-venv && .loadgen-venv/bin/pip install guidellm")
+
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch, LLM(args.engine_dir, backend="onnxruntime") as llm:
+        scratch = Path(scratch)
+        llm.generate(["def f(x):"], SamplingParams(max_tokens=16))   # warm-up: ONNX Runtime's first runs
+        proc, base = start_server(args.engine_dir, scratch / "serve.log")
+        try:
+            import httpx
+
+            httpx.post(f"{base}/v1/completions", timeout=60, json={"model": MODEL_NAME, "prompt": "def f(x):",
+                                                                   "max_tokens": 16})   # the same warm-up
+            # Per level: guidellm through the server, then the same prompts offline while the
+            # server idles (its engine loop sleeps without requests), so both see the same machine.
+            for concurrency in args.concurrency:
+                level = server_level(run_guidellm(args.guidellm, base, concurrency, args, scratch / "guidellm.json"))
+                offline = offline_level(llm, level["prompts"], level["max_tokens"], concurrency)
+                server_tps, offline_tps = level["tokens"] / level["wall_s"], offline["tokens"] / offline["wall_s"]
+                rows.append({**level, "server_tps": server_tps, "offline_tps": offline_tps,
+                             "overhead": 1 - server_tps / offline_tps})
+        finally:
+            stop_server(proc)
+
+    header = ["in flight", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+              "server tok/s", "offline tok/s", "overhead"]
+    print(f"trtbuild serve vs LLM offline: {args.engine_dir}, {args.prompt_tokens}-token prompts, "
+          f"{args.output_tokens} tokens each (ignore_eos), ONNX Runtime, guidellm over loopback")
+    print(format_table([[r["concurrency"], f"{r['requests']} ({r['errored']} err)", f"{r['ttft_p50']:.1f}",
+                                 f"{r['ttft_p99']:.1f}", f"{r['itl_p50']:.2f}", f"{r['itl_p99']:.2f}",
+                                 f"{r['server_tps']:.0f}", f"{r['offline_tps']:.0f}", f"{r['overhead']:+.1%}"]
+                                for r in rows], header))
+    saturated = max(rows, key=lambda r: r["concurrency"])
+    print(f"server overhead at {saturated['concurrency']} in flight: {saturated['overhead']:+.1%} (goal <= 10 %)")
+    plot(rows, args.plot)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
