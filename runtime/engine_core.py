@@ -25,6 +25,7 @@ class RuntimeStats:
     loop_s: float = 0.0         # whole core steps, engine and detokenization included
     prefill_steps: int = 0
     decode_steps: int = 0
+    greedy_runs: int = 0        # multi-step runs (their steps count in decode_steps)
 
 
 @dataclass
@@ -44,8 +45,7 @@ class EngineCore:
 
     def __init__(self, engine: Engine, scheduler: Scheduler, speculation: SpeculationPolicy | None, multi_step: int):
         self.engine, self.scheduler, self.speculation = engine, scheduler, speculation
-        # Medusa engines verify the heads' guesses every step instead of running greedy runs.
-        self.multi_step = 1 if speculation is not None else multi_step
+        self.multi_step = multi_step
         self.stats = RuntimeStats()
         self.sampling: dict[str, Sampling] = {}
 
@@ -69,9 +69,12 @@ class EngineCore:
         plan = self.scheduler.schedule()
         self._apply(plan)
         step = plan.step
-        run = self.scheduler.run_length(step, self.multi_step) if step is not None else 0
+        run = self.scheduler.run_length(step, self._run_limit(step)) if step is not None else 0
         if run > 1:
-            self._greedy_run(step, run, on_token, interrupted)
+            done = self._greedy_run(step, run, on_token, interrupted)
+            if self.speculation is not None:  # stepped aside: plain steps, in a run
+                self.speculation.times.observe_run(len(step.rids), done, time.perf_counter() - start)
+                self.speculation.stats.plain_steps += done
         elif step is not None:
             engine_start = time.perf_counter()
             out = self.engine.step(step)
@@ -83,6 +86,13 @@ class EngineCore:
         finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
         self.stats.loop_s += time.perf_counter() - start
         return finished
+
+    def _run_limit(self, step: Step) -> int:
+        """Greedy runs up to ``multi_step``, but a single step (whose heads draft the next tree)
+        where Medusa would verify a tree for this batch."""
+        if self.speculation is not None and step.kind == StepKind.decode and self.speculation.choose(len(step.rids)):
+            return 1
+        return self.multi_step
 
     def _count(self, kind: StepKind, steps: int, seconds: float) -> None:
         self.stats.engine_s += seconds
@@ -155,6 +165,7 @@ class EngineCore:
             if (stops and not stops.isdisjoint(tokens)) or interrupted():
                 break
         self._count(StepKind.decode, len(produced), time.perf_counter() - engine_start)
+        self.stats.greedy_runs += 1
         taken = {rid: len(self.scheduler.requests[rid].output) for rid in step.rids}
         self.scheduler.commit_run(step, produced, on_token)
         for rid in step.rids:  # a row that ended took fewer of the run's tokens

@@ -84,7 +84,7 @@ class LLM:
             eos_token_ids=d.eos_token_ids(), batching=batching)
         multi_step = multi_step or d.multi_step
         try:
-            speculation = _speculation(d, engine, medusa_tree_size)
+            speculation = _speculation(d, engine, medusa_tree_size, multi_step)
         except BaseException:
             engine.close()
             raise
@@ -282,9 +282,11 @@ class LLM:
                     stream.append(delta)
 
 
-def _speculation(engine_dir: EngineDir, engine: Engine, fixed: int | None) -> SpeculationPolicy | None:
+def _speculation(engine_dir: EngineDir, engine: Engine, fixed: int | None, multi_step: int
+                 ) -> SpeculationPolicy | None:
     """The Medusa policy for engine dirs with heads: a pinned tree size, or adaptive from step
-    times calibrated on ``engine`` and the heads' held-out acceptance."""
+    times calibrated on ``engine`` (plain decoding as ``multi_step`` runs) and the heads'
+    held-out acceptance."""
     medusa = engine_dir.medusa
     if medusa is None:
         if fixed:
@@ -294,5 +296,5 @@ def _speculation(engine_dir: EngineDir, engine: Engine, fixed: int | None) -> Sp
     acceptance = AcceptanceModel(medusa["rank_accuracy"])
     if fixed is not None:
         return SpeculationPolicy(tree, acceptance, StepTimes(), fixed)
-    times = calibrate(engine, tree, engine_dir.max_batch_size)
+    times = calibrate(engine, tree, engine_dir.max_batch_size, multi_step)
     return SpeculationPolicy(tree, acceptance, times)
