@@ -21,16 +21,15 @@ from ..contract.onnxruntime import CpuActivations
 from .detokenize import Detokenizer
 from .engine import Engine
 from .engine_core import EngineCore, RuntimeStats
-from .engine_dir import EngineDir, EngineDirError, load
+from .engine_dir import EngineDirError, load
 from .engines import make_engine
 from .input_processor import InputProcessor, checked_multi_step
-from .medusa import Tree
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .scheduler import Batching, Request, Scheduler
-from .speculation import AcceptanceModel, SpeculationPolicy, StepTimes, calibrate
+from .speculation import SpeculationPolicy, policy_for
 
 __all__ = ["LLM", "RuntimeStats"]
 
@@ -84,7 +83,7 @@ class LLM:
             eos_token_ids=d.eos_token_ids(), batching=batching)
         multi_step = multi_step or d.multi_step
         try:
-            speculation = _speculation(d, engine, medusa_tree_size, multi_step)
+            speculation = policy_for(d, engine, medusa_tree_size, multi_step)
         except BaseException:
             engine.close()
             raise
@@ -281,20 +280,3 @@ class LLM:
                 if stream is not None:
                     stream.append(delta)
 
-
-def _speculation(engine_dir: EngineDir, engine: Engine, fixed: int | None, multi_step: int
-                 ) -> SpeculationPolicy | None:
-    """The Medusa policy for engine dirs with heads: a pinned tree size, or adaptive from step
-    times calibrated on ``engine`` (plain decoding as ``multi_step`` runs) and the heads'
-    held-out acceptance."""
-    medusa = engine_dir.medusa
-    if medusa is None:
-        if fixed:
-            raise ValueError(f"medusa_tree_size {fixed}: {engine_dir.path} was built without Medusa heads")
-        return None
-    tree = Tree(tuple(tuple(path) for path in medusa["tree"]))
-    acceptance = AcceptanceModel(medusa["rank_accuracy"])
-    if fixed is not None:
-        return SpeculationPolicy(tree, acceptance, StepTimes(), fixed)
-    times = calibrate(engine, tree, engine_dir.max_batch_size, multi_step)
-    return SpeculationPolicy(tree, acceptance, times)

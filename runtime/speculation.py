@@ -20,11 +20,16 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..contract.medusa import MIN_GAIN, rank_probability
 from .medusa import Accepted, Tree
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .engine_dir import EngineDir
 
 PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
 RECENT = 15           # step times kept per (B, S): the median of these is the estimate
@@ -278,3 +283,21 @@ def calibrate(engine, tree: Tree, max_batch: int, run_steps: int = 1, repeats: i
                     run.advance()
                 times.observe_run(batch, run_steps, time.perf_counter() - start)
     return times
+
+
+def policy_for(engine_dir: "EngineDir", engine: "Engine", fixed: int | None, multi_step: int
+               ) -> SpeculationPolicy | None:
+    """The Medusa policy for engine dirs with heads: a pinned tree size, or adaptive from step
+    times calibrated on ``engine`` (plain decoding as ``multi_step`` runs) and the heads'
+    held-out acceptance."""
+    medusa = engine_dir.medusa
+    if medusa is None:
+        if fixed:
+            raise ValueError(f"medusa_tree_size {fixed}: {engine_dir.path} was built without Medusa heads")
+        return None
+    tree = Tree(tuple(tuple(path) for path in medusa["tree"]))
+    acceptance = AcceptanceModel(medusa["rank_accuracy"])
+    if fixed is not None:
+        return SpeculationPolicy(tree, acceptance, StepTimes(), fixed)
+    times = calibrate(engine, tree, engine_dir.max_batch_size, multi_step)
+    return SpeculationPolicy(tree, acceptance, times)
