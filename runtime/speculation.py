@@ -105,6 +105,23 @@ class StepTimes:
     def estimate(self, batch: int, seq: int) -> float:
         return self.engine_estimate(batch, seq) + batch * float(np.median(self._host_per_row[seq > 1]))
 
+    def estimates(self, batch: int, seqs: np.ndarray) -> np.ndarray:
+        """``estimate(batch, s)`` for every s in ``seqs`` at once: the policy weighs every tree
+        size each time it decides, which one at a time cost ~10 ms, a run's worth of steps."""
+        if not self.table:
+            raise ValueError("no step times measured")
+        engine = _along_batch({b: self._along_seq_many(b, seqs) for b in self.table}, batch)
+        host = np.where(seqs > 1, np.median(self._host_per_row[True]), np.median(self._host_per_row[False]))
+        return engine + batch * host
+
+    def _along_seq_many(self, batch: int, seqs: np.ndarray) -> np.ndarray:
+        points = sorted(self.table[batch].items())
+        xs, ys = np.array([p[0] for p in points], float), np.array([p[1] for p in points])
+        if len(xs) == 1:
+            return ys[0] * np.maximum(1.0, seqs / xs[0])
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)  # beyond the last point: its slope
+        return np.where(seqs >= xs[-1], ys[-1] + slope * (seqs - xs[-1]), np.interp(seqs, xs, ys))
+
     def plain_estimate(self, batch: int) -> float:
         """Seconds per token-step of plain decoding: a greedy run's step where runs were measured
         (the cheaper of it and a single step), else a single plain step."""
@@ -209,10 +226,12 @@ class SpeculationPolicy:
 
     def _best(self, batch: int) -> int:
         expected = self.acceptance.expected_accepted(self.prefix(len(self._order)))  # [N + 1]
-        plain = 1 / self.times.plain_estimate(batch)
-        rates = [plain, *((1 + expected[n]) / self.times.estimate(batch, 1 + n) for n in range(1, len(expected)))]
+        if len(expected) == 1:
+            return 0
+        sizes = np.arange(1, len(expected))  # [N] choices verified
+        rates = (1 + expected[1:]) / self.times.estimates(batch, 1 + sizes)  # [N] tokens per second
         best = int(np.argmax(rates))
-        return best if rates[best] >= MIN_GAIN * plain else 0
+        return int(sizes[best]) if rates[best] >= MIN_GAIN / self.times.plain_estimate(batch) else 0
 
     def _reorder(self) -> None:
         probs = self.acceptance.path_probabilities(self.tree.choices)
