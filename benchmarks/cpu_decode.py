@@ -291,14 +291,16 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
 
     from trtbuild.contract import onnxruntime as ort_config
     from trtbuild.contract.onnxruntime import Spinning
+    from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine, cpu_graph
     from trtbuild.runtime.sampling import SamplingParams
 
     options = BREAKDOWN[config]
     spinning, use_decode_graph = Spinning(options.get("spinning", "always")), options.get("use_decode_graph", True)
-    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=options.get("multi_step"))
-    llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=threads, spinning=spinning, use_decode_graph=use_decode_graph)
+    llm = LLM(engine, backend="onnxruntime", prefix_cache=False, multi_step=options.get("multi_step"),
+              engine=OnnxRuntimeEngine(load(engine), threads=threads, spinning=spinning,
+                                       use_decode_graph=use_decode_graph))
     session = llm.engine.session
     if profile is not None:  # the same graph, in a session that profiles
         session_options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning,

@@ -16,7 +16,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from ..contract.manifest import DEFAULT_MULTI_STEP
+from ..contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
 from ..contract.onnxruntime import CpuActivations
 from ..contract.tensor_parallel import kv_heads_per_rank
 from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_TARGETS  # noqa: F401  (RTX_TARGETS: API)
@@ -202,7 +202,7 @@ class SpeculativeSection(_Section):
 
 
 class RuntimeSection(_Section):
-    max_tokens: StrictInt = Field(128, ge=1)
+    max_tokens: StrictInt = Field(DEFAULT_MAX_TOKENS, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -16,6 +16,11 @@ SCHEMA_VERSION = 3
 # the field (greedy decode steps run back to back: runtime/llm.py).
 DEFAULT_MULTI_STEP = 8
 
+# New tokens a request generates unless it says: spec.runtime.max_tokens's default and
+# SamplingParams' (one value for the CLI, the server's chat route, LLM.default_params and a
+# bare SamplingParams(); before, SamplingParams() said 64 and the spec 128).
+DEFAULT_MAX_TOKENS = 128
+
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()

@@ -1,4 +1,7 @@
-"""``AsyncLLM``: async streaming over one ``LLM`` (what the server builds on).
+"""``AsyncLLM``: async streaming over one ``LLM`` (what the server builds on), a thin front like
+``LLM`` itself: requests are validated by LLM's input processor, stepped by its engine core,
+and their deltas made by its output processor (streamed text holds back what could begin a
+stop string, so the pieces join to the completion's text).
 
 A driver task runs engine steps in a worker thread while any request lives and hands each
 stream its deltas. Submitting never waits for a running step (LLM.submit takes the request

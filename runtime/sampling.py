@@ -5,10 +5,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..contract.manifest import DEFAULT_MAX_TOKENS
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 64
+    """One request's sampling. The defaults are the spec's runtime section's (an engine dir's
+    own runtime values come from ``LLM.default_params()``)."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0       # 0: greedy
     top_k: int = 0                 # 0: off
     top_p: float = 1.0

@@ -20,6 +20,9 @@ from .slots import Move, SlotTable
 
 NOTHING_ACCEPTED = Accepted((), ())  # a plain row's "path": no guesses
 
+# Sees each token right after it is appended; True: a stop string completed (the request ends).
+TokenSink = Callable[["Request", int], bool]
+
 
 class Phase(Enum):
     waiting = "waiting"
@@ -257,10 +260,12 @@ class Scheduler:
                     trees=trees if any(t is not None for t in trees) else ())
 
     # -- results ------------------------------------------------------------------------------
-    def commit(self, step: Step, sampled: dict[str, int],
-               accepted: dict[str, Accepted] | None = None) -> list[tuple[Request, int]]:
+    def commit(self, step: Step, sampled: dict[str, int], accepted: dict[str, Accepted] | None = None,
+               on_token: TokenSink | None = None) -> list[tuple[Request, int]]:
         """Advances the step's requests; ``sampled`` maps request id → new token for rows that sample,
         ``accepted`` a verifying row's accepted guesses (which come before its sampled token).
+        Each token is appended and handed to ``on_token`` (see ``append``) before the next: a
+        row that ends at a path's token (eos, a stop id or string, max_tokens) takes no more.
 
         Returns (request, token) for every new token, in row order.
         """
@@ -280,11 +285,8 @@ class Scheduler:
             if not does_sample:
                 continue
             for token in (*path.tokens, sampled[rid]):
-                request.output.append(token)
                 emitted.append((request, token))
-                reason = self._finish_reason(request, token)
-                if reason:
-                    self.finish(rid, reason)
+                if self.append(request, token, on_token):
                     break
             else:
                 if path.nodes and path.nodes != tuple(range(1, len(path.nodes) + 1)):
@@ -307,27 +309,34 @@ class Scheduler:
             steps = min(steps, request.params.max_tokens - len(request.output))
         return max(steps, 1)
 
-    def commit_run(self, step: Step, tokens: list[list[int]], on_token: Callable[[Request, int], None]) -> None:
+    def commit_run(self, step: Step, tokens: list[list[int]], on_token: TokenSink | None = None) -> None:
         """Advances ``step``'s requests by a run of n = len(tokens) plain decode steps:
         ``tokens[i][row]`` is what step i produced for the row and fed step i + 1, so the row's
-        last token and n - 1 new ones are now cached. Tokens are appended one at a time, each
-        followed by ``on_token(request, token)`` (detokenization, which may end the request at a
-        stop string); a row that ends takes no token after that, and what later steps wrote
-        past its end is garbage past its length."""
+        last token and n - 1 new ones are now cached. Tokens are appended one at a time (see
+        ``append``); a row that ends takes no token after that, and what later steps wrote past
+        its end is garbage past its length."""
         steps = len(tokens)
         for row, rid in enumerate(step.rids):
             request = self.requests[rid]
             request.computed += steps
             request.written = max(request.written, step.starts[row] + steps)
             for produced in tokens:
-                token = produced[row]
-                request.output.append(token)
-                reason = self._finish_reason(request, token)
-                if reason:
-                    self.finish(rid, reason)
-                on_token(request, token)
-                if request.phase == Phase.finished:
+                if self.append(request, produced[row], on_token):
                     break
+
+    def append(self, request: Request, token: int, on_token: TokenSink | None) -> bool:
+        """Appends one new token; True if the request ended with it. Token-level endings (eos, a
+        stop id, max_tokens) are decided first, then ``on_token(request, token)`` sees the token
+        (the output processor detokenizes it) and returns True when a stop string completed,
+        which ends the request there with reason "stop"."""
+        request.output.append(token)
+        reason = self._finish_reason(request, token)
+        if reason:
+            self.finish(request.rid, reason)
+        if on_token is not None and on_token(request, token):
+            self.finish(request.rid, "stop")
+            request.finish_reason = "stop"  # a stop string at the last allowed token is still a stop
+        return request.phase == Phase.finished
 
     def _save_prompt_blocks(self, request: Request) -> None:
         if self.prefix_cache is None:

@@ -8,19 +8,28 @@ calibrated at load and refined from every decode step, plus the host's per-row w
 each (head, rank)'s acceptance, starting from the heads' held-out accuracy and updated from
 every verification. For a batch of B rows it picks the tree prefix n maximising expected
 tokens per second, (1 + E[accepted | n]) / t(B, 1 + n), and n = 0 (plain decoding) unless
-that beats plain decoding by MIN_GAIN. Calibration runs B in powers of two up to max_batch
-× 8 tree sizes, five steps each: ~2 s for the bundled model on 2 CPU cores.
+that beats plain decoding by MIN_GAIN. Plain decoding is what the runtime really does when it
+steps aside: multi-step greedy runs (runtime/engine_core.py), whose cost per token is
+calibrated and observed separately from a single plain step's (on the CPU, a run's step on
+the decode graph costs a fraction of a verification on the rank graph). Calibration runs B in
+powers of two up to max_batch × 8 tree sizes, five steps each, and one greedy run per B: ~2 s
+for the bundled model on 2 CPU cores.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..contract.medusa import MIN_GAIN, rank_probability
 from .medusa import Accepted, Tree
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .engine_dir import EngineDir
 
 PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
 RECENT = 15           # step times kept per (B, S): the median of these is the estimate
@@ -76,6 +85,8 @@ class StepTimes:
         self._recent: dict[tuple[int, int], deque] = {}
         self._host_per_row: dict[bool, deque] = {False: deque([0.0], maxlen=RECENT),
                                                  True: deque([0.0], maxlen=RECENT)}
+        self.runs: dict[int, float] = {}   # batch → seconds per step of a greedy run, host work included
+        self._recent_runs: dict[int, deque] = {}
 
     def observe(self, batch: int, seq: int, seconds: float, loop_seconds: float | None = None) -> None:
         """Medians of recent steps: robust to the odd slow step (GC, the OS) on a busy host."""
@@ -85,19 +96,44 @@ class StepTimes:
         if loop_seconds is not None:
             self._host_per_row[seq > 1].append(max(0.0, loop_seconds - seconds) / batch)
 
+    def observe_run(self, batch: int, steps: int, seconds: float) -> None:
+        """A multi-step greedy run of ``steps`` steps that took ``seconds``, its commit included."""
+        recent = self._recent_runs.setdefault(batch, deque(maxlen=RECENT))
+        recent.append(seconds / steps)
+        self.runs[batch] = float(np.median(recent))
+
     def estimate(self, batch: int, seq: int) -> float:
         return self.engine_estimate(batch, seq) + batch * float(np.median(self._host_per_row[seq > 1]))
 
-    def engine_estimate(self, batch: int, seq: int) -> float:
-        sizes = sorted(self.table)
-        if not sizes:
+    def estimates(self, batch: int, seqs: np.ndarray) -> np.ndarray:
+        """``estimate(batch, s)`` for every s in ``seqs`` at once: the policy weighs every tree
+        size each time it decides, which one at a time cost ~10 ms, a run's worth of steps."""
+        if not self.table:
             raise ValueError("no step times measured")
-        below = max((b for b in sizes if b <= batch), default=sizes[0])
-        above = min((b for b in sizes if b >= batch), default=sizes[-1])
-        low, high = self._along_seq(below, seq), self._along_seq(above, seq)
-        if above == below:
-            return low * (batch / below if batch > below else 1.0)  # beyond the table: rows scale time
-        return low + (high - low) * (batch - below) / (above - below)
+        engine = _along_batch({b: self._along_seq_many(b, seqs) for b in self.table}, batch)
+        host = np.where(seqs > 1, np.median(self._host_per_row[True]), np.median(self._host_per_row[False]))
+        return engine + batch * host
+
+    def _along_seq_many(self, batch: int, seqs: np.ndarray) -> np.ndarray:
+        points = sorted(self.table[batch].items())
+        xs, ys = np.array([p[0] for p in points], float), np.array([p[1] for p in points])
+        if len(xs) == 1:
+            return ys[0] * np.maximum(1.0, seqs / xs[0])
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)  # beyond the last point: its slope
+        return np.where(seqs >= xs[-1], ys[-1] + slope * (seqs - xs[-1]), np.interp(seqs, xs, ys))
+
+    def plain_estimate(self, batch: int) -> float:
+        """Seconds per token-step of plain decoding: a greedy run's step where runs were measured
+        (the cheaper of it and a single step), else a single plain step."""
+        single = self.estimate(batch, 1)
+        if not self.runs:
+            return single
+        return min(single, _along_batch(self.runs, batch))
+
+    def engine_estimate(self, batch: int, seq: int) -> float:
+        if not self.table:
+            raise ValueError("no step times measured")
+        return _along_batch({b: self._along_seq(b, seq) for b in self.table}, batch)
 
     def _along_seq(self, batch: int, seq: int) -> float:
         points = sorted(self.table[batch].items())
@@ -108,6 +144,17 @@ class StepTimes:
             slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
             return ys[-1] + max(slope, 0.0) * (seq - xs[-1])
         return float(np.interp(seq, xs, ys))
+
+
+def _along_batch(times: dict[int, float], batch: int) -> float:
+    """``times`` (by batch) interpolated at ``batch``; beyond the table rows scale time."""
+    sizes = sorted(times)
+    below = max((b for b in sizes if b <= batch), default=sizes[0])
+    above = min((b for b in sizes if b >= batch), default=sizes[-1])
+    low, high = times[below], times[above]
+    if above == below:
+        return low * (batch / below if batch > below else 1.0)
+    return low + (high - low) * (batch - below) / (above - below)
 
 
 @dataclass
@@ -179,9 +226,12 @@ class SpeculationPolicy:
 
     def _best(self, batch: int) -> int:
         expected = self.acceptance.expected_accepted(self.prefix(len(self._order)))  # [N + 1]
-        rates = [(1 + expected[n]) / self.times.estimate(batch, 1 + n) for n in range(len(expected))]
+        if len(expected) == 1:
+            return 0
+        sizes = np.arange(1, len(expected))  # [N] choices verified
+        rates = (1 + expected[1:]) / self.times.estimates(batch, 1 + sizes)  # [N] tokens per second
         best = int(np.argmax(rates))
-        return best if rates[best] >= MIN_GAIN * rates[0] else 0
+        return int(sizes[best]) if rates[best] >= MIN_GAIN / self.times.plain_estimate(batch) else 0
 
     def _reorder(self) -> None:
         probs = self.acceptance.path_probabilities(self.tree.choices)
@@ -215,13 +265,14 @@ class SpeculationPolicy:
             stats.head_accepted[head] += len(accepted.nodes) > head
 
 
-def calibrate(engine, tree: Tree, max_batch: int, repeats: int = 3) -> StepTimes:
-    """Times verification steps of B rows × (1 + n) tokens into the still-free slots at load.
+def calibrate(engine, tree: Tree, max_batch: int, run_steps: int = 1, repeats: int = 3) -> StepTimes:
+    """Times verification steps of B rows × (1 + n) tokens into the still-free slots at load,
+    and with ``run_steps`` > 1 a greedy run of that many plain steps per B.
 
     The steps are shaped as real ones: n = 0 is a plain decode (logits at one row), n > 0 a
     tree prefix with logits and head logits at every node, which is what makes them cost.
     Each shape runs twice to warm up, then ``repeats`` times back to back (as a serving loop
-    repeats a shape); the median counts. Decode steps refine the table as they run."""
+    repeats a shape); the median counts. Decode steps and runs refine the table as they run."""
     from .scheduler import Step, StepKind
 
     batches = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch), max_batch})
@@ -242,4 +293,30 @@ def calibrate(engine, tree: Tree, max_batch: int, repeats: int = 3) -> StepTimes
             if run >= 2:
                 values.append(time.perf_counter() - start)
         times.observe(batch, 1 + n, float(np.median(values)))
+    if run_steps > 1:
+        for batch in batches:
+            for _ in range(2 + repeats):
+                run = engine.greedy_run(steps[(batch, 0)])
+                start = time.perf_counter()
+                for _ in range(run_steps):
+                    run.advance()
+                times.observe_run(batch, run_steps, time.perf_counter() - start)
     return times
+
+
+def policy_for(engine_dir: "EngineDir", engine: "Engine", fixed: int | None, multi_step: int
+               ) -> SpeculationPolicy | None:
+    """The Medusa policy for engine dirs with heads: a pinned tree size, or adaptive from step
+    times calibrated on ``engine`` (plain decoding as ``multi_step`` runs) and the heads'
+    held-out acceptance."""
+    medusa = engine_dir.medusa
+    if medusa is None:
+        if fixed:
+            raise ValueError(f"medusa_tree_size {fixed}: {engine_dir.path} was built without Medusa heads")
+        return None
+    tree = Tree(tuple(tuple(path) for path in medusa["tree"]))
+    acceptance = AcceptanceModel(medusa["rank_accuracy"])
+    if fixed is not None:
+        return SpeculationPolicy(tree, acceptance, StepTimes(), fixed)
+    times = calibrate(engine, tree, engine_dir.max_batch_size, multi_step)
+    return SpeculationPolicy(tree, acceptance, times)

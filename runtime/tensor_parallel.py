@@ -9,8 +9,10 @@ with the whole logits; rank 0 returns them.
 
 Processes: on one machine the engine starts ranks 1..N-1 itself (spawned, gloo on
 127.0.0.1); under ``torchrun`` (across machines) the launcher starts them and each non-zero
-rank serves commands until rank 0 stops. A rank that dies or fails ends the group: the
-others see their collective fail (or time out) and raise ``RankFailure`` naming the rank.
+rank serves commands until rank 0 stops. Every rank loads its engine, then all meet at a
+barrier, so a rank that cannot load fails the constructor. A rank that dies or fails ends the
+group: rank 0 raises ``RankFailure`` naming the rank and the last line of its traceback (a
+started rank's stderr goes to a file rank 0 reads back), and stops every rank it started.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -109,6 +113,11 @@ def _die_with_parent() -> None:
         pass
 
 
+def _last_line(exc: BaseException) -> str:
+    """The last line of the exception's traceback: ``Type: message``."""
+    return traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[-1]
+
+
 def serve_rank(engine: object) -> None:
     """A non-zero rank: run rank 0's commands on this rank's engine until told to stop."""
     import torch.distributed as dist
@@ -133,9 +142,11 @@ def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
         engine = _local_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend)
+        dist.barrier()  # every rank loaded: rank 0's constructor returns
         serve_rank(engine)
     except Exception as exc:  # noqa: BLE001  (reported by rank 0 as this rank's failure)
-        print(f"trtbuild rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        print(f"trtbuild rank {rank}: {_last_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)
     finally:
         if dist.is_initialized():
@@ -158,6 +169,8 @@ class TensorParallelEngine:
         self.world = engine_dir.tensor_parallel
         self.name = f"{backend} (tensor parallel {self.world})"
         self.processes: dict[int, subprocess.Popen] = {}
+        self.stderr: dict[int, object] = {}  # rank → the file its stderr goes to
+        self.closed = False
         # Each rank gets its share of this machine's cores unless told otherwise.
         threads = threads or max(1, (os.cpu_count() or 1) // self.world)
         if launched_by_torchrun():
@@ -167,22 +180,29 @@ class TensorParallelEngine:
                                  f"{dist.get_world_size()} processes: use --nproc-per-node/--nnodes for {self.world}")
             rank = dist.get_rank()
             if rank != 0:  # this process serves rank 0's commands, then the program ends
-                serve_rank(_local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend))
+                engine = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend)
+                dist.barrier()
+                serve_rank(engine)
                 dist.destroy_process_group()
                 raise SystemExit(0)
         else:
             address = f"tcp://127.0.0.1:{_free_port()}"
             # Fresh interpreters (not multiprocessing): nothing of the caller's __main__ is re-run.
             for rank in range(1, self.world):
+                self.stderr[rank] = tempfile.TemporaryFile("w+")
                 self.processes[rank] = subprocess.Popen(
                     [sys.executable, "-m", "trtbuild.runtime.tensor_parallel", str(engine_dir.path), "--rank", str(rank),
                      "--world", str(self.world), "--address", address, "--threads", str(threads),
                      "--prefix-blocks", str(prefix_blocks), "--block-size", str(block_size), "--backend", backend,
-                     *([] if verify else ["--no-verify"])], stdin=subprocess.DEVNULL)
-            dist.init_process_group("gloo", init_method=address, rank=0, world_size=self.world,
-                                    timeout=timedelta(seconds=TIMEOUT_S))
-        self.local = _local_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend)
-        self.closed = False
+                     *([] if verify else ["--no-verify"])], stdin=subprocess.DEVNULL, stderr=self.stderr[rank])
+        try:
+            if not launched_by_torchrun():
+                dist.init_process_group("gloo", init_method=address, rank=0, world_size=self.world,
+                                        timeout=timedelta(seconds=TIMEOUT_S))
+            self.local = _local_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend)
+            dist.barrier()  # every rank loaded its engine
+        except Exception as exc:  # noqa: BLE001  (no rank may outlive a failed constructor)
+            raise self._failure(exc, "the engine was not loaded") from None
 
     def _everywhere(self, method: str, *args):
         import torch.distributed as dist
@@ -194,24 +214,36 @@ class TensorParallelEngine:
             return getattr(self.local, method)(*args)
         except RankFailure:
             raise
-        except Exception as exc:
-            raise self._failure(exc) from None
+        except Exception as exc:  # noqa: BLE001  (named by rank, every rank stopped)
+            raise self._failure(exc, "the request was not completed") from None
 
-    def _failure(self, exc: Exception) -> RankFailure:
-        """Names the rank that died (its exit code) or, failing that, what the group said."""
+    def _failure(self, exc: Exception, consequence: str) -> RankFailure:
+        """Stops every rank, then names the one that failed: a started rank that ended (how, and
+        the last line it wrote: its traceback's), else rank 0 itself (its exception)."""
         codes = {}
         for rank, process in self.processes.items():
             try:
                 codes[rank] = process.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 codes[rank] = None
+        said = {rank: self._last_stderr_line(rank) for rank in codes}
         self.close(graceful=False)
         for rank, code in codes.items():
+            if code and code > 0 and said[rank]:
+                return RankFailure(f"tensor-parallel rank {rank} failed: {said[rank]}; {consequence}")
             if code:
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                return RankFailure(f"tensor-parallel rank {rank} {how}; the request was not completed")
-        return RankFailure(f"tensor-parallel group failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                           "the request was not completed")
+                return RankFailure(f"tensor-parallel rank {rank} {how}; {consequence}")
+        return RankFailure(f"tensor-parallel rank 0 failed: {_last_line(exc)}; {consequence}")
+
+    def _last_stderr_line(self, rank: int) -> str:
+        """What a started rank last wrote: ``trtbuild rank N: Type: message`` if it failed."""
+        file = self.stderr.get(rank)
+        if file is None:
+            return ""
+        file.seek(0)
+        lines = [line.strip() for line in file.read().splitlines() if line.strip()]
+        return lines[-1].removeprefix(f"trtbuild rank {rank}: ") if lines else ""
 
     def step(self, step) -> StepOutput:
         return self._everywhere("step", step)
@@ -248,6 +280,8 @@ class TensorParallelEngine:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
+        for file in self.stderr.values():
+            file.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

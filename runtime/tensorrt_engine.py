@@ -113,11 +113,19 @@ class TensorRTEngine:
             context.set_tensor_address("medusa_logits", self.medusa)
 
     def _capture(self, context):
+        """The step just run, recorded as an executable CUDA graph. The capture always ends (a
+        refused enqueue must not leave the stream capturing) and the captured graph is freed
+        once instantiated: the executable one keeps what it needs."""
         cudart, _ok = self.cudart, self.ok
         _ok(cudart.cudaStreamBeginCapture(self.stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
-        context.execute_async_v3(self.stream)
+        enqueued = context.execute_async_v3(self.stream)
         graph = _ok(cudart.cudaStreamEndCapture(self.stream))
-        return _ok(cudart.cudaGraphInstantiate(graph, 0))
+        try:
+            if not enqueued:
+                raise RuntimeError("TensorRT execution failed while capturing a CUDA graph")
+            return _ok(cudart.cudaGraphInstantiate(graph, 0))
+        finally:
+            _ok(cudart.cudaGraphDestroy(graph))
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self.kv.copy_slot(src, dst, length)

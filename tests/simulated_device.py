@@ -87,6 +87,8 @@ class SimulatedDevice:
     calls: Counter = field(default_factory=Counter)
     last_fault: str = ""
     next_address: int = DEVICE_BASE
+    graphs: list = field(default_factory=list)        # captured graphs not yet destroyed
+    graph_execs: list = field(default_factory=list)   # instantiated graphs not yet destroyed
 
     # -- memory ----------------------------------------------------------------------------
     def _span(self, address: int, nbytes: int) -> np.ndarray:
@@ -170,10 +172,12 @@ class SimulatedDevice:
                                                                    lambda: setattr(stream, "captured", []))
         m.cudaStreamEndCapture = lambda stream: self._call("cudaStreamEndCapture", lambda: self._end_capture(stream), 1)
         m.cudaGraphInstantiate = lambda graph, flags: self._call("cudaGraphInstantiate",
-                                                                 lambda: Graph(list(graph.ops)), 1)
+                                                                 lambda: self._instantiate(graph), 1)
         m.cudaGraphLaunch = lambda graph, stream: self._call(
             "cudaGraphLaunch", lambda: self._enqueue(stream, lambda: [op() for op in graph.ops]))
-        m.cudaGraphExecDestroy = lambda graph: self._call("cudaGraphExecDestroy", lambda: None)
+        m.cudaGraphExecDestroy = lambda graph: self._call("cudaGraphExecDestroy",
+                                                          lambda: self._destroy(self.graph_execs, graph))
+        m.cudaGraphDestroy = lambda graph: self._call("cudaGraphDestroy", lambda: self._destroy(self.graphs, graph))
         return m
 
     @staticmethod
@@ -210,10 +214,24 @@ class SimulatedDevice:
         if stream.captured is not None:
             raise DeviceFault(cudaError_t.cudaErrorStreamCaptureUnsupported, "synchronize while capturing")
 
-    @staticmethod
-    def _end_capture(stream: Stream) -> Graph:
+    def _end_capture(self, stream: Stream) -> Graph:
         graph, stream.captured = Graph(stream.captured or []), None
+        self.graphs.append(graph)
         return graph
+
+    def _instantiate(self, graph: Graph) -> Graph:
+        if not any(g is graph for g in self.graphs):
+            raise DeviceFault(cudaError_t.cudaErrorInvalidValue, "cudaGraphInstantiate of a destroyed graph")
+        executable = Graph(list(graph.ops))
+        self.graph_execs.append(executable)
+        return executable
+
+    @staticmethod
+    def _destroy(live: list, graph: Graph) -> None:
+        index = next((i for i, g in enumerate(live) if g is graph), None)
+        if index is None:
+            raise DeviceFault(cudaError_t.cudaErrorInvalidValue, "destroying a graph that is not live")
+        del live[index]
 
     # -- the TensorRT stand-in -------------------------------------------------------------------
     def tensorrt(self, module_name: str, version: str, engine_dirs: list[Path]) -> types.ModuleType:

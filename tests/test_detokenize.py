@@ -1,5 +1,5 @@
 """Incremental detokenization gives exactly the full decode, piece by piece, multi-byte text included,
-whichever way a tokenizer gets (a byte table for ByteLevel decoders, windowed decodes otherwise)."""
+whichever way a tokenizer gets (a byte table for ByteLevel decoders, DecodeStream otherwise)."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,7 +49,7 @@ def test_byte_level_tokenizers_stream_from_a_byte_table():
         assert "".join(_pieces(IncrementalDecoder(tokenizer), ids)) == tokenizer.decode(ids)
 
 
-def test_other_decoders_fall_back_to_windowed_decodes():
+def test_other_decoders_stream_through_decode_stream():
     vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()

@@ -115,11 +115,10 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
         if size == 63:
             assert stats.verify_steps > 0 and stats.mean_accepted_per_step > 1.5
             assert stats.tree_sizes.keys() <= {64} and len(stats.head_acceptance()) == 4
-        # The adaptive policy verifies where its measured step times say a tree pays. At batch 1 it
-        # does here, so the equality below tests its trees; at larger batches plain steps run the
-        # CPU decode graph, cheaper than a verification on the rank graph, and it may decline.
-        if size is None and batch == 1:
-            assert stats.verify_steps > 0, stats.as_dict()
+        # Stepping aside (tree size 0, or the adaptive policy where a tree does not pay) decodes
+        # in multi-step runs, as a plain engine dir does.
+        if size == 0:
+            assert stats.verify_steps == 0 and 0 < llm.stats.greedy_runs < llm.stats.decode_steps
     assert outputs[63] == outputs[0]
     assert outputs[None] == outputs[0]
 

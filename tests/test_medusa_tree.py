@@ -178,6 +178,21 @@ def test_policy_speculates_only_when_it_pays():
         SpeculationPolicy(tree, acceptance, flat, fixed=5)
 
 
+def test_policy_compares_a_tree_with_what_a_multi_step_run_costs():
+    tree = Tree(((0,), (0, 0), (0, 0, 0), (1,)))
+    acceptance = AcceptanceModel([[0.6, 0.2], [0.6, 0.2], [0.6, 0.2]])  # E[accepted] with 4 choices: 1.376
+    cheap_runs, dear_runs = StepTimes(), StepTimes()
+    for times in (cheap_runs, dear_runs):
+        for seq in (1, 2, 3, 4, 5):
+            times.observe(1, seq, 0.010)  # flat: against single plain steps a tree of 4 pays 2.4x
+    cheap_runs.observe_run(1, 8, 8 * 0.004)   # but a run's step costs 4 ms: 250 tok/s > 2.376 / 10 ms
+    dear_runs.observe_run(1, 8, 8 * 0.007)    # 143 tok/s: the tree still pays by more than MIN_GAIN
+    assert cheap_runs.plain_estimate(1) == 0.004 and dear_runs.plain_estimate(1) == 0.007
+    assert cheap_runs.plain_estimate(4) == 4 * 0.004  # beyond the measured batches rows scale time
+    assert SpeculationPolicy(tree, acceptance, cheap_runs).choose(1) == 0
+    assert SpeculationPolicy(tree, acceptance, dear_runs).choose(1) == 4
+
+
 def test_acceptance_model_learns_from_verifications():
     tree = Tree(((0,), (0, 0)))
     model = AcceptanceModel([[0.5], [0.5]])

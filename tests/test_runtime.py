@@ -121,8 +121,8 @@ def test_multi_step_streams_one_piece_per_token(llm, reference):
 def test_multi_step_on_the_rank_graph_matches_transformers(tiny_engine, reference):
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
 
-    llm = LLM(tiny_engine, backend="onnxruntime", threads=2, prefix_cache=False)
-    llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=2, use_decode_graph=False)
+    engine = OnnxRuntimeEngine(load(tiny_engine), threads=2, use_decode_graph=False)
+    llm = LLM(tiny_engine, backend="onnxruntime", prefix_cache=False, engine=engine)
     outs, _ = _run(llm, PROMPTS[:3], [GREEDY] * 3)
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS[:3]]
 
@@ -328,3 +328,36 @@ def test_async_submit_does_not_wait_for_a_step_and_failures_end_streams(tiny_eng
 
     with pytest.raises(EngineFailure, match="device lost"):
         asyncio.run(asyncio.wait_for(consume(), timeout=30))
+
+
+def test_close_waits_for_the_running_step_and_later_steps_refuse(tiny_engine):
+    import threading
+
+    llm = LLM(tiny_engine, backend="onnxruntime")
+    events = []
+    engine_step, engine_close = llm.engine.step, llm.engine.close
+
+    def slow_step(step):
+        events.append("step begins")
+        time.sleep(0.5)
+        out = engine_step(step)
+        events.append("step ends")
+        return out
+
+    def close():
+        events.append("engine freed")
+        engine_close()
+
+    llm.engine.step, llm.engine.close = slow_step, close
+    llm.submit(PROMPTS[0], SamplingParams(max_tokens=2))
+    stepping = threading.Thread(target=llm.step)
+    stepping.start()
+    while not events:
+        time.sleep(0.01)
+    llm.close()  # what the server does when its grace period ends
+    stepping.join()
+    assert events == ["step begins", "step ends", "engine freed"]
+    with pytest.raises(RuntimeError, match="the LLM is closed"):
+        llm.step()
+    llm.close()  # twice is fine
+    assert events.count("engine freed") == 1

@@ -114,3 +114,23 @@ def test_an_overrun_is_a_cuda_error_not_silent(device, tiny_engine, monkeypatch)
     monkeypatch.setattr(llm.engine.kv, "slot_bytes", llm.engine.kv.slot_bytes + 4)  # the last slot overruns
     with pytest.raises(RuntimeError, match="overrun an allocation"):
         llm.engine.copy_slot(llm.engine.dir.max_batch_size, 0, llm.engine.dir.max_seq_len)
+
+
+def test_capture_checks_the_enqueue_and_frees_every_graph(device, tiny_engine, monkeypatch):
+    from simulated_tensorrt import SimulatedContext
+
+    llm = gpu(tiny_engine)
+    llm.generate(PROMPTS[:2], GREEDY)
+    assert llm.engine.graphs and not device.graphs  # each captured graph freed once instantiated
+    assert len(device.graph_execs) == len(llm.engine.graphs)
+    llm.engine.close()
+    assert not device.graph_execs
+    # TensorRT refusing the captured enqueue is an error (not an empty graph replayed), and the
+    # stream leaves capture mode.
+    llm = gpu(tiny_engine)
+    enqueue = SimulatedContext.execute_async_v3
+    monkeypatch.setattr(SimulatedContext, "execute_async_v3",
+                        lambda self, stream: stream.captured is None and enqueue(self, stream))
+    with pytest.raises(RuntimeError, match="TensorRT execution failed while capturing a CUDA graph"):
+        llm.generate(PROMPTS[:1], GREEDY)
+    assert not llm.engine.graphs and not device.graphs and llm.engine.stream.captured is None

@@ -13,18 +13,40 @@ from trtbuild.runtime.medusa import Tree
 TREE = Tree(((0,), (0, 0), (1,)))
 
 
-@pytest.mark.parametrize("tokens, starts, trees", [
-    ([[5], [7], [9]], [10, 3, 40], ()),                       # decode
-    ([[1, 2, 3, 4], [5, 6]], [0, 8], ()),                     # prefill chunks of two lengths
-    ([[4] * TREE.size, [8]], [12, 30], (TREE, None)),         # a verifying row beside a plain one
+def _causal(slots: list[list[int]], max_seq_len: int = 64) -> np.ndarray:
+    """[B, 1, S, S_max]: the token written at slots[b][s] sees cache positions 0..slots[b][s]."""
+    return np.array([[[[p <= slot for p in range(max_seq_len)] for slot in row]] for row in slots])
+
+
+def _expected(case: str) -> dict[str, np.ndarray]:
+    if case == "decode":
+        return dict(input_ids=[[5], [7], [9]], position_ids=[[10], [3], [40]], write_index=[10, 3, 40],
+                    kv_length=[11, 4, 41], logits_index=[[0], [0], [0]], attention_mask=_causal([[10], [3], [40]]))
+    if case == "prefill":  # the short row is right-padded; padding continues its positions
+        return dict(input_ids=[[1, 2, 3, 4], [5, 6, 0, 0]], position_ids=[[0, 1, 2, 3], [8, 9, 10, 11]],
+                    write_index=[0, 8], kv_length=[4, 10], logits_index=[[3], [1]],
+                    attention_mask=_causal([[0, 1, 2, 3], [8, 9, 10, 11]]))
+    # A verifying row: nodes at 12 + i, positions 12 + depth, each sees the cache before 12 and its ancestors.
+    mask = _causal([[12, 13, 14, 15], [30, 31, 32, 33]])
+    mask[0, 0, :, 12:16] = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+    return dict(input_ids=[[4, 4, 4, 4], [8, 0, 0, 0]], position_ids=[[12, 13, 14, 13], [30, 31, 32, 33]],
+                write_index=[12, 30], kv_length=[16, 31], logits_index=[[0, 1, 2, 3], [0, 1, 2, 3]],
+                attention_mask=mask)
+
+
+@pytest.mark.parametrize("case, tokens, starts, trees", [
+    ("decode", [[5], [7], [9]], [10, 3, 40], ()),
+    ("prefill", [[1, 2, 3, 4], [5, 6]], [0, 8], ()),                    # chunks of two lengths
+    ("tree", [[4] * TREE.size, [8]], [12, 30], (TREE, None)),         # a verifying row beside a plain one
 ])
-def test_filling_reused_buffers_equals_building_fresh_arrays(tokens, starts, trees):
-    fresh = step_arrays(tokens, starts, 64, trees=trees)
+def test_step_arrays_hold_the_contract_values_fresh_and_refilled(case, tokens, starts, trees):
+    expected = _expected(case)
     reused = StepArrays.empty(*step_shape(tokens, trees=trees), 64)
     fill_step_arrays(reused, [[99] * len(t) for t in tokens], [50] * len(tokens), 64, trees)  # stale contents
     fill_step_arrays(reused, tokens, starts, 64, trees)
-    for name, value in fresh.as_dict().items():
-        assert np.array_equal(reused.as_dict()[name], value), name
+    for arrays in (step_arrays(tokens, starts, 64, trees=trees), reused):
+        for name, value in arrays.as_dict().items():
+            assert value.tolist() == np.asarray(expected[name]).astype(value.dtype).tolist(), (case, name)
 
 
 def test_a_decode_step_allocates_nothing_that_grows_with_the_cache():

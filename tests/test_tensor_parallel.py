@@ -201,6 +201,69 @@ def test_a_killed_rank_fails_the_request_by_name(tp_engines):
     assert worker.poll() is not None  # nothing left behind
 
 
+def _rank_processes() -> list[int]:
+    """Live processes this one started to serve ranks (python -m trtbuild.runtime.tensor_parallel)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+        except OSError:  # not a process, or gone meanwhile
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and state != "Z" and b"trtbuild.runtime.tensor_parallel" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken_rank", [0, 1])
+def test_a_rank_that_cannot_load_fails_the_constructor_by_name_and_leaves_no_process(tp_engines, tmp_path,
+                                                                                     broken_rank):
+    import shutil
+
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.tensor_parallel import RankFailure
+
+    engine = shutil.copytree(tp_engines[2], tmp_path / "tp2")
+    weights = engine / f"rank{broken_rank}.onnx.data"
+    with open(weights, "r+b") as handle:  # the dir's checks pass without hashes; loading the rank fails
+        handle.truncate(weights.stat().st_size // 2)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=rf"^tensor-parallel rank {broken_rank} failed: [\w.]+: .+; the engine was not loaded$"):
+        LLM(engine, backend="onnxruntime", verify=False)
+    assert time.monotonic() - start < 30  # not the collective timeout
+    assert _rank_processes() == []
+
+
+@pytest.mark.slow
+def test_a_failing_rank_0_step_is_named_with_its_error(tp_engines):
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.tensor_parallel import RankFailure
+
+    llm = LLM(tp_engines[2], backend="onnxruntime")
+
+    def broken_step(step):
+        raise ValueError("planted on rank 0")
+
+    llm.engine.local.step = broken_step
+    with pytest.raises(RankFailure, match=r"^tensor-parallel rank 0 failed: ValueError: planted on rank 0; "
+                                          r"the request was not completed$"):
+        llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=4))
+    assert _rank_processes() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streamed", [False, True])
+def test_tp_stop_strings_end_at_the_stop(tp_engines, streamed):
+    from stop_cases import check_stop, greedy_steps, stop_cases
+    from trtbuild.runtime.llm import LLM
+
+    with LLM(tp_engines[2], backend="onnxruntime") as llm:
+        for case in stop_cases(llm.tokenizer, greedy_steps(llm)):
+            check_stop(llm, case, streamed)
+
+
 @pytest.mark.slow
 def test_torchrun_launches_the_ranks(tp_engines):
     """Across machines torchrun starts the ranks; here on one machine with --nproc-per-node 2."""

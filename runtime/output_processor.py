@@ -1,0 +1,110 @@
+"""The output processor: each request's text as its tokens are committed, stop strings, and
+what callers receive (``Delta`` pieces, the final ``Completion``).
+
+Every committed token comes through ``on_token`` one at a time (the engine core's callback),
+so a stop string ends the request at the token that completes it on every decoding path: a
+plain step, a greedy run, a Medusa step's accepted path. Streamed pieces hold back the tail of
+the text that could still begin a stop string (as vLLM's output processor does), so the
+pieces always join to exactly the completion's text."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .detokenize import ByteStream, Detokenizer, IncrementalDecoder
+from .engine_core import Sampling
+from .outputs import Completion, Delta
+from .scheduler import Request
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` that could be the start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+@dataclass
+class RequestText:
+    """One request's text so far and how much of it was streamed."""
+
+    decoder: ByteStream | IncrementalDecoder
+    arrival_s: float
+    first_token_s: float | None = None
+    text: str = ""
+    sent: int = 0   # characters already in streamed pieces
+
+    def push(self, request: Request, token: int) -> tuple[Delta, bool]:
+        """Detokenizes the request's newest token (``request.output[-1]``): the piece to stream
+        and whether a stop string completed (the text ends before it). Token-level endings (eos,
+        stop ids, max_tokens) are already the scheduler's, in ``request.finish_reason``."""
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter()
+        before = len(self.text)
+        self.text += self.decoder.push(request.output)
+        if request.finish_reason is not None:
+            self.text += self.decoder.flush(request.output)  # text held back mid-character, if any
+        stops, stopped = request.params.stop, False
+        if stops:  # search only where a stop string could newly complete
+            start = max(0, before - max(map(len, stops)) + 1)
+            stop_at = min((i for i in (self.text.find(s, start) for s in stops) if i >= 0), default=-1)
+            if stop_at >= 0:
+                self.text, stopped = self.text[:stop_at], True
+        finished = stopped or request.finish_reason is not None
+        end = len(self.text) if finished or not stops else len(self.text) - held_back(self.text, stops)
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return Delta(rid=request.rid, text=piece, token_id=token, finished=finished,
+                     finish_reason="stop" if stopped else request.finish_reason), stopped
+
+    def complete(self, request: Request, sampling: Sampling) -> Completion:
+        now, params, count = time.perf_counter(), request.params, len(request.output)
+        return Completion(rid=request.rid, prompt_token_ids=request.prompt, token_ids=list(request.output),
+                          text=self.text, finish_reason=request.finish_reason or "abort",
+                          logprobs=sampling.logprobs[:count] if params.logprobs else None,
+                          cached_tokens=request.cached_tokens, decode_steps=sampling.decode_steps,
+                          accepted_tokens=sampling.accepted_tokens, arrival_s=self.arrival_s,
+                          first_token_s=self.first_token_s or now, finish_s=now,
+                          top_logprobs=(sampling.top_logprobs[:count]
+                                        if params.logprobs and params.top_logprobs else None))
+
+
+class OutputProcessor:
+    """Text and deliverables for every live request; ``on_token`` is the engine core's sink."""
+
+    def __init__(self, detokenizer: Detokenizer):
+        self.detokenizer = detokenizer
+        self.texts: dict[str, RequestText] = {}
+        self._deltas: list[Delta] = []
+
+    def add(self, rid: str, arrival_s: float) -> None:
+        self.texts[rid] = RequestText(self.detokenizer.stream(), arrival_s)
+
+    def on_token(self, request: Request, token: int) -> bool:
+        delta, stopped = self.texts[request.rid].push(request, token)
+        self._deltas.append(delta)
+        return stopped
+
+    def finish(self, finished: list[tuple[Request, Sampling]]) -> tuple[list[Delta], list[Completion]]:
+        """This step's deltas and completions. Each finishing request's last delta carries its
+        completion; one that made no token this step (an abort) gets a closing delta with the
+        text still held back, so its pieces too join to its completion's text."""
+        deltas, self._deltas = self._deltas, []
+        if not finished:  # most steps
+            return deltas, []
+        completions = {r.rid: self.texts[r.rid].complete(r, s) for r, s in finished}
+        closed = set()
+        for index, delta in enumerate(deltas):
+            if delta.finished and delta.rid in completions:
+                deltas[index] = Delta(delta.rid, delta.text, delta.token_id, True, delta.finish_reason,
+                                      completions[delta.rid])
+                closed.add(delta.rid)
+        for rid, completion in completions.items():
+            text = self.texts.pop(rid)
+            if rid not in closed:
+                deltas.append(Delta(rid=rid, text=text.text[text.sent:], token_id=-1, finished=True,
+                                    finish_reason=completion.finish_reason, completion=completion))
+        return deltas, list(completions.values())
