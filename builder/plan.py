@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract.medusa import MIN_GAIN
+from ..contract.medusa import best_tree_prefix, expected_accepted, path_probability
 from ..contract.tensor_parallel import kv_heads_per_rank
 from .frontend.checkpoint import ArchConfig
 from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
@@ -98,13 +98,7 @@ class MedusaPlan:
 
     def expected_accepted(self) -> list[float]:
         """Expected accepted guesses with the first n choices, n = 0..N (paths' products of accuracy)."""
-        from ..contract.medusa import path_probability
-
-        total, out = 0.0, [0.0]
-        for path in self.choices:
-            total += path_probability(path, self.rank_accuracy)
-            out.append(total)
-        return out
+        return expected_accepted([path_probability(path, self.rank_accuracy) for path in self.choices])
 
 
 @dataclass(frozen=True)
@@ -242,12 +236,8 @@ class Plan:
         """(tree choices, expected tokens per step, predicted decode speed-up) that maximise
         tokens per second at ``batch`` — the runtime's rule, with roofline step times."""
         expected = self.medusa.expected_accepted()
-        plain = 1.0 / self.verify_floor_s(batch, 1)
-        rates = [(1 + e) / self.verify_floor_s(batch, 1 + n) for n, e in enumerate(expected)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        if rates[best] < MIN_GAIN * plain:
-            return 0, 1.0, 1.0
-        return best, 1 + expected[best], rates[best] / plain
+        best, speedup = best_tree_prefix(expected, lambda tokens: self.verify_floor_s(batch, tokens))
+        return best, 1 + expected[best], speedup
 
     def recommendations(self) -> list[dict]:
         return recommendations(self)
