@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..contract.medusa import MIN_GAIN, rank_probability
+from ..contract.medusa import best_tree_prefix, expected_accepted, rank_probability
 from .medusa import Accepted, Tree
 
 PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
@@ -63,7 +63,7 @@ class AcceptanceModel:
     def expected_accepted(self, tree: Tree) -> np.ndarray:
         """[N + 1]: expected accepted guesses with the first n choices of ``tree``, n = 0..N."""
         probs = self.path_probabilities(tree.choices)
-        return np.cumsum([0.0, *(probs[path] for path in tree.choices)])
+        return np.array(expected_accepted([probs[path] for path in tree.choices]))
 
 
 class StepTimes:
@@ -179,9 +179,7 @@ class SpeculationPolicy:
 
     def _best(self, batch: int) -> int:
         expected = self.acceptance.expected_accepted(self.prefix(len(self._order)))  # [N + 1]
-        rates = [(1 + expected[n]) / self.times.estimate(batch, 1 + n) for n in range(len(expected))]
-        best = int(np.argmax(rates))
-        return best if rates[best] >= MIN_GAIN * rates[0] else 0
+        return best_tree_prefix(list(expected), lambda tokens: self.times.estimate(batch, tokens))[0]
 
     def _reorder(self) -> None:
         probs = self.acceptance.path_probabilities(self.tree.choices)
