@@ -22,7 +22,6 @@ from ..contract.medusa import best_tree_prefix, expected_accepted, path_probabil
 from ..contract.tensor_parallel import kv_heads_per_rank
 from .frontend.checkpoint import ArchConfig
 from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
-from .plan_advice import TYPICAL_TREE, deployment, recommendations
 from .spec_checks import tensor_parallel_ok
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "w8a8", "int4", "fp4")
@@ -87,6 +86,8 @@ class Workload:
     kv_element_bytes: int
     prefix_cache: bool
 
+
+TYPICAL_TREE = 8  # tokens per Medusa verification when no heads are given (the advice's example)
 
 @dataclass(frozen=True)
 class MedusaPlan:
@@ -239,9 +240,6 @@ class Plan:
         best, speedup = best_tree_prefix(expected, lambda tokens: self.verify_floor_s(batch, tokens))
         return best, 1 + expected[best], speedup
 
-    def recommendations(self) -> list[dict]:
-        return recommendations(self)
-
     def as_dict(self) -> dict:
         return {
             "model": self.arch.architecture, "gpu": self.gpu.name, "gpus": self.gpus, "tp": self.tp,
@@ -264,8 +262,6 @@ class Plan:
             "ridge_batch": self.ridge_batch(),
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
             "workload": self.workload.__dict__,
-            "deployment": deployment(self),
-            "recommendations": self.recommendations(),
             "medusa": None if self.medusa is None else {
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
                                  (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))
