@@ -97,18 +97,25 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
 
 
 def node_origin(out: Path, rank: int, node_name: str) -> str:
-    """Which pass created a node of the rank graph (its ``created_by`` metadata)."""
+    """Which pass created a node of the rank graph, or of the CPU decode graph (rankN.cpu.onnx's
+    decode branch): its ``created_by`` metadata."""
     import onnx
 
-    model = onnx.load(Path(out) / f"rank{rank}.onnx", load_external_data=False)
-    for node in model.graph.node:
-        if node.name == node_name:
-            meta = {p.key: p.value for p in node.metadata_props}
-            return (f"{node.name}: {node.op_type}, created by {meta.get('created_by', 'unknown')}; "
-                    f"inputs {list(node.input)}; outputs {list(node.output)}")
-    close = [n.name for n in model.graph.node if node_name.lower() in n.name.lower()][:8]
+    graphs = [("", onnx.load(Path(out) / f"rank{rank}.onnx", load_external_data=False).graph)]
+    cpu = Path(out) / f"rank{rank}.cpu.onnx"
+    if cpu.is_file():
+        step = onnx.load(cpu, load_external_data=False)
+        graphs += [(" (CPU decode graph)", a.g) for node in step.graph.node if node.op_type == "If"
+                   for a in node.attribute if a.name == "then_branch"]
+    for where, graph in graphs:
+        for node in graph.node:
+            if node.name == node_name:
+                meta = {p.key: p.value for p in node.metadata_props}
+                return (f"{node.name}{where}: {node.op_type}, created by {meta.get('created_by', 'unknown')}; "
+                        f"inputs {list(node.input)}; outputs {list(node.output)}")
+    close = [n.name for _, graph in graphs for n in graph.node if node_name.lower() in n.name.lower()][:8]
     hint = f"; nodes containing it: {', '.join(close)}" if close else ""
-    raise UserError(f"--node: no node named {node_name!r} in rank{rank}.onnx{hint}")
+    raise UserError(f"--node: no node named {node_name!r} in rank{rank}.onnx or its CPU decode graph{hint}")
 
 
 def _stat(entry: dict | None) -> str:

@@ -131,6 +131,9 @@ def test_inspect_shows_the_pass_table(tiny_engine):
     node = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(tiny_engine),
                            "--node", "/model/layers.0/self_attn/Attention"], capture_output=True, text=True)
     assert "created by fuse_attention" in node.stdout
+    cpu = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(tiny_engine), "--node",
+                          "/model/layers.0/self_attn/Attention/cpu_decode"], capture_output=True, text=True)
+    assert "(CPU decode graph): GroupQueryAttention, created by cpu_group_query_attention" in cpu.stdout, cpu.stderr
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
