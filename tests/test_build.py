@@ -91,32 +91,18 @@ def test_every_site_fused_on_the_tiny_model(tiny_engine):
     assert (tiny_engine / "dumps" / "all" / "004_fuse_attention.onnx").is_file()  # before the 1 → N split
 
 
-def test_rank_graph_generates_the_same_greedy_tokens_as_transformers(tiny_engine):
+def test_rank_graph_and_cpu_decode_graph_generate_the_same_greedy_tokens_as_transformers(tiny_engine):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_engine)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     ours = greedy(tiny_engine / "rank0.onnx", prompts, 24, num_layers=6, num_kv_heads=2, head_dim=32, s_max=1024)
     assert ours == transformers_greedy(TINY_CODE, prompts, 24)
-
-
-def test_cpu_decode_graph_generates_the_rank_graphs_and_transformers_tokens(tiny_engine):
-    """The runtime's default CPU path (rank0.cpu.onnx: plain decode steps on the decode graph) and
-    the rank graph alone give transformers' greedy tokens."""
-    from transformers import AutoTokenizer
-
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_engine)
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    llm = LLM(tiny_engine, backend="onnxruntime", threads=2, prefix_cache=False)  # the engine is swapped below
+    # The runtime's default CPU path: plain decode steps on rank0.cpu.onnx's decode graph.
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
     assert llm.engine.decode == "rank0.cpu.onnx"
-    decode_graph = [o.token_ids for o in llm.generate(prompts, params)]
-    llm.engine = OnnxRuntimeEngine(llm.engine_dir, threads=2, use_decode_graph=False)
-    assert llm.engine.decode is None
-    rank_graph = [o.token_ids for o in llm.generate(prompts, params)]
-    assert decode_graph == rank_graph == transformers_greedy(TINY_CODE, prompts, 24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ours
 
 
 def test_inspect_shows_the_pass_table(tiny_engine):
