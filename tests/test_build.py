@@ -140,6 +140,8 @@ def test_other_families_build_and_match_transformers(family, checkpoints, tmp_pa
     llm = LLM(tmp_path / "out", backend="onnxruntime", threads=2)
     assert llm.engine.decode == (None if family == "qwen3" else "rank0.cpu.onnx")
     assert ("cpu_group_query_attention" in records) == (family != "qwen3")
+    if family != "qwen3":  # Qwen2's biased q/k/v projections are not packed (a declared count, not a skip)
+        assert records["cpu_pack_qkv"]["matches"] == records["cpu_pack_qkv"]["expected"] == (0 if family == "qwen2" else 2)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outs] == ours
 

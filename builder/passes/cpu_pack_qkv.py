@@ -140,4 +140,5 @@ def rewrite(model: onnx.ModelProto, ctx: PassContext) -> Rewritten:
 def expected(ctx: PassContext) -> int | None:
     if ctx.spec is not None and ctx.spec.quantization.mode not in PACKED_MODES:
         return None
-    return ctx.arch.num_layers
+    # Biased projections (Qwen2's MatMul → Add) are not this pattern: they stay three MatMuls.
+    return 0 if ctx.arch.attention_bias else ctx.arch.num_layers
