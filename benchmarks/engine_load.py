@@ -6,7 +6,8 @@
 Times, in this process after one warm-up load each, the median of --repeats loads of:
   - ``verify + engine``: reading and verifying the engine dir (manifest, every file's sha256) and
     constructing OnnxRuntimeEngine as ``trtbuild run`` does (its ONNX Runtime session included);
-  - ``engine, rank graph``: the same with ``use_decode_graph=False`` (every step on rank0.onnx):
+  - ``engine``: the engine alone (hashes not checked): what a rewrite at load would add to;
+  - ``engine, rank graph``: the engine with ``use_decode_graph=False`` (every step on rank0.onnx):
     the session of the rank graph alone, for scale.
 Only APIs every version of the runtime has are used, so the same script run on an older checkout
 measures that runtime's load (an engine dir built before the CPU stage existed rewrote the rank
@@ -47,6 +48,7 @@ def measure(engine: Path, repeats: int, threads: int) -> dict[str, float]:
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
 
     return {"verify + engine": median_ms(lambda: OnnxRuntimeEngine(load(engine), threads=threads), repeats),
+            "engine": median_ms(lambda: OnnxRuntimeEngine(load(engine, verify_hashes=False), threads=threads), repeats),
             "engine, rank graph": median_ms(lambda: OnnxRuntimeEngine(load(engine, verify_hashes=False), threads=threads,
                                                                       use_decode_graph=False), repeats)}
 
