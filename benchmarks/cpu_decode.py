@@ -34,7 +34,7 @@ Then the time of each decoded token at batch 1 and 8: the step loop outside the 
 (scheduler, sampling, detokenization), the engine's host side (step arrays, bindings, argmax
 feeding) and ONNX Runtime's run, with multi-step runs and without; the same with ONNX Runtime's
 workers sleeping between ops, and with the rank graph instead of the CPU decode graph
-(contract/cpu_decode_graph.py) — each a before/after in the same run, each configuration in a
+(rank0.cpu.onnx, made by the build's CPU stage) — each a before/after in the same run, each configuration in a
 process of its own; the first ONNX Runtime run of a multi-step run (after the step's Python)
 against the later ones; and ONNX Runtime's profile by op type.
 """
@@ -293,7 +293,8 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
     from trtbuild.contract.onnxruntime import Spinning
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine, cpu_graph
+    from trtbuild.runtime.backends.onnxruntime.step_graph import cpu_graph
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
     from trtbuild.runtime.sampling import SamplingParams
 
     options = BREAKDOWN[config]

@@ -5,7 +5,7 @@
                                             [--threads 2] [--json]
 
 1. A plain decode step of the step model (the If choosing the decode graph, then the next-input
-   nodes: contract/cpu_step_graph.py) against the decode graph with the next-input nodes and no
+   nodes: builder/emit/cpu_step_model.py) against the decode graph with the next-input nodes and no
    If, and against the decode graph alone, at batch 1 and 8 with 128 cached tokens a row.
    With onnxruntime-genai installed (`pip install -e ".[bench]"`), beside them: genai's fp32
    graph (its model builder on the same checkpoint) timed the same way, and a step of genai's own
@@ -46,20 +46,22 @@ def bound_step(engine: Path, model: str, batch: int, threads: int):
     """A function running one plain decode step of ``model`` on reused IO bindings."""
     import onnxruntime as ort
 
+    import onnx
+
+    from trtbuild.builder.emit.cpu_step_model import decode_branch, feeding_decode_model
     from trtbuild.contract import onnxruntime as ort_config
-    from trtbuild.contract.cpu_decode_graph import fill_decode_inputs
-    from trtbuild.contract.cpu_step_graph import PLAIN_DECODE, feeding_decode_model
-    from trtbuild.contract.step import StepArrays
+    from trtbuild.contract.step import PLAIN_DECODE, StepArrays
+    from trtbuild.runtime.backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.kv_pools import PoolShape
-    from trtbuild.runtime.onnxruntime_engine import cpu_graph
 
     d = load(engine)
     source, decode = cpu_graph(d)
     if decode is None:
-        raise SystemExit(f"{engine}: the CPU decode graph does not apply to this engine")
-    if model != MODELS[0]:
-        source = (feeding_decode_model(decode.model) if model == MODELS[1] else decode.model).SerializeToString()
+        raise SystemExit(f"{engine}: the engine dir has no CPU decode graph (rank0.cpu.onnx)")
+    if model != MODELS[0]:  # the step model's decode branch, with the next-input nodes or alone
+        branch = decode_branch(onnx.load(source, load_external_data=False))
+        source = (feeding_decode_model(branch) if model == MODELS[1] else branch).SerializeToString()
     session = ort_config.session(source, threads, d.rank_file(0, "onnx").parent, activations=d.cpu_activations)
     names = {i.name for i in session.get_inputs()}
     arrays = StepArrays.empty(batch, 1, 1, d.max_seq_len)

@@ -15,6 +15,7 @@ from .emit.manifest import graph_metadata, io_table, tool_versions, write_manife
 from ..contract.gpu_targets import describe
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
 from .emit.rank_onnx import save_graph
+from .emit.cpu_step_model import save_cpu_step_model
 from .frontend.export import export_step, load_graph
 from .isolate import map_isolated, run_isolated
 from .medusa.heads import MedusaHeads, load_heads
@@ -74,7 +75,6 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         gate = (NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol, workdir=workdir,
                              quantized_reference=exported.quantized_reference,
                              quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
-                             heads=(spec.arch.num_heads, spec.arch.num_kv_heads) if spec.world_size == 1 else None,
                              activations=spec.quantization.activations)
                 if exported.reference else None)
         context = PassContext.for_spec(spec, quantized, quant_report, weights_dir=workdir)
@@ -90,6 +90,9 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                 save_graph(model, tmp / f"rank{rank}.onnx", workdir)
             cuda_graph_plan = json.loads(graph_metadata(model).get("cuda_graph_batch_sizes", "[]"))
             ranks.append(_rank_entry(spec, rank, model, tmp))
+            if run.cpu_graphs is not None:
+                with progress.stage(f"write rank{rank}.cpu.onnx"):
+                    ranks[-1].update(_cpu_entry(rank, to_onnx(run.cpu_graphs[rank], provenance), model, tmp))
             del model
         del run
         shutil.rmtree(workdir)
@@ -111,6 +114,13 @@ def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
             "onnx_data": data.name if data.is_file() else None, "num_kv_heads": len(heads),
             "kv_heads": [heads.start, heads.stop],
             "weight_bytes": data.stat().st_size if data.is_file() else 0, "io": io_table(model)}
+
+
+def _cpu_entry(rank: int, decode, model, out: Path) -> dict:
+    """Writes rankN.cpu.onnx (the CPU step model: the rank graph and the CPU stage's decode graph,
+    builder/emit/cpu_step_model.py) beside the rank graph ``model`` (as saved); its manifest keys."""
+    data = save_cpu_step_model(decode, model, out / f"rank{rank}.cpu.onnx")
+    return {"cpu_onnx": f"rank{rank}.cpu.onnx", "cpu_onnx_data": data.name if data is not None else None}
 
 
 def _manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], cuda_graph_plan: list[int]) -> dict:

@@ -92,7 +92,7 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
     """
     from .build import BuildOptions, build as run_build
     from .progress import Progress, Verbosity, human_bytes, table
-    from .spec import load_spec
+    from .resolve import load_spec
 
     ctx.meta["trtbuild.debug"] = log_level == "debug"
     # SIGTERM unwinds like Ctrl-C: the staged dir is removed and worker processes die with us.
@@ -183,8 +183,9 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
     from .gpus import find_gpu, gpu_table
     from .known_models import find_known, known_arch, known_names
     from .plan import QUANTIZATION_PRECISION, Plan, medusa_plan, param_counts, workload_for
+    from .plan_advice import plan_report
     from .plan_render import render
-    from .spec import load_spec
+    from .resolve import load_spec
     from .spec_checks import tensor_parallel_refusal
 
     if list_gpus:
@@ -217,7 +218,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
                   workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
                   medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
                   backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
-    click.echo(json.dumps(result.as_dict(), indent=2) if as_json else render(result))
+    click.echo(json.dumps(plan_report(result), indent=2) if as_json else render(result))
 
 
 

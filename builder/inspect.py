@@ -74,9 +74,14 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         numerics = r.get("numerics") or {}
         rows.append(["all" if r["rank"] is None else r["rank"], r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
                      r.get("matches", "-"), f"{r['nodes_before']}→{r['nodes_after']}",
-                     _stat(numerics.get("vs_previous")), _stat(numerics.get("vs_torch"))])
+                     _stat(numerics.get("vs_previous")),
+                     _stat(numerics.get("vs_torch")) if "vs_rank_graph" not in numerics
+                     else f"{_stat(numerics['vs_rank_graph'])} (rank graph, decode step)"])
     lines.append(table(rows, ["rank", "pass", "ms", "modified", "matches", "nodes",
                               "max_abs vs prev", "max_abs vs torch"]))
+    if any(r.get("numerics", {}).get("step") == "decode" for r in records):
+        lines.append("cpu_* passes make rankN.cpu.onnx, the decode graph ONNX Runtime runs at plain decode steps: "
+                     "checked at a decode step against the finished rank graph")
     if detail:
         for r in records:
             lines += ["", f"rank {'all' if r['rank'] is None else r['rank']} {r['pass']}: op counts before → after"]
@@ -92,18 +97,25 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
 
 
 def node_origin(out: Path, rank: int, node_name: str) -> str:
-    """Which pass created a node of the rank graph (its ``created_by`` metadata)."""
+    """Which pass created a node of the rank graph, or of the CPU decode graph (rankN.cpu.onnx's
+    decode branch): its ``created_by`` metadata."""
     import onnx
 
-    model = onnx.load(Path(out) / f"rank{rank}.onnx", load_external_data=False)
-    for node in model.graph.node:
-        if node.name == node_name:
-            meta = {p.key: p.value for p in node.metadata_props}
-            return (f"{node.name}: {node.op_type}, created by {meta.get('created_by', 'unknown')}; "
-                    f"inputs {list(node.input)}; outputs {list(node.output)}")
-    close = [n.name for n in model.graph.node if node_name.lower() in n.name.lower()][:8]
+    graphs = [("", onnx.load(Path(out) / f"rank{rank}.onnx", load_external_data=False).graph)]
+    cpu = Path(out) / f"rank{rank}.cpu.onnx"
+    if cpu.is_file():
+        step = onnx.load(cpu, load_external_data=False)
+        graphs += [(" (CPU decode graph)", a.g) for node in step.graph.node if node.op_type == "If"
+                   for a in node.attribute if a.name == "then_branch"]
+    for where, graph in graphs:
+        for node in graph.node:
+            if node.name == node_name:
+                meta = {p.key: p.value for p in node.metadata_props}
+                return (f"{node.name}{where}: {node.op_type}, created by {meta.get('created_by', 'unknown')}; "
+                        f"inputs {list(node.input)}; outputs {list(node.output)}")
+    close = [n.name for _, graph in graphs for n in graph.node if node_name.lower() in n.name.lower()][:8]
     hint = f"; nodes containing it: {', '.join(close)}" if close else ""
-    raise UserError(f"--node: no node named {node_name!r} in rank{rank}.onnx{hint}")
+    raise UserError(f"--node: no node named {node_name!r} in rank{rank}.onnx or its CPU decode graph{hint}")
 
 
 def _stat(entry: dict | None) -> str:

@@ -74,8 +74,17 @@ def run_torch(step: torch.nn.Module, inputs: dict[str, np.ndarray], output_names
     return {name: out.float().numpy() for name, out in zip(output_names, outputs)}
 
 
-def compare(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict[str, Stats]:
-    """Outputs the graph does not have yet (medusa_logits before attach_medusa) are skipped."""
+class DroppedOutput(ValueError):
+    """A graph lacks an output its reference has and the graph before it produced."""
+
+
+def compare(actual: dict[str, np.ndarray], reference: dict[str, np.ndarray],
+            not_yet: frozenset[str] = frozenset()) -> dict[str, Stats]:
+    """Stats per output of ``reference``. ``not_yet``: outputs the graph does not make yet
+    (medusa_logits before attach_medusa), skipped; any other the graph lacks was dropped."""
+    dropped = sorted(name for name in reference if name not in actual and name not in not_yet)
+    if dropped:
+        raise DroppedOutput(f"the graph lost the output(s) {', '.join(dropped)}")
     out = {}
     for name, ref in reference.items():
         if name not in actual:

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract.medusa import MIN_GAIN
+from ..contract.medusa import best_tree_prefix, expected_accepted, path_probability
 from ..contract.tensor_parallel import kv_heads_per_rank
 from .frontend.checkpoint import ArchConfig
 from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
-from .plan_advice import TYPICAL_TREE, deployment, recommendations
 from .spec_checks import tensor_parallel_ok
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "w8a8", "int4", "fp4")
@@ -88,6 +87,8 @@ class Workload:
     prefix_cache: bool
 
 
+TYPICAL_TREE = 8  # tokens per Medusa verification when no heads are given (the advice's example)
+
 @dataclass(frozen=True)
 class MedusaPlan:
     """The spec's heads and tree, with the heads' per-rank accuracy (the runtime's prior)."""
@@ -98,13 +99,7 @@ class MedusaPlan:
 
     def expected_accepted(self) -> list[float]:
         """Expected accepted guesses with the first n choices, n = 0..N (paths' products of accuracy)."""
-        from ..contract.medusa import path_probability
-
-        total, out = 0.0, [0.0]
-        for path in self.choices:
-            total += path_probability(path, self.rank_accuracy)
-            out.append(total)
-        return out
+        return expected_accepted([path_probability(path, self.rank_accuracy) for path in self.choices])
 
 
 @dataclass(frozen=True)
@@ -242,15 +237,8 @@ class Plan:
         """(tree choices, expected tokens per step, predicted decode speed-up) that maximise
         tokens per second at ``batch`` — the runtime's rule, with roofline step times."""
         expected = self.medusa.expected_accepted()
-        plain = 1.0 / self.verify_floor_s(batch, 1)
-        rates = [(1 + e) / self.verify_floor_s(batch, 1 + n) for n, e in enumerate(expected)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        if rates[best] < MIN_GAIN * plain:
-            return 0, 1.0, 1.0
-        return best, 1 + expected[best], rates[best] / plain
-
-    def recommendations(self) -> list[dict]:
-        return recommendations(self)
+        best, speedup = best_tree_prefix(expected, lambda tokens: self.verify_floor_s(batch, tokens))
+        return best, 1 + expected[best], speedup
 
     def as_dict(self) -> dict:
         return {
@@ -274,8 +262,6 @@ class Plan:
             "ridge_batch": self.ridge_batch(),
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
             "workload": self.workload.__dict__,
-            "deployment": deployment(self),
-            "recommendations": self.recommendations(),
             "medusa": None if self.medusa is None else {
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
                                  (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))

@@ -2,16 +2,15 @@
 Medusa, whether tensor parallelism pays, prefix caching; each with the figure behind it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_ONLY
 from ..contract.medusa import MIN_GAIN
 from .gpus import GB
+from .plan import TYPICAL_TREE, Plan
 
-TYPICAL_TREE = 8  # tokens per Medusa verification when no heads are given (the advice's example)
 
-if TYPE_CHECKING:
-    from .plan import Plan
+def plan_report(plan: Plan) -> dict:
+    """The plan's figures with the advice on them (``trtbuild plan --json``)."""
+    return {**plan.as_dict(), "deployment": deployment(plan), "recommendations": recommendations(plan)}
 
 
 def deployment(plan: Plan) -> str:

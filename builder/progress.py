@@ -37,13 +37,15 @@ class Progress:
 
     def pass_record(self, record: dict) -> None:
         rank = "all" if record["rank"] is None else record["rank"]
-        parts = [f"  rank {rank:<3} {record['pass']:<21}", f"{record['ms']:8.1f} ms",
+        parts = [f"  rank {rank:<3} {record['pass']:<25}", f"{record['ms']:8.1f} ms",
                  f"nodes {record['nodes_before']:>5} → {record['nodes_after']:<5}"]
         if "matches" in record:
             parts.append(f"matches {record['matches']}")
         numerics = record.get("numerics")
-        if numerics:
+        if numerics and "vs_torch" in numerics:
             parts.append(f"max_abs vs torch {numerics['vs_torch']['max_abs']:.2g}")
+        elif numerics:  # a CPU-stage pass: its decode graph at a decode step
+            parts.append(f"max_abs vs rank graph (decode step) {numerics['vs_rank_graph']['max_abs']:.2g}")
         self.say("  ".join(parts))
         if "skipped" in record:
             self.say(f"    skipped: {record['skipped']}", Verbosity.debug)

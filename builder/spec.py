@@ -1,4 +1,7 @@
-"""The deployment spec: YAML validated once into a read-only ``Spec``.
+"""The deployment spec: the YAML document validated (``SpecDocument``, plain data), and the
+read-only ``Spec`` that flows down the build: the document with the facts resolution read
+(the checkpoint's architecture, the Medusa heads and their tree). Resolution and the
+cross-checks against the checkpoint live in builder/resolve.py; nothing here reads a file.
 
 Every field is documented in specs/README.md. Errors are one line naming the YAML path:
 ``parallel.tensor: 3 does not divide num_key_value_heads=2``.
@@ -7,23 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
-import yaml
 # Strict ints and booleans: `max_batch_size: true` or `"8"` is a mistake to name, not a 1 or an 8.
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from ..contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
 from ..contract.onnxruntime import CpuActivations
 from ..contract.tensor_parallel import kv_heads_per_rank
 from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_TARGETS  # noqa: F401  (RTX_TARGETS: API)
-from .errors import SpecError, UserError
-from .spec_checks import check_against_checkpoint, linear_names  # noqa: F401  (linear_names: API)
-from .spec_errors import FieldError, did_you_mean, spec_error
-from .frontend.checkpoint import ArchConfig, arch_config
+from .spec_errors import FieldError
+from .frontend.checkpoint import ArchConfig
 
 
 
@@ -44,10 +44,6 @@ class Backend(str, Enum):
     tensorrt_rtx = "tensorrt-rtx"
 
 
-PASS_NAMES = ("canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
-              "shard_tensor_parallel", "attach_medusa", "plan_cuda_graphs")
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
@@ -55,12 +51,6 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     checkpoint: Path = Field(description="HF checkpoint dir; relative paths are relative to the spec file")
     dtype: DType = DType.float16
-    _arch: ArchConfig | None = PrivateAttr(default=None)
-
-    @property
-    def arch(self) -> ArchConfig:
-        assert self._arch is not None, "Spec was not validated through load_spec/Spec.from_dict"
-        return self._arch
 
 
 class BuildSection(_Section):
@@ -110,15 +100,6 @@ class PassesSection(_Section):
     # rounding can land on the other side of a step there, so outputs get a looser bound.
     quantized_rtol: float = Field(5e-2, gt=0)
 
-    @field_validator("disable")
-    @classmethod
-    def _known(cls, value):
-        for name in value:
-            if name not in PASS_NAMES:
-                raise ValueError(f"unknown pass {name!r}{did_you_mean(name, PASS_NAMES)}; "
-                                 f"valid: {', '.join(PASS_NAMES)}")
-        return value
-
 
 class ParallelSection(_Section):
     tensor: StrictInt = Field(1, ge=1)
@@ -165,36 +146,6 @@ class MedusaSection(_Section):
     tree: Literal["default"] | tuple[tuple[StrictInt, ...], ...] = Field(
         "default", description="default: grown from the heads' measured accuracy; or paths of ranks")
     tree_nodes: StrictInt = Field(63, ge=1, le=255, description="nodes of the default tree (the root not counted)")
-    _choices: tuple[tuple[int, ...], ...] = PrivateAttr(default=())
-    _accuracy: tuple[tuple[float, ...], ...] | None = PrivateAttr(default=None)
-    _rank_accuracy: list[list[float]] = PrivateAttr(default_factory=list)
-    _num_layers: int = PrivateAttr(default=1)
-
-    @property
-    def choices(self) -> tuple[tuple[int, ...], ...]:
-        """The tree to build, likeliest path first (every prefix is a tree)."""
-        assert self._choices, "Spec was not validated through load_spec/Spec.from_dict"
-        return self._choices
-
-    @property
-    def topk_accuracy(self) -> tuple[tuple[float, ...], ...] | None:
-        """The heads' held-out top-1..top-n accuracy, if their config records it."""
-        return self._accuracy
-
-    @property
-    def rank_accuracy(self) -> list[list[float]]:
-        """P(rank r of head k is right): what trees are grown and ordered by."""
-        return self._rank_accuracy
-
-    @property
-    def num_layers(self) -> int:
-        """Residual blocks per head (the heads' medusa_num_layers)."""
-        return self._num_layers
-
-    @property
-    def tree_size(self) -> int:
-        """Tokens of one verification step: the root plus every choice."""
-        return 1 + len(self.choices)
 
 
 class SpeculativeSection(_Section):
@@ -210,8 +161,8 @@ class RuntimeSection(_Section):
     multi_step: StrictInt = Field(DEFAULT_MULTI_STEP, ge=1)
 
 
-class Spec(_Section):
-    """One validated deployment spec. Never mutated after validation."""
+class SpecDocument(_Section):
+    """The spec file's content, validated field by field (plain data: nothing read from disk)."""
 
     model: ModelSection
     build: BuildSection = BuildSection()
@@ -221,9 +172,56 @@ class Spec(_Section):
     speculative: SpeculativeSection = SpeculativeSection()
     runtime: RuntimeSection = RuntimeSection()
 
+
+@dataclass(frozen=True)
+class ResolvedMedusa:
+    """The spec's Medusa section with what its heads dir says (builder/medusa/resolve.py)."""
+
+    heads: Path                                       # absolute
+    num_heads: int
+    num_layers: int                                   # residual blocks per head (medusa_num_layers)
+    choices: tuple[tuple[int, ...], ...]              # the tree to build, likeliest path first
+    topk_accuracy: tuple[tuple[float, ...], ...] | None  # the heads' held-out top-1..n accuracy, if recorded
+    rank_accuracy: tuple[tuple[float, ...], ...]      # P(rank r of head k is right): trees grow by it
+
     @property
-    def arch(self) -> ArchConfig:
-        return self.model.arch
+    def tree_size(self) -> int:
+        """Tokens of one verification step: the root plus every choice."""
+        return 1 + len(self.choices)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One resolved deployment spec (builder/resolve.py makes it): the document, paths made
+    absolute, and the facts read from the checkpoint and the heads. Never mutated."""
+
+    document: SpecDocument
+    arch: ArchConfig
+    medusa: ResolvedMedusa | None
+
+    @property
+    def model(self) -> ModelSection:
+        return self.document.model
+
+    @property
+    def build(self) -> BuildSection:
+        return self.document.build
+
+    @property
+    def passes(self) -> PassesSection:
+        return self.document.passes
+
+    @property
+    def parallel(self) -> ParallelSection:
+        return self.document.parallel
+
+    @property
+    def quantization(self) -> QuantizationSection:
+        return self.document.quantization
+
+    @property
+    def runtime(self) -> RuntimeSection:
+        return self.document.runtime
 
     @property
     def world_size(self) -> int:
@@ -240,10 +238,6 @@ class Spec(_Section):
         return max(self.build.max_input_len, self.verify_tokens)
 
     @property
-    def medusa(self) -> MedusaSection | None:
-        return self.speculative.medusa
-
-    @property
     def verify_tokens(self) -> int:
         """S of a Medusa verification step (1 without Medusa: plain decode)."""
         return self.medusa.tree_size if self.medusa else 1
@@ -258,85 +252,20 @@ class Spec(_Section):
             b *= 2
         return tuple(sizes + [self.build.max_batch_size])
 
+    def model_dump(self, **kwargs) -> dict:
+        """The document as data (what the manifest records)."""
+        return self.document.model_dump(**kwargs)
+
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
     def sha256(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
-    @classmethod
-    def from_dict(cls, data: dict, base_dir: Path = Path("."),
-                  absent_checkpoint: Callable[[Path], ArchConfig | None] | None = None) -> "Spec":
-        """``absent_checkpoint``: for readers that need only the architecture (``plan``), the
-        facts to use when the checkpoint dir is not here (None: refuse, as a build must)."""
-        if not isinstance(data, dict):
-            raise SpecError("", f"a spec is a YAML mapping with sections {', '.join(cls.model_fields)}")
-        try:
-            spec = cls.model_validate(data)
-        except ValidationError as exc:
-            raise spec_error(cls, exc) from None
-        except FieldError as exc:  # raised by a section validator outside pydantic's wrapping
-            raise SpecError(exc.path, exc.message) from None
-        checkpoint = spec.model.checkpoint
-        if not checkpoint.is_absolute():
-            checkpoint = (Path(base_dir) / checkpoint).resolve()
-        stand_in = absent_checkpoint(checkpoint) if absent_checkpoint and not checkpoint.exists() else None
-        try:
-            arch = stand_in or arch_config(checkpoint)
-        except UserError as exc:
-            raise SpecError("model.checkpoint", str(exc)) from None
-        model = spec.model.model_copy(update={"checkpoint": checkpoint})
-        model._arch = arch
-        spec = spec.model_copy(update={"model": model})
-        calibration = spec.quantization.calibration
-        if calibration is not None:
-            calibration = calibration.model_copy(update={"data": tuple(
-                path if path.is_absolute() else (Path(base_dir) / path).resolve() for path in calibration.data)})
-            spec = spec.model_copy(update={"quantization": spec.quantization.model_copy(
-                update={"calibration": calibration})})
-        if spec.medusa is not None:
-            from .medusa.resolve import resolve_medusa  # the heads' modules load only for Medusa specs
 
-            spec = spec.model_copy(update={"speculative": SpeculativeSection(
-                medusa=resolve_medusa(spec.medusa, spec.arch, Path(base_dir)))})
-        check_against_checkpoint(spec)
-        return spec
-
-
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key, line: int):
-        super().__init__(f"duplicate key {key!r}")
-        self.key, self.line = key, line
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's own rule, which PyYAML does not enforce: mapping keys are unique (else the last
-    silently wins, and a spec means something other than it reads)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise _DuplicateKey(key, key_node.start_mark.line + 1)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_spec(path: Path, absent_checkpoint: Callable[[Path], ArchConfig | None] | None = None) -> Spec:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: spec file does not exist")
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
-    except _DuplicateKey as exc:
-        raise UserError(f"{path}: key {exc.key!r} appears twice at line {exc.line}; give each key once") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return Spec.from_dict(data, base_dir=path.parent, absent_checkpoint=absent_checkpoint)
-
-
+def linear_names(arch: ArchConfig) -> list[str]:
+    """Module paths of the linear layers the quantizer may touch, as transformers names them."""
+    names = [f"layers.{i}.{part}" for i in range(arch.num_layers)
+             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return names + ["lm_head"]

@@ -4,13 +4,9 @@ Each refusal is one line naming the YAML field and what would be valid.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .errors import SpecError
 from .frontend.checkpoint import ArchConfig
-
-if TYPE_CHECKING:
-    from .spec import Spec
+from .spec import Spec, linear_names
 
 
 def check_against_checkpoint(spec: Spec) -> None:
@@ -66,14 +62,6 @@ def tensor_parallel_refusal(arch: ArchConfig, tp: int) -> str | None:
 def _divisors(n: int, limit: int = 1024) -> str:
     """Divisors of ``n`` up to ``limit`` (a tensor parallelism beyond that is not a real choice)."""
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
-
-
-def linear_names(arch: ArchConfig) -> list[str]:
-    """Module paths of the linear layers the quantizer may touch, as transformers names them."""
-    names = [f"layers.{i}.{part}" for i in range(arch.num_layers)
-             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    return names + ["lm_head"]
 
 
 def _check_quantization(spec: Spec) -> None:

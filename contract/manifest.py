@@ -60,17 +60,23 @@ def read_manifest(engine_dir: Path) -> dict:
     return manifest
 
 
+# Per rank: the files it must have, and those it may (a graph with no external weights has no
+# data file; an engine dir built without a CPU stage, or before it existed, has no rankN.cpu.onnx).
+RANK_FILES, OPTIONAL_RANK_FILES = ("onnx", "engine"), ("onnx_data", "cpu_onnx", "cpu_onnx_data")
+
+
 def rank_files(manifest: dict) -> list[str]:
     """The files the format says an engine dir needs: each rank's graph, its weights and its
-    engine, and the tokenizer. All must be listed (hashed) in ``files``."""
+    engine, its CPU step model if it has one, and the tokenizer. All must be listed (hashed) in
+    ``files``."""
     names = ["tokenizer.json"]
     for index, rank in enumerate(manifest["ranks"]):
         if not isinstance(rank, dict):
             raise ManifestError(f"{MANIFEST}: ranks[{index}] is not an object")
-        for key in ("onnx", "engine", "onnx_data"):
+        for key in (*RANK_FILES, *OPTIONAL_RANK_FILES):
             name = rank.get(key)
-            if name is None and key == "onnx_data":
-                continue  # a graph with no external weights
+            if name is None and key in OPTIONAL_RANK_FILES:
+                continue
             if not isinstance(name, str) or not _plain_name(name):
                 raise ManifestError(f"{MANIFEST}: ranks[{index}].{key} {name!r} is not a file name inside the "
                                     "engine dir")
@@ -101,23 +107,40 @@ def check_engine_dir(engine_dir: Path, manifest: dict, verify_hashes: bool = Tru
             raise ManifestError(f"{file}: sha256 differs from the manifest; the engine dir is corrupt or was "
                                 "modified: rebuild or re-copy it")
     for rank in manifest["ranks"]:
-        _check_external_data(root / rank["onnx"], rank.get("onnx_data"))
+        _check_external_data(root / rank["onnx"], {rank.get("onnx_data")})
+        if rank.get("cpu_onnx") is not None:  # it shares the rank's weights, and may add its own
+            _check_external_data(root / rank["cpu_onnx"], {rank.get("onnx_data"), rank.get("cpu_onnx_data")})
 
 
-def _check_external_data(graph: Path, data: str | None) -> None:
-    """A rank graph may read weights from its own listed data file only."""
+def _check_external_data(graph: Path, allowed: set[str | None]) -> None:
+    """A rank's graph may read weights from its own listed data files only (subgraphs included)."""
     import onnx
 
     try:
         model = onnx.load(graph, load_external_data=False)
     except Exception as exc:  # noqa: BLE001  (protobuf raises several kinds)
         raise ManifestError(f"{graph}: not a readable ONNX graph ({type(exc).__name__})") from None
-    for tensor in model.graph.initializer:
+    files = sorted(name for name in allowed if name is not None)
+    for tensor in _initializers(model.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = {e.key: e.value for e in tensor.external_data}.get("location")
-            if location != data:
+            if location not in files:
                 raise ManifestError(f"{graph}: tensor {tensor.name} reads weights from {location!r}, not the "
-                                    f"rank's data file {data!r}")
+                                    f"rank's data file{'s' if len(files) > 1 else ''} "
+                                    f"{', '.join(map(repr, files)) or 'None'}")
+
+
+def _initializers(graph):
+    """Every initializer of ``graph`` and of the subgraphs its nodes hold (If branches)."""
+    import onnx
+
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _initializers(attribute.g)
+            for sub in attribute.graphs:
+                yield from _initializers(sub)
 
 
 def _plain_name(name: str) -> bool:

@@ -14,7 +14,7 @@ class Spinning(Enum):
     most ops' arithmetic: on 2 cores (benchmarks/cpu_decode.py) spinning makes a decode step
     1.5–2.1× faster. But an idle worker keeps spinning for ~40 ms after its session's run
     returns, so several spinning sessions on the same cores starve each other: the runtime keeps
-    one session per engine (contract/cpu_step_graph.py), and sessions that take turns within a
+    one session per engine (builder/emit/cpu_step_model.py), and sessions that take turns within a
     step (tensor-parallel segments) sleep."""
 
     always = "always"

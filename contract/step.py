@@ -18,6 +18,14 @@ INPUT_NAMES = ("input_ids", "position_ids", "write_index", "kv_length", "attenti
 LOGITS, MEDUSA_LOGITS = "logits", "medusa_logits"
 CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}  # what ONNX Runtime runs on CPU
 
+# rankN.cpu.onnx (the CPU step model) takes the step's inputs plus PLAIN_DECODE, a bool scalar:
+# true runs the CPU decode graph (plain decode steps, one token a row), false the rank graph. Its
+# outputs add NEXT_INPUTS: the next greedy decode step's inputs, as a plain decode step leaves them.
+PLAIN_DECODE = "plain_decode"
+NEXT_INPUTS = {"input_ids": "next_input_ids", "write_index": "next_write_index", "kv_length": "next_kv_length"}
+# The step inputs the CPU decode graph reads besides the caches: a plain decode step fills only these.
+DECODE_READS = ("input_ids", "write_index", "kv_length")
+
 
 def cache_names(num_layers: int) -> list[str]:
     """``key_0, value_0, key_1, …``: prefix with ``past_``/``present_`` for the graph's names."""

@@ -4,8 +4,9 @@ The KV pools (runtime/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, 
 Each step binds ``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through
 IO binding, so the graph writes the new K/V into the pool itself: no per-step copy of the cache.
 Plain decode steps reuse one binding per shape (``_bind``) and run the CPU decode graph
-(contract/cpu_decode_graph.py: GroupQueryAttention per layer, packed QKV, fused residual norms)
-where it applies; one session holds it and the rank graph (contract/cpu_step_graph.py).
+(GroupQueryAttention per layer, packed QKV, fused residual norms) where the engine dir has one:
+``rankN.cpu.onnx``, built and checked by the build's CPU stage, one session holding it and the
+rank graph (runtime/backends/onnxruntime/step_graph.py). Nothing is rewritten at load.
 """
 from __future__ import annotations
 
@@ -15,38 +16,20 @@ import numpy as np
 import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
-from ..contract.cpu_decode_graph import DecodeGraph, decode_graph, fill_decode_inputs
-from ..contract.cpu_step_graph import NEXT_INPUTS, PLAIN_DECODE, step_model
 from ..contract.onnxruntime import Spinning
-from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, StepArrays, fill_step_arrays, step_shape
+from ..contract.step import (CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, StepArrays,
+                             fill_step_arrays, step_shape)
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
+from .backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import HostPools, PoolShape
 from .scheduler import Step, StepKind
 
 
-# The decode graph's kernels prepack the weights again: worth it for CPU-sized models.
-DECODE_GRAPH_MAX_WEIGHT_BYTES = 2 << 30
 # The If's condition; bindings point at these arrays, so they live as long as the module.
 _PLAIN_DECODE, _NOT_PLAIN_DECODE = np.array(True), np.array(False)
-
-
-def cpu_graph(engine_dir: EngineDir, rank: int = 0, use_decode_graph: bool = True
-              ) -> tuple[str | bytes, DecodeGraph | None]:
-    """What a single-rank engine's session runs (a model path or bytes) and the decode graph in
-    it: the rank graph with the CPU decode graph beside it (contract/cpu_step_graph.py), or the
-    rank graph alone where the decode rewrite does not apply, or for weights over
-    DECODE_GRAPH_MAX_WEIGHT_BYTES (the decode graph's kernels hold their own packed weights)."""
-    path = engine_dir.rank_file(rank, "onnx")
-    if not use_decode_graph or engine_dir.manifest["ranks"][rank]["weight_bytes"] > DECODE_GRAPH_MAX_WEIGHT_BYTES:
-        return fp4.ort_source(path), None
-    model = fp4.cpu_model(path)
-    decode = decode_graph(model, engine_dir.model["num_heads"], engine_dir.num_kv_heads, path.parent)
-    if decode is None:
-        return fp4.ort_source(path), None
-    return step_model(model, decode.model).SerializeToString(), decode
 
 
 @dataclass(frozen=True)
@@ -82,8 +65,7 @@ class OnnxRuntimeEngine:
             self.collective = collective
             outputs = [o.name for o in model.graph.output]
         else:
-            source, decode = cpu_graph(engine_dir, rank, use_decode_graph)
-            self.decode = decode.counts if decode is not None else None  # what the decode graph fused
+            source, self.decode = cpu_graph(engine_dir, rank, use_decode_graph)  # self.decode: rankN.cpu.onnx or None
             self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))

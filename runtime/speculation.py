@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..contract.medusa import MIN_GAIN, rank_probability
+from ..contract.medusa import best_tree_prefix, expected_accepted, rank_probability
 from .medusa import Accepted, Tree
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class AcceptanceModel:
     def expected_accepted(self, tree: Tree) -> np.ndarray:
         """[N + 1]: expected accepted guesses with the first n choices of ``tree``, n = 0..N."""
         probs = self.path_probabilities(tree.choices)
-        return np.cumsum([0.0, *(probs[path] for path in tree.choices)])
+        return np.array(expected_accepted([probs[path] for path in tree.choices]))
 
 
 class StepTimes:
@@ -228,10 +228,9 @@ class SpeculationPolicy:
         expected = self.acceptance.expected_accepted(self.prefix(len(self._order)))  # [N + 1]
         if len(expected) == 1:
             return 0
-        sizes = np.arange(1, len(expected))  # [N] choices verified
-        rates = (1 + expected[1:]) / self.times.estimates(batch, 1 + sizes)  # [N] tokens per second
-        best = int(np.argmax(rates))
-        return int(sizes[best]) if rates[best] >= MIN_GAIN / self.times.plain_estimate(batch) else 0
+        seconds = self.times.estimates(batch, 1 + np.arange(len(expected)))  # [N + 1] a step of 1 + n tokens a row
+        return best_tree_prefix(list(expected), lambda tokens: float(seconds[tokens - 1]),
+                                plain_seconds=self.times.plain_estimate(batch))[0]
 
     def _reorder(self) -> None:
         probs = self.acceptance.path_probabilities(self.tree.choices)

@@ -1,11 +1,14 @@
-"""The decode graph's CPU fusions on small hand-made graphs: what they match, what they leave
-alone, and that ONNX Runtime computes the same numbers after them."""
+"""The CPU stage's rewrites on small hand-made graphs: what they match, what they leave alone,
+and that ONNX Runtime computes the same numbers after them; the CPU step model's If and next
+inputs."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild.contract import onnxruntime as ort_config
-from trtbuild.contract.cpu_fusions import drop_row_gather, pack_qkv, skip_norm
+from trtbuild.builder.passes.cpu_drop_row_gather import drop_row_gather
+from trtbuild.builder.passes.cpu_pack_qkv import pack_qkv
+from trtbuild.builder.passes.cpu_skip_norm import skip_norm
 
 HIDDEN = 16
 
@@ -18,6 +21,10 @@ def _model(nodes, inputs, outputs, initializers=(), opset=24):
 
 def _tensor(name, shape):
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _pair(rewritten):
+    return rewritten.model, rewritten.matches
 
 
 def _run(model, feeds):
@@ -35,7 +42,7 @@ def test_skip_norm_fuses_residual_norms_and_keeps_the_sum():
     weight2 = numpy_helper.from_array(rng.standard_normal((3, HIDDEN)).astype(np.float32), "w2")
     model = _model(nodes, [_tensor("a", [2, 3, HIDDEN]), _tensor("b", [2, 3, HIDDEN])],
                    [_tensor("sum", None), _tensor("normed2", None)], [weight, weight2])
-    fused, count = skip_norm(model)
+    fused, count = _pair(skip_norm(model))
     assert count == 1
     assert [n.op_type for n in fused.graph.node] == ["SkipSimplifiedLayerNormalization", "Add", "RMSNormalization"]
     feeds = {"a": rng.standard_normal((2, 3, HIDDEN)).astype(np.float32),
@@ -61,7 +68,7 @@ def test_pack_qkv_packs_three_projections_of_one_input():
               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
     model = _model(nodes, inputs, [_tensor("out", None), _tensor("present_k", None), _tensor("present_v", None)],
                    weights)
-    packed, count = pack_qkv(model)
+    packed, count = _pair(pack_qkv(model))
     assert count == 1
     assert [n.op_type for n in packed.graph.node] == ["Concat", "MatMul", "GroupQueryAttention"]
     attention = packed.graph.node[-1]
@@ -109,7 +116,7 @@ def test_pack_qkv_packs_quantized_projections_from_external_weights(kind, tmp_pa
     onnx.save_model(_quantized_projections(kind), path, save_as_external_data=True, location="model.onnx.data",
                     size_threshold=0)
     model = onnx.load(path, load_external_data=False)  # as the runtime holds a rank graph
-    packed, count = pack_qkv(model, tmp_path)
+    packed, count = _pair(pack_qkv(model, tmp_path))
     assert count == 1
     assert [n.op_type for n in packed.graph.node] == ["DequantizeLinear", "MatMul", "GroupQueryAttention"]
     rng = np.random.default_rng(5)
@@ -128,7 +135,7 @@ def test_pack_qkv_leaves_quantized_projections_of_different_forms():
     blocks = next(a for a in model.graph.node[2].attribute if a.name == "block_size")  # wk's: 8 → 16 channels
     blocks.i = 16
     model.graph.initializer[3].CopyFrom(numpy_helper.from_array(np.full((1, 8), 0.05, np.float32), "wk_s"))
-    packed, count = pack_qkv(model)
+    packed, count = _pair(pack_qkv(model))
     assert count == 0 and packed.graph.node == model.graph.node
 
 
@@ -141,12 +148,13 @@ def test_pack_qkv_leaves_a_projection_someone_else_reads():
               helper.make_tensor_value_info("seqlens", TensorProto.INT32, [1]),
               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
     model = _model(nodes, inputs, [_tensor("out", None), _tensor("k_copy", None)], weights)
-    packed, count = pack_qkv(model)
+    packed, count = _pair(pack_qkv(model))
     assert count == 0 and packed.graph.node == model.graph.node
 
 
 def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step():
-    from trtbuild.contract.cpu_step_graph import NEXT_INPUTS, PLAIN_DECODE, feeding_decode_model, step_model
+    from trtbuild.builder.emit.cpu_step_model import feeding_decode_model, step_model
+    from trtbuild.contract.step import NEXT_INPUTS, PLAIN_DECODE
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
@@ -197,10 +205,10 @@ def _row_gather_model(index_input):
 
 def test_drop_row_gather_bypasses_the_logits_row_gather_of_a_one_token_step():
     model = _row_gather_model("logits_index")
-    dropped, count = drop_row_gather(model)
+    dropped, count = _pair(drop_row_gather(model))
     assert count == 1
     assert [n.op_type for n in dropped.graph.node] == ["Unsqueeze", "Expand", "Add", "RMSNormalization"]
-    fused, norms = skip_norm(dropped)  # the last norm now fuses like the others
+    fused, norms = _pair(skip_norm(dropped))  # the last norm now fuses like the others
     assert norms == 1
     rng = np.random.default_rng(4)
     feeds = {"hidden": rng.standard_normal((2, 1, HIDDEN)).astype(np.float32),
@@ -211,12 +219,12 @@ def test_drop_row_gather_bypasses_the_logits_row_gather_of_a_one_token_step():
 
 def test_drop_row_gather_leaves_other_gathers():
     model = _row_gather_model("other_index")
-    dropped, count = drop_row_gather(model)
+    dropped, count = _pair(drop_row_gather(model))
     assert count == 0 and dropped.graph.node == model.graph.node
 
 
 def test_int4_codes_concatenate_exactly_whatever_their_widths():
-    from trtbuild.contract.cpu_fusions import _concat
+    from trtbuild.builder.passes.cpu_pack_qkv import _concat
 
     rng = np.random.default_rng(6)
     codes = [rng.integers(-8, 8, (3, n)) for n in (3, 5, 2)]  # rows of 1.5, 2.5 and 1 bytes

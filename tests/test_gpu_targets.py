@@ -116,11 +116,11 @@ def test_no_gpu_means_the_cpu_backend(monkeypatch):
 
 
 def spec_with(tmp_path, **build):
-    from trtbuild.builder.spec import Spec
+    from trtbuild.builder.resolve import spec_from_dict
 
     from conftest import TINY_CODE
 
-    return Spec.from_dict({"model": {"checkpoint": str(TINY_CODE), "dtype": "float16"}, "build": {"max_seq_len": 512, **build}}, tmp_path)
+    return spec_from_dict({"model": {"checkpoint": str(TINY_CODE), "dtype": "float16"}, "build": {"max_seq_len": 512, **build}}, tmp_path)
 
 
 def test_datacenter_targets_need_tensorrt_built_on_that_gpu(tmp_path):

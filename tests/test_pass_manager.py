@@ -10,6 +10,7 @@ import pytest
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.numerics import run_onnx
 from trtbuild.builder.passes import PIPELINE, Pass, PassContext, PassError, PassResult
+from trtbuild.builder.passes.base import graph_metadata, record_metadata
 from trtbuild.builder.passes.fuse_rmsnorm import fuse_rmsnorm
 from trtbuild.builder.passes.instruments import to_onnx
 from trtbuild.builder.passes.manager import PassManager
@@ -84,3 +85,69 @@ def test_records_provenance_and_dumps(tmp_path):
     exported = to_onnx(result.graph, result.provenance[0])
     meta = {p.key: p.value for p in exported.graph.node[0].metadata_props}
     assert meta == {"created_by": "fuse_rmsnorm"}
+
+
+def drop_an_output(graph, ctx):
+    graph.outputs = graph.outputs[:1]
+    return PassResult(graph=graph, modified=True)
+
+
+def _two_outputs() -> onnx.ModelProto:
+    """y = rmsnorm(x) and z = x + x: two outputs, as a step has logits and present_* caches."""
+    model = graphs.rmsnorm()
+    model.graph.node.append(onnx.helper.make_node("Add", ["x", "x"], ["z"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2, 3, 16]))
+    return model
+
+
+def test_numerics_gate_fails_a_pass_that_drops_an_output_but_not_one_not_made_yet():
+    model = _two_outputs()
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, 16)).astype(np.float32)}
+    reference = run_onnx(model, feeds)
+    # medusa_logits-like: the reference has it, no graph has made it yet: skipped, not a failure.
+    reference["heads"] = np.zeros(3, np.float32)
+    passes = (Pass("fuse_rmsnorm", fuse_rmsnorm), Pass("drop_an_output", drop_an_output))
+    with pytest.raises(PassError, match=r"pass drop_an_output: the graph lost the output\(s\) z \(after fuse_rmsnorm\)"):
+        PassManager(passes, numerics=NumericsGate(feeds, reference, atol=1e-4, rtol=1e-4)).run(gs.import_onnx(model), CTX)
+    result = PassManager(passes[:1], numerics=NumericsGate(feeds, reference, atol=1e-4, rtol=1e-4)).run(
+        gs.import_onnx(model), CTX)
+    assert result.records[0]["numerics"]["ok"]
+
+
+def record_plan(graph, ctx):
+    record_metadata(graph, "plan", [1, 2])
+    return PassResult(graph=graph, modified=False)
+
+
+def test_metadata_recorded_before_the_split_reaches_every_rank_graph():
+    passes = (Pass("record_plan", record_plan), Pass("per_rank", identity, per_rank=True))
+    result = PassManager(passes).run(gs.import_onnx(graphs.rmsnorm()), PassContext(spec=None, world_size=2))
+    assert len(result.graphs) == 2 and result.graphs[0] is not result.graphs[1]
+    assert [graph_metadata(g) for g in result.graphs] == [{"plan": "[1, 2]"}] * 2
+
+
+def mark_cpu(graph, ctx):
+    graph.nodes[0].name = "cpu_only"
+    return PassResult(graph=graph, modified=True)
+
+
+@pytest.mark.parametrize("cpu_stage", [True, False])
+def test_cpu_stage_runs_on_a_copy_of_the_finished_rank_graph(cpu_stage):
+    passes = (Pass("fuse_rmsnorm", fuse_rmsnorm), Pass("plan", record_plan, per_rank=True),
+              Pass("mark_cpu", mark_cpu, per_rank=True, cpu=True))
+    records = []
+    result = PassManager(passes, on_record=records.append).run(gs.import_onnx(graphs.rmsnorm()),
+                                                               PassContext(spec=None, cpu_stage=cpu_stage))
+    assert [n.name for n in result.graph.nodes] != ["cpu_only"]  # the rank graph TensorRT compiles is untouched
+    if cpu_stage:
+        (cpu,) = result.cpu_graphs
+        assert [n.name for n in cpu.nodes] == ["cpu_only"] and graph_metadata(cpu) == {"plan": "[1, 2]"}
+        assert records[-1]["pass"] == "mark_cpu" and records[-1]["ops_after"] == {"RMSNormalization": 1}
+    else:  # base.cpu_stage_skipped said no: its passes do not run
+        assert result.cpu_graphs is None and [r["pass"] for r in records] == ["fuse_rmsnorm", "plan"]
+
+
+def test_a_rank_graph_pass_after_the_cpu_stage_is_refused():
+    passes = (Pass("mark_cpu", mark_cpu, per_rank=True, cpu=True), Pass("late", identity, per_rank=True))
+    with pytest.raises(PassError, match="pass late runs on the rank graph but comes after the CPU-stage pass mark_cpu"):
+        PassManager(passes)

@@ -12,7 +12,7 @@ from trtbuild.builder.numerics import run_onnx
 from trtbuild.builder.passes import PassContext, PassError
 from trtbuild.builder.passes.quantize_weights import quantize_weights
 from trtbuild.builder.quant.algorithms import awq, fp8_per_tensor, rtn
-from trtbuild.builder.spec import Spec
+from trtbuild.builder.resolve import spec_from_dict
 
 from conftest import REPO, TINY_CODE
 
@@ -43,21 +43,21 @@ def spec_with(**quantization) -> dict:
 ])
 def test_quantization_refusals_name_the_field(quantization, message):
     with pytest.raises(SpecError) as info:
-        Spec.from_dict(spec_with(**quantization))
+        spec_from_dict(spec_with(**quantization))
     assert str(info.value).startswith(message), str(info.value)
 
 
 def test_valid_int4_spec_resolves_calibration_path(tmp_path):
     (tmp_path / "calib.txt").write_text("x = 1\n" * 100)
-    spec = Spec.from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
+    spec = spec_from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
                                     calibration={"data": "calib.txt"}), base_dir=tmp_path)
     assert spec.quantization.bits == 4 and spec.quantization.calibration.data == (tmp_path / "calib.txt",)
     (tmp_path / "more.txt").write_text("y = 2\n" * 100)
-    several = Spec.from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
+    several = spec_from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
                                        calibration={"data": ["calib.txt", "more.txt"]}), base_dir=tmp_path)
     assert several.quantization.calibration.data == (tmp_path / "calib.txt", tmp_path / "more.txt")
     with pytest.raises(SpecError, match="quantization.calibration.data: .*missing.txt is not a file"):
-        Spec.from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
+        spec_from_dict(spec_with(mode="int4_weight_only", algorithm="gptq", group_size=64,
                                  calibration={"data": ["calib.txt", "missing.txt"]}), base_dir=tmp_path)
 
 
@@ -150,7 +150,7 @@ def test_embedding_table_becomes_int8_rows_dequantized_then_gathered():
 
 
 def test_tied_embeddings_are_not_quantized_twice(checkpoints):
-    message = str(pytest.raises(SpecError, Spec.from_dict, {
+    message = str(pytest.raises(SpecError, spec_from_dict, {
         "model": {"checkpoint": str(checkpoints["qwen2"]), "dtype": "float32"}, "build": {"max_seq_len": 512},
         "quantization": {"mode": "int8_weight_only", "quantize_embeddings": True}}).value)
     assert message.startswith("quantization.quantize_embeddings: the checkpoint ties its embeddings")
@@ -178,7 +178,7 @@ def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
 
     calib = tmp_path / "calib.txt"
     calib.write_text((REPO / "tools" / "train_tiny_model.py").read_text() * 20)  # code, and not held-out text
-    spec = Spec.from_dict({**spec_with(**quantization, calibration={"data": str(calib), "samples": 8, "seq_len": 256}),
+    spec = spec_from_dict({**spec_with(**quantization, calibration={"data": str(calib), "samples": 8, "seq_len": 256}),
                            "build": {"max_input_len": 256, "max_seq_len": 1024,
                                      "targets": ["sm120"] if quantization["mode"] == "nvfp4" else ["sm89"]}})
     summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
@@ -208,7 +208,7 @@ def test_int8_cpu_activations_reach_every_onnx_runtime_session(tmp_path):
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    spec = Spec.from_dict({**spec_with(mode="int4_weight_only", cpu_activations="int8"),
+    spec = spec_from_dict({**spec_with(mode="int4_weight_only", cpu_activations="int8"),
                            "build": {"max_input_len": 64, "max_seq_len": 256, "targets": ["sm89"]}})
     summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
     record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")["numerics"]

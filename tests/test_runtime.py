@@ -151,7 +151,7 @@ def test_an_arrival_ends_a_run_after_the_current_step(tiny_engine, reference):
 
 
 def test_a_default_onnxruntime_session_still_opens_beside_the_runtime(llm, tiny_engine):
-    """The runtime keeps its threads per session (contract/cpu_step_graph.py): ONNX Runtime's
+    """The runtime keeps its threads per session (builder/emit/cpu_step_model.py): ONNX Runtime's
     process-wide pool would make every other session in the process fail unless it opted in."""
     import onnxruntime as ort
 

@@ -1,6 +1,7 @@
 """Spec validation: valid specs load; each bad input is one line naming the YAML path."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pydantic import ValidationError
 import yaml
 
 from trtbuild.builder.errors import SpecError, UserError
-from trtbuild.builder.spec import Spec, load_spec
+from trtbuild.builder.resolve import load_spec, spec_from_dict
 
 from conftest import REPO, TINY_CODE
 
@@ -33,7 +34,7 @@ def spec_dict(**overrides) -> dict:
 
 def error_of(data: dict, base_dir: Path = Path(".")) -> str:
     with pytest.raises(UserError) as info:
-        Spec.from_dict(data, base_dir=base_dir)
+        spec_from_dict(data, base_dir=base_dir)
     return str(info.value)
 
 
@@ -42,19 +43,37 @@ def test_bundled_spec_loads_with_checkpoint_facts():
     assert spec.model.checkpoint == TINY_CODE.resolve()
     assert spec.arch.num_layers == 6 and spec.arch.num_heads == 8 and spec.arch.num_kv_heads == 2
     assert spec.cuda_graph_batch_sizes == (1, 2, 4, 8)
-    assert len(spec.sha256()) == 64
 
 
-def test_spec_is_read_only():
-    spec = Spec.from_dict(spec_dict())
+def test_spec_hash_is_of_what_the_spec_means(tmp_path):
+    """The manifest's spec_sha256 names a deployment: the same spec written differently (key
+    order, a relative checkpoint path, a default spelled out) hashes the same; any change of a
+    value does not."""
+    base = spec_from_dict(spec_dict())
+    reordered = {"build": {"max_seq_len": 512, "max_input_len": 64},
+                 "model": {"dtype": "float32", "checkpoint": os.path.relpath(TINY_CODE, tmp_path)}}
+    assert spec_from_dict(reordered, base_dir=tmp_path).sha256() == base.sha256()
+    assert spec_from_dict(spec_dict(build={"max_batch_size": 8})).sha256() == base.sha256()  # the default
+    assert spec_from_dict(spec_dict(build={"max_batch_size": 4})).sha256() != base.sha256()
+    assert spec_from_dict(spec_dict(model={"dtype": "float16"})).sha256() != base.sha256()
+
+
+def test_spec_is_read_only_data():
+    spec = spec_from_dict(spec_dict())
     with pytest.raises(ValidationError, match="frozen"):
         spec.build.max_batch_size = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.arch = None
+    # Resolution adds facts beside the document; the document itself stays the YAML's data.
+    assert set(spec.model_dump()) == {"model", "build", "passes", "parallel", "quantization", "speculative", "runtime"}
+    sections = [spec.document, *(getattr(spec.document, name) for name in type(spec.document).model_fields)]
+    assert not any(getattr(section, "__pydantic_private__", None) for section in sections)  # nothing written on the side
 
 
 def test_defaults_and_explicit_buckets():
-    spec = Spec.from_dict(spec_dict(build={"max_batch_size": 12, "cuda_graph_batch_sizes": [8, 1, 4]}))
+    spec = spec_from_dict(spec_dict(build={"max_batch_size": 12, "cuda_graph_batch_sizes": [8, 1, 4]}))
     assert spec.cuda_graph_batch_sizes == (1, 4, 8)
-    assert Spec.from_dict(spec_dict(build={"max_batch_size": 12})).cuda_graph_batch_sizes == (1, 2, 4, 8, 12)
+    assert spec_from_dict(spec_dict(build={"max_batch_size": 12})).cuda_graph_batch_sizes == (1, 2, 4, 8, 12)
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -136,11 +155,11 @@ def test_cli_reports_spec_error_with_exit_code_2(tmp_path):
 
 
 def test_medusa_section_resolves_the_tree(tmp_path):
-    spec = Spec.from_dict(spec_dict(speculative={"medusa": {"heads": str(MEDUSA), "num_heads": 4,
+    spec = spec_from_dict(spec_dict(speculative={"medusa": {"heads": str(MEDUSA), "num_heads": 4,
                                                            "tree_nodes": 10}}))
     assert len(spec.medusa.choices) == 10 and spec.medusa.choices[0] == (0,)
     assert spec.verify_tokens == 11 and spec.max_step_tokens == spec.build.max_input_len
-    chosen = Spec.from_dict(spec_dict(speculative={"medusa": {"heads": str(MEDUSA), "num_heads": 4,
+    chosen = spec_from_dict(spec_dict(speculative={"medusa": {"heads": str(MEDUSA), "num_heads": 4,
                                                              "tree": [[1], [0, 0], [0]]}}))
     assert chosen.medusa.choices == ((0,), (0, 0), (1,))  # likeliest first, parents first
 

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import REPO, TINY_CODE
 from trtbuild.builder.errors import SpecError
-from trtbuild.builder.spec import Spec
+from trtbuild.builder.resolve import spec_from_dict
 from trtbuild.contract.tensor_parallel import gather_caches, kv_heads, query_heads, shard_caches
 from trtbuild.plugins.segments import run_ranks, split
 
@@ -85,7 +85,7 @@ def _config_dir(tmp_path, **fields):
 def test_tensor_parallel_refusals_name_the_field(tmp_path, fields, tensor, message):
     checkpoint = _config_dir(tmp_path, **fields)
     with pytest.raises(SpecError) as info:
-        Spec.from_dict({"model": {"checkpoint": str(checkpoint)}, "parallel": {"tensor": tensor}})
+        spec_from_dict({"model": {"checkpoint": str(checkpoint)}, "parallel": {"tensor": tensor}})
     assert str(info.value).startswith(message), str(info.value)
 
 
@@ -94,8 +94,8 @@ def test_int4_group_may_not_straddle_ranks():
             "quantization": {"mode": "int4_weight_only", "group_size": 256}}
     with pytest.raises(SpecError, match=r"quantization.group_size: 256 does not divide intermediate_size / "
                                         r"parallel.tensor 2=384"):
-        Spec.from_dict(spec)
-    Spec.from_dict({**spec, "parallel": {"tensor": 1}})  # 768 is whole groups on one rank
+        spec_from_dict(spec)
+    spec_from_dict({**spec, "parallel": {"tensor": 1}})  # 768 is whole groups on one rank
 
 
 # -- built engines ------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_int4_group_may_not_straddle_ranks():
 def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", dump_after=frozenset(), **sections) -> Path:
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.builder.spec import load_spec
+    from trtbuild.builder.resolve import load_spec
 
     spec = yaml.safe_load((REPO / "specs" / base).read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)

@@ -120,6 +120,35 @@ def _foreign_data_location(d: Path):
     _write(d, m)
 
 
+def _edit_cpu_step_model(d: Path):
+    """A node of the CPU step model retargeted (a rewrite after the build): its hash no longer matches."""
+    import onnx
+    model = onnx.load(d / "rank0.cpu.onnx", load_external_data=False)
+    model.graph.node[-1].name = "tampered"
+    onnx.save_model(model, d / "rank0.cpu.onnx")
+
+
+def _unlist_cpu_step_model(d: Path):
+    m = _manifest(d)
+    del m["files"]["rank0.cpu.onnx"]
+    _write(d, m)
+
+
+def _cpu_step_model_reads_elsewhere(d: Path):
+    """The CPU step model's decode branch pointed at a file outside the dir, its hash updated."""
+    import onnx
+    from trtbuild.contract.manifest import sha256_file
+    model = onnx.load(d / "rank0.cpu.onnx", load_external_data=False)
+    branch = next(a.g for a in model.graph.node[0].attribute if a.name == "then_branch")
+    tensor = next(t for t in branch.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    next(e for e in tensor.external_data if e.key == "location").value = "../../foreign.data"
+    onnx.save_model(model, d / "rank0.cpu.onnx")
+    m = _manifest(d)
+    m["files"]["rank0.cpu.onnx"] = {"sha256": sha256_file(d / "rank0.cpu.onnx"),
+                                    "bytes": (d / "rank0.cpu.onnx").stat().st_size}
+    _write(d, m)
+
+
 TAMPERING = {
     "flip a weight byte": (_flip, "rank0.onnx.data: sha256 differs"),
     "truncate the weights": (_truncate, "rank0.onnx.data: sha256 differs"),
@@ -136,6 +165,11 @@ TAMPERING = {
     "manifest missing keys": (_missing_keys, "manifest.json: missing keys ranks"),
     "manifest not UTF-8": (_not_utf8, "manifest.json: not UTF-8"),
     "graph reads weights elsewhere": (_foreign_data_location, "reads weights from '../../foreign.data'"),
+    "edit the CPU step model": (_edit_cpu_step_model, "rank0.cpu.onnx: sha256 differs"),
+    "unlist the CPU step model": (_unlist_cpu_step_model, "rank0.cpu.onnx: needed by the engine dir but not listed"),
+    "CPU step model reads weights elsewhere": (_cpu_step_model_reads_elsewhere,
+                                               "reads weights from '../../foreign.data', not the rank's data "
+                                               "file 'rank0.onnx.data'"),
 }
 
 

@@ -1,22 +1,17 @@
-"""The spec's Medusa section against its heads dir: checked once at validation, the tree fixed."""
+"""The spec's Medusa section against its heads dir: checked once at resolution, the tree fixed."""
 from __future__ import annotations
-
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import SpecError, UserError
 from ..frontend.checkpoint import ArchConfig
+from ..spec import MedusaSection, ResolvedMedusa
 from .heads import read_heads_config
 from .tree import check_tree, default_tree, ordered, rank_accuracy
 
-if TYPE_CHECKING:
-    from ..spec import MedusaSection
 
-
-def resolve_medusa(section: "MedusaSection", arch: ArchConfig, base_dir: Path) -> "MedusaSection":
-    """Checks the heads dir against the checkpoint and fixes the tree (computed once, here)."""
-
-    heads = section.heads if section.heads.is_absolute() else (base_dir / section.heads).resolve()
+def resolve_medusa(section: MedusaSection, arch: ArchConfig) -> ResolvedMedusa:
+    """Checks the heads dir (``section.heads``, absolute) against the checkpoint and fixes the
+    tree (computed once, here)."""
+    heads = section.heads
     try:
         config = read_heads_config(heads)
     except UserError as exc:
@@ -39,7 +34,6 @@ def resolve_medusa(section: "MedusaSection", arch: ArchConfig, base_dir: Path) -
         if not section.tree:
             raise SpecError("speculative.medusa.tree", "empty; give at least [[0]] or use default")
         choices = ordered(section.tree, accuracy)
-    resolved = section.model_copy(update={"heads": heads})
-    resolved._choices, resolved._accuracy = choices, config.topk_accuracy
-    resolved._rank_accuracy, resolved._num_layers = accuracy, config.num_layers
-    return resolved
+    return ResolvedMedusa(heads=heads, num_heads=section.num_heads, num_layers=config.num_layers, choices=choices,
+                          topk_accuracy=config.topk_accuracy,
+                          rank_accuracy=tuple(tuple(row) for row in accuracy))

@@ -1,20 +1,24 @@
 """Pass conventions: a pass is a function ``(graph, ctx) -> PassResult``.
 
 The pipeline splits once, 1 → N: passes before the first ``per_rank`` pass see the whole
-model once (``ctx.rank`` None); from there every pass runs on each rank's graph.
+model once (``ctx.rank`` None); from there every pass runs on each rank's graph. The ``cpu``
+passes come last: they run on a copy of each finished rank graph (what TensorRT compiles,
+``rankN.onnx``) and make the CPU decode graph ONNX Runtime runs (``rankN.cpu.onnx``).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import onnx_graphsurgeon as gs
 
 from ..errors import UserError
 from ..frontend.checkpoint import ArchConfig
-from ..spec import Spec
+
+if TYPE_CHECKING:  # the pass registry reads a Spec, it does not import one (spec.py validates pass names against it)
+    from ..spec import Spec
 
 METADATA = "trtbuild_metadata"  # gs.Graph attribute: what passes record in the model's metadata_props
 
@@ -30,12 +34,13 @@ class PassContext:
     quantized: dict | None = None     # layer name → QuantizedLinear, when the spec quantizes
     quant_report: dict | None = None  # layer name → weight/output errors measured on the checkpoint
     weights_dir: Path | None = None   # where external weight files live; per-rank passes write theirs here
+    cpu_stage: bool = False           # the CPU passes run (cpu_stage_applies); hand-built contexts say so
 
     @classmethod
     def for_spec(cls, spec: Spec, quantized: dict | None = None, quant_report: dict | None = None,
                  weights_dir: Path | None = None) -> "PassContext":
         return cls(spec=spec, world_size=spec.world_size, arch=spec.arch, quantized=quantized,
-                   quant_report=quant_report, weights_dir=weights_dir)
+                   quant_report=quant_report, weights_dir=weights_dir, cpu_stage=cpu_stage_skipped(spec) is None)
 
     def for_rank(self, rank: int) -> "PassContext":
         return replace(self, rank=rank)
@@ -54,6 +59,7 @@ class Pass:
     run: Callable[[gs.Graph, PassContext], PassResult]
     requires: tuple[str, ...] = ()  # passes that must be enabled and run earlier
     per_rank: bool = False          # runs on each rank's graph (the first such pass is the 1 → N split)
+    cpu: bool = False               # runs on the rank's CPU decode graph (per rank, after every other pass)
 
 
 class PassError(UserError):
@@ -65,6 +71,22 @@ def after(ran: list[str]) -> str:
     return f" (after {', '.join(ran)})" if ran else " (it ran first)"
 
 
+def cpu_stage_skipped(spec: Spec) -> str | None:
+    """Why the CPU stage makes no decode graph for this spec, or None when it does. The CPU
+    runtime runs float32/float16 rank graphs; tensor-parallel ranks run the rank graph in
+    segments between collectives; ONNX Runtime has no FP4 kernels (the runtime simulates the
+    rank graph's); GroupQueryAttention has no place for Qwen3's per-head q/k norms."""
+    if spec.world_size > 1:
+        return "tensor-parallel ranks run their rank graph in segments"
+    if spec.model.dtype.value not in ("float32", "float16"):
+        return f"ONNX Runtime's CPU kernels do not run {spec.model.dtype.value}"
+    if spec.quantization.mode == "nvfp4":
+        return "ONNX Runtime has no FP4 kernels"
+    if spec.arch.qk_norm:
+        return "GroupQueryAttention has no place for per-head q/k norms"
+    return None
+
+
 def record_metadata(graph: gs.Graph, key: str, value) -> None:
     """A decision a pass records in the graph itself; it becomes model metadata (JSON) that the
     emitter reads into the manifest."""
@@ -74,3 +96,14 @@ def record_metadata(graph: gs.Graph, key: str, value) -> None:
 
 def graph_metadata(graph: gs.Graph) -> dict[str, str]:
     return dict(vars(graph).get(METADATA, {}))
+
+
+def copy_metadata(source: gs.Graph, target: gs.Graph) -> gs.Graph:
+    """``target`` with ``source``'s recorded metadata (``gs.Graph.copy()`` and re-imports drop it)."""
+    vars(target)[METADATA] = graph_metadata(source)
+    return target
+
+
+def copy_graph(graph: gs.Graph) -> gs.Graph:
+    """A deep copy of ``graph``, the metadata passes recorded in it included."""
+    return copy_metadata(graph, graph.copy())

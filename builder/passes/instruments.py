@@ -28,6 +28,9 @@ class Instrument:
     def split(self, world_size: int) -> None:
         """The pipeline has just turned one graph into ``world_size`` rank graphs."""
 
+    def start_cpu_stage(self, rank_graphs: list[gs.Graph]) -> None:
+        """The rank graphs are final; the passes from here on work on the CPU decode graphs."""
+
 
 class OpCounts(Instrument):
     def before(self, p, rank, graph):

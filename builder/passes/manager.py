@@ -5,6 +5,11 @@ rank ``None``, shown as "all"); then the graph is copied per rank and each later
 every rank's graph before the next pass starts, so instruments (the numerics check above
 all) can look at all ranks together. Ordering constraints are checked before anything runs;
 a failure names the pass, the rank and the passes that ran before it.
+
+The ``cpu`` passes come last: at the first, each finished rank graph is kept (``graphs``, what
+becomes rankN.onnx) and a copy of it runs through the CPU stage (``cpu_graphs``, rankN.cpu.onnx),
+under the same instruments. Where the stage does not apply (``PassContext.cpu_stage``) its
+passes do not run and ``cpu_graphs`` is None.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from ..errors import UserError
-from .base import Pass, PassContext, PassError, PassResult, after
+from .base import Pass, PassContext, PassError, PassResult, after, copy_graph
 from .instruments import Dump, Instrument, OpCounts, Provenance, Timing, to_onnx  # noqa: F401  (to_onnx: API)
 
 
@@ -25,6 +30,7 @@ class RunResult:
     results: dict[str, list[PassResult]]          # pass name → its result per graph it ran on
     provenance: list[dict[str, str]]              # per rank: node name → pass that created it
     records: list[dict] = field(default_factory=list)
+    cpu_graphs: list[gs.Graph] | None = None      # per rank: the CPU decode graph, when the CPU stage ran
 
     @property
     def graph(self) -> gs.Graph:
@@ -54,7 +60,7 @@ class PassManager:
         """Every pass's requirements must be enabled and come before it, and no whole-model pass
         may follow a per-rank one; checked before any runs."""
         seen: set[str] = set()
-        split = None
+        split = cpu = None
         for p in self.enabled:
             for need in p.requires:
                 if need in self.disabled:
@@ -64,7 +70,12 @@ class PassManager:
                     raise PassError(f"pass {p.name} requires {need} to run before it")
             if split and not p.per_rank:
                 raise PassError(f"pass {p.name} runs on the whole model but comes after the per-rank pass {split}")
+            if p.cpu and not p.per_rank:
+                raise PassError(f"pass {p.name} is a CPU-stage pass, and those run per rank")
+            if cpu and not p.cpu:
+                raise PassError(f"pass {p.name} runs on the rank graph but comes after the CPU-stage pass {cpu}")
             split = split or (p.name if p.per_rank else None)
+            cpu = cpu or (p.name if p.cpu else None)
             seen.add(p.name)
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> RunResult:
@@ -78,12 +89,19 @@ class PassManager:
         results: dict[str, list[PassResult]] = {}
         records: list[dict] = []
         ran: list[str] = []
+        rank_graphs: list[gs.Graph] | None = None  # once the CPU stage has started
         for p in self.enabled:
             if p.per_rank and contexts[0].rank is None:  # the 1 → N split
-                graphs = [graph if ctx.world_size == 1 else graph.copy() for _ in range(ctx.world_size)]
+                graphs = [graph if ctx.world_size == 1 else copy_graph(graph) for _ in range(ctx.world_size)]
                 contexts = [ctx.for_rank(rank) for rank in range(ctx.world_size)]
                 for instrument in instruments:
                     instrument.split(ctx.world_size)
+            if p.cpu and rank_graphs is None:  # the rank graphs are done; the CPU stage works on copies
+                if not ctx.cpu_stage:
+                    break
+                rank_graphs, graphs = graphs, [copy_graph(g) for g in graphs]
+                for instrument in instruments:
+                    instrument.start_cpu_stage(rank_graphs)
             step_results, step_records = [], []
             for index, (rank_graph, rank_ctx) in enumerate(zip(graphs, contexts)):
                 for instrument in instruments:
@@ -103,7 +121,9 @@ class PassManager:
             results[p.name] = step_results
             records += step_records
             ran.append(p.name)
-        return RunResult(graphs=graphs, results=results, provenance=provenance.by_rank, records=records)
+        return RunResult(graphs=graphs if rank_graphs is None else rank_graphs, results=results,
+                         provenance=provenance.by_rank, records=records,
+                         cpu_graphs=None if rank_graphs is None else graphs)
 
     @staticmethod
     def _call(p: Pass, graph: gs.Graph, ctx: PassContext, ran: list[str]) -> PassResult:

@@ -5,6 +5,12 @@ After the tensor-parallel split the N rank graphs run together as one step (each
 cache shard as input, the collectives computed in numpy between their segments) and the
 gathered logits are compared with the whole model's: a sharding mistake fails the pass that
 made it.
+
+The CPU stage's passes make a graph for plain decode steps only: each is checked at a decode
+step (the seeded step cut to one token a row) against the finished rank graph at that step.
+
+An output the reference has is either not made yet (medusa_logits before attach_medusa: no
+graph so far had it) or must be there: a pass that loses one (a ``present_*``) fails.
 """
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
-from ...contract.cpu_decode_graph import decode_graph
 from ...contract.onnxruntime import CpuActivations
 from ...contract.tensor_parallel import gather_caches, shard_caches
 from ...plugins import fp4
@@ -26,22 +31,38 @@ from .instruments import Instrument
 class NumericsGate(Instrument):
     def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
                  quantized_reference: dict | None = None, quantized_rtol: float | None = None,
-                 num_kv_heads: int | None = None, heads: tuple[int, int] | None = None,
-                 activations: CpuActivations = CpuActivations.float):
+                 num_kv_heads: int | None = None, activations: CpuActivations = CpuActivations.float):
         """``workdir`` holds the graphs' external weight files; ``quantized_reference`` is torch
         eager with the dequantized weights, the reference once the graph holds quantized weights
         (quantization error is measured, not a pass's mistake); ``num_kv_heads`` of the whole
-        model, to give each rank its cache shard; ``heads`` (query, KV) of a single-rank graph,
-        for the CPU decode graph (contract/cpu_decode_graph.py), checked against the rank graph
-        at a decode step whenever it applies; ``activations`` the spec's, as the runtime will run."""
+        model, to give each rank its cache shard; ``activations`` the spec's, as the runtime will run."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
         self.workdir, self.quantized_reference = workdir, quantized_reference
         self.quantized_rtol = quantized_rtol or rtol
-        self.num_kv_heads, self.heads, self.activations = num_kv_heads, heads, activations
+        self.num_kv_heads, self.activations = num_kv_heads, activations
         self.previous: dict | None = None  # outputs of the graphs before the current pass
+        self.produced: set[str] | None = None  # every output some graph so far had
         self.first = True
+        self.decode_reference: dict | None = None  # the rank graph at a decode step (the CPU stage's reference)
+        self.decode_previous: dict | None = None
+
+    def before(self, p, rank, graph):
+        if self.produced is None:  # the exported graph
+            self.produced = {tensor.name for tensor in graph.outputs}
+
+    def start_cpu_stage(self, rank_graphs):
+        if len(rank_graphs) != 1:
+            return  # the CPU stage runs on single-rank graphs only (base.cpu_stage_skipped)
+        model = self._model(rank_graphs[0])
+        self.decode_reference = numerics.run_onnx(self._runnable(model, "numerics.onnx"),
+                                                  numerics.decode_inputs(self.inputs), activations=self.activations)
+        self.decode_previous = self.decode_reference
 
     def after_all(self, p, graphs, results, records, ran):
+        if p.cpu:
+            if self.decode_reference is not None and any(r.modified for r in results):
+                self._check_decode(p, graphs[0], records, ran)
+            return
         if not (self.first or any(r.modified for r in results)):
             return
         self.first = False
@@ -55,27 +76,23 @@ class NumericsGate(Instrument):
         quantized = any(node.op == "DequantizeLinear" for node in graphs[0].nodes)
         use_quantized = quantized and self.quantized_reference is not None
         reference = self.quantized_reference if use_quantized else self.reference
-        vs_torch = numerics.compare(outputs, reference)
-        vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
+        not_yet = frozenset(name for name in reference if name not in self.produced)
+        try:
+            vs_torch = numerics.compare(outputs, reference, not_yet)
+            vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
+        except numerics.DroppedOutput as exc:
+            raise PassError(f"pass {p.name}: {exc}{after(ran)}") from None
         self.previous = outputs
-        record = {"vs_torch": numerics.worst(vs_torch)}
+        self.produced |= set(outputs)
+        # Quantized graphs: int8 activations (CpuActivations.int8) round differently in the two graphs.
+        rtol = self.quantized_rtol if use_quantized else self.rtol
+        record = {"vs_torch": numerics.worst(vs_torch), "atol": self.atol, "rtol": rtol}
         if use_quantized:
-            record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference))
+            record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference, not_yet))
         if vs_previous is not None:
             record["vs_previous"] = numerics.worst(vs_previous)
         if len(graphs) > 1:
             record["ranks_together"] = len(graphs)
-        # Quantized graphs: int8 activations (CpuActivations.int8) round differently in the two graphs.
-        rtol = self.quantized_rtol if use_quantized else self.rtol
-        decode = self.check_decode(models[0], single) if single is not None and self.heads is not None else None
-        if decode is not None:
-            counts, stats = decode
-            record["cpu_decode"] = {**counts, **numerics.worst(stats)}
-            bad_decode = {name: s for name, s in stats.items() if not s.within(self.atol, rtol)}
-            if bad_decode:
-                name, stat = max(bad_decode.items(), key=lambda kv: kv[1].max_abs)
-                raise PassError(f"after pass {p.name} the CPU decode graph (GroupQueryAttention) differs from the "
-                                f"rank graph: {name} max_abs {stat.max_abs:.3g} exceeds atol {self.atol}{after(ran)}")
         bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, rtol)}
         record["ok"] = not bad
         for rank_record in records:
@@ -96,19 +113,32 @@ class NumericsGate(Instrument):
         logits = {name: value for name, value in outputs[0].items() if not name.startswith("present_")}
         return {**logits, **gather_caches(outputs, self.num_kv_heads)}
 
-    def check_decode(self, model: onnx.ModelProto, runnable: onnx.ModelProto | Path
-                     ) -> tuple[dict[str, int], dict] | None:
-        """(the decode graph's fusion counts, stats of the decode graph vs the rank graph at a
-        decode step), or None when the decode rewrite does not apply to this graph (yet).
-        ``runnable``: the rank graph as ONNX Runtime loads it."""
-        found = decode_graph(model, *self.heads, self.workdir)
-        if found is None:
-            return None
-        inputs = numerics.decode_inputs(self.inputs)
-        reference = numerics.run_onnx(runnable, inputs, activations=self.activations)
-        actual = numerics.run_onnx(self._runnable(found.model, "numerics_decode.onnx"), inputs,
-                                   activations=self.activations)
-        return found.counts, numerics.compare(actual, reference)
+    def _check_decode(self, p, graph, records, ran) -> None:
+        """A CPU-stage pass's graph at the decode step, against the rank graph and the graph before it."""
+        model = self._model(graph)
+        try:
+            outputs = numerics.run_onnx(self._runnable(model, "numerics_cpu.onnx"),
+                                        numerics.decode_inputs(self.inputs), activations=self.activations)
+        except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PassError(f"pass {p.name} left a decode graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
+        try:
+            vs_rank = numerics.compare(outputs, self.decode_reference)
+            vs_previous = numerics.compare(outputs, self.decode_previous)
+        except numerics.DroppedOutput as exc:
+            raise PassError(f"pass {p.name}: {exc}{after(ran)}") from None
+        self.decode_previous = outputs
+        rtol = self.quantized_rtol if any(n.op == "DequantizeLinear" for n in graph.nodes) else self.rtol
+        bad = {name: s for name, s in vs_rank.items() if not s.within(self.atol, rtol)}
+        record = {"step": "decode", "vs_rank_graph": numerics.worst(vs_rank), "vs_previous": numerics.worst(vs_previous),
+                  "atol": self.atol, "rtol": rtol, "ok": not bad}
+        for rank_record in records:
+            rank_record["numerics"] = record
+        if bad:
+            name, stat = max(bad.items(), key=lambda kv: kv[1].max_abs)
+            raise PassError(f"pass {p.name} broke numerics: at a decode step {name} max_abs {stat.max_abs:.3g} "
+                            f"(max_rel {stat.max_rel:.3g}) vs the rank graph exceeds atol {self.atol} / rtol "
+                            f"{rtol}{after(ran)}")
 
     def _runnable(self, model: onnx.ModelProto, name: str) -> onnx.ModelProto | Path:
         """``model``, or saved in the workdir, where its external weights resolve."""

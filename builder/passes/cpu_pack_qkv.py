@@ -1,22 +1,13 @@
-"""CPU fusions for the decode graph (contract/cpu_decode_graph.py), each pattern +
-replacement, reporting its match count (the check is the decode graph's: the build's numerics
-gate runs it against the rank graph).
+"""CPU stage: a GroupQueryAttention's three projections of one input become one MatMul over the
+weights concatenated, fed to GroupQueryAttention as its packed QKV input: float weights by a
+Concat of initializers, which ONNX Runtime folds once; quantized ones (DequantizeLinear →
+MatMul) by one DequantizeLinear over codes and scales concatenated here (ONNX has no Concat of
+int4), which ONNX Runtime turns into one n-bit GEMM. The packed tensors are new: the engine dir
+holds them in rankN.cpu.onnx's own data file, every other weight in the rank's
+(builder/emit/cpu_step_model.py).
 
-- ``skip_norm``: ``Add(a, b) → RMSNormalization`` becomes com.microsoft
-  SkipSimplifiedLayerNormalization, which returns the sum too (the residual stream): two ops
-  and a temporary per norm become one.
-- ``drop_row_gather``: the step's ``GatherElements`` of the rows at ``logits_index`` is the
-  identity in a plain decode step (one token a row, so S = R = 1 and every index is 0): its
-  readers take the hidden state itself, and the last residual Add → final norm becomes a
-  ``skip_norm`` match like every other layer's.
-- ``pack_qkv``: a GroupQueryAttention's three projections of one input become one MatMul over
-  the weights concatenated, fed to GroupQueryAttention as its packed QKV input: float weights by
-  a Concat of initializers, which ONNX Runtime folds once; quantized ones (DequantizeLinear →
-  MatMul) by one DequantizeLinear over codes and scales concatenated here, in memory (ONNX has
-  no Concat of int4), which ONNX Runtime turns into one n-bit GEMM.
-
-Measured in benchmarks/cpu_decode.py (the "step, rank graph" column is the same runtime without
-the decode graph).
+    fusion: pattern (three MatMuls of one input, read only by the attention) + replacement + check
+    (the numerics gate: a decode step against the rank graph)
 """
 from __future__ import annotations
 
@@ -26,65 +17,16 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
+from .base import PassContext
+from .onnx_rewrite import Rewritten, attribute, replace_nodes
 
-def attribute(node: onnx.NodeProto, name: str, default=None):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
-
-
-def _replace(model: onnx.ModelProto, replacement: dict[int, list[onnx.NodeProto]]) -> onnx.ModelProto:
-    """``model`` with each node whose id is a key replaced by the listed nodes (none: removed)."""
-    nodes: list[onnx.NodeProto] = []
-    for node in model.graph.node:
-        nodes.extend(replacement.get(id(node), [node]))
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+# Quantization modes whose q/k/v projections have the one form pack_qkv packs (float, or weight-only
+# DequantizeLinear → MatMul); with activations quantized too the count is reported, not required.
+PACKED_MODES = ("none", "int8_weight_only", "int4_weight_only")
 
 
-def skip_norm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """(the model with Add → RMSNormalization pairs fused, pairs fused)."""
-    producer = {o: n for n in model.graph.node for o in n.output}
-    replacement: dict[int, list[onnx.NodeProto]] = {}
-    for norm in model.graph.node:
-        add = producer.get(norm.input[0]) if norm.op_type == "RMSNormalization" else None
-        # The fused op normalizes the last axis with float accumulation: only that form matches.
-        if (add is None or add.op_type != "Add" or id(add) in replacement or attribute(norm, "axis", -1) != -1
-                or attribute(norm, "stash_type", 1) != 1):
-            continue
-        replacement[id(add)] = []
-        replacement[id(norm)] = [helper.make_node(
-            "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],
-            [norm.output[0], "", "", add.output[0]], name=f"{norm.name}/skip", domain="com.microsoft",
-            epsilon=float(attribute(norm, "epsilon", 1e-5)))]
-    return _replace(model, replacement), len(replacement) // 2
-
-
-def drop_row_gather(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """(the model with the logits-row gather bypassed, gathers bypassed: 0 or 1). Valid only for
-    steps of one token a row: the decode graph's."""
-    graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    outputs = {o.name for o in graph.output}
-    for gather in graph.node:
-        expand = producer.get(gather.input[1]) if gather.op_type == "GatherElements" else None
-        unsqueeze = producer.get(expand.input[0]) if expand is not None and expand.op_type == "Expand" else None
-        if (unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.input[0] != "logits_index"
-                or gather.output[0] in outputs or attribute(gather, "axis", 0) != 1):
-            continue
-        hidden, picked = gather.input[0], gather.output[0]  # [B, S, D] → [B, R, D]
-        out = _replace(model, {id(gather): []})
-        for node in out.graph.node:
-            for i, name in enumerate(node.input):
-                if name == picked:
-                    node.input[i] = hidden
-        return out, 1
-    return model, 0
-
-
-def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> tuple[onnx.ModelProto, int]:
-    """(the model with each GroupQueryAttention's q/k/v MatMuls packed into one, attentions packed).
+def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> Rewritten:
+    """The model with each GroupQueryAttention's q/k/v MatMuls packed into one.
     ``weights_dir``: where the model's external weights are (quantized projections are packed
     from their bytes)."""
     graph = model.graph
@@ -95,6 +37,7 @@ def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> tuple[o
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
     replacement: dict[int, list[onnx.NodeProto]] = {}
+    unmatched: dict[str, str] = {}
     packed_weights: list[onnx.TensorProto] = []
     for attention in graph.node:
         if attention.op_type != "GroupQueryAttention" or not all(attention.input[:3]):
@@ -102,6 +45,7 @@ def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> tuple[o
         projections = [producer.get(name) for name in attention.input[:3]]
         if any(p is None or p.op_type != "MatMul" or readers[p.output[0]] != 1 for p in projections) \
                 or len({p.input[0] for p in projections}) != 1:
+            unmatched[attention.name] = "q/k/v are not three MatMuls of one input, each read by the attention only"
             continue
         weight, packed = f"{attention.name}/qkv_weight", f"{attention.name}/qkv"  # [K, N_q + N_k + N_v]
         if all(p.input[1] in weights for p in projections):
@@ -111,6 +55,7 @@ def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> tuple[o
             dequantize = _packed_dequantize([producer.get(p.input[1]) for p in projections], weights, readers,
                                             weight, weights_dir)
             if dequantize is None:
+                unmatched[attention.name] = "the q/k/v weights' DequantizeLinear forms differ"
                 continue
             node, tensors = dequantize
             nodes = [node]
@@ -123,9 +68,9 @@ def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> tuple[o
             replacement[id(p)] = []
         replacement[id(attention)] = [*nodes, helper.make_node("MatMul", [projections[0].input[0], weight], [packed],
                                                                name=packed), fused]
-    out = _replace(model, replacement)
+    out = replace_nodes(model, replacement)
     out.graph.initializer.extend(packed_weights)
-    return out, sum(1 for nodes in replacement.values() if nodes)
+    return Rewritten(out, sum(1 for nodes in replacement.values() if nodes), unmatched)
 
 
 def _packed_dequantize(nodes: list[onnx.NodeProto | None], weights: dict[str, onnx.TensorProto],
@@ -186,3 +131,14 @@ def _concat(tensors: list[onnx.TensorProto], axis: int, name: str, weights_dir: 
         out.raw_data = ((flat[0::2] & 0xF) | ((flat[1::2] & 0xF) << 4)).astype(np.uint8).tobytes()
         return out
     return numpy_helper.from_array(values, name)
+
+
+def rewrite(model: onnx.ModelProto, ctx: PassContext) -> Rewritten:
+    return pack_qkv(model, ctx.weights_dir)
+
+
+def expected(ctx: PassContext) -> int | None:
+    if ctx.spec is not None and ctx.spec.quantization.mode not in PACKED_MODES:
+        return None
+    # Biased projections (Qwen2's MatMul → Add) are not this pattern: they stay three MatMuls.
+    return 0 if ctx.arch.attention_bias else ctx.arch.num_layers

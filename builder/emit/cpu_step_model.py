@@ -1,0 +1,146 @@
+"""``rankN.cpu.onnx``: one ONNX Runtime model for every CPU step of a rank.
+
+An ``If`` on the bool input ``plain_decode`` runs the CPU decode graph (the CPU stage's output:
+GroupQueryAttention, packed q/k/v, fused residual norms) for plain decode steps and the rank
+graph for everything else (prefill chunks, Medusa verification). After the If the model computes
+each row's next decode inputs from the step's logits (``NEXT_INPUTS``: the argmax as
+``input_ids``, ``write_index``/``kv_length`` one further), which the runtime binds onto its input
+buffers so greedy steps run back to back.
+
+Why one model and not two sessions: each ONNX Runtime session owns a thread pool whose idle
+worker keeps spinning for milliseconds after a run, so with two sessions on 2 cores a prefill
+after decode steps ran 2× slower (benchmarks/cpu_decode.py). In one session the steps share one
+pool; the If costs 12–29 µs of a batch-1 step on the bundled model (benchmarks/cpu_step_overheads.py).
+Each branch holds the initializers it reads: ONNX Runtime's subgraph rewrites (e.g.
+``DequantizeLinear → MatMul`` into its n-bit GEMM) only find weights in their own graph.
+
+Weights: every tensor the two branches share with the rank graph is read from the rank's own
+data file (``rankN.onnx.data``, same bytes, same offsets: nothing is written twice); only tensors
+the CPU stage made (packed quantized q/k/v) go to ``rankN.cpu.onnx.data``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from ...contract.step import NEXT_INPUTS, PLAIN_DECODE
+from .rank_onnx import INLINE_BELOW
+
+
+def _branch(model: onnx.ModelProto, tag: str, outputs: list[str]) -> onnx.GraphProto:
+    """``model``'s graph as a subgraph: the step's outputs renamed (a subgraph may not produce a
+    name the outer graph defines), the initializers its nodes read, no inputs of its own."""
+    rename = {name: f"{tag}/{name}" for name in outputs}
+    graph = onnx.GraphProto(name=f"{tag}_step")
+    graph.node.extend(model.graph.node)
+    for node in graph.node:
+        for i, name in enumerate(node.output):
+            node.output[i] = rename.get(name, name)
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
+    read = {name for node in graph.node for name in node.input}
+    graph.initializer.extend(t for t in model.graph.initializer if t.name in read)
+    for value in model.graph.output:
+        out = graph.output.add()
+        out.CopyFrom(value)
+        out.name = rename[value.name]
+    return graph
+
+
+def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto) -> onnx.ModelProto:
+    """The rank graph's inputs plus ``plain_decode``, its outputs plus NEXT_INPUTS, chosen by one If."""
+    outputs = [o.name for o in rank.graph.output]
+    if [o.name for o in decode.graph.output] != outputs:
+        raise ValueError("the decode graph's outputs differ from the rank graph's")
+    step = helper.make_node("If", [PLAIN_DECODE], outputs, name="cpu_step",
+                            then_branch=_branch(decode, "decode", outputs), else_branch=_branch(rank, "rank", outputs))
+    graph = helper.make_graph([step, *_next_inputs()], "cpu_step",
+                              [*rank.graph.input, helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])],
+                              [*rank.graph.output, *_next_outputs()])
+    model = helper.make_model(graph, opset_imports=list(decode.opset_import))
+    model.ir_version = rank.ir_version
+    model.metadata_props.extend(decode.metadata_props)
+    return model
+
+
+def feeding_decode_model(decode: onnx.ModelProto) -> onnx.ModelProto:
+    """The decode graph with the NEXT_INPUTS nodes and no If: what the step model runs at a plain
+    decode step, less the If (benchmarks/cpu_step_overheads.py measures the difference)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(decode)
+    model.graph.node.extend(_next_inputs())
+    model.graph.output.extend(_next_outputs())
+    return model
+
+
+def decode_branch(step: onnx.ModelProto) -> onnx.ModelProto:
+    """The decode graph of a step model as a model of its own (its outputs named as the rank graph's)."""
+    (node,) = [n for n in step.graph.node if n.op_type == "If"]
+    branch = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch")
+    graph = onnx.GraphProto()
+    graph.CopyFrom(branch)
+    for name, value in zip(node.output, graph.output):
+        for inner in graph.node:
+            for i, out in enumerate(inner.output):
+                if out == value.name:
+                    inner.output[i] = name
+        value.name = name
+    graph.input.extend(i for i in step.graph.input if i.name != PLAIN_DECODE)
+    model = helper.make_model(graph, opset_imports=list(step.opset_import))
+    model.ir_version = step.ir_version
+    return model
+
+
+def _next_outputs() -> list[onnx.ValueInfoProto]:
+    return [helper.make_tensor_value_info(NEXT_INPUTS["input_ids"], TensorProto.INT32, ["B", "R"]),
+            helper.make_tensor_value_info(NEXT_INPUTS["write_index"], TensorProto.INT64, ["B"]),
+            helper.make_tensor_value_info(NEXT_INPUTS["kv_length"], TensorProto.INT64, ["B"])]
+
+
+def _next_inputs() -> list[onnx.NodeProto]:
+    """The NEXT_INPUTS nodes. Every one reads the logits, so it runs after the If has read the
+    inputs it may overwrite (bound onto the same buffers); the increment is the logits' row
+    count R, 1 at a plain decode step, rather than a constant that could be added first."""
+    return [helper.make_node("ArgMax", ["logits"], ["next/argmax"], axis=-1, keepdims=0, name="next/argmax"),  # [B, R]
+            helper.make_node("Cast", ["next/argmax"], [NEXT_INPUTS["input_ids"]], to=TensorProto.INT32,
+                             name="next/input_ids"),
+            helper.make_node("Shape", ["logits"], ["next/rows"], start=1, end=2, name="next/rows"),  # [1]: R
+            helper.make_node("Add", ["write_index", "next/rows"], [NEXT_INPUTS["write_index"]], name="next/write_index"),
+            helper.make_node("Add", ["kv_length", "next/rows"], [NEXT_INPUTS["kv_length"]], name="next/kv_length")]
+
+
+def save_cpu_step_model(decode: onnx.ModelProto, rank: onnx.ModelProto, path: Path) -> Path | None:
+    """Writes the step model of ``rank`` (as saved: its large tensors in its data file) and
+    ``decode`` (the CPU stage's graph) to ``path``; returns its own data file, if it needs one.
+    A decode tensor of the rank's name, type and shape is the rank's (the CPU passes never
+    change a weight, they only add tensors), so it is read from the rank's data file."""
+    path = Path(path)
+    shared = {t.name: t for t in rank.graph.initializer}
+    data_path = path.parent / f"{path.name}.data"
+    offset = 0
+    with open(data_path, "wb") as out:
+        for tensor in decode.graph.initializer:
+            known = shared.get(tensor.name)
+            if known is not None and (known.data_type, list(known.dims)) == (tensor.data_type, list(tensor.dims)):
+                tensor.CopyFrom(known)
+                continue
+            if known is not None:
+                raise ValueError(f"{path}: tensor {tensor.name} differs from the rank graph's of that name")
+            if tensor.data_location == TensorProto.EXTERNAL:
+                raise ValueError(f"{path}: tensor {tensor.name} is external and not the rank graph's")
+            if not tensor.HasField("raw_data") or len(tensor.raw_data) < INLINE_BELOW:
+                continue
+            data = tensor.raw_data
+            tensor.ClearField("raw_data")
+            out.write(data)
+            for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(len(data)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            tensor.data_location = TensorProto.EXTERNAL
+            offset += len(data)
+    if offset == 0:
+        data_path.unlink()
+    onnx.save_model(step_model(rank, decode), path)
+    return data_path if offset else None

@@ -1,0 +1,1 @@
+"""Engine backends' own code (what only one backend needs)."""

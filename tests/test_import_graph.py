@@ -1,0 +1,110 @@
+"""No import circles among trtbuild's modules: builder, runtime, contract and plugins each read
+top-down (a module's imports never lead back to it), and builder and runtime never import each
+other. Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (a
+type that names its user back is a circle too, one the interpreter just does not run into)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("builder", "runtime", "contract", "plugins")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The trtbuild modules ``path`` imports (``from .x import y`` counts y if it is a module)."""
+    package = _module(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package[:len(package) - child.level + 1]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                elif child.module and child.module.startswith("trtbuild."):
+                    target = child.module[len("trtbuild."):]
+                else:
+                    target = None
+                if target is not None:
+                    found.add(target)
+                    found.update(f"{target}.{alias.name}" for alias in child.names
+                                 if f"{target}.{alias.name}" in modules)
+            elif isinstance(child, ast.Import):
+                found.update(a.name[len("trtbuild."):] for a in child.names if a.name.startswith("trtbuild."))
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return {m for m in found if m in modules and m != _module(path)}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
+    modules = {_module(p) for p in paths}
+    graph = {_module(p): _imports(p, modules) for p in paths}
+    # Importing a.b.c runs a/__init__ and a/b/__init__ first.
+    for module in list(graph):
+        for target in list(graph[module]):
+            parts = target.split(".")
+            graph[module].update(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in modules)
+        graph[module].discard(module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def connect(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return out
+
+
+def test_the_import_graph_has_no_circles():
+    graph = import_graph()
+    # A package's __init__ re-exporting its submodules is not a circle of modules.
+    for module, targets in graph.items():
+        for target in list(targets):
+            if module.startswith(target + "."):
+                targets.discard(target)
+    assert circles(graph) == []
+
+
+def test_builder_and_runtime_do_not_import_each_other():
+    graph = import_graph()
+    crossings = sorted((m, t) for m, targets in graph.items() for t in targets
+                       if {m.split(".")[0], t.split(".")[0]} == {"builder", "runtime"})
+    assert crossings == []
+
+
+def test_the_checker_finds_a_planted_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
