@@ -109,17 +109,23 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
             "engines": [{"rank": i, "bytes": e.bytes, "seconds": round(e.seconds, 3), "weight_bytes": r["weight_bytes"],
                          "peak_rss_bytes": e.peak_rss_bytes}
                         for i, (e, r) in enumerate(zip(summary.engines, summary.manifest["ranks"]))],
-            "peak_rss_bytes": summary.peak_rss_bytes}, indent=2))
+            "processes": [{"process": p.name, "peak_rss_bytes": p.peak, "anon_bytes": p.anon, "file_bytes": p.file}
+                          for p in summary.processes],
+            "peak_rss_bytes": summary.peak_rss_bytes, "dir_bytes": summary.dir_bytes}, indent=2))
         return
     stages = [[name, f"{sec:.1f}"] for name, sec in summary.stages]
     stages.append(["total", f"{sum(sec for _, sec in summary.stages):.1f}"])
     click.echo(table(stages, ["stage", "seconds"]))
     click.echo()
     weights = [r["weight_bytes"] for r in summary.manifest["ranks"]]
-    click.echo(table([[f"rank{i}", human_bytes(e.bytes), f"{e.seconds:.1f}", human_bytes(w), human_bytes(e.peak_rss_bytes)]
+    click.echo(table([[f"rank{i}", human_bytes(e.bytes), f"{e.seconds:.1f}", human_bytes(w)]
                       for i, (e, w) in enumerate(zip(summary.engines, weights))],
-                     ["engine", "size", "build s", "weights", "builder peak RSS"]))
-    click.echo(f"\npeak RSS {human_bytes(summary.peak_rss_bytes)}; engine dir {summary.out}")
+                     ["engine", "size", "build s", "weights"]))
+    click.echo()
+    click.echo(table([[p.name, human_bytes(p.peak), human_bytes(p.anon), human_bytes(p.file)] for p in summary.processes],
+                     ["process", "peak RSS", "anon", "file"]))
+    click.echo(f"\npeak RSS {human_bytes(summary.peak_rss_bytes)}; engine dir {summary.out} "
+               f"({human_bytes(summary.dir_bytes)})")
 
 
 @main.command()

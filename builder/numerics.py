@@ -14,11 +14,47 @@ import torch
 from ..contract import onnxruntime as ort_config
 from ..contract.onnxruntime import CpuActivations
 from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
-from .spec import Spec
+from .spec import DType, Spec
 
-# The check runs each pass's graph in-memory in ONNX Runtime, which holds a second copy of
-# the weights (and protobuf caps a model at 2 GB): it is for small models, where it is cheap.
+# The check runs each pass's graph in ONNX Runtime, which holds a copy of its weights, and the
+# torch reference holds another: up to this size the graph checked is the model built; above
+# it, the same passes run on a depth-truncated copy (the first TRUNCATED_LAYERS decoder layers,
+# the final norm and lm_head, with the real weights) and the model built gets structural checks.
 MAX_NUMERICS_BYTES = 512 * 2**20
+TRUNCATED_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    """Which numerics check a build runs: on the built graph itself (``whole``), or on a graph of
+    the first ``layers`` decoder layers exported apart; ``dtype`` is what ONNX Runtime runs
+    (float32 for a bfloat16 model: its CPU kernels lack bfloat16; the same weights, widened)."""
+
+    whole: bool
+    layers: int
+    of_layers: int
+    dtype: DType
+
+    def record(self) -> dict:
+        """What the pass log says about the check."""
+        return {"check": "whole model" if self.whole else "truncated", "layers": self.layers,
+                "of_layers": self.of_layers, "dtype": self.dtype.value}
+
+    def describe(self) -> str:
+        what = ("the built graph" if self.whole else
+                f"a graph of the first {self.layers} of {self.of_layers} decoder layers (real weights)")
+        return f"numerics check on {what}, in {self.dtype.value}"
+
+
+def check_plan(spec: Spec, weight_bytes: int) -> CheckPlan | None:
+    """The check a spec gets for a model of ``weight_bytes`` (None: passes.numerics is off)."""
+    if not spec.passes.numerics:
+        return None
+    layers = spec.arch.num_layers
+    small = weight_bytes <= MAX_NUMERICS_BYTES
+    bf16 = spec.model.dtype == DType.bfloat16
+    return CheckPlan(whole=small and not bf16, layers=layers if small else min(TRUNCATED_LAYERS, layers),
+                     of_layers=layers, dtype=DType.float32 if bf16 else spec.model.dtype)
 
 
 @dataclass(frozen=True)
@@ -30,19 +66,18 @@ class Stats:
         return self.max_abs <= atol or self.max_rel <= rtol
 
 
-def seeded_inputs(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
+def seeded_inputs(spec: Spec, num_layers: int, dtype: DType, seed: int = 0) -> dict[str, np.ndarray]:
     """Two sequences mid-generation, logits at every position: one at position 0, one with
-    random K/V already cached (causal masks)."""
+    random K/V already cached (causal masks), for a step of ``num_layers`` layers in ``dtype``."""
     arch, s_max = spec.arch, spec.build.max_seq_len
     rng = np.random.default_rng(seed)
     seq = max(1, min(4, spec.max_step_tokens, s_max // 2))
     starts = [0, min(3, s_max - seq)]
     tokens = rng.integers(0, arch.vocab_size, size=(len(starts), seq)).tolist()
     inputs = step_arrays(tokens, starts, s_max, all_logits=True).as_dict()
-    dtype = CACHE_DTYPES[spec.model.dtype.value]  # bf16 skips the check
     shape = CacheShape(arch.num_kv_heads, s_max, arch.head_dim)
-    for name in cache_names(arch.num_layers):
-        cache = shape.zeros(len(starts), dtype)
+    for name in cache_names(num_layers):
+        cache = shape.zeros(len(starts), CACHE_DTYPES[dtype.value])
         for b, start in enumerate(starts):
             cache[b, :, :start] = rng.standard_normal((arch.num_kv_heads, start, arch.head_dim))
         inputs[f"past_{name}"] = cache

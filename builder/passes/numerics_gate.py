@@ -27,17 +27,19 @@ class NumericsGate(Instrument):
     def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
                  quantized_reference: dict | None = None, quantized_rtol: float | None = None,
                  num_kv_heads: int | None = None, heads: tuple[int, int] | None = None,
-                 activations: CpuActivations = CpuActivations.float):
+                 activations: CpuActivations = CpuActivations.float, label: dict | None = None):
         """``workdir`` holds the graphs' external weight files; ``quantized_reference`` is torch
         eager with the dequantized weights, the reference once the graph holds quantized weights
         (quantization error is measured, not a pass's mistake); ``num_kv_heads`` of the whole
         model, to give each rank its cache shard; ``heads`` (query, KV) of a single-rank graph,
         for the CPU decode graph (contract/cpu_decode_graph.py), checked against the rank graph
-        at a decode step whenever it applies; ``activations`` the spec's, as the runtime will run."""
+        at a decode step whenever it applies; ``activations`` the spec's, as the runtime will run;
+        ``label``: which check this is (numerics.CheckPlan.record), copied into every record."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
         self.workdir, self.quantized_reference = workdir, quantized_reference
         self.quantized_rtol = quantized_rtol or rtol
         self.num_kv_heads, self.heads, self.activations = num_kv_heads, heads, activations
+        self.label = dict(label or {})
         self.previous: dict | None = None  # outputs of the graphs before the current pass
         self.first = True
 
@@ -58,7 +60,7 @@ class NumericsGate(Instrument):
         vs_torch = numerics.compare(outputs, reference)
         vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
         self.previous = outputs
-        record = {"vs_torch": numerics.worst(vs_torch)}
+        record = {**self.label, "vs_torch": numerics.worst(vs_torch)}
         if use_quantized:
             record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference))
         if vs_previous is not None:
