@@ -17,10 +17,10 @@ from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
 from .spec import DType, Spec
 
 # The check runs each pass's graph in ONNX Runtime, which holds a copy of its weights, and the
-# torch reference holds another: up to this size the graph checked is the model built; above
-# it, the same passes run on a depth-truncated copy (the first TRUNCATED_LAYERS decoder layers,
-# the final norm and lm_head, with the real weights) and the model built gets structural checks.
-MAX_NUMERICS_BYTES = 512 * 2**20
+# torch reference holds another: up to passes.numerics_whole_max_mib the graph checked is the
+# model built; above it, the same passes run on a depth-truncated copy (the first
+# TRUNCATED_LAYERS decoder layers, the final norm and lm_head, with the real weights) and the
+# model built gets structural checks (passes/structure_check.py).
 TRUNCATED_LAYERS = 2
 
 
@@ -51,7 +51,7 @@ def check_plan(spec: Spec, weight_bytes: int) -> CheckPlan | None:
     if not spec.passes.numerics:
         return None
     layers = spec.arch.num_layers
-    small = weight_bytes <= MAX_NUMERICS_BYTES
+    small = weight_bytes <= spec.passes.numerics_whole_max_mib * 2**20
     bf16 = spec.model.dtype == DType.bfloat16
     return CheckPlan(whole=small and not bf16, layers=layers if small else min(TRUNCATED_LAYERS, layers),
                      of_layers=layers, dtype=DType.float32 if bf16 else spec.model.dtype)

@@ -84,7 +84,9 @@ class NumericsGate(Instrument):
             rank_record["numerics"] = record
         if bad:
             name, stat = max(bad.items(), key=lambda kv: kv[1].max_abs)
-            raise PassError(f"pass {p.name} broke numerics: {name} max_abs {stat.max_abs:.3g} "
+            on = (f" on the first {self.label['layers']} of {self.label['of_layers']} decoder layers"
+                  if self.label.get("check") == "truncated" else "")
+            raise PassError(f"pass {p.name} broke numerics{on}: {name} max_abs {stat.max_abs:.3g} "
                             f"(max_rel {stat.max_rel:.3g}) vs torch exceeds atol {self.atol} / rtol "
                             f"{rtol}{after(ran)}")
 

@@ -1,6 +1,7 @@
 """Structural checks of a graph too large to run in the numerics check: after each pass that
-changed it, every decoder layer has the same ops with constants of the same shapes as layer 0,
-and every weight kept on disk resolves inside its file with the size its shape and dtype imply.
+changed it, every decoder layer has the same ops with constants of the same shapes as the last
+(layer 0 may hold more: what the exporter computes once for every layer), and every weight kept
+on disk resolves inside its file with the size its shape and dtype imply.
 
 Its numerics are checked on a depth-truncated copy that went through the same passes
 (numerics.CheckPlan); this instrument checks the model built is that copy repeated.
@@ -79,14 +80,19 @@ class StructureCheck(Instrument):
             if sorted(signatures) != list(range(self.num_layers)):
                 raise PassError(f"after pass {p.name} the graph has decoder layers {sorted(signatures)[:4]}…; "
                                 f"the model has {self.num_layers}{after(ran)}")
+            # Layer 0 also holds what the exporter computes once for all layers (shape arithmetic
+            # named by its first use): it must hold the last layer's ops; the others, exactly them.
+            last = signatures[self.num_layers - 1]
             for layer, signature in signatures.items():
-                if signature != signatures[0]:
-                    diff = sorted(str(k) for k in (signature - signatures[0]) + (signatures[0] - signature))[:2]
-                    raise PassError(f"after pass {p.name} decoder layer {layer} differs from layer 0: {diff}{after(ran)}")
+                missing, extra = last - signature, signature - last
+                if missing or (extra and layer > 0):
+                    diff = sorted(str(k) for k in missing + extra)[:2]
+                    raise PassError(f"after pass {p.name} decoder layer {layer} differs from layer "
+                                    f"{self.num_layers - 1}: {diff}{after(ran)}")
             try:
                 tensors, size = external_weights(graph, self.weights_dir)
             except ValueError as exc:
                 raise PassError(f"after pass {p.name} a weight does not resolve: {exc}{after(ran)}") from None
             record["structure"] = {**self.label, "layers_alike": self.num_layers,
-                                   "ops_per_layer": sum(signatures[0].values()) if signatures else 0,
+                                   "ops_per_layer": sum(last.values()),
                                    "weights_on_disk": tensors, "weight_bytes_on_disk": size}

@@ -1,0 +1,122 @@
+"""The streaming build (issue 26): the step exported from a meta-device model with its weights
+streamed from the checkpoint, tied embeddings at TP=2, the numerics check on a depth-truncated
+graph (and a pass planted to break layer 0 caught by it), and the export's memory bound."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import make_checkpoint, write_spec
+from ort_greedy import transformers_greedy
+from trtbuild.builder import build as build_module
+from trtbuild.builder import numerics
+from trtbuild.builder.build import BuildOptions, _export_stage, build
+from trtbuild.builder.errors import UserError
+from trtbuild.builder.frontend.weights_file import fold_weight_transposes
+from trtbuild.builder.isolate import run_isolated
+from trtbuild.builder.passes import PIPELINE, PassResult
+from trtbuild.builder.progress import Progress, Verbosity
+from trtbuild.builder.spec import load_spec
+
+PROMPTS = [[5, 17, 300, 41], [9, 8, 7]]
+
+
+def test_linear_weight_transposes_fold_but_a_shared_table_keeps_its_own():
+    nodes = [helper.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "w_t"], ["y"]),
+             helper.make_node("Gather", ["table", "ids"], ["e"]),
+             helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["e", "table_t"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [], [])
+    assert fold_weight_transposes(graph, {"w", "table"}) == {"w.T": "w"}
+    assert [n.op_type for n in graph.node] == ["MatMul", "Gather", "Transpose", "MatMul"]
+    assert list(graph.node[0].input) == ["x", "w.T"]
+
+
+def test_check_plan_whole_truncated_and_bfloat16(checkpoints, tmp_path):
+    spec = load_spec(write_spec(tmp_path / "a.yaml", checkpoints["llama"]))
+    assert numerics.check_plan(spec, 10 << 20).record() == {"check": "whole model", "layers": 2, "of_layers": 2,
+                                                           "dtype": "float32"}
+    assert numerics.check_plan(spec, 600 << 20).record()["check"] == "truncated"
+    bf16 = load_spec(write_spec(tmp_path / "b.yaml", checkpoints["llama"], model={"dtype": "bfloat16"}))
+    plan = numerics.check_plan(bf16, 10 << 20)  # ONNX Runtime's CPU kernels lack bf16: the same weights in fp32
+    assert (plan.whole, plan.layers, plan.dtype.value) == (False, 2, "float32")
+    off = load_spec(write_spec(tmp_path / "c.yaml", checkpoints["llama"], passes={"numerics": False}))
+    assert numerics.check_plan(off, 10 << 20) is None
+
+
+@pytest.mark.slow
+def test_tied_embeddings_at_tp2_with_the_truncated_check(tmp_path):
+    """Qwen2 (tied embeddings, q/k/v biases), 3 layers, checked on 2 of them: the rank graphs
+    generate transformers' greedy tokens, and the pass log says which check ran."""
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    checkpoint = make_checkpoint(tmp_path / "qwen2", "qwen2", layers=3)
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoint, parallel={"tensor": 2},
+                                passes={"numerics_whole_max_mib": 0}))
+    summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
+    records = [json.loads(line) for line in (tmp_path / "out" / "passes.jsonl").read_text().splitlines()]
+    shard = [r for r in records if r["pass"] == "shard_tensor_parallel"]
+    assert [r["numerics"]["check"] for r in shard] == ["truncated", "truncated"]
+    assert shard[0]["numerics"]["layers"] == 2 and shard[0]["numerics"]["of_layers"] == 3
+    assert shard[0]["numerics"]["ranks_together"] == 2 and shard[0]["numerics"]["ok"]
+    assert shard[0]["structure"]["layers_alike"] == 3 and shard[0]["matches"] == 7 * 3 + 1
+    assert [p.name for p in summary.processes] == ["export", "engine rank0", "engine rank1"]
+    with LLM(tmp_path / "out", backend="onnxruntime") as llm:
+        ours = [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert ours == transformers_greedy(checkpoint, PROMPTS, 8)
+
+
+def _break_layer_zero(graph, ctx):
+    """fuse_rmsnorm, then layer 0's input norm gets a wrong epsilon (same ops, same shapes)."""
+    result = PIPELINE[1].run(graph, ctx)
+    for node in result.graph.nodes:
+        if node.name == "/model/layers.0/input_layernorm/RMSNormalization":
+            node.attrs["epsilon"] = 10.0
+    return PassResult(graph=result.graph, modified=True, stats=result.stats)
+
+
+@pytest.mark.slow
+def test_truncated_check_names_a_pass_that_breaks_layer_zero(checkpoints, tmp_path, monkeypatch):
+    planted = (PIPELINE[0], replace(PIPELINE[1], run=_break_layer_zero), *PIPELINE[2:])
+    monkeypatch.setattr(build_module, "PIPELINE", planted)
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoints["llama"], passes={"numerics_whole_max_mib": 0}))
+    with pytest.raises(UserError, match=r"^pass fuse_rmsnorm broke numerics on the first 2 of 2 decoder layers"):
+        build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
+    assert not (tmp_path / "out").exists()
+
+
+def _big_checkpoint(directory):
+    """~225 MB of float32 weights (vocabulary 32000, 8 layers of width 512)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                                  max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.mark.slow
+def test_export_never_holds_the_model(checkpoints, tmp_path):
+    """The export process (a fresh subprocess, as in a build) of a ~225 MB checkpoint: within the
+    target (0.25 × weights + 1.5 GiB), and its heap grows by well under the weights over a tiny
+    model's (loading the model would add all of them)."""
+    big = load_spec(write_spec(tmp_path / "big.yaml", _big_checkpoint(tmp_path / "big")))
+    small = load_spec(write_spec(tmp_path / "small.yaml", checkpoints["llama"]))
+    peaks = {}
+    for name, spec in (("small", small), ("big", big)):
+        (tmp_path / name / "w").mkdir(parents=True, exist_ok=True)
+        exported = run_isolated(_export_stage, spec, tmp_path / name / "w")
+        peaks[name] = exported.peak
+    weights = (tmp_path / "big" / "w" / "step.onnx.data").stat().st_size
+    assert weights > 200e6
+    assert peaks["big"].peak <= 0.25 * weights + 1.5 * 2**30
+    assert peaks["big"].anon - peaks["small"].anon < 0.25 * weights, (peaks, weights)
