@@ -28,6 +28,8 @@ from .passes.instruments import Instrument, to_onnx
 from .passes.manager import PassManager
 from .passes.numerics_gate import NumericsGate
 from .passes.structure_check import StructureCheck
+from .plan_build import machine_ram_bytes, memory_refusal, spec_build_plan
+from .spec_checks import tensor_parallel_ok
 from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes, sample_peak
 from .spec import Spec
 
@@ -43,6 +45,7 @@ class BuildOptions:
     dump_after: frozenset[str] = frozenset()
     disable: frozenset[str] = frozenset()
     jobs: int = 1
+    ignore_memory_check: bool = False  # build even where a rank's engine would need more RAM than the machine has
 
 
 @dataclass
@@ -62,6 +65,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
     check_destination(options.out)  # before any work: never a user's directory
     flavor = resolve_flavor(spec.build.backend)
     check_targets(spec, flavor)
+    if not options.ignore_memory_check:
+        valid = [tp for tp in range(1, 129) if tensor_parallel_ok(spec.arch, tp)]
+        refusal = memory_refusal(spec_build_plan(spec), machine_ram_bytes(), valid)
+        if refusal is not None:
+            raise UserError(refusal)
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "

@@ -22,6 +22,7 @@ from ..contract.medusa import MIN_GAIN
 from ..contract.tensor_parallel import kv_heads_per_rank
 from .frontend.checkpoint import ArchConfig
 from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
+from .plan_build import BuildPlan
 from .plan_advice import TYPICAL_TREE, deployment, recommendations
 from .spec_checks import tensor_parallel_ok
 
@@ -252,6 +253,10 @@ class Plan:
     def recommendations(self) -> list[dict]:
         return recommendations(self)
 
+    def build_side(self) -> BuildPlan:
+        """RAM per process, engine-dir disk and time of building this plan (builder/plan_build.py)."""
+        return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True)
+
     def as_dict(self) -> dict:
         return {
             "model": self.arch.architecture, "gpu": self.gpu.name, "gpus": self.gpus, "tp": self.tp,
@@ -276,6 +281,7 @@ class Plan:
             "workload": self.workload.__dict__,
             "deployment": deployment(self),
             "recommendations": self.recommendations(),
+            "build": self.build_side().as_dict(),
             "medusa": None if self.medusa is None else {
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
                                  (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))

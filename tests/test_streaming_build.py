@@ -121,3 +121,47 @@ def test_export_never_holds_the_model(checkpoints, tmp_path):
     assert weights > 200e6
     assert peaks["big"].peak <= 0.25 * weights + 1.5 * 2**30
     assert peaks["big"].anon - peaks["small"].anon < 0.6 * weights, (peaks, weights)
+
+
+def test_memory_refusal_names_what_fits():
+    from trtbuild.builder.plan_build import BuildPlan, memory_refusal
+
+    plan = BuildPlan(parameters=8_000_000_000, model_bytes=16e9, tp=1, cpu_graphs=True)
+    assert memory_refusal(plan, 64 * 2**30, [1, 2, 4, 8]) is None  # 0.2 GB + 2 × 16 GB fits 64 GiB
+    line = memory_refusal(plan, 24 * 2**30, [1, 2, 4, 8])
+    assert "\n" not in line and "≈ 30.0 GiB" in line and "parallel.tensor: 2" in line and "int4" in line
+
+
+def test_build_refuses_a_rank_engine_larger_than_ram_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from trtbuild.builder.plan_build import machine_ram_bytes
+
+    if machine_ram_bytes() > 300e9:
+        pytest.skip("this machine has the RAM for a 70B rank engine at TP=1")
+    config = {k: v for k, v in json.loads((REPO / "builder/data/models/llama-3-70b.json").read_text()).items()
+              if not k.startswith("_")}
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    spec = write_spec(tmp_path / "spec.yaml", tmp_path / "ckpt", model={"dtype": "float16"})
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "needs ≈" in proc.stderr and "--ignore-memory-check" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_prints_the_build_side_of_a_70b_tp8_build():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-3-70b", "--tp", "8", "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    side = json.loads(proc.stdout)["build"]
+    weights = side["model_bytes"]
+    assert side["tp"] == 8 and side["stages_peak_bytes"] == round(0.25 * weights + 1.5 * 2**30)
+    assert side["engine_peak_bytes"] == round(0.2e9 + 2 * weights / 8)
+    assert side["per_process_peak_bytes"] == max(side["stages_peak_bytes"], side["engine_peak_bytes"])
