@@ -78,11 +78,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         manager_for = _manager_factory(disabled, options, tmp)
         workdir = tmp / ".export"
         workdir.mkdir()
+        check = numerics.check_plan(spec, _weight_bytes(spec))
         with progress.stage("export (torch.export → ONNX)"):
-            exported = run_isolated(_export_stage, spec, workdir)
+            exported = run_isolated(_export_stage, spec, workdir, check)
         child_peaks = [exported.peak]
         progress.say(f"  export process peak RSS {exported.peak.describe()}")
-        check = exported.check
         progress.say(f"  {check.describe()}" if check is not None else "  numerics check off (passes.numerics: false)")
         quantized, quant_report = (load_quantized(exported.quantized_path) if exported.quantized_path
                                    else (None, None))
@@ -97,7 +97,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         checked: dict[tuple, dict] = {}
         if check is not None and not check.whole:
             with progress.stage(f"numerics check (the passes on {check.layers} of {check.of_layers} layers)"):
-                check_ctx = replace(context, arch=spec.arch.model_copy(update={"num_layers": check.layers}),
+                check_ctx = replace(context, arch=spec.arch.model_copy(update={"num_layers": check.layers,
+                                                                               "vocab_size": check.vocab_rows}),
                                     quantized=_first_layers(quantized, check.layers), weights_dir=workdir / "check")
                 check_run = PassManager(PIPELINE, disabled=disabled, numerics=gate).run(
                     load_graph(exported.check_path), check_ctx)
@@ -191,7 +192,6 @@ class _Exported:
     path: Path
     data_path: Path
     output_names: list[str]
-    check: numerics.CheckPlan | None
     check_path: Path | None                  # the truncated graph the check runs (None: the built graph)
     reference: tuple[dict, dict] | None      # seeded inputs, torch eager's outputs
     peak: ProcessPeak
@@ -199,25 +199,35 @@ class _Exported:
     quantized_reference: dict | None = None  # torch eager outputs with the dequantized weights
 
 
-def _export_stage(spec: Spec, workdir: Path) -> _Exported:
+def _weight_map(spec: Spec) -> WeightMap:
+    try:
+        return WeightMap.from_checkpoint(spec.model.checkpoint)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _weight_bytes(spec: Spec) -> int:
+    """The model's weight bytes in the spec's dtype, from the safetensors headers."""
+    return sum(entry.numel for entry in _weight_map(spec).entries.values()) * spec.model.dtype.torch.itemsize
+
+
+def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -> _Exported:
     """Runs in a subprocess: the step's structure from a meta-device model with the weights
     streamed from the checkpoint, the numerics check's graph and torch reference (the model
     itself when small, else its first layers), and the weight quantization the spec asks for."""
     with sample_peak("export") as peak:
-        try:
-            weights = WeightMap.from_checkpoint(spec.model.checkpoint)
-        except CheckpointError as exc:
-            raise UserError(str(exc)) from None
-        exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype.torch)
-        check = numerics.check_plan(spec, exported.weight_bytes)
+        weights = _weight_map(spec)
+        exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype.torch,
+                               spec.arch.vocab_size)
         checked, reference, model, inputs, heads = exported, None, None, None, None
         if check is not None:
             if not check.whole:
                 (workdir / "check").mkdir()
-                checked = export_step(spec, workdir / "check", weights, check.layers, check.dtype.torch)
-            inputs = numerics.seeded_inputs(spec, check.layers, check.dtype)
+                checked = export_step(spec, workdir / "check", weights, check.layers, check.dtype.torch,
+                                      check.vocab_rows)
+            inputs = numerics.seeded_inputs(spec, check)
             heads = load_heads(spec.medusa.heads) if spec.medusa is not None else None
-            model = truncated_model(spec.model.checkpoint, weights, check.dtype.torch, check.layers)
+            model = truncated_model(spec.model.checkpoint, weights, check.dtype.torch, check.layers, check.vocab_rows)
             reference = (inputs, _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads))
         quantized_path, quantized_reference = None, None
         if spec.quantization.bits:
@@ -229,7 +239,7 @@ def _export_stage(spec: Spec, workdir: Path) -> _Exported:
                 quantized_reference = _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads)
         del model
     return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
-                     check=check, check_path=None if check is None or check.whole else checked.path,
+                     check_path=None if check is None or check.whole else checked.path,
                      reference=reference, peak=peak.result(), quantized_path=quantized_path,
                      quantized_reference=quantized_reference)
 

@@ -22,6 +22,9 @@ from .spec import DType, Spec
 # TRUNCATED_LAYERS decoder layers, the final norm and lm_head, with the real weights) and the
 # model built gets structural checks (passes/structure_check.py).
 TRUNCATED_LAYERS = 2
+# ... and of the embedding and lm_head only their first rows (the seeded tokens are drawn from
+# them): the check then holds two layers, not two vocabulary-sized tables (2 GB at Llama-3-8B).
+TRUNCATED_VOCAB = 8192
 
 
 @dataclass(frozen=True)
@@ -34,15 +37,17 @@ class CheckPlan:
     layers: int
     of_layers: int
     dtype: DType
+    vocab_rows: int  # of the embedding and lm_head
 
     def record(self) -> dict:
         """What the pass log says about the check."""
         return {"check": "whole model" if self.whole else "truncated", "layers": self.layers,
-                "of_layers": self.of_layers, "dtype": self.dtype.value}
+                "of_layers": self.of_layers, "dtype": self.dtype.value, "vocab_rows": self.vocab_rows}
 
     def describe(self) -> str:
         what = ("the built graph" if self.whole else
-                f"a graph of the first {self.layers} of {self.of_layers} decoder layers (real weights)")
+                f"a graph of the first {self.layers} of {self.of_layers} decoder layers and the first "
+                f"{self.vocab_rows} vocabulary rows (real weights)")
         return f"numerics check on {what}, in {self.dtype.value}"
 
 
@@ -53,8 +58,13 @@ def check_plan(spec: Spec, weight_bytes: int) -> CheckPlan | None:
     layers = spec.arch.num_layers
     small = weight_bytes <= spec.passes.numerics_whole_max_mib * 2**20
     bf16 = spec.model.dtype == DType.bfloat16
+    world, vocab = spec.world_size, spec.arch.vocab_size
+    # Quantized lm_head/embedding codes come for the whole vocabulary: those keep it.
+    q = spec.quantization
+    whole_vocab = small or (q.bits is not None and (q.quantize_embeddings or not any(p in "lm_head" for p in q.exclude)))
     return CheckPlan(whole=small and not bf16, layers=layers if small else min(TRUNCATED_LAYERS, layers),
-                     of_layers=layers, dtype=DType.float32 if bf16 else spec.model.dtype)
+                     of_layers=layers, dtype=DType.float32 if bf16 else spec.model.dtype,
+                     vocab_rows=vocab if whole_vocab else min(vocab, world * (TRUNCATED_VOCAB // world)))
 
 
 @dataclass(frozen=True)
@@ -66,14 +76,15 @@ class Stats:
         return self.max_abs <= atol or self.max_rel <= rtol
 
 
-def seeded_inputs(spec: Spec, num_layers: int, dtype: DType, seed: int = 0) -> dict[str, np.ndarray]:
+def seeded_inputs(spec: Spec, plan: CheckPlan, seed: int = 0) -> dict[str, np.ndarray]:
     """Two sequences mid-generation, logits at every position: one at position 0, one with
-    random K/V already cached (causal masks), for a step of ``num_layers`` layers in ``dtype``."""
+    random K/V already cached (causal masks), for the step the check ``plan`` runs."""
+    num_layers, dtype = plan.layers, plan.dtype
     arch, s_max = spec.arch, spec.build.max_seq_len
     rng = np.random.default_rng(seed)
     seq = max(1, min(4, spec.max_step_tokens, s_max // 2))
     starts = [0, min(3, s_max - seq)]
-    tokens = rng.integers(0, arch.vocab_size, size=(len(starts), seq)).tolist()
+    tokens = rng.integers(0, plan.vocab_rows, size=(len(starts), seq)).tolist()
     inputs = step_arrays(tokens, starts, s_max, all_logits=True).as_dict()
     shape = CacheShape(arch.num_kv_heads, s_max, arch.head_dim)
     for name in cache_names(num_layers):

@@ -14,7 +14,7 @@ from conftest import make_checkpoint, write_spec
 from ort_greedy import transformers_greedy
 from trtbuild.builder import build as build_module
 from trtbuild.builder import numerics
-from trtbuild.builder.build import BuildOptions, _export_stage, build
+from trtbuild.builder.build import BuildOptions, _export_stage, _weight_bytes, build
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.frontend.weights_file import fold_weight_transposes
 from trtbuild.builder.isolate import run_isolated
@@ -40,7 +40,7 @@ def test_linear_weight_transposes_fold_but_a_shared_table_keeps_its_own():
 def test_check_plan_whole_truncated_and_bfloat16(checkpoints, tmp_path):
     spec = load_spec(write_spec(tmp_path / "a.yaml", checkpoints["llama"]))
     assert numerics.check_plan(spec, 10 << 20).record() == {"check": "whole model", "layers": 2, "of_layers": 2,
-                                                           "dtype": "float32"}
+                                                           "dtype": "float32", "vocab_rows": 4096}
     assert numerics.check_plan(spec, 600 << 20).record()["check"] == "truncated"
     bf16 = load_spec(write_spec(tmp_path / "b.yaml", checkpoints["llama"], model={"dtype": "bfloat16"}))
     plan = numerics.check_plan(bf16, 10 << 20)  # ONNX Runtime's CPU kernels lack bf16: the same weights in fp32
@@ -50,20 +50,27 @@ def test_check_plan_whole_truncated_and_bfloat16(checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-def test_tied_embeddings_at_tp2_with_the_truncated_check(tmp_path):
-    """Qwen2 (tied embeddings, q/k/v biases), 3 layers, checked on 2 of them: the rank graphs
-    generate transformers' greedy tokens, and the pass log says which check ran."""
+def test_tied_embeddings_at_tp2_with_the_truncated_check(tmp_path, monkeypatch):
+    """Qwen2 (tied embeddings, q/k/v biases) stored in bfloat16, 3 layers, built float32 at TP=2 and
+    checked on 2 of its layers and 1024 of its 4096 vocabulary rows: the rank graphs generate
+    transformers' greedy tokens, and the pass log says which check ran."""
+    from safetensors.torch import load_file, save_file
+
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
     checkpoint = make_checkpoint(tmp_path / "qwen2", "qwen2", layers=3)
+    for path in checkpoint.glob("*.safetensors"):
+        save_file({k: v.bfloat16() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
     spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoint, parallel={"tensor": 2},
                                 passes={"numerics_whole_max_mib": 0}))
+    monkeypatch.setattr(numerics, "TRUNCATED_VOCAB", 1024)
     summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
     records = [json.loads(line) for line in (tmp_path / "out" / "passes.jsonl").read_text().splitlines()]
     shard = [r for r in records if r["pass"] == "shard_tensor_parallel"]
     assert [r["numerics"]["check"] for r in shard] == ["truncated", "truncated"]
     assert shard[0]["numerics"]["layers"] == 2 and shard[0]["numerics"]["of_layers"] == 3
+    assert shard[0]["numerics"]["vocab_rows"] == 1024
     assert shard[0]["numerics"]["ranks_together"] == 2 and shard[0]["numerics"]["ok"]
     assert shard[0]["structure"]["layers_alike"] == 3 and shard[0]["matches"] == 7 * 3 + 1
     assert [p.name for p in summary.processes] == ["export", "engine rank0", "engine rank1"]
@@ -115,7 +122,8 @@ def test_export_never_holds_the_model(checkpoints, tmp_path):
     peaks = {}
     for name, spec in (("small", small), ("big", big)):
         (tmp_path / name / "w").mkdir(parents=True, exist_ok=True)
-        exported = run_isolated(_export_stage, spec, tmp_path / name / "w")
+        check = numerics.check_plan(spec, _weight_bytes(spec))
+        exported = run_isolated(_export_stage, spec, tmp_path / name / "w", check)
         peaks[name] = exported.peak
     weights = (tmp_path / "big" / "w" / "step.onnx.data").stat().st_size
     assert weights > 200e6

@@ -70,12 +70,13 @@ def _dynamic_shapes(spec: Spec, num_layers: int) -> tuple:
             tuple(of(STEP_INPUTS["past"]) for _ in range(2 * num_layers)))
 
 
-def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, dtype: torch.dtype) -> ExportedStep:
-    """Exports the step of the checkpoint's first ``num_layers`` decoder layers (all of them for
-    the engine; fewer for the numerics check of a large model) in ``dtype`` to
-    ``workdir/step.onnx``, its weights streamed from ``weights`` into ``step.onnx.data``."""
-    arch = spec.arch.model_copy(update={"num_layers": num_layers})
-    model = meta_model(spec.model.checkpoint, dtype, num_layers)
+def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, dtype: torch.dtype,
+                vocab_rows: int) -> ExportedStep:
+    """Exports the step of the checkpoint's first ``num_layers`` decoder layers and ``vocab_rows``
+    vocabulary rows (all of them for the engine; fewer for the numerics check of a large model)
+    in ``dtype`` to ``workdir/step.onnx``, its weights streamed from ``weights`` into ``step.onnx.data``."""
+    arch = spec.arch.model_copy(update={"num_layers": num_layers, "vocab_size": vocab_rows})
+    model = meta_model(spec.model.checkpoint, dtype, num_layers, vocab_rows)
     step = LlamaStep(model, arch, spec.build.max_seq_len).eval()
     # The rotary tables are computed, not stored: keep their values, trace them as meta.
     tables = {"cos_table": step.cos_table, "sin_table": step.sin_table}
