@@ -200,6 +200,7 @@ def build(row: Row, checkpoint: Path, work: Path) -> dict:
         raise SystemExit(f"{row.name}: build failed (exit {proc.returncode}):\n{''.join(log[-20:])}")
     summary = json.loads(stdout)
     summary.update(wall_s=time.perf_counter() - start, tree_peak=tree_peak,
+                   progress=[line.rstrip() for line in log if line.startswith(("✓", "  export", "  numerics"))],
                    tree_peak_before_engines=sampler.marks.get("before_engines", tree_peak), out=str(out))
     return summary
 

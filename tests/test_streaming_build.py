@@ -173,3 +173,23 @@ def test_plan_prints_the_build_side_of_a_70b_tp8_build():
     assert side["tp"] == 8 and side["stages_peak_bytes"] == round(0.25 * weights + 1.5 * 2**30)
     assert side["engine_peak_bytes"] == round(0.2e9 + 2 * weights / 8)
     assert side["per_process_peak_bytes"] == max(side["stages_peak_bytes"], side["engine_peak_bytes"])
+
+
+def test_a_write_into_a_mapped_tensor_stays_out_of_the_checkpoint(checkpoints, tmp_path):
+    """Fake quantization writes dequantized weights into the reference model in place: with a
+    read-only mapping that was a segfault; copy-on-write keeps it private."""
+    import hashlib
+    import shutil
+
+    import torch
+
+    from trtbuild.builder.frontend.weight_map import WeightMap
+
+    checkpoint = shutil.copytree(checkpoints["llama"], tmp_path / "ckpt")
+    files = sorted(checkpoint.glob("*.safetensors"))
+    before = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    tensor = WeightMap.from_checkpoint(checkpoint).tensor("model.layers.0.self_attn.q_proj.weight")
+    tensor.copy_(tensor + 1.0)
+    fresh = WeightMap.from_checkpoint(checkpoint).tensor("model.layers.0.self_attn.q_proj.weight")
+    assert torch.equal(tensor, fresh + 1.0)
+    assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in files] == before
