@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from conftest import make_checkpoint, write_spec
 from ort_greedy import transformers_greedy
