@@ -192,3 +192,31 @@ def test_a_write_into_a_mapped_tensor_stays_out_of_the_checkpoint(checkpoints, t
     fresh = WeightMap.from_checkpoint(checkpoint).tensor("model.layers.0.self_attn.q_proj.weight")
     assert torch.equal(tensor, fresh + 1.0)
     assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in files] == before
+
+
+def test_structure_check_names_a_layer_unlike_the_others(tmp_path):
+    import numpy as np
+    import onnx_graphsurgeon as gs
+
+    from trtbuild.builder.passes import Pass
+    from trtbuild.builder.passes.structure_check import StructureCheck
+
+    def graph(layer1_ops):
+        x = gs.Variable("x", np.float32, [2, 4])
+        nodes, tensor = [], x
+        for layer, ops in enumerate((["MatMul", "Add"], layer1_ops, ["MatMul", "Add"])):
+            for k, op in enumerate(ops):
+                out = gs.Variable(f"t{layer}_{k}", np.float32)
+                inputs = [tensor, gs.Constant(f"w{layer}_{k}", np.ones((4, 4), np.float32))]
+                nodes.append(gs.Node(op, f"/model/layers.{layer}/{op}", inputs=inputs, outputs=[out]))
+                tensor = out
+        return gs.Graph(nodes=nodes, inputs=[x], outputs=[tensor])
+
+    check = StructureCheck(3, tmp_path, {"check": "truncated"})
+    record = {}
+    result = PassResult(graph=None, modified=True)
+    check.after_all(Pass("p", None), [graph(["MatMul", "Add"])], [result], [record], [])
+    assert record["structure"]["layers_alike"] == 3 and record["structure"]["ops_per_layer"] == 2
+    check.first = True
+    with pytest.raises(UserError, match=r"after pass p decoder layer 1 differs from layer 2"):
+        check.after_all(Pass("p", None), [graph(["MatMul"])], [result], [{}], [])
