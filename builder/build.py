@@ -66,10 +66,7 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
     flavor = resolve_flavor(spec.build.backend)
     check_targets(spec, flavor)
     if not options.ignore_memory_check:
-        valid = [tp for tp in range(1, 129) if tensor_parallel_ok(spec.arch, tp)]
-        refusal = memory_refusal(spec_build_plan(spec), machine_ram_bytes(), valid)
-        if refusal is not None:
-            raise UserError(refusal)
+        _check_memory(spec)
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "
@@ -86,25 +83,12 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         progress.say(f"  {check.describe()}" if check is not None else "  numerics check off (passes.numerics: false)")
         quantized, quant_report = (load_quantized(exported.quantized_path) if exported.quantized_path
                                    else (None, None))
-        gate = (NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol,
-                             workdir=workdir if check.whole else workdir / "check",
-                             quantized_reference=exported.quantized_reference,
-                             quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
-                             heads=(spec.arch.num_heads, spec.arch.num_kv_heads) if spec.world_size == 1 else None,
-                             activations=spec.quantization.activations, label=check.record())
-                if check is not None else None)
+        gate = _numerics_gate(spec, check, exported, workdir) if check is not None else None
         context = PassContext.for_spec(spec, quantized, quant_report, weights_dir=workdir)
         checked: dict[tuple, dict] = {}
         if check is not None and not check.whole:
             with progress.stage(f"numerics check (the passes on {check.layers} of {check.of_layers} layers)"):
-                check_ctx = replace(context, arch=spec.arch.model_copy(update={"num_layers": check.layers,
-                                                                               "vocab_size": check.vocab_rows}),
-                                    quantized=_first_layers(quantized, check.layers), weights_dir=workdir / "check")
-                check_run = PassManager(PIPELINE, disabled=disabled, numerics=gate).run(
-                    load_graph(exported.check_path), check_ctx)
-            checked = {(r["pass"], r["rank"]): r["numerics"] for r in check_run.records if "numerics" in r}
-            del check_run
-            shutil.rmtree(workdir / "check")
+                checked = _truncated_check(spec, check, exported, gate, context, disabled, workdir)
             gate = StructureCheck(spec.arch.num_layers, workdir, check.record())
 
         def on_record(record: dict) -> None:
@@ -137,6 +121,34 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                         peak_rss_bytes=max([peak_rss_bytes(), *(p.peak for p in child_peaks)]),
                         pass_records=records, manifest=manifest, processes=child_peaks,
                         dir_bytes=dir_size(options.out))
+
+
+def _check_memory(spec: Spec) -> None:
+    """Refuses, before any work, a rank engine whose build needs more RAM than this machine has."""
+    valid = [tp for tp in range(1, 129) if tensor_parallel_ok(spec.arch, tp)]
+    refusal = memory_refusal(spec_build_plan(spec), machine_ram_bytes(), valid)
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def _numerics_gate(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", workdir: Path) -> NumericsGate:
+    return NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol,
+                        workdir=workdir if check.whole else workdir / "check",
+                        quantized_reference=exported.quantized_reference,
+                        quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
+                        heads=(spec.arch.num_heads, spec.arch.num_kv_heads) if spec.world_size == 1 else None,
+                        activations=spec.quantization.activations, label=check.record())
+
+
+def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", gate: NumericsGate,
+                     context: PassContext, disabled: frozenset[str], workdir: Path) -> dict[tuple, dict]:
+    """The same passes on the truncated graph, with the numerics gate: {(pass, rank): its numerics record}."""
+    arch = spec.arch.model_copy(update={"num_layers": check.layers, "vocab_size": check.vocab_rows})
+    check_ctx = replace(context, arch=arch, quantized=_first_layers(context.quantized, check.layers),
+                        weights_dir=workdir / "check")
+    run = PassManager(PIPELINE, disabled=disabled, numerics=gate).run(load_graph(exported.check_path), check_ctx)
+    shutil.rmtree(workdir / "check")
+    return {(r["pass"], r["rank"]): r["numerics"] for r in run.records if "numerics" in r}
 
 
 def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
