@@ -66,9 +66,10 @@ def render_build(b) -> list[str]:
     seconds = b.seconds
     return [
         f"build (the build machine: {b.tp} rank engine{'s' if b.tp > 1 else ''}, built one process at a time)",
-        f"  RAM per process: export and passes ≤ {b.stages_peak_bytes / GB:.1f} GB (0.25 × {b.model_bytes / GB:.1f} GB "
-        f"of weights + 1.5 GiB); each rank's engine ≈ {b.engine_peak_bytes / GB:.1f} GB (0.2 GB + 2 × "
-        f"{b.rank_bytes / GB:.1f} GB); peak {b.per_process_peak_bytes / GB:.1f} GB",
+        f"  RAM per process: export, numerics check and passes within {b.stages_peak_bytes / GB:.1f} GB (the bound: "
+        f"0.25 × {b.model_bytes / GB:.1f} GB of weights + 1.5 GiB; they stream one tensor at a time); each rank's "
+        f"engine ≈ {b.engine_peak_bytes / GB:.1f} GB (0.2 GB + 2 × {b.rank_bytes / GB:.1f} GB); per-process peak "
+        f"≤ {b.per_process_peak_bytes / GB:.1f} GB",
         f"  engine dir ≈ {b.dir_bytes / GB:.1f} GB (engines + the CPU graphs' weights)",
         f"  time on 2 cores ≈ {seconds['export'] / 60:.0f} min export + {seconds['passes'] / 60:.0f} min passes + "
         f"{seconds['engines'] / 60:.0f} min engines (benchmarks/build_scale.py rates)",
