@@ -4,9 +4,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
 
 from . import numerics
 from .emit.engine_dir import check_destination, staged
@@ -16,16 +15,25 @@ from ..contract.gpu_targets import describe
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
 from .emit.rank_onnx import save_graph
 from .emit.cpu_step_model import save_cpu_step_model
+from ..contract.checkpoint import CheckpointError
+from .errors import UserError
 from .frontend.export import export_step, load_graph
+from .frontend.skeleton import truncated_model
+from .frontend.step_model import LlamaStep
+from .frontend.weight_map import WeightMap
 from .isolate import map_isolated, run_isolated
 from .medusa.heads import MedusaHeads, load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from .passes import PIPELINE, PassContext
-from .passes.instruments import to_onnx
+from .passes.instruments import Instrument, to_onnx
 from .passes.manager import PassManager
 from .passes.numerics_gate import NumericsGate
-from .progress import Progress, human_bytes, peak_rss_bytes
-from .spec import DType, Spec
+from .passes.structure_check import StructureCheck
+from .plan import spec_build_plan
+from .plan_build import machine_ram_bytes, memory_refusal
+from .spec_checks import tensor_parallel_ok
+from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes, sample_peak
+from .spec import Spec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json")
@@ -39,6 +47,7 @@ class BuildOptions:
     dump_after: frozenset[str] = frozenset()
     disable: frozenset[str] = frozenset()
     jobs: int = 1
+    ignore_memory_check: bool = False  # build even where a rank's engine would need more RAM than the machine has
 
 
 @dataclass
@@ -49,6 +58,8 @@ class BuildSummary:
     peak_rss_bytes: int
     pass_records: list[dict] = field(default_factory=list)
     manifest: dict = field(default_factory=dict)
+    processes: list[ProcessPeak] = field(default_factory=list)  # export, then each rank's engine build
+    dir_bytes: int = 0
 
 
 def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -> BuildSummary:
@@ -56,31 +67,40 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
     check_destination(options.out)  # before any work: never a user's directory
     flavor = resolve_flavor(spec.build.backend)
     check_targets(spec, flavor)
+    if not options.ignore_memory_check:
+        _check_memory(spec)
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "
                  f"for {describe(flavor.built_for(spec.build.targets))})")
     with staged(options.out) as tmp:
-        manager_for = _manager_factory(disabled, options, tmp, progress)
+        manager_for = _manager_factory(disabled, options, tmp)
         workdir = tmp / ".export"
         workdir.mkdir()
+        check = numerics.check_plan(spec, _weight_bytes(spec))
         with progress.stage("export (torch.export → ONNX)"):
-            exported = run_isolated(_export_stage, spec, workdir)
-        child_peaks = [exported.peak_rss_bytes]
-        progress.say(f"  export process peak RSS {human_bytes(exported.peak_rss_bytes)}")
-        if exported.note:
-            progress.say(f"  {exported.note}")
+            exported = run_isolated(_export_stage, spec, workdir, check)
+        child_peaks = [exported.peak]
+        progress.say(f"  export process peak RSS {exported.peak.describe()}")
+        progress.say(f"  {check.describe()}" if check is not None else "  numerics check off (passes.numerics: false)")
         quantized, quant_report = (load_quantized(exported.quantized_path) if exported.quantized_path
                                    else (None, None))
-        gate = (NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol, workdir=workdir,
-                             quantized_reference=exported.quantized_reference,
-                             quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
-                             activations=spec.quantization.activations)
-                if exported.reference else None)
+        gate = _numerics_gate(spec, check, exported, workdir) if check is not None else None
         context = PassContext.for_spec(spec, quantized, quant_report, weights_dir=workdir)
+        checked: dict[tuple, dict] = {}
+        if check is not None and not check.whole:
+            with progress.stage(f"numerics check (the passes on {check.layers} of {check.of_layers} layers)"):
+                checked = _truncated_check(spec, check, exported, gate, context, disabled, workdir)
+            gate = StructureCheck(spec.arch.num_layers, workdir, check.record())
+
+        def on_record(record: dict) -> None:
+            if (record["pass"], record["rank"]) in checked:
+                record["numerics"] = checked[record["pass"], record["rank"]]
+            progress.pass_record(record)
+
         label = "passes" if spec.world_size == 1 else f"passes (whole model, then {spec.world_size} ranks)"
         with progress.stage(label):
-            run = manager_for(gate).run(load_graph(exported.path), context)
+            run = manager_for(gate, on_record).run(load_graph(exported.path), context)
         records = run.records
         ranks: list[dict] = []
         cuda_graph_plan: list[int] = []
@@ -97,13 +117,42 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         del run
         shutil.rmtree(workdir)
         engines = _build_engines(spec, flavor, tmp, options.jobs, progress)
-        child_peaks += [e.peak_rss_bytes for e in engines]
+        child_peaks += [e.peak for e in engines]
         with progress.stage("manifest"):
             _copy_tokenizer(spec.model.checkpoint, tmp)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
             manifest = write_manifest(tmp, _manifest_body(spec, flavor, ranks, records, cuda_graph_plan))
     return BuildSummary(out=options.out, stages=progress.stages, engines=engines,
-                        peak_rss_bytes=max([peak_rss_bytes(), *child_peaks]), pass_records=records, manifest=manifest)
+                        peak_rss_bytes=max([peak_rss_bytes(), *(p.peak for p in child_peaks)]),
+                        pass_records=records, manifest=manifest, processes=child_peaks,
+                        dir_bytes=dir_size(options.out))
+
+
+def _check_memory(spec: Spec) -> None:
+    """Refuses, before any work, a rank engine whose build needs more RAM than this machine has."""
+    valid = [tp for tp in range(1, 129) if tensor_parallel_ok(spec.arch, tp)]
+    refusal = memory_refusal(spec_build_plan(spec), machine_ram_bytes(), valid)
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def _numerics_gate(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", workdir: Path) -> NumericsGate:
+    return NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol,
+                        workdir=workdir if check.whole else workdir / "check",
+                        quantized_reference=exported.quantized_reference,
+                        quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
+                        activations=spec.quantization.activations, label=check.record())
+
+
+def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", gate: NumericsGate,
+                     context: PassContext, disabled: frozenset[str], workdir: Path) -> dict[tuple, dict]:
+    """The same passes on the truncated graph, with the numerics gate: {(pass, rank): its numerics record}."""
+    arch = spec.arch.model_copy(update={"num_layers": check.layers, "vocab_size": check.vocab_rows})
+    check_ctx = replace(context, arch=arch, quantized=_first_layers(context.quantized, check.layers),
+                        weights_dir=workdir / "check")
+    run = PassManager(PIPELINE, disabled=disabled, numerics=gate).run(load_graph(exported.check_path), check_ctx)
+    shutil.rmtree(workdir / "check")
+    return {(r["pass"], r["rank"]): r["numerics"] for r in run.records if "numerics" in r}
 
 
 def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
@@ -161,66 +210,96 @@ def _medusa_manifest(spec: Spec) -> dict | None:
 
 @dataclass(frozen=True)
 class _Exported:
-    """What the export subprocess hands back: paths, and the numerics reference if any."""
+    """What the export subprocess hands back: paths, the numerics check and its reference."""
 
     path: Path
     data_path: Path
     output_names: list[str]
-    reference: tuple[dict, dict] | None
-    note: str | None
-    peak_rss_bytes: int
+    check_path: Path | None                  # the truncated graph the check runs (None: the built graph)
+    reference: tuple[dict, dict] | None      # seeded inputs, torch eager's outputs
+    peak: ProcessPeak
     quantized_path: Path | None = None       # codes and scales per layer (safetensors)
     quantized_reference: dict | None = None  # torch eager outputs with the dequantized weights
 
 
-def _export_stage(spec: Spec, workdir: Path) -> _Exported:
-    """Runs in a subprocess: export, torch eager's outputs on the seeded inputs, and the
-    weight quantization the spec asks for (with the outputs of the dequantized model)."""
-    exported = export_step(spec, workdir)
-    inputs, note = _numerics_inputs(spec, exported)
-    heads = load_heads(spec.medusa.heads) if spec.medusa is not None and inputs is not None else None
-    reference = (inputs, _torch_outputs(exported, inputs, heads)) if inputs is not None else None
-    quantized_path, quantized_reference = None, None
-    if spec.quantization.bits:
-        quantized_path = workdir / "quantized.safetensors"
-        say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731  (stdout may be JSON)
-        quantize_checkpoint(exported.hf_model, spec, quantized_path, progress=say)
-        if reference is not None:
-            apply_dequantized(exported.hf_model, load_quantized(quantized_path)[0])
-            quantized_reference = _torch_outputs(exported, inputs, heads)
+def _weight_map(spec: Spec) -> WeightMap:
+    try:
+        return WeightMap.from_checkpoint(spec.model.checkpoint)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _weight_bytes(spec: Spec) -> int:
+    """The model's weight bytes in the spec's dtype, from the safetensors headers."""
+    return sum(entry.numel for entry in _weight_map(spec).entries.values()) * spec.model.dtype.torch.itemsize
+
+
+def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -> _Exported:
+    """Runs in a subprocess: the step's structure from a meta-device model with the weights
+    streamed from the checkpoint, the numerics check's graph and torch reference (the model
+    itself when small, else its first layers), and the weight quantization the spec asks for."""
+    with sample_peak("export") as peak:
+        weights = _weight_map(spec)
+        exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype.torch,
+                               spec.arch.vocab_size)
+        checked, reference, model, inputs, heads = exported, None, None, None, None
+        if check is not None:
+            if not check.whole:
+                (workdir / "check").mkdir()
+                checked = export_step(spec, workdir / "check", weights, check.layers, check.dtype.torch,
+                                      check.vocab_rows)
+            inputs = numerics.seeded_inputs(spec, check)
+            heads = load_heads(spec.medusa.heads) if spec.medusa is not None else None
+            model = truncated_model(spec.model.checkpoint, weights, check.dtype.torch, check.layers, check.vocab_rows)
+            reference = (inputs, _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads))
+        quantized_path, quantized_reference = None, None
+        if spec.quantization.bits:
+            quantized_path = workdir / "quantized.safetensors"
+            say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731  (stdout may be JSON)
+            _quantize_whole_model(spec, weights, quantized_path, say)
+            if model is not None:
+                apply_dequantized(model, _first_layers(load_quantized(quantized_path)[0], check.layers))
+                quantized_reference = _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads)
+        del model
     return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
-                     reference=reference, note=note, peak_rss_bytes=peak_rss_bytes(),
-                     quantized_path=quantized_path, quantized_reference=quantized_reference)
+                     check_path=None if check is None or check.whole else checked.path,
+                     reference=reference, peak=peak.result(), quantized_path=quantized_path,
+                     quantized_reference=quantized_reference)
 
 
-def _manager_factory(disabled, options: BuildOptions, tmp: Path, progress: Progress):
-    def make(gate: NumericsGate | None) -> PassManager:
+def _quantize_whole_model(spec: Spec, weights: WeightMap, out: Path, say) -> None:
+    """Adapter until builder/quant reads the weight map itself (one layer resident): today's
+    quantize_checkpoint takes a torch model, so quantized builds still hold the whole model here."""
+    model = truncated_model(spec.model.checkpoint, weights, spec.model.dtype.torch, spec.arch.num_layers)
+    quantize_checkpoint(model, spec, out, progress=say)
+
+
+def _first_layers(layers: dict | None, count: int) -> dict | None:
+    """The quantized layers a model of the first ``count`` decoder layers has."""
+    if layers is None:
+        return None
+    keep = lambda name: not name.startswith("layers.") or int(name.split(".")[1]) < count  # noqa: E731
+    return {name: layer for name, layer in layers.items() if keep(name)}
+
+
+def _manager_factory(disabled, options: BuildOptions, tmp: Path):
+    def make(gate: Instrument | None, on_record) -> PassManager:
         return PassManager(PIPELINE, disabled=disabled, dump_after=options.dump_after, dump_dir=tmp / "dumps",
-                           numerics=gate, weights_dir=tmp / ".export", on_record=progress.pass_record)
-    make(None)  # check ordering constraints and pass names before the slow export
+                           numerics=gate, weights_dir=tmp / ".export", on_record=on_record)
+    make(None, print)  # check ordering constraints and pass names before the slow export
     return make
 
 
-def _numerics_inputs(spec: Spec, exported) -> tuple[dict | None, str | None]:
-    """The seeded inputs of the numerics check, or None and why the check cannot run."""
-    if not spec.passes.numerics:
-        return None, None
-    if spec.model.dtype == DType.bfloat16:
-        return None, "numerics check skipped: ONNX Runtime's CPU kernels do not cover bfloat16"
-    if exported.weight_bytes > numerics.MAX_NUMERICS_BYTES:
-        return None, (f"numerics check skipped: the weights are over {numerics.MAX_NUMERICS_BYTES >> 20} MiB, where "
-                      "running every pass in ONNX Runtime would double the build's memory "
-                      "(set passes.numerics: false to silence this)")
-    return numerics.seeded_inputs(spec), None
-
-
-def _torch_outputs(exported, inputs: dict, heads: MedusaHeads | None) -> dict:
-    """Torch eager's outputs on ``inputs``; with Medusa, the heads' logits (numpy reference)
-    on the final-norm hidden state the step computed, so attach_medusa is checked too."""
+def _torch_outputs(spec: Spec, model, num_layers: int, output_names: list[str], inputs: dict,
+                   heads: MedusaHeads | None) -> dict:
+    """Torch eager's outputs of the step over ``model`` (its first ``num_layers`` layers, real
+    weights) on ``inputs``; with Medusa, the heads' logits (numpy reference) on the final-norm
+    hidden state the step computed, so attach_medusa is checked too."""
+    step = LlamaStep(model, spec.arch.model_copy(update={"num_layers": num_layers}), spec.build.max_seq_len).eval()
     captured = {}
-    handle = exported.step.norm.register_forward_hook(lambda module, args, out: captured.update(hidden=out))
+    handle = step.norm.register_forward_hook(lambda module, args, out: captured.update(hidden=out))
     try:
-        outputs = numerics.run_torch(exported.step, inputs, exported.output_names)
+        outputs = numerics.run_torch(step, inputs, output_names)
     finally:
         handle.remove()
     if heads is not None:
@@ -236,7 +315,7 @@ def _build_engines(spec: Spec, flavor, tmp: Path, jobs: int, progress: Progress)
                                                   for r in ranks], jobs)
     for rank, report in zip(ranks, reports):
         progress.say(f"  rank{rank}.engine: {human_bytes(report.bytes)}, builder process peak RSS "
-                     f"{human_bytes(report.peak_rss_bytes)}")
+                     f"{report.peak.describe()}")
     return reports
 
 

@@ -72,15 +72,20 @@ def main() -> None:
 @click.option("--disable-pass", multiple=True, metavar="PASS",
               help="Skip PASS (added to the spec's passes.disable). Repeatable.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Rank engines built at once (each in its own process, with its own builder memory).")
+              help="Rank engines built at once (each in its own process, with its own builder memory: "
+                   "≈ 0.2 GB + 2 × the rank's weights).")
+@click.option("--ignore-memory-check", is_flag=True,
+              help="Build even where a rank's engine would need more RAM than this machine has.")
 @click.option("--log-level", type=click.Choice(["error", "info", "debug"]), default="info", show_default=True,
               help="error: only errors and the summary; debug: skipped fusion sites and tracebacks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.pass_context
-def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int, log_level: str, as_json: bool):
+def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int, ignore_memory_check: bool,
+          log_level: str, as_json: bool):
     """Build one TensorRT engine per rank from a deployment SPEC (YAML).
 
-    Loads the spec's checkpoint, exports the step graph with torch.export, runs the pass
+    Exports the step graph with torch.export from a meta-device model, streams the checkpoint's
+    weights into it one tensor at a time, runs the pass
     pipeline (canonicalize, fuse_rmsnorm, fuse_rotary, fuse_attention, quantize_weights, attach_medusa,
     plan_cuda_graphs)
     with a numerics check after each pass, and writes OUT/rank{N}.onnx, OUT/rank{N}.engine,
@@ -99,7 +104,7 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     loaded = load_spec(spec)
     options = BuildOptions(out=out or Path("build") / spec.stem, dump_after=frozenset(dump_after),
-                           disable=frozenset(disable_pass), jobs=jobs)
+                           disable=frozenset(disable_pass), jobs=jobs, ignore_memory_check=ignore_memory_check)
     progress = Progress(Verbosity[log_level])
     summary = run_build(loaded, options, progress)
     if as_json:
@@ -109,17 +114,23 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
             "engines": [{"rank": i, "bytes": e.bytes, "seconds": round(e.seconds, 3), "weight_bytes": r["weight_bytes"],
                          "peak_rss_bytes": e.peak_rss_bytes}
                         for i, (e, r) in enumerate(zip(summary.engines, summary.manifest["ranks"]))],
-            "peak_rss_bytes": summary.peak_rss_bytes}, indent=2))
+            "processes": [{"process": p.name, "peak_rss_bytes": p.peak, "anon_bytes": p.anon, "file_bytes": p.file}
+                          for p in summary.processes],
+            "peak_rss_bytes": summary.peak_rss_bytes, "dir_bytes": summary.dir_bytes}, indent=2))
         return
     stages = [[name, f"{sec:.1f}"] for name, sec in summary.stages]
     stages.append(["total", f"{sum(sec for _, sec in summary.stages):.1f}"])
     click.echo(table(stages, ["stage", "seconds"]))
     click.echo()
     weights = [r["weight_bytes"] for r in summary.manifest["ranks"]]
-    click.echo(table([[f"rank{i}", human_bytes(e.bytes), f"{e.seconds:.1f}", human_bytes(w), human_bytes(e.peak_rss_bytes)]
+    click.echo(table([[f"rank{i}", human_bytes(e.bytes), f"{e.seconds:.1f}", human_bytes(w)]
                       for i, (e, w) in enumerate(zip(summary.engines, weights))],
-                     ["engine", "size", "build s", "weights", "builder peak RSS"]))
-    click.echo(f"\npeak RSS {human_bytes(summary.peak_rss_bytes)}; engine dir {summary.out}")
+                     ["engine", "size", "build s", "weights"]))
+    click.echo()
+    click.echo(table([[p.name, human_bytes(p.peak), human_bytes(p.anon), human_bytes(p.file)] for p in summary.processes],
+                     ["process", "peak RSS", "anon", "file"]))
+    click.echo(f"\npeak RSS {human_bytes(summary.peak_rss_bytes)}; engine dir {summary.out} "
+               f"({human_bytes(summary.dir_bytes)})")
 
 
 @main.command()

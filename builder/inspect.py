@@ -7,7 +7,7 @@ from pathlib import Path
 from ..contract.gpu_targets import describe
 from ..contract.manifest import ManifestError, check_engine_dir, read_manifest
 from .errors import UserError
-from .progress import human_bytes, table
+from .progress import dir_size, human_bytes, table
 
 
 def load_engine_dir(out: Path) -> tuple[dict, list[dict]]:
@@ -67,6 +67,8 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         f"files        {len(manifest['files'])}, "
         f"{human_bytes(sum(f['bytes'] for f in manifest['files'].values()))}, "
         + ("all hashes verify" if not bad else f"MISMATCH: {bad}"),
+        f"dir size     {_dir_sizes(out, manifest)}",
+        f"numerics     {_check_ran(records)}",
         "",
     ]
     rows = []
@@ -116,6 +118,26 @@ def node_origin(out: Path, rank: int, node_name: str) -> str:
     close = [n.name for _, graph in graphs for n in graph.node if node_name.lower() in n.name.lower()][:8]
     hint = f"; nodes containing it: {', '.join(close)}" if close else ""
     raise UserError(f"--node: no node named {node_name!r} in rank{rank}.onnx or its CPU decode graph{hint}")
+
+
+def _dir_sizes(out: Path, manifest: dict) -> str:
+    """The dir's bytes on disk, and how much of it is the engines and the CPU graphs."""
+    files = manifest["files"]
+    engines = sum(files[r["engine"]]["bytes"] for r in manifest["ranks"] if r["engine"] in files)
+    cpu = sum(files[name]["bytes"] for r in manifest["ranks"] for name in (r["onnx"], r.get("onnx_data"))
+              if name in files)
+    return (f"{human_bytes(dir_size(Path(out)))} (engines {human_bytes(engines)}, CPU graphs {human_bytes(cpu)})")
+
+
+def _check_ran(records: list[dict]) -> str:
+    """Which numerics check the build ran (numerics.CheckPlan.record), from the pass log."""
+    label = next((r["numerics"] for r in records if r.get("numerics") and "check" in r["numerics"]), None)
+    if label is None:
+        return "not run (passes.numerics: false)" if records else "-"
+    if label["check"] == "truncated":
+        return (f"on a graph of the first {label['layers']} of {label['of_layers']} decoder layers "
+                f"({label['dtype']}), structure checked on all")
+    return f"on the built graph ({label['dtype']})"
 
 
 def _stat(entry: dict | None) -> str:

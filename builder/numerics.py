@@ -14,11 +14,57 @@ import torch
 from ..contract import onnxruntime as ort_config
 from ..contract.onnxruntime import CpuActivations
 from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
-from .spec import Spec
+from .spec import DType, Spec
 
-# The check runs each pass's graph in-memory in ONNX Runtime, which holds a second copy of
-# the weights (and protobuf caps a model at 2 GB): it is for small models, where it is cheap.
-MAX_NUMERICS_BYTES = 512 * 2**20
+# The check runs each pass's graph in ONNX Runtime, which holds a copy of its weights, and the
+# torch reference holds another: up to passes.numerics_whole_max_mib the graph checked is the
+# model built; above it, the same passes run on a depth-truncated copy (the first
+# TRUNCATED_LAYERS decoder layers, the final norm and lm_head, with the real weights) and the
+# model built gets structural checks (passes/structure_check.py).
+TRUNCATED_LAYERS = 2
+# ... and of the embedding and lm_head only their first rows (the seeded tokens are drawn from
+# them): the check then holds two layers, not two vocabulary-sized tables (2 GB at Llama-3-8B).
+TRUNCATED_VOCAB = 8192
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    """Which numerics check a build runs: on the built graph itself (``whole``), or on a graph of
+    the first ``layers`` decoder layers exported apart; ``dtype`` is what ONNX Runtime runs
+    (float32 for a bfloat16 model: its CPU kernels lack bfloat16; the same weights, widened)."""
+
+    whole: bool
+    layers: int
+    of_layers: int
+    dtype: DType
+    vocab_rows: int  # of the embedding and lm_head
+
+    def record(self) -> dict:
+        """What the pass log says about the check."""
+        return {"check": "whole model" if self.whole else "truncated", "layers": self.layers,
+                "of_layers": self.of_layers, "dtype": self.dtype.value, "vocab_rows": self.vocab_rows}
+
+    def describe(self) -> str:
+        what = ("the built graph" if self.whole else
+                f"a graph of the first {self.layers} of {self.of_layers} decoder layers and the first "
+                f"{self.vocab_rows} vocabulary rows (real weights)")
+        return f"numerics check on {what}, in {self.dtype.value}"
+
+
+def check_plan(spec: Spec, weight_bytes: int) -> CheckPlan | None:
+    """The check a spec gets for a model of ``weight_bytes`` (None: passes.numerics is off)."""
+    if not spec.passes.numerics:
+        return None
+    layers = spec.arch.num_layers
+    small = weight_bytes <= spec.passes.numerics_whole_max_mib * 2**20
+    bf16 = spec.model.dtype == DType.bfloat16
+    world, vocab = spec.world_size, spec.arch.vocab_size
+    # Quantized lm_head/embedding codes come for the whole vocabulary: those keep it.
+    q = spec.quantization
+    whole_vocab = small or (q.bits is not None and (q.quantize_embeddings or not any(p in "lm_head" for p in q.exclude)))
+    return CheckPlan(whole=small and not bf16, layers=layers if small else min(TRUNCATED_LAYERS, layers),
+                     of_layers=layers, dtype=DType.float32 if bf16 else spec.model.dtype,
+                     vocab_rows=vocab if whole_vocab else min(vocab, world * (TRUNCATED_VOCAB // world)))
 
 
 @dataclass(frozen=True)
@@ -30,19 +76,19 @@ class Stats:
         return self.max_abs <= atol or self.max_rel <= rtol
 
 
-def seeded_inputs(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
+def seeded_inputs(spec: Spec, plan: CheckPlan, seed: int = 0) -> dict[str, np.ndarray]:
     """Two sequences mid-generation, logits at every position: one at position 0, one with
-    random K/V already cached (causal masks)."""
+    random K/V already cached (causal masks), for the step the check ``plan`` runs."""
+    num_layers, dtype = plan.layers, plan.dtype
     arch, s_max = spec.arch, spec.build.max_seq_len
     rng = np.random.default_rng(seed)
     seq = max(1, min(4, spec.max_step_tokens, s_max // 2))
     starts = [0, min(3, s_max - seq)]
-    tokens = rng.integers(0, arch.vocab_size, size=(len(starts), seq)).tolist()
+    tokens = rng.integers(0, plan.vocab_rows, size=(len(starts), seq)).tolist()
     inputs = step_arrays(tokens, starts, s_max, all_logits=True).as_dict()
-    dtype = CACHE_DTYPES[spec.model.dtype.value]  # bf16 skips the check
     shape = CacheShape(arch.num_kv_heads, s_max, arch.head_dim)
-    for name in cache_names(arch.num_layers):
-        cache = shape.zeros(len(starts), dtype)
+    for name in cache_names(num_layers):
+        cache = shape.zeros(len(starts), CACHE_DTYPES[dtype.value])
         for b, start in enumerate(starts):
             cache[b, :, :start] = rng.standard_normal((arch.num_kv_heads, start, arch.head_dim))
         inputs[f"past_{name}"] = cache

@@ -22,6 +22,7 @@ from ..contract.medusa import best_tree_prefix, expected_accepted, path_probabil
 from ..contract.tensor_parallel import kv_heads_per_rank
 from .frontend.checkpoint import ArchConfig
 from .gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
+from .plan_build import BuildPlan
 from .spec_checks import tensor_parallel_ok
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "w8a8", "int4", "fp4")
@@ -240,6 +241,10 @@ class Plan:
         best, speedup = best_tree_prefix(expected, lambda tokens: self.verify_floor_s(batch, tokens))
         return best, 1 + expected[best], speedup
 
+    def build_side(self) -> BuildPlan:
+        """RAM per process, engine-dir disk and time of building this plan (builder/plan_build.py)."""
+        return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True)
+
     def as_dict(self) -> dict:
         return {
             "model": self.arch.architecture, "gpu": self.gpu.name, "gpus": self.gpus, "tp": self.tp,
@@ -262,6 +267,7 @@ class Plan:
             "ridge_batch": self.ridge_batch(),
             "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
             "workload": self.workload.__dict__,
+            "build": self.build_side().as_dict(),
             "medusa": None if self.medusa is None else {
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
                                  (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))
@@ -289,3 +295,10 @@ def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = 
                     prefix_cache=True)
 
 
+def spec_build_plan(spec) -> BuildPlan:
+    """The build plan of a validated spec: its precision (quantization, else dtype) and TP."""
+    precision = QUANTIZATION_PRECISION.get(spec.quantization.mode) or \
+        {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value]
+    counts = param_counts(spec.arch)
+    return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
+                     cpu_graphs=True)

@@ -49,6 +49,7 @@ def render(plan: Plan) -> str:
         "recommendations",
     ]
     lines += [f"  - {r['recommendation']} [{r['figure']}]" for r in recommendations(plan)]
+    lines += ["", *render_build(plan.build_side())]
     if plan.medusa is not None:
         lines += ["", f"medusa ({plan.medusa.num_heads} heads, tree of {len(plan.medusa.choices)}; acceptance from "
                       "the heads' held-out accuracy, step times from the roofline)"]
@@ -58,3 +59,18 @@ def render(plan: Plan) -> str:
                                                  f"predicted {speedup:.2f}x decode speed-up" if n else
                                                  "speculation does not pay (a bigger step costs more than it saves)"))
     return "\n".join(lines)
+
+
+def render_build(b) -> list[str]:
+    """The build side (builder/plan_build.py): what building these engines takes on the build machine."""
+    seconds = b.seconds
+    return [
+        f"build (the build machine: {b.tp} rank engine{'s' if b.tp > 1 else ''}, built one process at a time)",
+        f"  RAM per process: export, numerics check and passes within {b.stages_peak_bytes / GB:.1f} GB (the bound: "
+        f"0.25 × {b.model_bytes / GB:.1f} GB of weights + 1.5 GiB; they stream one tensor at a time); each rank's "
+        f"engine ≈ {b.engine_peak_bytes / GB:.1f} GB (0.2 GB + 2 × {b.rank_bytes / GB:.1f} GB); per-process peak "
+        f"≤ {b.per_process_peak_bytes / GB:.1f} GB",
+        f"  engine dir ≈ {b.dir_bytes / GB:.1f} GB (engines + the CPU graphs' weights)",
+        f"  time on 2 cores ≈ {seconds['export'] / 60:.0f} min export + {seconds['passes'] / 60:.0f} min passes + "
+        f"{seconds['engines'] / 60:.0f} min engines (benchmarks/build_scale.py rates)",
+    ]

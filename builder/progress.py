@@ -1,11 +1,15 @@
 """Progress lines on stderr for long work, and the final summary table."""
 from __future__ import annotations
 
+import os
 import resource
 import sys
+import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import IntEnum
+from pathlib import Path
 from typing import Iterator
 
 
@@ -73,3 +77,87 @@ def peak_rss_bytes() -> int:
 def current_rss_bytes() -> int:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * resource.getpagesize()
+
+
+@dataclass(frozen=True)
+class ProcessPeak:
+    """One process's memory high-water marks: the kernel's peak RSS, and the largest anonymous
+    (heap: what the process allocated) and file-backed (mapped weights, which the kernel can
+    drop and re-read) parts seen by polling /proc."""
+
+    name: str
+    peak: int
+    anon: int
+    file: int
+
+    def describe(self) -> str:
+        return f"{human_bytes(self.peak)} (anon {human_bytes(self.anon)}, file {human_bytes(self.file)})"
+
+
+class _Sampler:
+    def __init__(self, name: str, interval_s: float):
+        self.name, self.interval_s = name, interval_s
+        self.anon = self.file = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while True:
+            anon, file = rss_parts()
+            self.anon, self.file = max(self.anon, anon), max(self.file, file)
+            if self.stop.wait(self.interval_s):
+                return
+
+    def result(self) -> ProcessPeak:
+        # VmHWM, not getrusage: a spawned child's ru_maxrss starts at its parent's peak (kept across exec).
+        return ProcessPeak(self.name, max(status_bytes("VmHWM"), self.anon + self.file), self.anon, self.file)
+
+
+@contextmanager
+def sample_peak(name: str = "", interval_s: float = 0.05) -> Iterator[_Sampler]:
+    """Polls this process's RssAnon/RssFile while the block runs; ``.result()`` after it."""
+    sampler = _Sampler(name or f"pid {os.getpid()}", interval_s)
+    sampler.thread.start()
+    try:
+        yield sampler
+    finally:
+        sampler.stop.set()
+        sampler.thread.join()
+        anon, file = rss_parts()
+        sampler.anon, sampler.file = max(sampler.anon, anon), max(sampler.file, file)
+
+
+def _status(pid: int | str = "self") -> dict[str, int]:
+    """The memory lines of /proc/PID/status in bytes (empty once the process is gone)."""
+    fields = {}
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith(("Rss", "Vm")) and line.rstrip().endswith("kB"):
+                    key, value = line.split(":", 1)
+                    fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return {}
+    return fields
+
+
+def status_bytes(key: str, pid: int | str = "self") -> int:
+    return _status(pid).get(key, 0)
+
+
+def rss_parts(pid: int | str = "self") -> tuple[int, int]:
+    """(RssAnon, RssFile + RssShmem) of a process now, in bytes (0, 0 once it is gone)."""
+    fields = _status(pid)
+    return fields.get("RssAnon", 0), fields.get("RssFile", 0) + fields.get("RssShmem", 0)
+
+
+def dir_size(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (hard links counted once)."""
+    seen, total = set(), 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            stat = os.lstat(os.path.join(root, name))
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
+    return total

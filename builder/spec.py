@@ -94,6 +94,9 @@ class BuildSection(_Section):
 class PassesSection(_Section):
     disable: tuple[str, ...] = ()
     numerics: StrictBool = Field(True, description="run each pass's graph in ONNX Runtime and compare")
+    numerics_whole_max_mib: StrictInt = Field(128, ge=0, description=(
+        "largest model (MiB of weights) whose built graph the numerics check runs; above it, the same "
+        "passes run on a graph of its first layers with the real weights (plus structural checks)"))
     atol: float = Field(1e-3, gt=0)
     rtol: float = Field(1e-2, gt=0)
     # After quantization the reference is torch with the same fake quantization; activation

@@ -16,6 +16,18 @@ import numpy as np
 
 INPUT_NAMES = ("input_ids", "position_ids", "write_index", "kv_length", "attention_mask", "logits_index")
 LOGITS, MEDUSA_LOGITS = "logits", "medusa_logits"
+# Each input's element kind ("float": the model's dtype) and dims: B batch, S new tokens,
+# R logits rows (dynamic); S_max, H_kv (per rank), D fixed by the model and spec. "past" is
+# every past_{key,value}_{l}.
+STEP_INPUTS: dict[str, tuple[str, tuple[str | int, ...]]] = {
+    "input_ids": ("int32", ("B", "S")),
+    "position_ids": ("int32", ("B", "S")),
+    "write_index": ("int64", ("B",)),
+    "kv_length": ("int64", ("B",)),
+    "attention_mask": ("bool", ("B", 1, "S", "S_max")),
+    "logits_index": ("int64", ("B", "R")),
+    "past": ("float", ("B", "H_kv", "S_max", "D")),
+}
 CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}  # what ONNX Runtime runs on CPU
 
 # rankN.cpu.onnx (the CPU step model) takes the step's inputs plus PLAIN_DECODE, a bool scalar:

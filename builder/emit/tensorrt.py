@@ -14,7 +14,7 @@ from types import ModuleType
 
 from ...contract.gpu_targets import MODULES, RTX_TARGETS, built_for, sm, tensorrt_only_refusal
 from ..errors import SpecError, UserError
-from ..progress import peak_rss_bytes
+from ..progress import ProcessPeak, sample_peak
 from ..spec import Backend, DType, Spec
 
 
@@ -106,7 +106,11 @@ class EngineReport:
     path: Path
     bytes: int
     seconds: float
-    peak_rss_bytes: int
+    peak: ProcessPeak  # of the process that built it
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        return self.peak.peak
 
 
 def _file_writer(trt, handle):
@@ -155,6 +159,12 @@ def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], .
 
 
 def build_engine(onnx_path: Path, engine_path: Path, spec: Spec, flavor: Flavor) -> EngineReport:
+    with sample_peak(f"engine {engine_path.stem}") as sampler:
+        path, written, seconds = _build(onnx_path, engine_path, spec, flavor)
+    return EngineReport(path=path, bytes=written, seconds=seconds, peak=sampler.result())
+
+
+def _build(onnx_path: Path, engine_path: Path, spec: Spec, flavor: Flavor) -> tuple[Path, int, float]:
     trt = flavor.module
     start = time.perf_counter()
     logger = trt.Logger(trt.Logger.ERROR)
@@ -184,8 +194,7 @@ def build_engine(onnx_path: Path, engine_path: Path, spec: Spec, flavor: Flavor)
         engine_path.unlink(missing_ok=True)
         raise UserError(f"{onnx_path}: TensorRT {flavor.version} failed to build the engine "
                         f"(targets: {', '.join(spec.build.targets) or 'portable'})")
-    return EngineReport(path=engine_path, bytes=writer.written, seconds=time.perf_counter() - start,
-                        peak_rss_bytes=peak_rss_bytes())
+    return engine_path, writer.written, time.perf_counter() - start
 
 
 def build_engine_job(job: tuple[Path, Path, Spec, str]) -> EngineReport:

@@ -1,4 +1,13 @@
-"""torch.export → ONNX (opset 24) of the engine step, with stable hierarchical node names."""
+"""torch.export → ONNX (opset 24) of the engine step, from a meta-device model: the graph's
+structure is traced without any weight bytes, then the weights stream from the checkpoint into
+the step's external-data file one tensor at a time (frontend/weights_file.py).
+
+The exporter's own optimizer folds constants by reading their values, which a meta model does
+not have: it runs here with the weights marked unknown, so it folds everything else (shape
+arithmetic, casts, small tables) and leaves ``Transpose(W)`` in front of each Linear's MatMul.
+Those transposes are folded by storing the weight transposed ([in, out]) as it is written,
+which is what the passes expect of a Linear (``MatMul(x, W[in, out])``).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +16,6 @@ import logging
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-
 from pathlib import Path
 
 import onnx
@@ -15,73 +23,114 @@ import onnx_graphsurgeon as gs
 import torch
 from onnx.external_data_helper import load_external_data_for_tensor
 
+from ...contract.step import INPUT_NAMES, STEP_INPUTS, io_cache_names
 from ..spec import Spec
-from .checkpoint import load_model
-from ...contract.step import INPUT_NAMES, io_cache_names
+from .skeleton import meta_model, checkpoint_key
 from .step_model import LlamaStep
+from .weight_map import WeightMap
+from .weights_file import GraphWeight, fold_weight_transposes, write_weights
 
 OPSET = 24
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportedStep:
-    """The exported graph on disk (weights as external data beside it) and the torch module
-    it came from (the numerics reference, dropped once that is computed)."""
+    """The exported graph on disk, its weights as external data beside it."""
 
     path: Path
-    step: LlamaStep | None
     output_names: list[str]
     weight_bytes: int
-    hf_model: torch.nn.Module | None = None  # the transformers model the step's modules belong to
+    num_layers: int
 
     @property
     def data_path(self) -> Path:
         return self.path.with_name(self.path.name + ".data")
 
 
-def example_inputs(spec: Spec, batch: int, seq: int, rows: int) -> tuple[torch.Tensor, ...]:
-    """Step inputs of the given sizes: a causal prefill at position 0 (caches zero)."""
-    arch, s_max = spec.arch, spec.build.max_seq_len
-    positions = torch.arange(seq, dtype=torch.int32)[None].repeat(batch, 1)
-    mask = torch.ones(seq, s_max, dtype=torch.bool).tril()[None, None].repeat(batch, 1, 1, 1)
-    past = [torch.zeros(batch, arch.num_kv_heads, s_max, arch.head_dim, dtype=spec.model.dtype.torch)
-            for _ in range(2 * arch.num_layers)]
-    return (torch.zeros(batch, seq, dtype=torch.int32), positions,
-            torch.zeros(batch, dtype=torch.int64), torch.full((batch,), seq, dtype=torch.int64),
-            mask, torch.full((batch, rows), seq - 1, dtype=torch.int64), *past)
-
-
-def export_step(spec: Spec, workdir: Path) -> ExportedStep:
-    """Exports the step to ``workdir/step.onnx``; weights stream to ``step.onnx.data`` so the
-    graph never holds a second in-memory copy of them."""
+def example_inputs(spec: Spec, num_layers: int, dtype: torch.dtype, sizes: dict[str, int]) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of the step's inputs (contract.step.STEP_INPUTS) at ``sizes`` of the dynamic dims."""
     arch = spec.arch
-    hf_model = load_model(spec.model.checkpoint, spec.model.dtype.torch)
-    step = LlamaStep(hf_model, arch, spec.build.max_seq_len).eval()
-    max_batch, max_seq = spec.build.max_batch_size, spec.max_step_tokens
+    known = {**sizes, "S_max": spec.build.max_seq_len, "H_kv": arch.num_kv_heads, "D": arch.head_dim}
+    dtypes = {"float": dtype, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+    shaped = lambda kind, dims: torch.empty([known[d] if isinstance(d, str) else d for d in dims],  # noqa: E731
+                                            dtype=dtypes[kind], device="meta")
+    inputs = [shaped(*STEP_INPUTS[name]) for name in INPUT_NAMES]
+    return (*inputs, *(shaped(*STEP_INPUTS["past"]) for _ in range(2 * num_layers)))
+
+
+def _dynamic_shapes(spec: Spec, num_layers: int) -> tuple:
+    """torch.export dims for B, S and R, read off the same table."""
+    max_seq = spec.max_step_tokens
+    dims = {"B": torch.export.Dim("batch", min=1, max=max(2, spec.build.max_batch_size)),
+            "S": torch.export.Dim("seq", min=1, max=max(3, max_seq)),
+            "R": torch.export.Dim("rows", min=1, max=max(3, max_seq))}
+    of = lambda entry: {axis: dims[d] for axis, d in enumerate(entry[1]) if d in dims}  # noqa: E731
+    return (*(of(STEP_INPUTS[name]) for name in INPUT_NAMES),
+            tuple(of(STEP_INPUTS["past"]) for _ in range(2 * num_layers)))
+
+
+def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, dtype: torch.dtype,
+                vocab_rows: int) -> ExportedStep:
+    """Exports the step of the checkpoint's first ``num_layers`` decoder layers and ``vocab_rows``
+    vocabulary rows (all of them for the engine; fewer for the numerics check of a large model)
+    in ``dtype`` to ``workdir/step.onnx``, its weights streamed from ``weights`` into ``step.onnx.data``."""
+    arch = spec.arch.model_copy(update={"num_layers": num_layers, "vocab_size": vocab_rows})
+    model = meta_model(spec.model.checkpoint, dtype, num_layers, vocab_rows)
+    step = LlamaStep(model, arch, spec.build.max_seq_len).eval()
+    # The rotary tables are computed, not stored: keep their values, trace them as meta.
+    tables = {"cos_table": step.cos_table, "sin_table": step.sin_table}
+    step.cos_table, step.sin_table = (table.to("meta") for table in tables.values())
+    sources = _checkpoint_keys(step, model)
     # Sizes of 2+ keep torch.export from specialising a dynamic dim to 1.
-    args = example_inputs(spec, batch=2, seq=min(3, max_seq) if max_seq > 1 else 1, rows=2)
-    batch = torch.export.Dim("batch", min=1, max=max(2, max_batch))
-    seq = torch.export.Dim("seq", min=1, max=max(3, max_seq))
-    rows = torch.export.Dim("rows", min=1, max=max(3, max_seq))
-    dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}, {0: batch},
-               {0: batch, 2: seq}, {0: batch, 1: rows}, tuple({0: batch} for _ in range(2 * arch.num_layers)))
+    seq = min(3, spec.max_step_tokens) if spec.max_step_tokens > 1 else 1
+    args = example_inputs(spec, num_layers, dtype, {"B": 2, "S": seq, "R": 2})
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            _quiet_logger("torch.onnx"):
+            _quiet_logger("torch.onnx"), _quiet_logger("onnxscript"), _quiet_logger("onnx_ir"):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            step, args, dynamo=True, dynamic_shapes=dynamic, opset_version=OPSET, optimize=True,
-            input_names=list(INPUT_NAMES) + io_cache_names(arch.num_layers, "past"),
-            output_names=["logits"] + io_cache_names(arch.num_layers, "present"), verbose=False)
+            step, args, dynamo=True, dynamic_shapes=_dynamic_shapes(spec, num_layers), opset_version=OPSET,
+            optimize=False, input_names=list(INPUT_NAMES) + io_cache_names(num_layers, "past"),
+            output_names=["logits"] + io_cache_names(num_layers, "present"), verbose=False)
+        graph_weights = _take_weights(program, sources, tables)
+        program.optimize()  # folds all but the weights, whose values it is told it does not know
+        for name in graph_weights:
+            program.model.graph.initializers.pop(name, None)
         path = Path(workdir) / "step.onnx"
-        program.save(path, external_data=True)
+        program.save(path, external_data=False)
     del program
-    model = onnx.load(path, load_external_data=False)  # structure only: a few MB at most
-    name_nodes(model.graph)
-    onnx.save_model(model, path)
-    weights = sum(p.numel() * p.element_size() for p in step.parameters())
-    return ExportedStep(path=path, step=step, output_names=[o.name for o in model.graph.output], weight_bytes=weights,
-                        hf_model=hf_model)
+    proto = onnx.load(path, load_external_data=False)  # structure only: a few MB at most
+    name_nodes(proto.graph)
+    transposed = fold_weight_transposes(proto.graph, set(graph_weights))
+    written = write_weights(proto.graph, graph_weights, transposed, weights, dtype, path.with_name("step.onnx.data"))
+    onnx.save_model(proto, path)
+    return ExportedStep(path=path, output_names=[o.name for o in proto.graph.output], weight_bytes=written,
+                        num_layers=num_layers)
+
+
+def _checkpoint_keys(step: LlamaStep, model: torch.nn.Module) -> dict[str, str]:
+    """The step's parameter names (what the exporter names initializers) → checkpoint keys."""
+    hf_names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        hf_names.setdefault(id(param), name)
+    return {name: checkpoint_key(model, hf_names[id(param)])
+            for name, param in step.named_parameters(remove_duplicate=False)}
+
+
+def _take_weights(program, sources: dict[str, str], tables: dict[str, torch.Tensor]) -> dict[str, GraphWeight]:
+    """The graph's weight initializers, marked unknown for the optimizer, with where each comes from."""
+    out = {}
+    for name, value in program.model.graph.initializers.items():
+        if name not in sources and name not in tables:
+            continue
+        shape = tuple(int(d) for d in value.shape)
+        out[name] = GraphWeight(name=name, shape=shape, key=sources.get(name),
+                                values=tables[name] if name in tables else None)
+        value.const_value = None
+    missing = set(sources.values()) - {w.key for w in out.values()}
+    if missing:
+        raise ValueError(f"the exported graph lacks initializers for {sorted(missing)[:4]}")
+    return out
 
 
 def load_graph(path: Path, inline_below: int = 1 << 20) -> gs.Graph:

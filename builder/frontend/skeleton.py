@@ -17,10 +17,12 @@ from ...contract.checkpoint import CheckpointError
 from .weight_map import WeightMap
 
 
-def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
+def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = None,
+               vocab_rows: int | None = None) -> nn.Module:
     """The transformers CausalLM of ``checkpoint``'s config.json on the meta device, in eval mode,
-    with ``num_layers`` decoder layers (default: all). Its rotary ``inv_freq`` (a non-persistent
-    buffer computed from the config, not stored in the checkpoint) is real."""
+    with ``num_layers`` decoder layers (default: all) and the first ``vocab_rows`` rows of the
+    embedding and lm_head (default: all). Its rotary ``inv_freq`` (a non-persistent buffer
+    computed from the config, not stored in the checkpoint) is real."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -33,6 +35,8 @@ def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = No
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2/3) must match the count
             config.layer_types = config.layer_types[:num_layers]
+    if vocab_rows is not None:
+        config.vocab_size = vocab_rows
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     rotary = model.model.rotary_emb
@@ -58,7 +62,7 @@ def assign_weights(model: nn.Module, weights: WeightMap, prefix: str, dtype: tor
     state, read = {}, {}
     for name, param in module.named_parameters(remove_duplicate=False):
         key = checkpoint_key(model, dot + name)
-        tensor = read[key] if key in read else read.setdefault(key, weights.tensor(key, dtype))
+        tensor = read[key] if key in read else read.setdefault(key, _read(weights, key, tuple(param.shape), dtype))
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {key} has shape {tuple(tensor.shape)}; config.json implies "
                                   f"{tuple(param.shape)}")
@@ -69,15 +73,28 @@ def assign_weights(model: nn.Module, weights: WeightMap, prefix: str, dtype: tor
     return sum(t.numel() * t.element_size() for t in read.values())
 
 
+def _read(weights: WeightMap, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor, or its first rows where the model has fewer (a vocabulary cut to ``vocab_rows``)."""
+    stored = weights.entry(key).shape
+    if key in VOCAB_KEYS and len(shape) == len(stored) and shape[1:] == stored[1:] and shape[0] < stored[0]:
+        return weights.rows(key, 0, shape[0], dtype)
+    return weights.tensor(key, dtype)
+
+
+VOCAB_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
 def release_weights(model: nn.Module, prefix: str) -> None:
     """Puts the parameters under ``prefix`` back on the meta device, so their bytes can go."""
     module = model.get_submodule(prefix)
     module.to_empty(device="meta")
 
 
-def truncated_model(checkpoint: Path, weights: WeightMap, dtype: torch.dtype, num_layers: int) -> nn.Module:
-    """The first ``num_layers`` decoder layers with the embedding, final norm and lm_head, all
-    with their real weights: the reference of the numerics check on a model too large to run whole."""
-    model = meta_model(checkpoint, dtype, num_layers)
+def truncated_model(checkpoint: Path, weights: WeightMap, dtype: torch.dtype, num_layers: int,
+                    vocab_rows: int | None = None) -> nn.Module:
+    """The first ``num_layers`` decoder layers with the embedding, final norm and lm_head (their
+    first ``vocab_rows`` rows), all with their real weights: the reference of the numerics check
+    on a model too large to run whole."""
+    model = meta_model(checkpoint, dtype, num_layers, vocab_rows)
     assign_weights(model, weights, "", dtype)
     return model

@@ -101,9 +101,10 @@ class WeightMap:
         return entry
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole tensor, memory-mapped (read-only bytes; converted to ``dtype`` as a copy)."""
+        """The whole tensor, memory-mapped copy-on-write: a write (fake quantization in place)
+        lands in private memory, never in the checkpoint; converted to ``dtype`` as a copy."""
         entry = self.entry(name)
-        array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="r", offset=entry.offset,
+        array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="c", offset=entry.offset,
                           shape=(entry.numel,))
         return _as_torch(array, entry, entry.shape, dtype)
 
@@ -115,14 +116,13 @@ class WeightMap:
             raise ValueError(f"{name}: rows [{start}, {stop}) outside shape {entry.shape}")
         row = int(np.prod(entry.shape[1:])) if len(entry.shape) > 1 else 1
         width = np.dtype(DTYPES[entry.dtype][1]).itemsize
-        array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="r", offset=entry.offset + start * row * width,
+        array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="c", offset=entry.offset + start * row * width,
                           shape=((stop - start) * row,))
         return _as_torch(array, entry, (stop - start, *entry.shape[1:]), dtype)
 
 
 def _as_torch(array: np.ndarray, entry: TensorEntry, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only by design: nothing writes into a checkpoint
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    with warnings.catch_warnings():
         tensor = torch.from_numpy(array).view(entry.torch_dtype).reshape(shape)
     if dtype is not None and dtype != entry.torch_dtype:
         return tensor.to(dtype)

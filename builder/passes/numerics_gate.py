@@ -31,15 +31,18 @@ from .instruments import Instrument
 class NumericsGate(Instrument):
     def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
                  quantized_reference: dict | None = None, quantized_rtol: float | None = None,
-                 num_kv_heads: int | None = None, activations: CpuActivations = CpuActivations.float):
+                 num_kv_heads: int | None = None, activations: CpuActivations = CpuActivations.float,
+                 label: dict | None = None):
         """``workdir`` holds the graphs' external weight files; ``quantized_reference`` is torch
         eager with the dequantized weights, the reference once the graph holds quantized weights
         (quantization error is measured, not a pass's mistake); ``num_kv_heads`` of the whole
-        model, to give each rank its cache shard; ``activations`` the spec's, as the runtime will run."""
+        model, to give each rank its cache shard; ``activations`` the spec's, as the runtime will run;
+        ``label``: which check this is (numerics.CheckPlan.record), copied into every record."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
         self.workdir, self.quantized_reference = workdir, quantized_reference
         self.quantized_rtol = quantized_rtol or rtol
         self.num_kv_heads, self.activations = num_kv_heads, activations
+        self.label = dict(label or {})
         self.previous: dict | None = None  # outputs of the graphs before the current pass
         self.produced: set[str] | None = None  # every output some graph so far had
         self.first = True
@@ -86,7 +89,7 @@ class NumericsGate(Instrument):
         self.produced |= set(outputs)
         # Quantized graphs: int8 activations (CpuActivations.int8) round differently in the two graphs.
         rtol = self.quantized_rtol if use_quantized else self.rtol
-        record = {"vs_torch": numerics.worst(vs_torch), "atol": self.atol, "rtol": rtol}
+        record = {**self.label, "vs_torch": numerics.worst(vs_torch), "atol": self.atol, "rtol": rtol}
         if use_quantized:
             record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference, not_yet))
         if vs_previous is not None:
@@ -99,7 +102,9 @@ class NumericsGate(Instrument):
             rank_record["numerics"] = record
         if bad:
             name, stat = max(bad.items(), key=lambda kv: kv[1].max_abs)
-            raise PassError(f"pass {p.name} broke numerics: {name} max_abs {stat.max_abs:.3g} "
+            on = (f" on the first {self.label['layers']} of {self.label['of_layers']} decoder layers"
+                  if self.label.get("check") == "truncated" else "")
+            raise PassError(f"pass {p.name} broke numerics{on}: {name} max_abs {stat.max_abs:.3g} "
                             f"(max_rel {stat.max_rel:.3g}) vs torch exceeds atol {self.atol} / rtol "
                             f"{rtol}{after(ran)}")
 

@@ -44,13 +44,25 @@ class _Sharder:
         self.stats["sharded_weight_bytes"] += part.nbytes
         return self.writer.constant(f"{constant.name}.rank{self.ctx.rank}", part)
 
+    def slice_transposed(self, constant: gs.Constant, axis: int, start: int, stop: int) -> gs.Constant:
+        """Rows (or columns) of a table that feeds a MatMul through a Transpose (a tied lm_head reads
+        the embedding [V, D]), written as the transposed slice: the rank's own [D, V/N] weight."""
+        values = weights.read(constant, self.ctx.weights_dir)
+        part = np.ascontiguousarray(np.take(values, np.arange(start, stop), axis=axis).T)
+        self.stats["sharded_weight_bytes"] += part.nbytes
+        return self.writer.constant(f"{constant.name}.T.rank{self.ctx.rank}", part)
+
     def slice_weight(self, tensor, axis: int, start: int, stop: int, full: int, where: str):
         """The weight [in, out] feeding a MatMul, sliced on ``axis``; follows DequantizeLinear
         chains and slices codes and scales alike (per-channel scales on the output axis,
         block scales [in/g, out] by blocks)."""
         if isinstance(tensor, gs.Constant):
             return self.slice_constant(tensor, axis, start, stop)
-        dq = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+        producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+        if producer is not None and producer.op == "Transpose" and isinstance(producer.inputs[0], gs.Constant) \
+                and list(producer.attrs.get("perm", [1, 0])) == [1, 0]:
+            return self.slice_transposed(producer.inputs[0], 1 - axis, start, stop)
+        dq = producer
         if dq is None or dq.op != "DequantizeLinear":
             raise PassError(f"shard_tensor_parallel: the weight of {where} is neither a constant nor dequantized")
         dq.inputs[0] = self.slice_weight(dq.inputs[0], axis, start, stop, full, where)

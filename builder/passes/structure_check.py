@@ -1,0 +1,98 @@
+"""Structural checks of a graph too large to run in the numerics check: after each pass that
+changed it, every decoder layer has the same ops with constants of the same shapes as the last
+(layer 0 may hold more: what the exporter computes once for every layer), and every weight kept
+on disk resolves inside its file with the size its shape and dtype imply.
+
+Its numerics are checked on a depth-truncated copy that went through the same passes
+(numerics.CheckPlan); this instrument checks the model built is that copy repeated.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from .base import PassError, after
+from .instruments import Instrument
+
+_LAYER = re.compile(r"^/model/layers\.(\d+)/")
+
+
+def layer_signatures(graph: gs.Graph) -> dict[int, Counter]:
+    """Per decoder layer: how many nodes of each (op, shapes of its constant inputs)."""
+    out: dict[int, Counter] = {}
+    for node in graph.nodes:
+        found = _LAYER.match(node.name or "")
+        if found is None:
+            continue
+        constants = tuple(tuple(t.shape or ()) for t in node.inputs if isinstance(t, gs.Constant))
+        out.setdefault(int(found.group(1)), Counter())[(node.op, constants)] += 1
+    return out
+
+
+def external_weights(graph: gs.Graph, weights_dir: Path) -> tuple[int, int]:
+    """(tensors, bytes) of the constants kept on disk; each must lie inside its file and hold
+    exactly its shape's bytes."""
+    count = total = 0
+    sizes: dict[str, int] = {}
+    for tensor in graph.tensors().values():
+        values = tensor._values if isinstance(tensor, gs.Constant) else None  # not .values: that loads them
+        proto = values.tensor if isinstance(values, LazyValues) else None
+        if proto is None or proto.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in proto.external_data}
+        location = info["location"]
+        if location not in sizes:
+            path = Path(weights_dir) / location
+            if Path(location).name != location or not path.is_file():
+                raise ValueError(f"{tensor.name} reads {location!r}, which is not a file of the build")
+            sizes[location] = path.stat().st_size
+        offset, length = int(info.get("offset", 0)), int(info["length"])
+        element = np.dtype(helper.tensor_dtype_to_np_dtype(proto.data_type)).itemsize
+        numel = int(np.prod(proto.dims)) if proto.dims else 1
+        packed = proto.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1)
+        expected = (numel + 1) // 2 if packed else numel * element
+        if length != expected or offset + length > sizes[location]:
+            raise ValueError(f"{tensor.name}: {length} bytes at {offset} of {location} ({sizes[location]} bytes); "
+                             f"its shape {list(proto.dims)} needs {expected}")
+        count += 1
+        total += length
+    return count, total
+
+
+class StructureCheck(Instrument):
+    def __init__(self, num_layers: int, weights_dir: Path, label: dict):
+        self.num_layers, self.weights_dir, self.label = num_layers, Path(weights_dir), label
+        self.first = True
+
+    def after_all(self, p, graphs, results, records, ran):
+        if not (self.first or any(r.modified for r in results)):
+            return
+        self.first = False
+        for graph, record in zip(graphs, records):
+            signatures = layer_signatures(graph)
+            if sorted(signatures) != list(range(self.num_layers)):
+                raise PassError(f"after pass {p.name} the graph has decoder layers {sorted(signatures)[:4]}…; "
+                                f"the model has {self.num_layers}{after(ran)}")
+            # Layer 0 also holds what the exporter computes once for all layers (shape arithmetic
+            # named by its first use): it must hold the last layer's ops; the others, exactly them.
+            last = signatures[self.num_layers - 1]
+            for layer, signature in signatures.items():
+                missing, extra = last - signature, signature - last
+                if missing or (extra and layer > 0):
+                    diff = sorted(str(k) for k in missing + extra)[:2]
+                    raise PassError(f"after pass {p.name} decoder layer {layer} differs from layer "
+                                    f"{self.num_layers - 1}: {diff}{after(ran)}")
+            try:
+                tensors, size = external_weights(graph, self.weights_dir)
+            except ValueError as exc:
+                raise PassError(f"after pass {p.name} a weight does not resolve: {exc}{after(ran)}") from None
+            record["structure"] = {**self.label, "layers_alike": self.num_layers,
+                                   "ops_per_layer": sum(last.values()),
+                                   "weights_on_disk": tensors, "weight_bytes_on_disk": size}
