@@ -1,13 +1,23 @@
 """The input processor: one validation for every caller (``LLM.generate``/``submit``/``stream``,
 ``AsyncLLM``, the server, the CLI), so each rule lives here once.
 
-Refusals are ``ValueError`` with one line naming the field (or prompt) and what is valid."""
+Refusals are ``InputRefused`` (a ``ValueError``) with one line naming the field (or prompt) and
+what is valid; the server turns them into its OpenAI-shaped 400s."""
 from __future__ import annotations
 
 import numpy as np
 
 from .engine_dir import EngineDir
 from .sampling import SamplingParams
+
+
+class InputRefused(ValueError):
+    """A request the engine cannot take. ``param`` is the request field at fault ("prompt" or
+    "max_tokens"); ``code`` the OpenAI error code (``context_length_exceeded``), None if none fits."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 def checked_multi_step(value: int) -> int:
@@ -37,28 +47,39 @@ class InputProcessor:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("prompt: not valid UTF-8 text") from None
-            return self.tokenizer.encode(prompt).ids
+                raise InputRefused("prompt: not valid UTF-8 text", "prompt") from None
+            # encode_batch, not encode: it lets go of the GIL while it works (encode holds it, so a
+            # long prompt tokenized in one thread would stall every other, the server's event loop too).
+            return self.tokenizer.encode_batch([prompt])[0].ids
         tokens = list(prompt)
         vocab = self.engine_dir.vocab_size
         # numpy integers are ids too; bools and floats are mistakes to name, not ids.
         wrong = next((t for t in tokens if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))), None)
         if wrong is not None:
-            raise ValueError(f"prompt: token ids are integers, got {wrong!r} ({type(wrong).__name__})")
+            raise InputRefused(f"prompt: token ids are integers, got {wrong!r} ({type(wrong).__name__})", "prompt")
         tokens = [int(t) for t in tokens]
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InputRefused(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         return tokens
 
-    def check(self, tokens: list[int], params: SamplingParams, where: str = "prompt") -> None:
-        """A request that can run: a non-empty prompt whose tokens plus max_tokens fit max_seq_len."""
+    def check_prompt(self, tokens: list[int], where: str = "prompt") -> None:
+        """A prompt that leaves room to generate: non-empty and shorter than max_seq_len (cheap, so
+        the server also runs it on token-id lists before checking each id)."""
         limit = self.engine_dir.max_seq_len
         if not tokens:
-            raise ValueError(f"{where}: empty")
+            raise InputRefused(f"{where}: empty", "prompt")
+        if len(tokens) >= limit:
+            raise InputRefused(f"{where}: {len(tokens)} tokens leave no room to generate within max_seq_len {limit}",
+                               "prompt", "context_length_exceeded")
+
+    def check(self, tokens: list[int], params: SamplingParams, where: str = "prompt") -> None:
+        """A request that can run: a prompt that leaves room whose tokens plus max_tokens fit max_seq_len."""
+        self.check_prompt(tokens, where)
+        limit = self.engine_dir.max_seq_len
         if len(tokens) + params.max_tokens > limit:
-            raise ValueError(f"{where}: {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds "
-                             f"max_seq_len {limit}")
+            raise InputRefused(f"{where}: {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds "
+                               f"max_seq_len {limit}", "max_tokens", "context_length_exceeded")
 
     def process(self, prompt: str | list[int], params: SamplingParams, where: str = "prompt") -> list[int]:
         """The checked token ids of one request."""

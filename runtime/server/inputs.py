@@ -5,14 +5,11 @@ impossible request is refused before anything is tokenized."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from ..input_processor import InputProcessor, InputRefused
 from ..sampling import SamplingParams
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse
-
-if TYPE_CHECKING:
-    from ..llm import LLM
 
 
 @dataclass(frozen=True)
@@ -36,7 +33,7 @@ class Prepared:
 class Inputs:
     """What turning a body into requests needs: read-only, shared by the worker threads."""
 
-    llm: "LLM"
+    processor: InputProcessor   # the LLM's: its rules for prompts, ids and lengths
     model: str
     limits: Limits
     template: ChatTemplate
@@ -45,16 +42,15 @@ class Inputs:
         body = self._checked(parse(raw, CompletionRequest))
         prompts = _prompts(body.prompt)
         self._fits(len(prompts) * body.n, "prompt")
-        for index, prompt in enumerate(prompts):
-            where = "prompt" if len(prompts) == 1 else f"prompt.{index}"
+        wheres = ["prompt" if len(prompts) == 1 else f"prompt.{index}" for index in range(len(prompts))]
+        for where, prompt in zip(wheres, prompts):
             if isinstance(prompt, str) and len(prompt) > self.limits.max_prompt_chars:
                 raise ApiError(400, f"{where}: {len(prompt)} characters; this server takes at most "
                                     f"{self.limits.max_prompt_chars} (--max-prompt-chars)", param="prompt",
                                code="prompt_too_long")
-            if isinstance(prompt, list) and len(prompt) > self.llm.engine_dir.max_seq_len:
-                raise ApiError(400, f"{where}: {len(prompt)} token ids; the engine's max_seq_len is "
-                                    f"{self.llm.engine_dir.max_seq_len}", param="prompt", code="context_length_exceeded")
-        return self._prepared(body, [self._tokens(p) for p in prompts], chat=False)
+            if isinstance(prompt, list):
+                _refusing(self.processor.check_prompt, prompt, where)   # its length, before each id is checked
+        return self._prepared(body, [self._tokens(p, where) for where, p in zip(wheres, prompts)], chat=False)
 
     def chat(self, raw: bytes) -> Prepared:
         body = self._checked(parse(raw, ChatRequest))
@@ -71,7 +67,7 @@ class Inputs:
             raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
         except TemplateFault as exc:
             raise ApiError(500, str(exc), kind="server_error", code="chat_template_failed") from None
-        return self._prepared(body, [self._tokens(text)], chat=True)
+        return self._prepared(body, [self._tokens(text, "prompt")], chat=True)
 
     # -- checks before any tokenizing -----------------------------------------------------------
     def _checked(self, body: SamplingRequest) -> SamplingRequest:
@@ -81,7 +77,7 @@ class Inputs:
         refused = body.unsupported()
         if refused is not None:
             raise refused
-        vocab = self.llm.engine_dir.vocab_size
+        vocab = self.processor.engine_dir.vocab_size
         bad = next((t for t in body.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
@@ -93,50 +89,41 @@ class Inputs:
             raise ApiError(400, f"{requests} requests (prompts × n) can never fit a queue of {self.limits.max_queue} "
                                 f"(--max-queue); send fewer at once", param=param, code="too_many_requests_in_one")
 
-    def _tokens(self, prompt: str | list[int]) -> list[int]:
-        limit = self.llm.engine_dir.max_seq_len
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(400, "prompt: not valid UTF-8 text", param="prompt") from None
-            # encode_batch, not encode: it lets go of the GIL while it works (encode holds it, and
-            # a long prompt then stalls the event loop from this worker thread).
-            tokens = self.llm.tokenizer.encode_batch([prompt])[0].ids
-        else:
-            try:
-                tokens = self.llm.tokens(prompt)   # ids: the vocabulary check
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="prompt") from None
-        if len(tokens) >= limit:
-            raise ApiError(400, f"the prompt's {len(tokens)} tokens leave no room to generate within the engine's "
-                                f"max_seq_len {limit}", param="prompt", code="context_length_exceeded")
+    def _tokens(self, prompt: str | list[int], where: str) -> list[int]:
+        tokens = _refusing(self.processor.tokens, prompt)
+        _refusing(self.processor.check_prompt, tokens, where)
         return tokens
 
     # -- sampling ---------------------------------------------------------------------------------
     def _prepared(self, body: SamplingRequest, prompts: list[list[int]], chat: bool) -> Prepared:
-        jobs = [(tokens, self._params(body, len(tokens), i, chat)) for tokens in prompts for i in range(body.n)]
+        jobs = [(tokens, self._params(body, tokens, i, chat)) for tokens in prompts for i in range(body.n)]
         return Prepared(body, jobs, sum(len(tokens) for tokens in prompts), chat)
 
-    def _params(self, body: SamplingRequest, prompt_len: int, index: int, chat: bool) -> SamplingParams:
-        limit = self.llm.engine_dir.max_seq_len
-        if prompt_len == 0:
-            raise ApiError(400, "prompt: empty", param="prompt")
+    def _params(self, body: SamplingRequest, tokens: list[int], index: int, chat: bool) -> SamplingParams:
+        # the prompt leaves room (checked when tokenized), so the chat default is ≥ 1
+        room = self.processor.engine_dir.max_seq_len - len(tokens)
         requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = requested or (min(self.llm.default_params().max_tokens, limit - prompt_len) if chat else 16)
-        if max_tokens < 1 or prompt_len + max_tokens > limit:
-            raise ApiError(400, f"the prompt's {prompt_len} tokens + max_tokens {max(max_tokens, 1)} exceed the "
-                                f"engine's max_seq_len {limit}", param="max_tokens", code="context_length_exceeded")
+        max_tokens = requested or (min(self.processor.default_params().max_tokens, room) if chat else 16)
         # completions: logprobs=N asks for the sampled tokens' and N alternatives; chat: logprobs + top_logprobs=N
         logprobs = body.logprobs is not None if not chat else body.logprobs
         alternatives = (body.logprobs or 0) if not chat else (body.top_logprobs or 0)
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                  seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
-                                  stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
-                                  logprobs=logprobs, top_logprobs=alternatives if logprobs else 0)
+            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                    seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
+                                    stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
+                                    logprobs=logprobs, top_logprobs=alternatives if logprobs else 0)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
+        _refusing(self.processor.check, tokens, params)
+        return params
+
+
+def _refusing(check, *args):
+    """``check(*args)``, its InputRefused as the OpenAI-shaped 400 naming the same field and code."""
+    try:
+        return check(*args)
+    except InputRefused as exc:
+        raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def _prompts(prompt) -> list:
