@@ -26,11 +26,12 @@ from .medusa.heads import MedusaHeads, load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from .passes import PIPELINE, PassContext
 from .passes.instruments import Instrument, to_onnx
+from .passes import weights
 from .passes.manager import PassManager
 from .passes.numerics_gate import NumericsGate
 from .passes.structure_check import StructureCheck
 from .plan import spec_build_plan
-from .plan_build import machine_ram_bytes, memory_refusal
+from .plan_build import disk_refusal, machine_ram_bytes, memory_refusal
 from .spec_checks import tensor_parallel_ok
 from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes, sample_peak
 from .spec import Spec
@@ -69,6 +70,7 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
     check_targets(spec, flavor)
     if not options.ignore_memory_check:
         _check_memory(spec)
+        _check_disk(spec, options.out)
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "
@@ -104,10 +106,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         records = run.records
         ranks: list[dict] = []
         cuda_graph_plan: list[int] = []
+        adoptable = _single_reader_files(run.graphs)
         for rank, (graph, provenance) in enumerate(zip(run.graphs, run.provenance)):
             with progress.stage(f"write rank{rank}.onnx"):
                 model = to_onnx(graph, provenance)
-                save_graph(model, tmp / f"rank{rank}.onnx", workdir)
+                save_graph(model, tmp / f"rank{rank}.onnx", workdir, adoptable[rank])
             cuda_graph_plan = json.loads(graph_metadata(model).get("cuda_graph_batch_sizes", "[]"))
             ranks.append(_rank_entry(spec, rank, model, tmp))
             if run.cpu_graphs is not None:
@@ -126,6 +129,24 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                         peak_rss_bytes=max([peak_rss_bytes(), *(p.peak for p in child_peaks)]),
                         pass_records=records, manifest=manifest, processes=child_peaks,
                         dir_bytes=dir_size(options.out))
+
+
+def _single_reader_files(graphs) -> list[frozenset[str]]:
+    """Per rank, the weight files that no other rank's graph reads (its shard file; at one rank,
+    every file): save_graph may move them into the rank's data file instead of copying."""
+    reads = [weights.external_files(graph) for graph in graphs]
+    return [frozenset(mine - set().union(*(other for k, other in enumerate(reads) if k != rank)))
+            for rank, mine in enumerate(reads)]
+
+
+def _check_disk(spec: Spec, out: Path) -> None:
+    """Refuses, before any work, a build whose files would not fit the free disk where it writes."""
+    where = Path(out).absolute().parent
+    while not where.exists():
+        where = where.parent
+    refusal = disk_refusal(spec_build_plan(spec), shutil.disk_usage(where).free, where)
+    if refusal is not None:
+        raise UserError(refusal)
 
 
 def _check_memory(spec: Spec) -> None:

@@ -243,7 +243,8 @@ class Plan:
 
     def build_side(self) -> BuildPlan:
         """RAM per process, engine-dir disk and time of building this plan (builder/plan_build.py)."""
-        return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True)
+        return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True,
+                         export_bytes=self.weights() if self.precision == "fp32" else 2.0 * self.counts.total)
 
     def as_dict(self) -> dict:
         return {
@@ -300,5 +301,6 @@ def spec_build_plan(spec) -> BuildPlan:
     precision = QUANTIZATION_PRECISION.get(spec.quantization.mode) or \
         {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value]
     counts = param_counts(spec.arch)
+    dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value]
     return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
-                     cpu_graphs=True)
+                     cpu_graphs=True, export_bytes=weight_bytes(counts, dtype))

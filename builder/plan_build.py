@@ -33,6 +33,7 @@ class BuildPlan:
     model_bytes: float       # all ranks' weights
     tp: int
     cpu_graphs: bool
+    export_bytes: float      # the weights in the build's float dtype: the export's data file on disk
 
     @property
     def rank_bytes(self) -> float:
@@ -57,6 +58,14 @@ class BuildPlan:
         return self.model_bytes * (2 if self.cpu_graphs else 1)
 
     @property
+    def disk_peak_bytes(self) -> float:
+        """Free disk the build needs at its peak: while the rank graphs are written, the export's
+        data file and every rank's data (a quantized one at TP > 1 also holds the codes once more
+        before they are sliced), then the engine dir with the engines; plus 1 GiB of slack."""
+        quantized_copy = self.model_bytes if self.model_bytes < self.export_bytes and self.tp > 1 else 0
+        return max(self.export_bytes + self.model_bytes + quantized_copy, self.dir_bytes) + GIB
+
+    @property
     def seconds(self) -> dict[str, float]:
         scale = self.parameters / 1e9
         return {stage: rate * scale for stage, rate in SECONDS_PER_GPARAM.items()}
@@ -65,6 +74,7 @@ class BuildPlan:
         return {**asdict(self), "rank_bytes": round(self.rank_bytes),
                 "stages_peak_bytes": round(self.stages_peak_bytes), "engine_peak_bytes": round(self.engine_peak_bytes),
                 "per_process_peak_bytes": round(self.per_process_peak_bytes), "dir_bytes": round(self.dir_bytes),
+                "disk_peak_bytes": round(self.disk_peak_bytes),
                 "seconds": {k: round(v) for k, v in self.seconds.items()}}
 
 
@@ -92,3 +102,13 @@ def memory_refusal(plan: BuildPlan, ram_bytes: int, valid_tps: list[int]) -> str
     return (f"a rank's engine build needs ≈ {need / GIB:.1f} GiB of RAM (0.2 GB + 2 × its {plan.rank_bytes / GIB:.1f} GiB "
             f"of weights) and this machine has {ram_bytes / GIB:.1f} GiB; use {larger}, or quantization.mode: "
             "int4_weight_only, or build on a larger machine (--ignore-memory-check to try anyway)")
+
+
+def disk_refusal(plan: BuildPlan, free_bytes: int, where) -> str | None:
+    """One line saying the build would run out of disk in ``where``, or None."""
+    if plan.disk_peak_bytes <= free_bytes:
+        return None
+    return (f"{where}: the build needs ≈ {plan.disk_peak_bytes / GIB:.1f} GiB of free disk at its peak (the export's "
+            f"{plan.export_bytes / GIB:.1f} GiB of weights, then each rank's data and engine) and "
+            f"{free_bytes / GIB:.1f} GiB is free; free some, or build with -o on a larger disk "
+            "(--ignore-memory-check to try anyway)")

@@ -133,10 +133,68 @@ def test_export_never_holds_the_model(checkpoints, tmp_path):
 def test_memory_refusal_names_what_fits():
     from trtbuild.builder.plan_build import BuildPlan, memory_refusal
 
-    plan = BuildPlan(parameters=8_000_000_000, model_bytes=16e9, tp=1, cpu_graphs=True)
+    plan = BuildPlan(parameters=8_000_000_000, model_bytes=16e9, tp=1, cpu_graphs=True, export_bytes=16e9)
     assert memory_refusal(plan, 64 * 2**30, [1, 2, 4, 8]) is None  # 0.2 GB + 2 × 16 GB fits 64 GiB
     line = memory_refusal(plan, 24 * 2**30, [1, 2, 4, 8])
     assert "\n" not in line and "≈ 30.0 GiB" in line and "parallel.tensor: 2" in line and "int4" in line
+
+
+def test_disk_refusal_counts_the_exports_file_and_each_ranks_data():
+    from trtbuild.builder.plan_build import GIB, BuildPlan, disk_refusal
+
+    fp16 = BuildPlan(parameters=8_000_000_000, model_bytes=16e9, tp=2, cpu_graphs=True, export_bytes=16e9)
+    assert fp16.disk_peak_bytes == 32e9 + GIB  # the export's file + both ranks' data (the engines come after it goes)
+    int4 = BuildPlan(parameters=8_000_000_000, model_bytes=4.5e9, tp=2, cpu_graphs=True, export_bytes=16e9)
+    assert int4.disk_peak_bytes == 16e9 + 2 * 4.5e9 + GIB  # codes once whole, once sliced
+    assert disk_refusal(fp16, int(40e9), "/big") is None
+    line = disk_refusal(fp16, int(20e9), "/small")
+    assert line.startswith("/small: ") and "≈ 30.8 GiB" in line and "\n" not in line
+
+
+def test_a_rank_data_file_adopts_a_weight_file_it_reads_whole(tmp_path):
+    """save_graph moves a weight file only this graph reads, and reads whole, into the rank's data
+    file (no second copy on disk), with bytes ONNX Runtime reads as the copy's; a file read in part
+    is copied, so the data file never holds unreferenced bytes."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from trtbuild.builder.emit.rank_onnx import save_graph
+    from trtbuild.builder.numerics import run_onnx
+
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(3))
+    weights = tmp_path / "w"
+    weights.mkdir()
+    (weights / "shard.data").write_bytes(a.tobytes() + b.tobytes())
+    (weights / "shared.data").write_bytes(c.tobytes() + a.tobytes())  # only its first half is read
+
+    def model():
+        inits = []
+        for name, location, offset in (("A", "shard.data", 0), ("B", "shard.data", a.nbytes), ("C", "shared.data", 0)):
+            tensor = numpy_helper.from_array(np.zeros((64, 64), np.float32), name)
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(a.nbytes))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            inits.append(tensor)
+        nodes = [helper.make_node("MatMul", ["x", "A"], ["y1"]), helper.make_node("MatMul", ["y1", "B"], ["y2"]),
+                 helper.make_node("MatMul", ["y2", "C"], ["y"])]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                                  [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+
+    x = {"x": rng.standard_normal((1, 64)).astype(np.float32)}
+    save_graph(model(), tmp_path / "copied" / "rank0.onnx", weights)
+    save_graph(model(), tmp_path / "adopted" / "rank0.onnx", weights, frozenset({"shard.data", "shared.data"}))
+    assert not (weights / "shard.data").exists() and (weights / "shared.data").exists()
+    for name in ("copied", "adopted"):
+        assert (tmp_path / name / "rank0.onnx.data").stat().st_size == 3 * a.nbytes
+    expected = x["x"] @ a @ b @ c
+    for name in ("copied", "adopted"):
+        got = run_onnx(tmp_path / name / "rank0.onnx", x)["y"]
+        assert np.allclose(got, expected, rtol=1e-4, atol=1e-3), name
 
 
 def test_build_refuses_a_rank_engine_larger_than_ram_in_one_line(tmp_path):

@@ -22,6 +22,16 @@ def _proto(constant: gs.Constant) -> onnx.TensorProto | None:
     return values.tensor if isinstance(values, LazyValues) else None
 
 
+def external_files(graph: gs.Graph) -> set[str]:
+    """The external-data files the graph's constants read (names relative to the weights dir)."""
+    files = set()
+    for tensor in graph.tensors().values():
+        proto = _proto(tensor) if isinstance(tensor, gs.Constant) else None
+        if proto is not None and proto.data_location == onnx.TensorProto.EXTERNAL:
+            files.add(next(e.value for e in proto.external_data if e.key == "location"))
+    return files
+
+
 def read(constant: gs.Constant, weights_dir: Path | None) -> np.ndarray:
     """The constant's values; external data is memory-mapped from ``weights_dir``."""
     proto = _proto(constant)
