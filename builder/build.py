@@ -16,6 +16,7 @@ from ..contract.gpu_targets import describe
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
 from .emit.rank_onnx import save_graph
 from .frontend.export import export_step, load_graph
+from .frontend.weight_map import WeightMap
 from .isolate import map_isolated, run_isolated
 from .medusa.heads import MedusaHeads, load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
@@ -159,7 +160,7 @@ class _Exported:
     reference: tuple[dict, dict] | None
     note: str | None
     peak_rss_bytes: int
-    quantized_path: Path | None = None       # codes and scales per layer (safetensors)
+    quantized_path: Path | None = None       # codes and scales per layer (quant/store.py's directory)
     quantized_reference: dict | None = None  # torch eager outputs with the dequantized weights
 
 
@@ -172,9 +173,9 @@ def _export_stage(spec: Spec, workdir: Path) -> _Exported:
     reference = (inputs, _torch_outputs(exported, inputs, heads)) if inputs is not None else None
     quantized_path, quantized_reference = None, None
     if spec.quantization.bits:
-        quantized_path = workdir / "quantized.safetensors"
+        quantized_path = workdir / "quantized"
         say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731  (stdout may be JSON)
-        quantize_checkpoint(exported.hf_model, spec, quantized_path, progress=say)
+        quantize_checkpoint(WeightMap.from_checkpoint(spec.model.checkpoint), spec, quantized_path, progress=say)
         if reference is not None:
             apply_dequantized(exported.hf_model, load_quantized(quantized_path)[0])
             quantized_reference = _torch_outputs(exported, inputs, heads)
