@@ -158,8 +158,9 @@ def apply_dequantized(model: torch.nn.Module, layers: Mapping[str, QuantizedLine
         if module is None:
             continue
         layer = layers[name]
-        with torch.no_grad():
-            module.weight.copy_(layer.dequantize().to(module.weight.dtype))
+        # A new parameter, not a copy into the old one: that may be a read-only mapping of the
+        # checkpoint (skeleton.assign_weights), or a tied embedding the engine keeps float.
+        module.weight = torch.nn.Parameter(layer.dequantize().to(module.weight.dtype), requires_grad=False)
         if layer.activation_scale is not None:
             module.register_forward_pre_hook(
                 lambda mod, args, layer=layer: (layer.fake_quantize_input(args[0].float()).to(args[0].dtype),))
