@@ -5,7 +5,8 @@
 
 For the bundled model and (with --random-gb) a random Llama-shaped float16 checkpoint of about
 that size written tensor by tensor, each mode runs in a fresh process that reports its peak RSS
-(getrusage): ``quantize`` is quantize_checkpoint from the weight map; ``whole model`` (the
+(VmHWM of /proc/self/status: getrusage's maxrss would include the launching process's RSS,
+which Linux carries across fork and exec): ``quantize`` is quantize_checkpoint from the weight map; ``whole model`` (the
 baseline, same run) is a process that only loads the checkpoint with transformers, which the
 quantizer needed before it streamed (it then held calibration statistics and every layer's
 codes on top). ``imports`` is a process that imports torch and transformers and nothing else.
@@ -18,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ MODES = {
 }
 
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 import torch, transformers  # the imports every mode pays
 start = time.perf_counter()
@@ -50,8 +50,9 @@ if kind == "quantize":
 elif kind == "whole model":
     from trtbuild.contract.checkpoint import load_safetensors_model
     load_safetensors_model(Path(checkpoint), getattr(torch, json.loads(spec_json)["model"]["dtype"]))
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "seconds": time.perf_counter() - start}))
+with open("/proc/self/status") as status:
+    peak = int(next(line for line in status if line.startswith("VmHWM")).split()[1]) * 1024
+print(json.dumps({"peak": peak, "seconds": time.perf_counter() - start}))
 """
 
 

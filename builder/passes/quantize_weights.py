@@ -52,7 +52,7 @@ def _sink(ctx: PassContext):
     return lambda name, values: writer.constant(name, values) if values.ndim else _constant(name, values)
 
 
-def _foldable(node: gs.Node, layer, layers: dict) -> bool:
+def _foldable(node: gs.Node, layer, layers) -> bool:
     """SmoothQuant's migration applies when x comes from an RMSNormalization whose every consumer
     is a quantized MatMul with this same input scale s (decided on the graph before any rewrite)."""
     x = node.inputs[0]

@@ -90,8 +90,7 @@ def layer_by_layer(checkpoint: Path, weights: WeightMap, dtype: torch.dtype, nam
     for i in range(last + 1):
         prefix = f"layers.{i}"
         assign_weights(model, weights, f"model.{prefix}", dtype)
-        hidden, stats = _run_with_hooks(model, [n for n in names if block_of(n) == prefix],
-                                        lambda: [layers[i](h, **kw) for h, kw in zip(hidden, kwargs)])
+        hidden, stats = _run_layer(model, layers[i], [n for n in names if block_of(n) == prefix], hidden, kwargs)
         release_weights(model, f"model.{prefix}")
         progress(f"  calibration: layer {i + 1}/{len(layers)}")
         if prefix in wanted:
@@ -132,14 +131,15 @@ def _layer_inputs(model: nn.Module, weights: WeightMap, dtype: torch.dtype,
                     model.model(inputs_embeds=table[batch].to(dtype)[None], use_cache=False)
                 except _Captured as captured:
                     hidden.append(captured.hidden)
-                    kwargs.append({k: v for k, v in captured.kwargs.items() if k != "hidden_states"})
+                    kwargs.append(captured.kwargs)
     finally:
         handle.remove()
     return hidden, kwargs
 
 
-def _run_with_hooks(model: nn.Module, names: list[str], run) -> tuple[object, dict[str, InputStats]]:
-    """``run()``'s result and the statistics of the named linears' inputs while it ran."""
+def _run_layer(model: nn.Module, layer: nn.Module, names: list[str], hidden: list[torch.Tensor],
+               kwargs: list[dict]) -> tuple[list[torch.Tensor], dict[str, InputStats]]:
+    """The layer's outputs on each batch, and the statistics of the named linears' inputs."""
     stats: dict[str, InputStats] = {}
 
     def hook(name):
@@ -152,7 +152,7 @@ def _run_with_hooks(model: nn.Module, names: list[str], run) -> tuple[object, di
     handles = [model.get_submodule(f"model.{name}").register_forward_hook(hook(name)) for name in names]
     try:
         with torch.no_grad():
-            outputs = run()
+            outputs = [layer(h, **kw) for h, kw in zip(hidden, kwargs)]
     finally:
         for handle in handles:
             handle.remove()

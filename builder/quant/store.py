@@ -12,7 +12,8 @@ One file per decoder layer, so writing holds one layer's codes at a time; ``inde
 written last, so a directory without it is an unfinished one. Reading goes through the same
 WeightMap as the checkpoint (headers checked against file sizes, tensors memory-mapped), so
 ``load_quantized`` returns a mapping whose layers cost nothing until their codes are touched.
-FP8 codes are stored as their uint8 bit patterns (the map reads only plain dtypes).
+FP8 codes are stored as their uint8 bit patterns (the map reads only plain dtypes), NVFP4 codes
+(E2M1 values, all multiples of 0.5 within ±6) as int8 twice their value: a quarter of float32.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class QuantizedWriter:
         file = f"{block}.safetensors"
         tensors = {}
         for name, layer in layers.items():
-            tensors[f"{name}.codes"] = (layer.codes.view(torch.uint8) if layer.fp8 else layer.codes).contiguous()
+            tensors[f"{name}.codes"] = _stored_codes(layer).contiguous()
             tensors[f"{name}.scales"] = layer.scales.contiguous()
             if layer.input_scale is not None:
                 tensors[f"{name}.input_scale"] = layer.input_scale.clone()  # layers may share one s
@@ -53,11 +54,28 @@ class QuantizedWriter:
                 tensors[f"{name}.activation_scale"] = torch.tensor([layer.activation_scale])
             if layer.global_scale is not None:
                 tensors[f"{name}.global_scale"] = torch.tensor([layer.global_scale], dtype=torch.float64)
-            self.layers[name] = {"file": file, "bits": layer.bits, "group": layer.group, "fp8": layer.fp8}
+            self.layers[name] = {"file": file, "bits": layer.bits, "group": layer.group, "codes": _codes_kind(layer)}
         save_file(tensors, str(self.directory / file))
 
     def finish(self, report: dict[str, dict]) -> None:
         (self.directory / INDEX).write_text(json.dumps({"layers": self.layers, "report": report}))
+
+
+def _codes_kind(layer: QuantizedLinear) -> str:
+    return "fp8" if layer.fp8 else "fp4x2" if layer.nvfp4 else "int8"
+
+
+def _stored_codes(layer: QuantizedLinear) -> torch.Tensor:
+    if layer.fp8:
+        return layer.codes.view(torch.uint8)
+    return (layer.codes * 2).to(torch.int8) if layer.nvfp4 else layer.codes
+
+
+def _loaded_codes(stored: torch.Tensor, kind: str) -> torch.Tensor:
+    """The codes as QuantizedLinear holds them (int8 and FP8 still memory-mapped; FP4 as float32)."""
+    if kind == "fp8":
+        return stored.view(torch.float8_e4m3fn)
+    return stored.float() / 2 if kind == "fp4x2" else stored
 
 
 class QuantizedLayers(Mapping):
@@ -68,10 +86,10 @@ class QuantizedLayers(Mapping):
 
     def __getitem__(self, name: str) -> QuantizedLinear:
         info = self.layers[name]
-        codes = self.weights.tensor(f"{name}.codes")
+        codes = _loaded_codes(self.weights.tensor(f"{name}.codes"), info["codes"])
         optional = lambda key: self.weights.tensor(key) if key in self.weights else None  # noqa: E731
         activation, global_scale = optional(f"{name}.activation_scale"), optional(f"{name}.global_scale")
-        return QuantizedLinear(codes=codes.view(torch.float8_e4m3fn) if info["fp8"] else codes,
+        return QuantizedLinear(codes=codes,
                                scales=self.weights.tensor(f"{name}.scales"), bits=info["bits"], group=info["group"],
                                input_scale=optional(f"{name}.input_scale"),
                                activation_scale=None if activation is None else float(activation[0]),
