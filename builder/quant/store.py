@@ -95,6 +95,9 @@ class QuantizedLayers(Mapping):
                                activation_scale=None if activation is None else float(activation[0]),
                                global_scale=None if global_scale is None else float(global_scale[0]))
 
+    def __contains__(self, name) -> bool:  # Mapping's would build the layer to find out
+        return name in self.layers
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.layers)
 
