@@ -9,7 +9,8 @@ that size written tensor by tensor, each mode runs in a fresh process that repor
 which Linux carries across fork and exec): ``quantize`` is quantize_checkpoint from the weight map; ``whole model`` (the
 baseline, same run) is a process that only loads the checkpoint with transformers, which the
 quantizer needed before it streamed (it then held calibration statistics and every layer's
-codes on top). ``imports`` is a process that imports torch and transformers and nothing else.
+codes on top); transformers maps weights of the checkpoint's own dtype lazily, so this is the
+floor of holding the model, not what quantizing it touched. ``imports`` is a process that imports torch and transformers and nothing else.
 """
 from __future__ import annotations
 
