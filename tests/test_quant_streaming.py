@@ -214,3 +214,17 @@ def test_apply_dequantized_leaves_a_tied_embedding_float(checkpoints, tmp_path):
     apply_dequantized(model, layers)
     assert torch.equal(model.lm_head.weight, layers["lm_head"].dequantize())
     assert torch.equal(model.model.embed_tokens.weight, table)
+
+
+def test_external_int4_codes_read_back_for_sharding(tmp_path):
+    """shard_tensor_parallel slices the pass's codes from its data file: 4-bit codes lie two to a byte there."""
+    import ml_dtypes
+
+    from trtbuild.builder.passes.weights import WeightWriter, read
+
+    writer = WeightWriter(tmp_path / DATA_FILE)
+    writer.constant("before", np.ones(600, np.float32))  # a non-zero offset
+    codes = np.random.default_rng(0).integers(-7, 8, (64, 48)).astype(ml_dtypes.int4)
+    constant = writer.constant("codes", codes)
+    assert (tmp_path / DATA_FILE).stat().st_size == 2400 + 64 * 48 // 2
+    np.testing.assert_array_equal(read(constant, tmp_path).astype(np.int8), codes.astype(np.int8))
