@@ -275,11 +275,11 @@ def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -
             reference = (inputs, _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads))
         quantized_path, quantized_reference = None, None
         if spec.quantization.bits:
-            quantized_path = workdir / "quantized.safetensors"
+            quantized_path = workdir / "quantized"  # one file per layer (builder/quant/store.py)
             say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731  (stdout may be JSON)
-            _quantize_whole_model(spec, weights, quantized_path, say)
-            if model is not None:
-                apply_dequantized(model, _first_layers(load_quantized(quantized_path)[0], check.layers))
+            quantize_checkpoint(weights, spec, quantized_path, progress=say)
+            if model is not None:  # layers the truncated model lacks are skipped, unread
+                apply_dequantized(model, load_quantized(quantized_path)[0])
                 quantized_reference = _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads)
         del model
     return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
@@ -288,19 +288,12 @@ def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -
                      quantized_reference=quantized_reference)
 
 
-def _quantize_whole_model(spec: Spec, weights: WeightMap, out: Path, say) -> None:
-    """Adapter until builder/quant reads the weight map itself (one layer resident): today's
-    quantize_checkpoint takes a torch model, so quantized builds still hold the whole model here."""
-    model = truncated_model(spec.model.checkpoint, weights, spec.model.dtype.torch, spec.arch.num_layers)
-    quantize_checkpoint(model, spec, out, progress=say)
-
-
-def _first_layers(layers: dict | None, count: int) -> dict | None:
-    """The quantized layers a model of the first ``count`` decoder layers has."""
+def _first_layers(layers, count: int) -> dict | None:
+    """The quantized layers a model of the first ``count`` decoder layers has (only those are read)."""
     if layers is None:
         return None
     keep = lambda name: not name.startswith("layers.") or int(name.split(".")[1]) < count  # noqa: E731
-    return {name: layer for name, layer in layers.items() if keep(name)}
+    return {name: layers[name] for name in layers if keep(name)}
 
 
 def _manager_factory(disabled, options: BuildOptions, tmp: Path):

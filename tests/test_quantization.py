@@ -164,6 +164,27 @@ def test_quantize_weights_fails_when_a_layer_is_missing():
         quantize_weights(matmul_graph(w.T.contiguous().numpy()), ctx)
 
 
+def prompt_ids(text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(TINY_CODE / "tokenizer.json")).encode(text).ids
+
+
+def dequantized_greedy(spec: Spec, prompt: list[int], steps: int, workdir) -> list[int]:
+    """transformers' greedy tokens with the weights the spec's quantization gives (the same
+    deterministic quantize_checkpoint the build ran) and, for W8A8/FP8, fake-quantized inputs."""
+    from trtbuild.builder.frontend.weight_map import WeightMap
+    from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
+    from trtbuild.contract.checkpoint import load_safetensors_model
+
+    quantize_checkpoint(WeightMap.from_checkpoint(TINY_CODE), spec, workdir, progress=lambda message: None)
+    model = load_safetensors_model(TINY_CODE, torch.float32)
+    apply_dequantized(model, load_quantized(workdir)[0])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", [
     {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64},
@@ -191,8 +212,9 @@ def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     assert result.perplexity <= base.perplexity * 1.05, (result, base)
     from trtbuild.runtime.llm import LLM               # the CPU runtime serves it too (NVFP4: simulated)
     from trtbuild.runtime.sampling import SamplingParams
-    (completion,) = LLM(tmp_path / "out", backend="onnxruntime").generate(["def f(x):"], SamplingParams(max_tokens=4))
-    assert len(completion.token_ids) == 4
+    prompt = prompt_ids("def f(x):\n    return")
+    (completion,) = LLM(tmp_path / "out", backend="onnxruntime").generate([prompt], SamplingParams(max_tokens=8))
+    assert completion.token_ids == dequantized_greedy(spec, prompt, 8, tmp_path / "quantized")
 
 
 @pytest.mark.slow
@@ -230,8 +252,10 @@ def test_int8_cpu_activations_reach_every_onnx_runtime_session(tmp_path):
     assert llm.backend_label == "onnxruntime, int8 activations"  # what `trtbuild run` and `serve` print
     options = llm.engine.session.get_session_options()
     assert options.get_session_config_entry("session.qdq_matmulnbits_accuracy_level") == "4"
-    (completion,) = llm.generate(["def f(x):"], SamplingParams(max_tokens=4))
-    assert len(completion.token_ids) == 4
+    prompt = prompt_ids("def f(x):\n    return")
+    (completion,) = llm.generate([prompt], SamplingParams(max_tokens=8))
+    # int8 activations perturb the logits by ~1e-3: the greedy tokens stay torch's with the same weights
+    assert completion.token_ids == dequantized_greedy(spec, prompt, 8, tmp_path / "quantized")
 
 
 def norm_then_two_matmuls(w1: np.ndarray, w2: np.ndarray, norm_weight: np.ndarray) -> gs.Graph:

@@ -9,6 +9,12 @@ calibration amax); TensorRT runs those as FP8 GEMMs on sm89+, ONNX Runtime liter
 the simulated quantization `trtbuild eval` measures). NVFP4 (weight-only): FLOAT4E2M1 codes,
 block_size 16, whose scales are themselves DequantizeLinear(FP8 block scales, global scale);
 ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (plugins/fp4.py).
+
+``ctx.quantized`` may be lazy (quant/store.py: layers memory-mapped from disk). With a weights
+dir, codes and scales are appended to an external-data file there as each layer is rewritten
+(``quantize_weights.data``), so the pass holds one layer's codes at a time; NVFP4's stay in the
+graph (plugins/fp4.py folds them for ONNX Runtime from in-memory values). Hand-built graphs
+without a weights dir get in-memory constants.
 """
 from __future__ import annotations
 
@@ -19,8 +25,11 @@ import torch
 from onnx import numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from . import weights
 from .base import PassContext, PassError, PassResult
 from .fusion import new_node
+
+DATA_FILE = "quantize_weights.data"
 
 
 def module_of(node_name: str) -> str:
@@ -34,7 +43,16 @@ def _constant(name: str, values: np.ndarray) -> gs.Constant:
     return gs.Constant(name, LazyValues(numpy_helper.from_array(values, name)))
 
 
-def _foldable(node: gs.Node, layer, layers: dict) -> bool:
+def _sink(ctx: PassContext):
+    """Where codes and scales go: ``name, values → Constant``; scalars (FP8's per-tensor scale)
+    stay in the graph as scalars."""
+    if ctx.weights_dir is None:
+        return _constant
+    writer = weights.WeightWriter(ctx.weights_dir / DATA_FILE)
+    return lambda name, values: writer.constant(name, values) if values.ndim else _constant(name, values)
+
+
+def _foldable(node: gs.Node, layer, layers) -> bool:
     """SmoothQuant's migration applies when x comes from an RMSNormalization whose every consumer
     is a quantized MatMul with this same input scale s (decided on the graph before any rewrite)."""
     x = node.inputs[0]
@@ -50,13 +68,13 @@ def _foldable(node: gs.Node, layer, layers: dict) -> bool:
     return True
 
 
-def _fold_into_norm(node: gs.Node, layer, folded: set[int], dtype) -> None:
+def _fold_into_norm(node: gs.Node, layer, folded: set[int], dtype, weights_dir) -> None:
     """Divides the producing norm's weight by s (once per norm) instead of scaling x at run time."""
     norm = node.inputs[0].inputs[0]
     if id(norm) not in folded:
         weight = norm.inputs[1]
         norm.inputs[1] = gs.Constant(f"{weight.name}.smoothed",
-                                     (np.asarray(weight.values) / layer.input_scale.numpy()).astype(dtype))
+                                     (weights.read(weight, weights_dir) / layer.input_scale.numpy()).astype(dtype))
         folded.add(id(norm))
 
 
@@ -75,7 +93,7 @@ def _fake_quantized(graph: gs.Graph, x, scale: float, dtype, scope: str, shared:
     return shared[key]
 
 
-def _quantize_embedding(graph: gs.Graph, layer, ctx: PassContext) -> dict:
+def _quantize_embedding(graph: gs.Graph, layer, ctx: PassContext, constant) -> dict:
     """Gather(table) → Gather(DequantizeLinear(int8 codes, per-row scales)): TensorRT only takes
     int8 constants that feed a DequantizeLinear, so the table is dequantized, then gathered."""
     gather = next((n for n in graph.nodes if n.op == "Gather" and module_of(n.name) == "embed_tokens"
@@ -85,8 +103,8 @@ def _quantize_embedding(graph: gs.Graph, layer, ctx: PassContext) -> dict:
     dtype = np.dtype(gather.inputs[0].dtype)
     table = gs.Variable("embed_tokens.weight_dq", dtype=dtype, shape=list(layer.codes.shape))
     graph.nodes.append(new_node("DequantizeLinear", "/model/embed_tokens/DequantizeLinear",
-                                [_constant("embed_tokens.weight_q", layer.codes.numpy()),
-                                 gs.Constant("embed_tokens.weight_scale", layer.scales.numpy().astype(dtype))],
+                                [constant("embed_tokens.weight_q", layer.codes.numpy()),
+                                 constant("embed_tokens.weight_scale", layer.scales.numpy().astype(dtype))],
                                 {"axis": 0}, [table]))
     gather.inputs[0] = table
     return (ctx.quant_report or {}).get("embed_tokens", {})
@@ -99,8 +117,9 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     done, skipped = {}, {}
     folded: set[int] = set()
     shared_qdq: dict[tuple[str, float], gs.Variable] = {}
+    constant = _sink(ctx)
     if "embed_tokens" in layers:
-        done["embed_tokens"] = _quantize_embedding(graph, layers["embed_tokens"], ctx)
+        done["embed_tokens"] = _quantize_embedding(graph, layers["embed_tokens"], ctx, constant)
     targets = [(node, module_of(node.name)) for node in graph.nodes
                if node.op == "MatMul" and module_of(node.name) in layers]
     fold = {id(node): _foldable(node, layers[name], layers) for node, name in targets}
@@ -133,12 +152,12 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
         scope = node.name.rsplit("/", 1)[0]
         dequantized = gs.Variable(f"{name}.weight_dq", dtype=dtype, shape=list(weight.shape))
         graph.nodes.append(new_node("DequantizeLinear", f"{scope}/DequantizeLinear",
-                                    [_constant(f"{name}.weight_q", codes),
-                                     scales if layer.nvfp4 else gs.Constant(f"{name}.weight_scale", scales)],
+                                    [_constant(f"{name}.weight_q", codes) if layer.nvfp4 else constant(f"{name}.weight_q", codes),
+                                     scales if layer.nvfp4 else constant(f"{name}.weight_scale", np.asarray(scales))],
                                     attrs, [dequantized]))
         node.inputs[1] = dequantized
         if fold[id(node)]:
-            _fold_into_norm(node, layer, folded, dtype)
+            _fold_into_norm(node, layer, folded, dtype, ctx.weights_dir)
         elif layer.input_scale is not None:
             # AWQ (or a smoothing scale with no norm to absorb it): x / s feeds the scaled weights
             scaled = gs.Variable(f"{name}.input_scaled", dtype=dtype)

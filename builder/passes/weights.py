@@ -15,6 +15,7 @@ from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 INLINE_BELOW = 1024  # bytes: smaller slices stay in the graph
+PACKED_4BIT = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1)
 
 
 def _proto(constant: gs.Constant) -> onnx.TensorProto | None:
@@ -41,6 +42,15 @@ def read(constant: gs.Constant, weights_dir: Path | None) -> np.ndarray:
         info = {e.key: e.value for e in proto.external_data}
         dtype = helper.tensor_dtype_to_np_dtype(proto.data_type)
         count = int(np.prod(proto.dims)) if proto.dims else 1
+        if proto.data_type in PACKED_4BIT:  # two to a byte on disk: read the bytes, let onnx unpack them
+            with open(weights_dir / info["location"], "rb") as source:
+                source.seek(int(info.get("offset", 0)))
+                inline = onnx.TensorProto()
+                inline.CopyFrom(proto)
+                del inline.external_data[:]
+                inline.data_location = onnx.TensorProto.DEFAULT
+                inline.raw_data = source.read((count + 1) // 2)
+            return numpy_helper.to_array(inline)
         return np.memmap(weights_dir / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
                          shape=(count,)).reshape(tuple(proto.dims))
     if proto is not None:

@@ -6,7 +6,7 @@ channel, int4 per group of ``group`` input channels, FP8 per tensor, NVFP4 per 1
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,6 +35,11 @@ class QuantizedLinear:
     def fp8(self) -> bool:
         """FP8 E4M3 codes with one per-tensor scale (weights and activations)."""
         return self.codes.dtype == torch.float8_e4m3fn
+
+    def rows(self, start: int, stop: int) -> "QuantizedLinear":
+        """Output rows ``[start, stop)`` (a view): codes and per-row or per-block scales sliced,
+        per-tensor and per-input-channel scales shared."""
+        return replace(self, codes=self.codes[start:stop], scales=self.scales if self.fp8 else self.scales[start:stop])
 
     def fake_quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the engine feeds the GEMM, expressed in the original input space (W8A8, FP8)."""

@@ -1,94 +1,114 @@
-"""Quantize a checkpoint's linear layers as the spec asks; runs where the torch model lives.
+"""Quantize a checkpoint's linear layers as the spec asks, streaming from its weight map.
 
-The result is written with safetensors (codes, scales, AWQ input scales, per layer) for the
-``quantize_weights`` graph pass, with each layer's relative weight error and (when there is
-calibration data) relative output error on a calibration batch.
+RTN, FP8 and NVFP4 read one weight at a time; AWQ, GPTQ and SmoothQuant (and any mode given
+calibration text, for the output-error report) calibrate one decoder layer at a time
+(calibrate.layer_by_layer). Each block's codes, scales and AWQ/SmoothQuant input scales are
+written as soon as it is done (store.QuantizedWriter), with each layer's relative weight error
+and (when there is calibration data) relative output error on calibration rows: memory holds
+one layer's weights and codes, never the model's.
 """
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from ..frontend.weight_map import WeightMap
 from ..spec import Spec, linear_names
 from .algorithms import QuantizedLinear, awq, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
-from .calibrate import calibration_batches, collect
+from .calibrate import InputStats, block_of, calibration_batches, layer_by_layer
+from .store import QuantizedWriter, load_quantized  # noqa: F401  (load_quantized: re-exported for callers)
+
+RTN_ROWS = 8192  # rows quantized at once by RTN (row-independent): bounds lm_head's and the embedding's copies
 
 
 def selected_layers(spec: Spec) -> list[str]:
     return [n for n in linear_names(spec.arch) if not any(p in n for p in spec.quantization.exclude)]
 
 
-def quantize_checkpoint(model: torch.nn.Module, spec: Spec, out: Path, progress=print) -> dict[str, dict]:
+def checkpoint_key(spec: Spec, name: str) -> str:
+    """The checkpoint tensor of a linear (or ``embed_tokens``); a tied lm_head is the embedding."""
+    if name == "embed_tokens" or (name == "lm_head" and spec.arch.tie_word_embeddings):
+        return "model.embed_tokens.weight"
+    return "lm_head.weight" if name == "lm_head" else f"model.{name}.weight"
+
+
+def quantize_checkpoint(weights: WeightMap, spec: Spec, out: Path, progress=print) -> dict[str, dict]:
+    """Writes the quantized layers to the directory ``out`` (store.py's layout); returns the
+    per-layer error report."""
     q = spec.quantization
     names = selected_layers(spec)
-    stats = {}
-    if q.calibration is not None:
-        batches = calibration_batches(spec.model.checkpoint, q.calibration.data, q.calibration.samples,
-                                      q.calibration.seq_len)
-        stats = collect(model, names, batches, progress)
-    modules = dict(model.named_modules())
-    tensors, report = {}, {}
-    group = q.group_size if q.bits == 4 else None
-    weight_of = lambda n: modules[n if n == "lm_head" else f"model.{n}"].weight.detach().float()  # noqa: E731 [out, in]
-    smoothed = _smoothquant_groups(names, stats, weight_of, q.smoothquant_alpha) if q.mode == "w8a8" else {}
-    for index, name in enumerate(names):
-        weight = weight_of(name)
-        if name in smoothed:
-            result = smoothed[name]
-        elif q.mode == "nvfp4":
-            result = nvfp4(weight)
-        elif q.mode == "fp8":
-            result = fp8_per_tensor(weight, float(stats[name].abs_max.max()) if name in stats else None)
-        elif q.algorithm == "gptq":
-            result = gptq(weight, stats[name].hessian, q.bits, group)
-        elif q.algorithm == "awq":
-            result = awq(weight, stats[name].abs_mean, stats[name].sample_rows, q.bits, group)
-        else:
-            result = rtn(weight, q.bits, group)
-        report[name] = _errors(weight, result, stats[name].sample_rows if name in stats else None)
-        tensors[f"{name}.codes"] = result.codes.contiguous()
-        tensors[f"{name}.scales"] = result.scales.contiguous()
-        if result.input_scale is not None:
-            tensors[f"{name}.input_scale"] = result.input_scale.clone()  # layers may share one s
-        if result.activation_scale is not None:
-            tensors[f"{name}.activation_scale"] = torch.tensor([result.activation_scale])
-        if result.global_scale is not None:
-            tensors[f"{name}.global_scale"] = torch.tensor([result.global_scale], dtype=torch.float64)
-        progress(f"  quantized {name} ({index + 1}/{len(names)}, {q.mode}, {q.algorithm})")
+    dtype = spec.model.dtype.torch
+    writer = QuantizedWriter(out)
+    report: dict[str, dict] = {}
+    weight_of = lambda name: weights.tensor(checkpoint_key(spec, name), dtype).float()  # noqa: E731 [out, in]
+    done = 0
+    for block, stats in _blocks(weights, spec, names, progress):
+        members = [n for n in names if block_of(n) == block]
+        results = {}
+        smoothed = _smoothquant_groups(members, stats, weight_of, q.smoothquant_alpha) if q.mode == "w8a8" else {}
+        for name in members:
+            if q.mode in ("int8_weight_only", "int4_weight_only") and q.algorithm == "rtn":
+                result = _rtn_by_rows(weights, spec, name, q.bits, q.group_size if q.bits == 4 else None)
+            else:
+                result = _quantize(name, weight_of(name), stats, smoothed, spec)
+            report[name] = _errors(weights, spec, name, result, stats[name].sample_rows if name in stats else None)
+            results[name] = result
+            done += 1
+            progress(f"  quantized {name} ({done}/{len(names)}, {q.mode}, {q.algorithm})")
+        writer.write(block, results)
     if q.quantize_embeddings:  # int8 per vocabulary row, whatever the linears' mode
-        table = modules["model.embed_tokens"].weight.detach().float()  # [V, D]
-        result = rtn(table, 8, None)
-        report["embed_tokens"] = _errors(table, result, None)
-        tensors["embed_tokens.codes"], tensors["embed_tokens.scales"] = result.codes.contiguous(), result.scales
-    group = 16 if q.mode == "nvfp4" else group
-    save_file(tensors, str(out), metadata={"bits": str(q.bits or 8), "group": str(group or 0),
-                                           "report": json.dumps(report)})
+        result = _rtn_by_rows(weights, spec, "embed_tokens", 8, None)
+        report["embed_tokens"] = _errors(weights, spec, "embed_tokens", result, None)
+        writer.write("embed_tokens", {"embed_tokens": result})
+    writer.finish(report)
     return report
 
 
-def load_quantized(path: Path) -> tuple[dict[str, QuantizedLinear], dict[str, dict]]:
-    from safetensors import safe_open
+def _blocks(weights: WeightMap, spec: Spec, names: list[str],
+            progress) -> Iterator[tuple[str, dict[str, InputStats]]]:
+    """The blocks holding selected linears, in order, with calibration statistics when the spec has data."""
+    q = spec.quantization
+    if q.calibration is None:
+        for block in dict.fromkeys(block_of(n) for n in names):
+            yield block, {}
+        return
+    batches = calibration_batches(spec.model.checkpoint, q.calibration.data, q.calibration.samples,
+                                  q.calibration.seq_len)
+    yield from layer_by_layer(spec.model.checkpoint, weights, spec.model.dtype.torch, names, batches, progress)
 
-    with safe_open(str(path), "pt") as handle:
-        meta = handle.metadata()
-    tensors = load_file(str(path))
-    bits, group = int(meta["bits"]), int(meta["group"]) or None
-    layers = {}
-    for key in tensors:
-        if key.endswith(".codes"):
-            name = key[: -len(".codes")]
-            activation = tensors.get(f"{name}.activation_scale")
-            global_scale = tensors.get(f"{name}.global_scale")
-            embedding = name == "embed_tokens"  # int8 per row in every mode
-            layers[name] = QuantizedLinear(codes=tensors[key], scales=tensors[f"{name}.scales"],
-                                           bits=8 if embedding else bits, group=None if embedding else group,
-                                           input_scale=tensors.get(f"{name}.input_scale"),
-                                           activation_scale=None if activation is None else float(activation[0]),
-                                           global_scale=None if global_scale is None else float(global_scale[0]))
-    return layers, json.loads(meta["report"])
+
+def _quantize(name: str, weight: torch.Tensor, stats: dict[str, InputStats], smoothed: dict,
+              spec: Spec) -> QuantizedLinear:
+    q = spec.quantization
+    group = q.group_size if q.bits == 4 else None
+    if name in smoothed:
+        return smoothed[name]
+    if q.mode == "nvfp4":
+        return nvfp4(weight)
+    if q.mode == "fp8":
+        return fp8_per_tensor(weight, float(stats[name].abs_max.max()) if name in stats else None)
+    if q.algorithm == "gptq":
+        return gptq(weight, stats[name].hessian, q.bits, group)
+    if q.algorithm == "awq":
+        return awq(weight, stats[name].abs_mean, stats[name].sample_rows, q.bits, group)
+    return rtn(weight, q.bits, group)
+
+
+def _row_chunks(rows: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, rows, RTN_ROWS):
+        yield start, min(start + RTN_ROWS, rows)
+
+
+def _rtn_by_rows(weights: WeightMap, spec: Spec, name: str, bits: int, group: int | None) -> QuantizedLinear:
+    """RTN a block of rows at a time: each row's scales and codes depend on that row only, so
+    this equals ``rtn`` of the whole weight, holding one block of it as float."""
+    key, dtype = checkpoint_key(spec, name), spec.model.dtype.torch
+    parts = [rtn(weights.rows(key, start, stop, dtype).float(), bits, group)
+             for start, stop in _row_chunks(weights.entry(key).shape[0])]
+    return QuantizedLinear(codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                           bits=bits, group=group)
 
 
 def _smoothquant_groups(names, stats, weight_of, alpha: float) -> dict[str, QuantizedLinear]:
@@ -96,7 +116,7 @@ def _smoothquant_groups(names, stats, weight_of, alpha: float) -> dict[str, Quan
     smoothing scale, which the quantize_weights pass folds into that norm's weight."""
     groups: dict[str, list[str]] = {}
     for name in names:
-        parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        leaf = name.rsplit(".", 1)[-1]
         shared = leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
         key = f"{name.rsplit('.', 2)[0]}.{'attn_in' if leaf in ('q_proj', 'k_proj', 'v_proj') else 'mlp_in'}" if shared else name
         groups.setdefault(key, []).append(name)
@@ -107,24 +127,40 @@ def _smoothquant_groups(names, stats, weight_of, alpha: float) -> dict[str, Quan
     return out
 
 
-def _errors(weight: torch.Tensor, result: QuantizedLinear, x: torch.Tensor | None) -> dict:
-    dequantized = result.dequantize()
-    errors = {"weight_rel_error": round(((dequantized - weight).norm() / weight.norm()).item(), 6)}
+def _errors(weights: WeightMap, spec: Spec, name: str, result: QuantizedLinear, x: torch.Tensor | None) -> dict:
+    """Relative errors of the weight and (on calibration rows x) of the layer's output, summed
+    over blocks of output rows so no more than a block of the weight is float at once."""
+    key, dtype = checkpoint_key(spec, name), spec.model.dtype.torch
+    sums = torch.zeros(4, dtype=torch.float64)  # ‖ΔW‖², ‖W‖², ‖Δy‖², ‖y‖²
+    x_quantized = result.fake_quantize_input(x) if x is not None else None
+    for start, stop in _row_chunks(weights.entry(key).shape[0]):
+        weight = weights.rows(key, start, stop, dtype).float()
+        dequantized = result.rows(start, stop).dequantize()
+        sums[0] += (dequantized - weight).pow(2).sum().item()
+        sums[1] += weight.pow(2).sum().item()
+        if x is not None:
+            reference = x @ weight.T
+            sums[2] += (x_quantized @ dequantized.T - reference).pow(2).sum().item()
+            sums[3] += reference.pow(2).sum().item()
+    errors = {"weight_rel_error": round((sums[0] / sums[1]).sqrt().item(), 6)}
     if x is not None:
-        reference = x @ weight.T
-        output = result.fake_quantize_input(x) @ dequantized.T
-        errors["output_rel_error"] = round(((output - reference).norm() / reference.norm()).item(), 6)
+        errors["output_rel_error"] = round((sums[2] / sums[3]).sqrt().item(), 6)
     return errors
 
 
-def apply_dequantized(model: torch.nn.Module, layers: dict[str, QuantizedLinear]) -> None:
+def apply_dequantized(model: torch.nn.Module, layers: Mapping[str, QuantizedLinear]) -> None:
     """Makes the model compute what the engine will (simulated quantization): dequantized
-    weights, and for W8A8 fake-quantized inputs."""
+    weights, and for W8A8 fake-quantized inputs. Layers the model does not have (a
+    depth-truncated model) are skipped, and each layer is read only when it is applied."""
     modules = dict(model.named_modules())
-    for name, layer in layers.items():
-        module = modules[name if name == "lm_head" else f"model.{name}"]
-        with torch.no_grad():
-            module.weight.copy_(layer.dequantize().to(module.weight.dtype))
+    for name in layers:
+        module = modules.get(name if name == "lm_head" else f"model.{name}")
+        if module is None:
+            continue
+        layer = layers[name]
+        # A new parameter, not a copy into the old one: that may be a read-only mapping of the
+        # checkpoint (skeleton.assign_weights), or a tied embedding the engine keeps float.
+        module.weight = torch.nn.Parameter(layer.dequantize().to(module.weight.dtype), requires_grad=False)
         if layer.activation_scale is not None:
             module.register_forward_pre_hook(
                 lambda mod, args, layer=layer: (layer.fake_quantize_input(args[0].float()).to(args[0].dtype),))
