@@ -121,6 +121,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         shutil.rmtree(workdir)
         engines = _build_engines(spec, flavor, tmp, options.jobs, progress)
         child_peaks += [e.peak for e in engines]
+        if not spec.build.cpu_graphs:
+            _leave_out_cpu_graphs(ranks, tmp, progress)
         with progress.stage("manifest"):
             _copy_tokenizer(spec.model.checkpoint, tmp)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -129,6 +131,20 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                         peak_rss_bytes=max([peak_rss_bytes(), *(p.peak for p in child_peaks)]),
                         pass_records=records, manifest=manifest, processes=child_peaks,
                         dir_bytes=dir_size(options.out))
+
+
+def _leave_out_cpu_graphs(ranks: list[dict], tmp: Path, progress: Progress) -> None:
+    """build.cpu_graphs: false — the rank graphs were built, checked and compiled into the
+    engines; the dir keeps the engines alone (it ships to GPUs), so the ONNX files go."""
+    freed = 0
+    for rank in ranks:
+        for key in ("onnx", "onnx_data", "cpu_onnx", "cpu_onnx_data"):
+            if rank.get(key) is not None:
+                freed += (tmp / rank[key]).stat().st_size
+                (tmp / rank[key]).unlink()
+            rank[key] = None
+    progress.say(f"  build.cpu_graphs: false — left out the ONNX graphs ({human_bytes(freed)}); "
+                 "this dir runs on TensorRT only")
 
 
 def _single_reader_files(graphs) -> list[frozenset[str]]:
@@ -201,6 +217,7 @@ def _manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], c
         "tensorrt": flavor.built_for(spec.build.targets),
         "tools": tool_versions(),
         "tensor_parallel": spec.world_size,
+        "cpu_graphs": spec.build.cpu_graphs,
         "ranks": ranks,
         "limits": {"max_batch_size": spec.build.max_batch_size, "max_input_len": spec.build.max_input_len,
                    "max_seq_len": spec.build.max_seq_len},

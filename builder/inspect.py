@@ -103,7 +103,11 @@ def node_origin(out: Path, rank: int, node_name: str) -> str:
     decode branch): its ``created_by`` metadata."""
     import onnx
 
-    graphs = [("", onnx.load(Path(out) / f"rank{rank}.onnx", load_external_data=False).graph)]
+    graph = Path(out) / f"rank{rank}.onnx"
+    if not graph.is_file():
+        raise UserError(f"--node: {out} was built with build.cpu_graphs: false and holds no rank{rank}.onnx; "
+                        "its node provenance is in a build with cpu_graphs: true")
+    graphs = [("", onnx.load(graph, load_external_data=False).graph)]
     cpu = Path(out) / f"rank{rank}.cpu.onnx"
     if cpu.is_file():
         step = onnx.load(cpu, load_external_data=False)
@@ -124,8 +128,10 @@ def _dir_sizes(out: Path, manifest: dict) -> str:
     """The dir's bytes on disk, and how much of it is the engines and the CPU graphs."""
     files = manifest["files"]
     engines = sum(files[r["engine"]]["bytes"] for r in manifest["ranks"] if r["engine"] in files)
-    cpu = sum(files[name]["bytes"] for r in manifest["ranks"] for name in (r["onnx"], r.get("onnx_data"))
-              if name in files)
+    if manifest.get("cpu_graphs") is False:
+        return f"{human_bytes(dir_size(Path(out)))} (engines {human_bytes(engines)}; CPU graphs left out: build.cpu_graphs false)"
+    cpu = sum(files[name]["bytes"] for r in manifest["ranks"]
+              for name in (r.get("onnx"), r.get("onnx_data"), r.get("cpu_onnx"), r.get("cpu_onnx_data")) if name in files)
     return (f"{human_bytes(dir_size(Path(out)))} (engines {human_bytes(engines)}, CPU graphs {human_bytes(cpu)})")
 
 

@@ -303,4 +303,4 @@ def spec_build_plan(spec) -> BuildPlan:
     counts = param_counts(spec.arch)
     dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value]
     return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
-                     cpu_graphs=True, export_bytes=weight_bytes(counts, dtype))
+                     cpu_graphs=spec.build.cpu_graphs, export_bytes=weight_bytes(counts, dtype))

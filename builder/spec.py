@@ -61,6 +61,9 @@ class BuildSection(_Section):
     max_seq_len: StrictInt = Field(2048, ge=2)
     cuda_graph_batch_sizes: tuple[StrictInt, ...] | None = None
     builder_optimization_level: StrictInt = Field(3, ge=0, le=5)
+    cpu_graphs: StrictBool = Field(True, description=(
+        "keep each rank's ONNX graphs and their weights in the engine dir (the CPU runtime and "
+        "trtbuild eval run them); false ships the TensorRT engines alone, about half the size"))
 
     @field_validator("targets", mode="before")
     @classmethod

@@ -62,7 +62,13 @@ def read_manifest(engine_dir: Path) -> dict:
 
 # Per rank: the files it must have, and those it may (a graph with no external weights has no
 # data file; an engine dir built without a CPU stage, or before it existed, has no rankN.cpu.onnx).
+# A dir built with build.cpu_graphs: false ("cpu_graphs": false) has the engines alone.
 RANK_FILES, OPTIONAL_RANK_FILES = ("onnx", "engine"), ("onnx_data", "cpu_onnx", "cpu_onnx_data")
+
+
+def has_cpu_graphs(manifest: dict) -> bool:
+    """Whether the dir holds the rank ONNX graphs (manifests before the field always did)."""
+    return manifest.get("cpu_graphs", True) is not False
 
 
 def rank_files(manifest: dict) -> list[str]:
@@ -75,7 +81,7 @@ def rank_files(manifest: dict) -> list[str]:
             raise ManifestError(f"{MANIFEST}: ranks[{index}] is not an object")
         for key in (*RANK_FILES, *OPTIONAL_RANK_FILES):
             name = rank.get(key)
-            if name is None and key in OPTIONAL_RANK_FILES:
+            if name is None and (key in OPTIONAL_RANK_FILES or (key == "onnx" and not has_cpu_graphs(manifest))):
                 continue
             if not isinstance(name, str) or not _plain_name(name):
                 raise ManifestError(f"{MANIFEST}: ranks[{index}].{key} {name!r} is not a file name inside the "
@@ -107,6 +113,8 @@ def check_engine_dir(engine_dir: Path, manifest: dict, verify_hashes: bool = Tru
             raise ManifestError(f"{file}: sha256 differs from the manifest; the engine dir is corrupt or was "
                                 "modified: rebuild or re-copy it")
     for rank in manifest["ranks"]:
+        if rank.get("onnx") is None:
+            continue  # cpu_graphs: false — the engines alone
         _check_external_data(root / rank["onnx"], {rank.get("onnx_data")})
         if rank.get("cpu_onnx") is not None:  # it shares the rank's weights, and may add its own
             _check_external_data(root / rank["cpu_onnx"], {rank.get("onnx_data"), rank.get("cpu_onnx_data")})

@@ -3,6 +3,7 @@ per rank for tensor-parallel dirs."""
 from __future__ import annotations
 
 from .engine import Engine
+from ..contract.manifest import has_cpu_graphs
 from .engine_dir import EngineDir, EngineDirError
 
 
@@ -11,13 +12,23 @@ def resolve_backend(engine_dir: EngineDir, backend: str) -> str:
     if backend not in ("auto", "tensorrt", "onnxruntime"):
         raise ValueError(f"backend {backend!r}: valid: auto, tensorrt, onnxruntime")
     if backend == "onnxruntime":
-        return backend
+        return _cpu_runnable(engine_dir, backend)
     from .tensorrt_runtime import tensorrt_available
 
     reason = tensorrt_available(engine_dir)
     if reason is not None and backend == "tensorrt":
         raise EngineDirError(f"--backend tensorrt: {reason}")
-    return "tensorrt" if reason is None else "onnxruntime"
+    return "tensorrt" if reason is None else _cpu_runnable(engine_dir, "onnxruntime", reason)
+
+
+def _cpu_runnable(engine_dir: EngineDir, backend: str, no_gpu: str | None = None) -> str:
+    """Refuses, in one line, to run on ONNX Runtime a dir built without its ONNX graphs."""
+    if not has_cpu_graphs(engine_dir.manifest):
+        why = f" ({no_gpu})" if no_gpu else ""
+        raise EngineDirError(f"{engine_dir.path}: built with build.cpu_graphs: false, it holds the TensorRT engines "
+                             f"alone and cannot run on ONNX Runtime (CPU){why}; run it on a GPU with TensorRT, or "
+                             "rebuild with build.cpu_graphs: true")
+    return backend
 
 
 def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int,

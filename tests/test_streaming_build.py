@@ -278,3 +278,39 @@ def test_structure_check_names_a_layer_unlike_the_others(tmp_path):
     check.first = True
     with pytest.raises(UserError, match=r"after pass p decoder layer 1 differs from layer 2"):
         check.after_all(Pass("p", None), [graph(["MatMul"])], [result], [{}], [])
+
+
+@pytest.mark.slow
+def test_a_gpu_only_dir_holds_the_engines_alone_and_the_cpu_runtime_says_why(tmp_path):
+    """build.cpu_graphs: false — the graphs are built, checked and compiled, then left out: the
+    dir holds the engine, tokenizer and manifest (still hashed and trust-checked); run, eval and
+    LLM on CPU refuse it in one line naming the field."""
+    import subprocess
+    import sys
+
+    from trtbuild.runtime.engine_dir import EngineDirError
+    from trtbuild.runtime.llm import LLM
+
+    checkpoint = make_checkpoint(tmp_path / "llama", "llama")
+    spec = write_spec(tmp_path / "spec.yaml", checkpoint, build={"cpu_graphs": False})
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "left out the ONNX graphs" in proc.stderr
+    assert not list(out.glob("*.onnx*")) and (out / "rank0.engine").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cpu_graphs"] is False and manifest["ranks"][0]["onnx"] is None
+    shown = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(out)],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "CPU graphs left out" in shown.stdout
+    for command in (["run", str(out), "--prompt", "def f"], ["eval", str(out), "--data", str(spec)]):
+        refused = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", *command], capture_output=True, text=True)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.count("\n") == 1 and "build.cpu_graphs: false" in refused.stderr
+    with pytest.raises(EngineDirError, match="cpu_graphs: false"):
+        LLM(out, backend="onnxruntime")
+    (out / "rank0.engine").write_bytes(b"tampered")
+    with pytest.raises(EngineDirError, match="sha256 differs"):
+        LLM(out, backend="onnxruntime")
