@@ -63,7 +63,8 @@ ROWS = {
     "1b": Row("1b", "llama-3.2-1b", 1),
     "3b": Row("3b", "llama-3.2-3b", 1),
     "8b-tp2": Row("8b-tp2", "llama-3-8b", 2, generate=True),
-    "8b-int4": Row("8b-int4", "llama-3-8b", 1, {"mode": "int4_weight_only", "algorithm": "rtn", "group_size": 128}),
+    "8b-int4": Row("8b-int4", "llama-3-8b", 1, {"mode": "int4_weight_only", "algorithm": "rtn", "group_size": 128},
+                   generate=True),
 }
 
 

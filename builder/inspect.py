@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from ..contract.gpu_targets import describe
-from ..contract.manifest import ManifestError, check_engine_dir, read_manifest
+from ..contract.manifest import ManifestError, check_engine_dir, has_cpu_graphs, read_manifest
 from .errors import UserError
 from .progress import dir_size, human_bytes, table
 
@@ -128,7 +128,7 @@ def _dir_sizes(out: Path, manifest: dict) -> str:
     """The dir's bytes on disk, and how much of it is the engines and the CPU graphs."""
     files = manifest["files"]
     engines = sum(files[r["engine"]]["bytes"] for r in manifest["ranks"] if r["engine"] in files)
-    if manifest.get("cpu_graphs") is False:
+    if not has_cpu_graphs(manifest):
         return f"{human_bytes(dir_size(Path(out)))} (engines {human_bytes(engines)}; CPU graphs left out: build.cpu_graphs false)"
     cpu = sum(files[name]["bytes"] for r in manifest["ranks"]
               for name in (r.get("onnx"), r.get("onnx_data"), r.get("cpu_onnx"), r.get("cpu_onnx_data")) if name in files)

@@ -110,6 +110,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise yaml.constructor.ConstructorError(None, None, f"a mapping key must be a name, got {key!r}",
+                                                        key_node.start_mark)
             if key in seen:
                 raise _DuplicateKey(key, key_node.start_mark.line + 1)
             seen.add(key)

@@ -145,6 +145,9 @@ def _initializers(graph):
     yield from graph.initializer
     for node in graph.node:
         for attribute in node.attribute:
+            if attribute.HasField("t"):  # a Constant's value can be external data too
+                yield attribute.t
+            yield from attribute.tensors
             if attribute.type == onnx.AttributeProto.GRAPH:
                 yield from _initializers(attribute.g)
             for sub in attribute.graphs:

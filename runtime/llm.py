@@ -246,7 +246,9 @@ class LLM:
             finished = self.core.step(self.outputs.on_token, self._interrupts_run)
             deltas, completions = self.outputs.finish(finished)
             self._deliver(deltas, completions)
-        return deltas, [c for c in completions if c.rid not in self._collect]
+            # Filtered under the lock: a generate() in another thread may collect its rid right after.
+            unclaimed = [c for c in completions if c.rid not in self._collect]
+        return deltas, unclaimed
 
     def _interrupts_run(self) -> bool:
         """A greedy run ends after its current step for a request that could take a free slot,

@@ -2,13 +2,13 @@
 
 Tensors still external (the export's weight file) are copied range by range, tensors made in
 memory by passes (quantized weights) are written out, small ones stay inline: memory holds one
-tensor at a time, and the data file holds exactly what the graph references (so the same graph
-gives the same bytes).
+tensor at a time, and the data file holds what the graph references (so the same graph gives
+the same bytes).
 
-A weight file that only this graph reads and that it reads whole (a rank's shard file, or the
-export's file at one rank) is *adopted*: renamed to be the data file, its tensors left at their
-offsets, the rest appended. Copying it would hold the rank's weights on disk twice at the
-build's peak (Llama-3-8B at TP=2: 16 GB more than the rename).
+A weight file that only this graph reads, and reads all but at most 1 % of (alignment padding,
+small tensors the passes took inline), is *adopted*: renamed to be the data file, its tensors
+left at their offsets, the rest appended. Copying it would hold the rank's weights on disk twice
+at the build's peak (Llama-3-8B at TP=2: 16 GB more than the rename).
 """
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def save_graph(model: onnx.ModelProto, path: Path, weights_dir: Path | None,
 
 
 def _adoptable_file(model: onnx.ModelProto, weights_dir: Path | None, adoptable: frozenset[str]) -> str | None:
-    """The largest adoptable file whose every byte the graph references exactly once (so adopting
-    it leaves no unreferenced bytes in the data file), or None."""
+    """The largest adoptable file the graph reads in ranges that do not overlap and leave at most
+    1 % of it unread (so adopting it leaves almost no dead bytes in the data file), or None."""
     if weights_dir is None or not adoptable:
         return None
     ranges: dict[str, list[tuple[int, int]]] = {}
@@ -84,9 +84,10 @@ def _adoptable_file(model: onnx.ModelProto, weights_dir: Path | None, adoptable:
     whole = []
     for name, spans in ranges.items():
         spans.sort()
-        covered = all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0
         size = (Path(weights_dir) / name).stat().st_size
-        if covered and spans[-1][1] == size:
+        disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= size
+        unread = size - sum(stop - start for start, stop in spans)
+        if disjoint and unread <= size // 100:
             whole.append((size, name))
     return max(whole)[1] if whole else None
 

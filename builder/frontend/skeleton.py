@@ -62,7 +62,7 @@ def assign_weights(model: nn.Module, weights: WeightMap, prefix: str, dtype: tor
     state, read = {}, {}
     for name, param in module.named_parameters(remove_duplicate=False):
         key = checkpoint_key(model, dot + name)
-        tensor = read[key] if key in read else read.setdefault(key, _read(weights, key, tuple(param.shape), dtype))
+        tensor = read[key] if key in read else read.setdefault(key, weights.for_shape(key, tuple(param.shape), dtype))
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {key} has shape {tuple(tensor.shape)}; config.json implies "
                                   f"{tuple(param.shape)}")
@@ -71,17 +71,6 @@ def assign_weights(model: nn.Module, weights: WeightMap, prefix: str, dtype: tor
     if not prefix and model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return sum(t.numel() * t.element_size() for t in read.values())
-
-
-def _read(weights: WeightMap, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The tensor, or its first rows where the model has fewer (a vocabulary cut to ``vocab_rows``)."""
-    stored = weights.entry(key).shape
-    if key in VOCAB_KEYS and len(shape) == len(stored) and shape[1:] == stored[1:] and shape[0] < stored[0]:
-        return weights.rows(key, 0, shape[0], dtype)
-    return weights.tensor(key, dtype)
-
-
-VOCAB_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def release_weights(model: nn.Module, prefix: str) -> None:

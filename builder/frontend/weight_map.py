@@ -25,6 +25,9 @@ from ...contract.checkpoint import CheckpointError, weight_files
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 
+# The tables indexed by token id: the numerics check of a large model keeps only their first rows.
+VOCAB_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
 # safetensors dtype → (torch dtype, numpy dtype with the same width, read as raw bits)
 DTYPES = {
     "F32": (torch.float32, np.float32), "F16": (torch.float16, np.float16), "BF16": (torch.bfloat16, np.uint16),
@@ -107,6 +110,15 @@ class WeightMap:
         array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="c", offset=entry.offset,
                           shape=(entry.numel,))
         return _as_torch(array, entry, entry.shape, dtype)
+
+    def for_shape(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor a model of ``shape`` holds: the whole tensor, or for a vocabulary table
+        (VOCAB_KEYS) cut to fewer rows, only its first rows. Any other difference is the caller's
+        shape error to report."""
+        stored = self.entry(name).shape
+        if name in VOCAB_KEYS and len(shape) == len(stored) and tuple(shape[1:]) == stored[1:] and shape[0] < stored[0]:
+            return self.rows(name, 0, shape[0], dtype)
+        return self.tensor(name, dtype)
 
     def rows(self, name: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of axis 0, reading only their bytes (a rank's slice of a
