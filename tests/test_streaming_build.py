@@ -97,6 +97,25 @@ def test_truncated_check_names_a_pass_that_breaks_layer_zero(checkpoints, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_one_rank_with_the_truncated_check_and_the_cpu_stage(tmp_path):
+    """TP=1 above the whole-check size: the structure check runs after the CPU stage too (whose
+    decode graph fuses each residual into the next norm, so its first and last layers differ by
+    design) and the build generates transformers' greedy tokens; an int4 build was refused here."""
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    checkpoint = make_checkpoint(tmp_path / "llama", "llama", layers=4)
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoint, passes={"numerics_whole_max_mib": 0}))
+    build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
+    records = [json.loads(line) for line in (tmp_path / "out" / "passes.jsonl").read_text().splitlines()]
+    skip_norm = next(r for r in records if r["pass"] == "cpu_skip_norm")
+    assert skip_norm["structure"]["layers_alike"] == 4 and skip_norm["matches"] == 2 * 4
+    with LLM(tmp_path / "out", backend="onnxruntime") as llm:
+        ours = [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert ours == transformers_greedy(checkpoint, PROMPTS, 8)
+
+
 def _big_checkpoint(directory):
     """~225 MB of float32 weights (vocabulary 32000, 8 layers of width 512)."""
     import torch
