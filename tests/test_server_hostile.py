@@ -114,9 +114,12 @@ def test_health_and_streams_answer_while_a_large_prompt_is_tokenized(server):
     # The prompt was tokenized (its token count is in the message) and that took long enough to matter.
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert ended - began > 1.0, ended - began
-    assert len(health) >= 5 and max(health) < 0.5, health
+    # Within 0.5 s, or well inside the tokenization on a machine loaded enough to stretch both
+    # (blocking the loop, /health waited out the whole tokenization: 1.62 s of a 1.7 s request).
+    bound = max(0.5, 0.4 * (ended - began))
+    assert len(health) >= 5 and max(health) < bound, (health, bound)
     during = [b - a for a, b in gaps if a < ended and b > began]
-    assert during and max(during) < 0.5, max(during)
+    assert during and max(during) < bound, (max(during), bound)
 
 
 def test_size_limits_refuse_before_any_work(server):
