@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..contract.manifest import DEFAULT_MULTI_STEP, ManifestError, check_engine_dir, read_manifest
+from ..contract.manifest import DEFAULT_MULTI_STEP, ManifestError, check_engine_dir, has_cpu_graphs, read_manifest
 from ..contract.onnxruntime import CpuActivations
 
 
@@ -91,6 +91,14 @@ class EngineDir:
             raise EngineDirError(f"{self.path / 'manifest.json'}: spec.runtime.multi_step {value!r} is not an "
                                  "integer ≥ 1")
         return value
+
+    def require_cpu_graphs(self, why: str = "") -> None:
+        """Refuses, in one line, to run on ONNX Runtime a dir built without its ONNX graphs
+        (build.cpu_graphs: false); ``why`` says what wanted them."""
+        if not has_cpu_graphs(self.manifest):
+            raise EngineDirError(f"{self.path}: built with build.cpu_graphs: false, it holds the TensorRT engines alone "
+                                 f"and cannot run on ONNX Runtime (CPU){why}; run it on a GPU with TensorRT, or "
+                                 "rebuild with build.cpu_graphs: true")
 
     def rank_file(self, rank: int, kind: str) -> Path:
         return self.path / self.manifest["ranks"][rank][kind]

@@ -3,7 +3,6 @@ per rank for tensor-parallel dirs."""
 from __future__ import annotations
 
 from .engine import Engine
-from ..contract.manifest import has_cpu_graphs
 from .engine_dir import EngineDir, EngineDirError
 
 
@@ -22,12 +21,7 @@ def resolve_backend(engine_dir: EngineDir, backend: str) -> str:
 
 
 def _cpu_runnable(engine_dir: EngineDir, backend: str, no_gpu: str | None = None) -> str:
-    """Refuses, in one line, to run on ONNX Runtime a dir built without its ONNX graphs."""
-    if not has_cpu_graphs(engine_dir.manifest):
-        why = f" ({no_gpu})" if no_gpu else ""
-        raise EngineDirError(f"{engine_dir.path}: built with build.cpu_graphs: false, it holds the TensorRT engines "
-                             f"alone and cannot run on ONNX Runtime (CPU){why}; run it on a GPU with TensorRT, or "
-                             "rebuild with build.cpu_graphs: true")
+    engine_dir.require_cpu_graphs(f" ({no_gpu})" if no_gpu else "")
     return backend
 
 

@@ -119,14 +119,11 @@ def is_engine_dir(path: Path) -> bool:
 
 def _loaded(target: Path):
     """An engine dir, checked before anything in it is read (contract.manifest), or a checkpoint path."""
-    from ..contract.manifest import has_cpu_graphs
     from .engine_dir import load
 
     if is_engine_dir(target):
         engine_dir = load(target)
-        if not has_cpu_graphs(engine_dir.manifest):
-            raise ValueError(f"{target}: built with build.cpu_graphs: false, it holds the TensorRT engines alone; "
-                             "trtbuild eval runs the rank graphs in ONNX Runtime: evaluate a build with cpu_graphs: true")
+        engine_dir.require_cpu_graphs(" (trtbuild eval runs its rank graphs)")
         return engine_dir
     if (Path(target) / "config.json").is_file():
         return Path(target)
