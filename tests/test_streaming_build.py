@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from onnx import helper
 
@@ -147,6 +148,24 @@ def test_export_never_holds_the_model(checkpoints, tmp_path):
     assert weights > 200e6
     assert peaks["big"].peak <= 0.25 * weights + 1.5 * 2**30
     assert peaks["big"].anon - peaks["small"].anon < 0.6 * weights, (peaks, weights)
+
+
+def test_a_written_slice_leaves_memory(tmp_path):
+    """WeightWriter (what shard_tensor_parallel writes each rank's slices with) keeps the constants
+    it returns but not their bytes: 256 MB written, the heap grows by far less. (Clearing raw_data
+    on the proto that held them kept the bytes in protobuf's arena: a TP=2 build held the model.)"""
+    from trtbuild.builder.passes.weights import WeightWriter, read
+    from trtbuild.builder.progress import rss_parts
+
+    writer = WeightWriter(tmp_path / "rank0.shard.data")
+    kept = []
+    before, _ = rss_parts()
+    for k in range(8):
+        kept.append(writer.constant(f"w{k}", np.full((4096, 4096), k, np.float16)))  # 32 MiB each
+    grown = rss_parts()[0] - before
+    assert (tmp_path / "rank0.shard.data").stat().st_size == 8 * 2**25
+    assert grown < 64 * 2**20, f"the heap grew by {grown / 2**20:.0f} MiB for 256 MiB written"
+    assert float(read(kept[5], tmp_path)[17, 4000]) == 5.0
 
 
 def test_memory_refusal_names_what_fits():

@@ -66,13 +66,17 @@ class WeightWriter:
         self.path.write_bytes(b"")
 
     def constant(self, name: str, values: np.ndarray) -> gs.Constant:
-        proto = numpy_helper.from_array(np.ascontiguousarray(values), name)  # packs int4/fp4 two to a byte
-        if len(proto.raw_data) < INLINE_BELOW:
-            return gs.Constant(name, LazyValues(proto))
-        data = proto.raw_data
+        packed = numpy_helper.from_array(np.ascontiguousarray(values), name)  # packs int4/fp4 two to a byte
+        if len(packed.raw_data) < INLINE_BELOW:
+            return gs.Constant(name, LazyValues(packed))
+        data = packed.raw_data
         with open(self.path, "ab") as out:
             out.write(data)
-        proto.ClearField("raw_data")
+        # A fresh proto, not ``packed`` with raw_data cleared: protobuf's upb backend keeps a cleared
+        # field's bytes in the message's arena for as long as the message lives, so every slice a
+        # rank wrote stayed in memory (measured: +1.2 GiB anonymous per rank of a 1B model at TP=2).
+        proto = onnx.TensorProto(name=name, data_type=packed.data_type, dims=packed.dims)
+        del packed
         proto.data_location = onnx.TensorProto.EXTERNAL
         for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(data)))):
             entry = proto.external_data.add()
