@@ -21,7 +21,12 @@ def resolve_backend(engine_dir: EngineDir, backend: str) -> str:
 
 
 def _cpu_runnable(engine_dir: EngineDir, backend: str, no_gpu: str | None = None) -> str:
+    from .backends.onnxruntime.memory import local_ranks, machine_bytes, memory_refusal
+
     engine_dir.require_cpu_graphs(f" ({no_gpu})" if no_gpu else "")
+    refusal = memory_refusal(engine_dir, machine_bytes(), local_ranks(engine_dir))
+    if refusal is not None:
+        raise EngineDirError(refusal)
     return backend
 
 

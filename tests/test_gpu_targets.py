@@ -40,7 +40,8 @@ def machine(monkeypatch, gpu: str | None, **versions: str) -> None:
 
 
 def engine_dir(built: dict) -> EngineDir:
-    return EngineDir(path=Path("/engines/x"), manifest={"tensorrt": built, "ranks": [{}]})
+    return EngineDir(path=Path("/engines/x"), manifest={"tensorrt": built, "ranks": [{"weight_bytes": 1 << 20}],
+                                                        "spec": {"model": {"dtype": "float32"}}})
 
 
 def test_manifest_records_what_each_flavour_serves():
