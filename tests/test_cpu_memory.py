@@ -77,3 +77,14 @@ def test_onnx_runtime_holds_a_float16_weight_as_float32(tmp_path):
         del sess
     assert grown[np.float16] > 1.6, grown   # ≈ 2: the float32 copy
     assert grown[np.float32] < 1.3, grown   # ≈ 1: its prepacked copy
+
+
+def test_trtbuild_run_refuses_in_one_line_with_exit_2(tiny_engine, monkeypatch):
+    from click.testing import CliRunner
+
+    from trtbuild.builder.cli import main
+
+    monkeypatch.setattr(memory, "machine_bytes", lambda: 1 << 20)
+    result = CliRunner().invoke(main, ["run", str(tiny_engine), "--prompt", "def f():", "--max-tokens", "4"])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "would need ≈ 0.5 GiB of RAM" in result.output
