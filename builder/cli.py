@@ -174,13 +174,18 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size (default: the spec's max_batch_size, else 1).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None,
               help="Tokens per sequence (default: the spec's max_seq_len, else the model's context).")
+@click.option("--pp", type=click.IntRange(min=1), default=None,
+              help="Pipeline stages (default: the spec's parallel.pipeline, else 1).")
+@click.option("--network", type=click.Choice(["infiniband-ndr", "infiniband-hdr", "ethernet-400g", "ethernet-100g"]),
+              default="infiniband-ndr", show_default=True, help="The link between nodes (pipeline stages).")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU table and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus: bool, as_json: bool):
+def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, network: str, list_gpus: bool,
+         as_json: bool):
     """Diagnose the bottleneck before building: memory per rank and the roofline of prefill and decode.
 
     SOURCE is a spec (YAML), a checkpoint dir holding at least config.json (no weights needed),
-    or a known model's name (llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b: their published
+    or a known model's name (llama-3-8b, llama-3-70b, llama-3.1-405b, mistral-7b, qwen2.5-7b: their published
     config.json ships with trtbuild). A spec whose checkpoint is not here is planned from the
     known model its checkpoint dir names, if any (said on stderr).
 
@@ -189,13 +194,20 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
       trtbuild plan specs/llama-3-8b.yaml --gpu L40S
       trtbuild plan llama-3-70b --gpu H200 --precision fp8
       trtbuild plan /models/Llama-2-70b-hf --gpu A100-80GB --precision int8
+      trtbuild plan llama-3.1-405b --gpu H100-SXM --tp 8 --pp 2 --network infiniband-ndr
+
+    Every plan ends with the layout the model needs on nodes of the GPU (node_gpus in the
+    table): the fewest GPUs whose ranks fit, tensor parallelism inside a node and pipeline
+    stages across nodes. With --pp > 1 it also prints each stage's memory per rank, the
+    activations handed between stages (and over the network), and the pipeline bubble.
     """
     from .frontend.checkpoint import arch_config
-    from .gpus import find_gpu, gpu_table
+    from .gpus import find_gpu, gpu_table, network_table
     from .known_models import find_known, known_arch, known_names
     from .plan import QUANTIZATION_PRECISION, Plan, medusa_plan, param_counts, workload_for
     from .plan_advice import plan_report
-    from .plan_render import render
+    from .plan_pipeline import PipelinePlan, recommend_layout
+    from .plan_render import render, render_pipeline
     from .resolve import load_spec
     from .spec_checks import tensor_parallel_refusal
 
@@ -222,14 +234,23 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus:
     refusal = tensor_parallel_refusal(arch, tp)
     if refusal is not None:
         raise UserError(f"--tp: {refusal}")
-    gpus = gpus or tp
-    if tp > gpus:
-        raise UserError(f"--tp: {tp} is more than --gpus {gpus}")
+    pp = pp or (spec.parallel.pipeline if spec else 1)
+    if pp > arch.num_layers:
+        raise UserError(f"--pp: {pp} stages for {arch.num_layers} layers; at most one stage per layer")
+    gpus = gpus or tp * pp
+    if tp * pp > gpus:
+        raise UserError(f"--tp × --pp: {tp * pp} ranks are more than --gpus {gpus}")
     result = Plan(arch=arch, gpu=find_gpu(gpu), gpus=gpus, tp=tp, precision=precision,
                   workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
                   medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
                   backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
-    click.echo(json.dumps(plan_report(result), indent=2) if as_json else render(result))
+    pipe = PipelinePlan(result, pp, network_table()[network])
+    layout = recommend_layout(result, pipe.network)
+    if as_json:
+        click.echo(json.dumps({**plan_report(result), "pipeline": pipe.as_dict(),
+                               "layout": None if layout is None else layout.as_dict()}, indent=2))
+    else:
+        click.echo("\n".join([render(result), "", *render_pipeline(pipe, layout)]))
 
 
 

@@ -1,5 +1,6 @@
-"""The GPU table (builder/data/gpus.json): memory, bandwidth, peak FLOP/s per precision and
-interconnect of each GPU, with the datasheet each figure comes from."""
+"""The GPU table (builder/data/gpus.json): memory, bandwidth, peak FLOP/s per precision,
+interconnect and node size of each GPU, and the networks between nodes, with the datasheet each
+figure comes from."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ class Gpu:
     tflops: dict
     interconnect: dict
     source: str
+    node_gpus: int = 8          # GPUs in one server of the usual build (the pipeline plan's node)
 
     def peak_flops(self, precision: str) -> float:
         value = self.tflops.get(TFLOPS_KEY[precision])
@@ -43,5 +45,21 @@ def find_gpu(name: str) -> Gpu:
     for entry in table.values():
         if key == entry["name"].lower() or key in entry["aliases"]:
             return Gpu(entry["name"], entry["sm"], entry["memory_gb"] * GB, entry["bandwidth_gbps"] * GB,
-                       entry["tflops"], entry["interconnect"], entry["source"])
+                       entry["tflops"], entry["interconnect"], entry["source"], entry["node_gpus"])
     raise UserError(f"--gpu: unknown GPU {name!r}; valid: {', '.join(table)}")
+
+
+@dataclass(frozen=True)
+class Network:
+    """A link between nodes, per GPU (one NIC each)."""
+    name: str
+    kind: str
+    bandwidth: float            # bytes/s per direction
+    latency_s: float            # one way, a small message
+    source: str
+
+
+def network_table() -> dict[str, Network]:
+    data = json.loads(resources.files(__package__).joinpath("data/gpus.json").read_text())
+    return {n["name"]: Network(n["name"], n["kind"], n["gbps"] * GB, n["latency_us"] * 1e-6, n["source"])
+            for n in data["networks"]}

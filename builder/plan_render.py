@@ -75,3 +75,44 @@ def render_build(b) -> list[str]:
         f"  time on 2 cores ≈ {seconds['export'] / 60:.0f} min export + {seconds['passes'] / 60:.0f} min passes + "
         f"{seconds['engines'] / 60:.0f} min engines (benchmarks/build_scale.py rates)",
     ]
+
+
+def render_pipeline(pipe, layout) -> list[str]:
+    """The pipeline side (builder/plan_pipeline.py): per-stage memory, the hand-offs between
+    stages, the bubble; then the T × P layout this model needs on these nodes."""
+    p, batch = pipe.plan, pipe.plan.workload.max_batch
+    lines = []
+    if pipe.pp > 1:
+        lines += [f"pipeline ({pipe.tp} × {pipe.pp} = {pipe.tp * pipe.pp} ranks on {pipe.nodes} node"
+                  f"{'s' if pipe.nodes > 1 else ''} of {p.gpu.node_gpus} × {p.gpu.name}; between nodes "
+                  f"{pipe.network.kind}, {pipe.network.bandwidth / GB:.1f} GB/s per GPU)"]
+        rows = [[str(s), str(pipe.layers[s]), f"{pipe.stage_weights(s) / GB:.2f}", f"{pipe.stage_kv(s) / GB:.2f}",
+                 f"{pipe.stage_rank_bytes(s) / GB:.2f}", f"{pipe.stage_decode_floor_s(s, batch) * 1e3:.3f}"]
+                for s in range(pipe.pp)]
+        lines += ["  " + line for line in table(rows, ["stage", "layers", "weights GB/rank", "KV GB/rank",
+                                                       "per rank GB", f"decode floor ms (batch {batch})"]).splitlines()]
+        decode, prefill = pipe.activation_bytes(batch, 1), pipe.activation_bytes(batch, p.workload.max_input_len)
+        crossing = next((b for b in range(pipe.pp - 1) if pipe.crosses_node(b)), None)
+        hop = pipe.hop_s(batch, 1, crossing if crossing is not None else 0)
+        lines += [
+            f"  {'fits' if pipe.fits() else 'does NOT fit'} (each rank within 90 % of {p.gpu.memory_bytes / GB:.0f} GB)",
+            f"  hand-off per stage boundary and tensor rank: {decode / 1024:.1f} KiB per decode step, "
+            f"{prefill / 1e6:.2f} MB per prefill chunk of {p.workload.max_input_len}; over the network "
+            f"{pipe.network_bytes_per_step(batch, 1) / 1024:.1f} KiB per decode step ({hop * 1e6:.1f} µs a hop"
+            f"{' between nodes' if crossing is not None else ' inside a node'})",
+            f"  a token's latency through the stages ≈ {pipe.decode_latency_s(batch) * 1e3:.3f} ms at batch {batch}; "
+            f"bubble {pipe.bubble(batch, False) * 100:.0f} % without micro-batching, "
+            f"{pipe.bubble(batch, True) * 100:.0f} % with {min(batch, pipe.pp)} micro-batch"
+            f"{'es' if min(batch, pipe.pp) > 1 else ''} in flight",
+        ]
+    if layout is None:
+        lines.append(f"layout: no T × P up to 64 nodes of {p.gpu.node_gpus} × {p.gpu.name} fits at {p.precision}")
+    elif layout.pp == 1 and layout.tp <= p.gpu.node_gpus:
+        lines.append(f"layout: fits one node at {p.precision}: parallel.tensor {layout.tp}, no pipeline "
+                     f"({layout.stage_rank_bytes(0) / GB:.1f} GB per rank)")
+    else:
+        lines.append(f"layout: {layout.tp} × {layout.pp} at {p.precision} (parallel.tensor {layout.tp} inside "
+                     f"each node, parallel.pipeline {layout.pp} across {layout.nodes} node"
+                     f"{'s' if layout.nodes > 1 else ''}): the fewest nodes, then stages, whose ranks fit; "
+                     f"{max(layout.stage_rank_bytes(s) for s in range(layout.pp)) / GB:.1f} GB on the fullest rank")
+    return lines
