@@ -28,13 +28,16 @@ What runs, in order:
 The table gives, per concurrency, guidellm's p50/p99 TTFT and inter-token latency, total tokens/s
 (prompt + generated, first request sent to last answered) through the server and offline, and the
 server's overhead: 1 - server / offline tokens/s (goal at saturation, the engine's batch size:
-<= 10 %). The load generator shares the machine's cores with the server; on a small machine its
+<= 10 %); and the CPU time each side spends per token (the server process's user + system time
+during the level, all its threads; the offline process's around its replay), which the rest of
+the machine's load moves far less than tokens/s. The load generator shares the machine's cores with the server; on a small machine its
 own CPU time is part of what the overhead column shows. The plot (PNG) goes to --plot.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import subprocess
@@ -104,6 +107,12 @@ def server_level(benchmark: dict) -> dict:
             "max_tokens": [json.loads(r["request_args"])["body"]["max_tokens"] for r in ordered]}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: int) -> dict:
     """The same prompts through ``LLM`` in process, at most ``concurrency`` in flight (refilled as
     each finishes, as guidellm's concurrent profile does)."""
@@ -111,7 +120,7 @@ def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: i
 
     pending = list(zip(prompts, max_tokens))
     in_flight, tokens = set(), 0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             prompt, limit = pending.pop(0)
@@ -120,7 +129,7 @@ def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: i
         for completion in finished:
             in_flight.discard(completion.rid)
             tokens += len(completion.prompt_token_ids) + len(completion.token_ids)
-    return {"tokens": tokens, "wall_s": time.perf_counter() - started}
+    return {"tokens": tokens, "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -178,24 +187,32 @@ def main() -> None:
             # Per level: guidellm through the server, then the same prompts offline while the
             # server idles (its engine loop sleeps without requests), so both see the same machine.
             for concurrency in args.concurrency:
+                server_cpu = cpu_seconds(proc.pid)
                 level = server_level(run_guidellm(args.guidellm, base, concurrency, args, scratch / "guidellm.json"))
+                server_cpu = cpu_seconds(proc.pid) - server_cpu
                 offline = offline_level(llm, level["prompts"], level["max_tokens"], concurrency)
                 server_tps, offline_tps = level["tokens"] / level["wall_s"], offline["tokens"] / offline["wall_s"]
                 rows.append({**level, "server_tps": server_tps, "offline_tps": offline_tps,
-                             "overhead": 1 - server_tps / offline_tps})
+                             "overhead": 1 - server_tps / offline_tps,
+                             "server_cpu_ms_per_token": 1e3 * server_cpu / level["tokens"],
+                             "offline_cpu_ms_per_token": 1e3 * offline["cpu_s"] / offline["tokens"]})
         finally:
             stop_server(proc)
 
     header = ["in flight", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-              "server tok/s", "offline tok/s", "overhead"]
+              "server tok/s", "offline tok/s", "overhead", "CPU ms/token server", "offline", "CPU overhead"]
     print(f"trtbuild serve vs LLM offline: {args.engine_dir}, {args.prompt_tokens}-token prompts, "
           f"{args.output_tokens} tokens each (ignore_eos), ONNX Runtime, guidellm over loopback")
     print(format_table([[r["concurrency"], f"{r['requests']} ({r['errored']} err)", f"{r['ttft_p50']:.1f}",
                                  f"{r['ttft_p99']:.1f}", f"{r['itl_p50']:.2f}", f"{r['itl_p99']:.2f}",
-                                 f"{r['server_tps']:.0f}", f"{r['offline_tps']:.0f}", f"{r['overhead']:+.1%}"]
+                                 f"{r['server_tps']:.0f}", f"{r['offline_tps']:.0f}", f"{r['overhead']:+.1%}",
+                                 f"{r['server_cpu_ms_per_token']:.3f}", f"{r['offline_cpu_ms_per_token']:.3f}",
+                                 f"{r['server_cpu_ms_per_token'] / r['offline_cpu_ms_per_token'] - 1:+.1%}"]
                                 for r in rows], header))
     saturated = max(rows, key=lambda r: r["concurrency"])
-    print(f"server overhead at {saturated['concurrency']} in flight: {saturated['overhead']:+.1%} (goal <= 10 %)")
+    print(f"server overhead at {saturated['concurrency']} in flight: {saturated['overhead']:+.1%} of tokens/s "
+          f"(goal <= 10 %), {saturated['server_cpu_ms_per_token'] / saturated['offline_cpu_ms_per_token'] - 1:+.1%} "
+          "of CPU time per token")
     plot(rows, args.plot)
     print(f"plot: {args.plot}")
 
