@@ -178,7 +178,8 @@ def _numerics_gate(spec: Spec, check: numerics.CheckPlan, exported: "_Exported",
                         workdir=workdir if check.whole else workdir / "check",
                         quantized_reference=exported.quantized_reference,
                         quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
-                        activations=spec.quantization.activations, label=check.record())
+                        activations=spec.quantization.activations, label=check.record(),
+                        tensor_size=spec.parallel.tensor)
 
 
 def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", gate: NumericsGate,
