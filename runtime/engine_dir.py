@@ -33,6 +33,16 @@ class EngineDir:
 
     @property
     def tensor_parallel(self) -> int:
+        """Tensor-parallel ranks in each pipeline stage."""
+        return self.manifest["tensor_parallel"]
+
+    @property
+    def pipeline_parallel(self) -> int:
+        """Pipeline stages (each of tensor_parallel ranks)."""
+        return self.manifest["pipeline_parallel"]
+
+    @property
+    def world_size(self) -> int:
         return len(self.manifest["ranks"])
 
     @property

@@ -30,6 +30,9 @@ def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks
     """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU.
     A tensor-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
     backend = resolve_backend(engine_dir, backend)
+    if engine_dir.pipeline_parallel > 1:
+        raise EngineDirError(f"{engine_dir.path}: built with parallel.pipeline {engine_dir.pipeline_parallel}; "
+                             "the runtime does not run pipeline stages yet (build with parallel.pipeline: 1)")
     if engine_dir.tensor_parallel > 1:
         from .tensor_parallel import TensorParallelEngine
 

@@ -104,6 +104,9 @@ def score_engine(d, batches: np.ndarray, threads: int = 0) -> Scores:
 def _rank_runner(d, threads: int):
     """feeds per rank → outputs per rank: one session, or for a tensor-parallel dir all ranks'
     graphs in this process with their collectives computed exactly (no process group)."""
+    if d.pipeline_parallel > 1:
+        raise ValueError(f"{d.path}: built with parallel.pipeline {d.pipeline_parallel}; trtbuild eval does not "
+                         "run pipeline stages yet")
     if d.tensor_parallel == 1:
         session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads, activations=d.cpu_activations)
         return lambda feeds: [ort_config.run(session, feeds[0])]

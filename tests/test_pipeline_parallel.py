@@ -1,0 +1,219 @@
+"""Pipeline parallelism: stage arithmetic, the manifest's rank grid and its trust check, stage
+builds at P=2 and T×P = 2×2 (numerics gate, exact per-rank weight bytes, inspect's grid) and a
+broken pass on stage 1 named by the numerics gate."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx_graphsurgeon as gs
+import pytest
+import yaml
+from safetensors import safe_open
+
+from conftest import REPO, TINY_CODE
+from trtbuild.builder.resolve import spec_from_dict
+from trtbuild.contract.manifest import ManifestError, check_rank_grid
+from trtbuild.contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, balanced_layers, stage_feeds, stage_layers
+
+CONFIG = json.loads((TINY_CODE / "config.json").read_text())
+
+
+def _spec(**parallel):
+    return spec_from_dict({"model": {"checkpoint": str(TINY_CODE), "dtype": "float32"},
+                           "build": {"max_seq_len": 1024, "max_input_len": 256}, "parallel": parallel})
+
+
+def test_stages_are_balanced_or_as_listed():
+    assert balanced_layers(6, 4) == (2, 2, 1, 1)
+    assert stage_layers((2, 2, 1, 1)) == (range(0, 2), range(2, 4), range(4, 5), range(5, 6))
+    assert _spec(pipeline=4).stages == (range(0, 2), range(2, 4), range(4, 5), range(5, 6))
+    assert _spec(pipeline=2, layers_per_stage=[1, 5]).stages == (range(0, 1), range(1, 6))
+    spec = _spec(tensor=2, pipeline=3)
+    assert spec.world_size == 6 and spec.kv_heads_per_rank == 1  # KV heads split over T, not T·P
+    grid = [(r.rank, r.stage, r.tensor_rank, r.layers, r.first, r.last) for r in spec.ranks]
+    assert grid == [(0, 0, 0, range(0, 2), True, False), (1, 0, 1, range(0, 2), True, False),
+                    (2, 1, 0, range(2, 4), False, False), (3, 1, 1, range(2, 4), False, False),
+                    (4, 2, 0, range(4, 6), False, True), (5, 2, 1, range(4, 6), False, True)]
+
+
+def test_stage_feeds_hold_the_stage_caches_and_its_boundary():
+    spec = _spec(pipeline=3)
+    feeds = {"input_ids": 1, "position_ids": 2, "logits_index": 3,
+             **{f"past_{kind}_{layer}": layer for layer in range(6) for kind in ("key", "value")}}
+    middle = stage_feeds(feeds, spec.ranks[1], hidden_states="h")
+    assert sorted(middle) == sorted(["position_ids", "past_key_2", "past_value_2", "past_key_3", "past_value_3",
+                                     HIDDEN_STATES])
+    last = stage_feeds(feeds, spec.ranks[2], hidden_states="h")
+    assert "logits_index" in last and "input_ids" not in last and "past_key_5" in last
+    assert "input_ids" in stage_feeds(feeds, spec.ranks[0], hidden_states=None)
+
+
+# -- the manifest's rank grid ---------------------------------------------------------------------
+
+def _grid_manifest(tensor: int, stages: list[list[int]]) -> dict:
+    ranks = [{"rank": s * tensor + t, "stage": s, "tensor_rank": t, "layers": layers}
+             for s, layers in enumerate(stages) for t in range(tensor)]
+    return {"tensor_parallel": tensor, "pipeline_parallel": len(stages), "ranks": ranks,
+            "model": {"num_layers": stages[-1][1]}}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(pipeline_parallel=3), "4 ranks, but tensor_parallel 2 × pipeline_parallel 3 = 6"),
+    (lambda m: m.update(tensor_parallel=True), "tensor_parallel True is not an integer ≥ 1"),
+    (lambda m: m["ranks"][2].update(stage=0), "ranks[2].stage is 0; the grid says 1"),
+    (lambda m: m["ranks"][3].update(tensor_rank=0), "ranks[3].tensor_rank is 0; the grid says 1"),
+    (lambda m: m["ranks"][1].update(rank=3), "ranks[1].rank is 3; the grid says 1"),
+    (lambda m: m["ranks"][2].update(layers=[4, 6]), "ranks[2].layers [4, 6] does not start where stage 0's end (3)"),
+    (lambda m: m["ranks"][3].update(layers=[3, 5]), "ranks[3].layers [3, 5] differs from its stage's tensor rank 0"),
+    (lambda m: m["ranks"][0].update(layers=[0, "3"]), "ranks[0].layers [0, '3'] is not [start, stop)"),
+    (lambda m: m["model"].update(num_layers=7), "the stages' layers end at 6; model.num_layers is 7"),
+])
+def test_rank_grid_refusals_name_the_field(edit, message):
+    manifest = _grid_manifest(2, [[0, 3], [3, 6]])
+    check_rank_grid(Path("manifest.json"), copy.deepcopy(manifest))  # the grid as built passes
+    edit(manifest)
+    with pytest.raises(ManifestError) as info:
+        check_rank_grid(Path("manifest.json"), manifest)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+# -- built stages ---------------------------------------------------------------------------------
+
+def _build(tmp_path_factory, name: str, **parallel) -> Path:
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+    from trtbuild.builder.resolve import load_spec
+
+    spec = yaml.safe_load((REPO / "specs" / "tiny-code.yaml").read_text())
+    spec["model"]["checkpoint"] = str(TINY_CODE)
+    spec["parallel"] = parallel
+    root = tmp_path_factory.mktemp(name)
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    build(load_spec(root / "spec.yaml"), BuildOptions(out=root / "engine"), Progress(Verbosity.error))
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def pp_engines(tmp_path_factory):
+    return {(1, 2): _build(tmp_path_factory, "pp2", pipeline=2),
+            (2, 2): _build(tmp_path_factory, "tp2pp2", tensor=2, pipeline=2)}
+
+
+def _checkpoint_bytes(prefixes: tuple[str, ...]) -> int:
+    """fp32 bytes of the checkpoint tensors whose names start with one of ``prefixes``."""
+    total = 0
+    with safe_open(str(TINY_CODE / "model.safetensors"), framework="numpy") as f:
+        for key in f.keys():
+            if key.startswith(prefixes):
+                shape = f.get_slice(key).get_shape()
+                numel = 1
+                for dim in shape:
+                    numel *= dim
+                total += 4 * numel
+    return total
+
+
+def _layer_bytes(layer: int, tensor: int) -> int:
+    """One decoder layer's fp32 bytes on one of ``tensor`` ranks (norms and KV projections past
+    T = H_kv replicated; q/o by heads, MLP by columns split)."""
+    d, inter = CONFIG["hidden_size"], CONFIG["intermediate_size"]
+    heads, kv, dh = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"], CONFIG["head_dim"]
+    if tensor == 1:
+        return _checkpoint_bytes((f"model.layers.{layer}.",))
+    kv_rank = max(1, kv // tensor)
+    return 4 * (2 * d + 2 * d * heads * dh // tensor + 2 * d * kv_rank * dh + 3 * d * inter // tensor)
+
+
+@pytest.mark.slow
+def test_stage_weight_files_hold_exactly_their_layers(pp_engines, tiny_engine):
+    """rank bytes = the stage's layers (its tensor rank's share) + the embedding on the first stage
+    + the final norm and lm_head (vocab slice) on the last + what every graph replicates (rotary tables)."""
+    d, vocab = CONFIG["hidden_size"], CONFIG["vocab_size"]
+    whole = json.loads((tiny_engine / "manifest.json").read_text())["ranks"][0]["weight_bytes"]
+    replicated = whole - _checkpoint_bytes(("model.", "lm_head."))
+    assert 0 <= replicated < 1 << 20
+    for (tensor, pipeline), engine in pp_engines.items():
+        manifest = json.loads((engine / "manifest.json").read_text())
+        assert (manifest["tensor_parallel"], manifest["pipeline_parallel"]) == (tensor, pipeline)
+        assert len(manifest["ranks"]) == tensor * pipeline
+        for entry in manifest["ranks"]:
+            start, stop = entry["layers"]
+            assert (start, stop) == ((0, 3) if entry["stage"] == 0 else (3, 6))
+            expected = replicated + sum(_layer_bytes(layer, tensor) for layer in range(start, stop))
+            if entry["stage"] == 0:
+                expected += 4 * vocab * d                   # the embedding
+            if entry["stage"] == pipeline - 1:
+                expected += 4 * d + 4 * d * vocab // tensor  # the final norm, lm_head's vocab slice
+            assert entry["weight_bytes"] == expected, (tensor, entry["rank"])
+            assert (engine / entry["onnx_data"]).stat().st_size == expected
+            assert (engine / entry["engine"]).is_file()
+            io = {row["name"]: row for row in entry["io"]}
+            caches = sorted(name for name in io if name.startswith("past_"))
+            assert caches == sorted(f"past_{k}_{layer}" for layer in range(start, stop) for k in ("key", "value"))
+            assert io[caches[0]]["shape"][1] == entry["num_kv_heads"] == max(1, CONFIG["num_key_value_heads"] // tensor)
+            first, last = entry["stage"] == 0, entry["stage"] == pipeline - 1
+            assert ("input_ids" in io, HIDDEN_STATES in io) == (first, not first)
+            assert ("logits" in io, "logits_index" in io, HIDDEN_STATES_OUT in io) == (last, last, not last)
+            if not first:
+                assert io[HIDDEN_STATES]["shape"] == ["batch", "seq", d]
+                assert io[HIDDEN_STATES]["dtype"] == "float32"
+
+
+@pytest.mark.slow
+def test_stage_builds_pass_the_numerics_gate_and_log_the_grid(pp_engines):
+    for (tensor, pipeline), engine in pp_engines.items():
+        records = [json.loads(line) for line in (engine / "passes.jsonl").read_text().splitlines()]
+        split = [r for r in records if r["pass"] == "split_pipeline_stages"]
+        assert [(r["rank"], r["stage"], r["tensor_rank"]) for r in split] == \
+            [(s * tensor + t, s, t) for s in range(pipeline) for t in range(tensor)]
+        for r in split:
+            assert (r["matches"], r["expected"], r["boundary_cuts"]) == (3, 3, 1)
+            assert (r["embedding"], r["lm_head"]) == (r["stage"] == 0, r["stage"] == 1)
+            assert r["numerics"]["ok"] and r["numerics"]["stages_in_sequence"] == pipeline
+            assert r["numerics"]["vs_torch"]["max_abs"] < 1e-3
+        shard = [r for r in records if r["pass"] == "shard_tensor_parallel"]
+        if tensor > 1:  # each stage's layers only, lm_head on the last stage
+            assert [r["matches"] for r in shard] == [21, 21, 22, 22]
+            assert [r["all_gather"] for r in shard] == [0, 0, 1, 1]
+            assert all(r["numerics"]["ok"] and r["numerics"]["ranks_together"] == 4 for r in shard)
+        proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(engine)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        grid = f"ranks        {tensor * pipeline} = 2 pipeline stages × {tensor} tensor rank"
+        assert grid in proc.stdout
+        lines = proc.stdout.splitlines()
+        stage1 = next(line for line in lines if line.strip().startswith("1  ") and "layers 3–5" in line)
+        assert f"rank{tensor}:" in stage1 and (tensor == 1 or "rank3:" in stage1)
+        assert f"{tensor} (s1 t0)  split_pipeline_stages" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_pass_that_breaks_stage_1_is_named(tmp_path):
+    """A planted pass that turns layer 4's MLP residual Add (stage 1 of 2) into a Sub: the gate,
+    running stage 0 then stage 1, fails the build naming that pass."""
+    from trtbuild.builder import build as building, numerics
+    from trtbuild.builder.frontend.export import load_graph
+    from trtbuild.builder.passes import PIPELINE, Pass, PassContext, PassError, PassResult
+    from trtbuild.builder.passes.manager import PassManager
+
+    spec = _spec(pipeline=2)
+    check = numerics.check_plan(spec, building._weight_bytes(spec))
+    exported = building._export_stage(spec, tmp_path, check)
+    gate = building._numerics_gate(spec, check, exported, tmp_path)
+
+    def break_stage_1(graph: gs.Graph, ctx: PassContext) -> PassResult:
+        if ctx.stage != 1:
+            return PassResult(graph=graph, modified=False)
+        node = next(n for n in graph.nodes if n.name == "/model/layers.4/Add_1")
+        node.op = "Sub"
+        return PassResult(graph=graph, modified=True)
+
+    split = [p.name for p in PIPELINE].index("split_pipeline_stages")
+    passes = (*PIPELINE[:split + 1], Pass("break_stage_1", break_stage_1, per_rank=True), *PIPELINE[split + 1:])
+    with pytest.raises(PassError, match=r"^pass break_stage_1 broke numerics: logits max_abs .* vs torch exceeds "
+                                        r"atol 0.001 / rtol 0.01 \(after canonicalize, .*split_pipeline_stages\)$"):
+        PassManager(passes, numerics=gate).run(load_graph(exported.path), PassContext.for_spec(spec, weights_dir=tmp_path))
