@@ -73,13 +73,15 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
     rows = []
     for r in records:
         numerics = r.get("numerics") or {}
-        rows.append([_rank_label(r), r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
+        rows.append([_rank_label(r, len(manifest["ranks"])), r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
                      r.get("matches", "-"), f"{r['nodes_before']}→{r['nodes_after']}",
                      _stat(numerics.get("vs_previous")),
                      _stat(numerics.get("vs_torch")) if "vs_rank_graph" not in numerics
                      else f"{_stat(numerics['vs_rank_graph'])} (rank graph, decode step)"])
     lines.append(table(rows, ["rank", "pass", "ms", "modified", "matches", "nodes",
                               "max_abs vs prev", "max_abs vs torch"]))
+    if len(manifest["ranks"]) > 1:
+        lines.append("rank column: rank:s<pipeline stage>/t<tensor rank>; \"all\": once, on the whole model, before the split")
     if any(r.get("numerics", {}).get("step") == "decode" for r in records):
         lines.append("cpu_* passes make rankN.cpu.onnx, the decode graph ONNX Runtime runs at plain decode steps: "
                      "checked at a decode step against the finished rank graph")
@@ -123,13 +125,14 @@ def _span(start: int, stop: int, what: str) -> str:
     return f"{what} {start}" if stop - start == 1 else f"{what}s {start}–{stop - 1}"
 
 
-def _rank_label(record: dict) -> str:
-    """The pass log's rank column: "all" before the split, else the rank with its stage and tensor rank."""
+def _rank_label(record: dict, ranks: int) -> str:
+    """The pass log's rank column: "all" before the split, else the rank, and with more than one
+    its stage and tensor rank ("2:s1/t0")."""
     if record["rank"] is None:
         return "all"
-    if "stage" not in record:
+    if ranks == 1 or "stage" not in record:
         return str(record["rank"])
-    return f"{record['rank']} (s{record['stage']} t{record['tensor_rank']})"
+    return f"{record['rank']}:s{record['stage']}/t{record['tensor_rank']}"
 
 
 def node_origin(out: Path, rank: int, node_name: str) -> str:

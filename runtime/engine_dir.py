@@ -45,6 +45,11 @@ class EngineDir:
     def world_size(self) -> int:
         return len(self.manifest["ranks"])
 
+    def rank_layers(self, rank: int) -> range:
+        """The decoder layers (and KV caches) of ``rank``'s pipeline stage."""
+        start, stop = self.manifest["ranks"][rank]["layers"]
+        return range(start, stop)
+
     @property
     def head_dim(self) -> int:
         return self.model["head_dim"]

@@ -99,8 +99,10 @@ def _build(tmp_path_factory, name: str, **parallel) -> Path:
 
 @pytest.fixture(scope="module")
 def pp_engines(tmp_path_factory):
+    """(T, P) → engine dir."""
     return {(1, 2): _build(tmp_path_factory, "pp2", pipeline=2),
-            (2, 2): _build(tmp_path_factory, "tp2pp2", tensor=2, pipeline=2)}
+            (2, 2): _build(tmp_path_factory, "tp2pp2", tensor=2, pipeline=2),
+            (1, 4): _build(tmp_path_factory, "pp4", pipeline=4)}
 
 
 def _checkpoint_bytes(prefixes: tuple[str, ...]) -> int:
@@ -137,6 +139,8 @@ def test_stage_weight_files_hold_exactly_their_layers(pp_engines, tiny_engine):
     replicated = whole - _checkpoint_bytes(("model.", "lm_head."))
     assert 0 <= replicated < 1 << 20
     for (tensor, pipeline), engine in pp_engines.items():
+        if pipeline != 2:
+            continue
         manifest = json.loads((engine / "manifest.json").read_text())
         assert (manifest["tensor_parallel"], manifest["pipeline_parallel"]) == (tensor, pipeline)
         assert len(manifest["ranks"]) == tensor * pipeline
@@ -166,6 +170,8 @@ def test_stage_weight_files_hold_exactly_their_layers(pp_engines, tiny_engine):
 @pytest.mark.slow
 def test_stage_builds_pass_the_numerics_gate_and_log_the_grid(pp_engines):
     for (tensor, pipeline), engine in pp_engines.items():
+        if pipeline != 2:
+            continue
         records = [json.loads(line) for line in (engine / "passes.jsonl").read_text().splitlines()]
         split = [r for r in records if r["pass"] == "split_pipeline_stages"]
         assert [(r["rank"], r["stage"], r["tensor_rank"]) for r in split] == \
@@ -188,7 +194,7 @@ def test_stage_builds_pass_the_numerics_gate_and_log_the_grid(pp_engines):
         lines = proc.stdout.splitlines()
         stage1 = next(line for line in lines if line.strip().startswith("1  ") and "layers 3–5" in line)
         assert f"rank{tensor}:" in stage1 and (tensor == 1 or "rank3:" in stage1)
-        assert f"{tensor} (s1 t0)  split_pipeline_stages" in proc.stdout
+        assert f"{tensor}:s1/t0  split_pipeline_stages" in proc.stdout
 
 
 @pytest.mark.slow
@@ -217,3 +223,57 @@ def test_a_pass_that_breaks_stage_1_is_named(tmp_path):
     with pytest.raises(PassError, match=r"^pass break_stage_1 broke numerics: logits max_abs .* vs torch exceeds "
                                         r"atol 0.001 / rtol 0.01 \(after canonicalize, .*split_pipeline_stages\)$"):
         PassManager(passes, numerics=gate).run(load_graph(exported.path), PassContext.for_spec(spec, weights_dir=tmp_path))
+
+
+# -- the runtime ----------------------------------------------------------------------------------
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "    def __init__(self, items):"]
+
+
+@pytest.mark.slow
+def test_stage_greedy_tokens_equal_one_rank_and_transformers(pp_engines, tiny_engine):
+    """P=2, P=4 and T×P = 2×2 over torch.distributed (gloo send/recv between stages), with the prefix
+    cache on: the same tokens as the single-rank engine and transformers."""
+    from tokenizers import Tokenizer
+
+    from ort_greedy import transformers_greedy
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    tokenizer = Tokenizer.from_file(str(TINY_CODE / "tokenizer.json"))
+    shared = "import os\nimport sys\nimport json\nimport time\nfrom pathlib import Path\n" * 2  # 2 blocks
+    prompts = [*PROMPTS, shared + "def main():", shared + "class Config:"]
+    expected = transformers_greedy(TINY_CODE, [tokenizer.encode(p).ids for p in prompts], 24)
+    for (tensor, pipeline), engine in {(1, 1): tiny_engine, **pp_engines}.items():
+        with LLM(engine, backend="onnxruntime", prefix_cache=True) as llm:
+            tokens = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=24))]
+            assert (llm.engine_dir.tensor_parallel, llm.engine_dir.pipeline_parallel) == (tensor, pipeline)
+            if pipeline > 1:
+                assert llm.engine.name == f"onnxruntime ({pipeline} pipeline stages × {tensor} tensor ranks)"
+                assert llm.engine.local.sent_bytes > 0  # rank 0 handed hidden states on
+        assert tokens == expected, (tensor, pipeline)
+
+
+@pytest.mark.slow
+def test_a_killed_stage_fails_the_request_by_name(pp_engines):
+    import os
+    import signal
+    import time
+
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.tensor_parallel import RankFailure
+
+    llm = LLM(pp_engines[1, 4], backend="onnxruntime")
+    workers = dict(llm.engine.processes)
+    llm.submit("def fibonacci(n):", SamplingParams(max_tokens=200))
+    for _ in range(3):
+        llm.step()
+    os.kill(workers[2].pid, signal.SIGKILL)  # stage 2 of 4
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"^rank 2 \(pipeline stage 2, tensor rank 0\) killed by signal 9; "
+                                          r"the request was not completed$"):
+        llm.run_until_done()
+    assert time.monotonic() - start < 15
+    for process in workers.values():  # every other stage stopped too: no orphan
+        assert process.poll() is not None
