@@ -83,13 +83,18 @@ def test_rank_grid_refusals_name_the_field(edit, message):
 
 # -- built stages ---------------------------------------------------------------------------------
 
-def _build(tmp_path_factory, name: str, **parallel) -> Path:
+def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", quantization: dict | None = None,
+           **parallel) -> Path:
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.builder.resolve import load_spec
 
-    spec = yaml.safe_load((REPO / "specs" / "tiny-code.yaml").read_text())
+    spec = yaml.safe_load((REPO / "specs" / base).read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)
+    if "speculative" in spec:
+        spec["speculative"]["medusa"]["heads"] = str(TINY_CODE / "medusa")
+    if quantization is not None:
+        spec["quantization"] = quantization
     spec["parallel"] = parallel
     root = tmp_path_factory.mktemp(name)
     (root / "spec.yaml").write_text(yaml.safe_dump(spec))
@@ -277,3 +282,66 @@ def test_a_killed_stage_fails_the_request_by_name(pp_engines):
     assert time.monotonic() - start < 15
     for process in workers.values():  # every other stage stopped too: no orphan
         assert process.poll() is not None
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_generate_the_same_tokens(pp_engines):
+    """Across machines: one torchrun per node, --nnodes 2 with a c10d rendezvous; here both "nodes"
+    on this machine (loopback). Rank 0 (stage 0) serves and prints; the other node's rank serves it."""
+    import socket
+
+    from tokenizers import Tokenizer
+
+    from ort_greedy import transformers_greedy
+
+    tokenizer = Tokenizer.from_file(str(TINY_CODE / "tokenizer.json"))
+    expected = transformers_greedy(TINY_CODE, [tokenizer.encode("def fibonacci(n):").ids], 16)[0]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", "pp-test",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "trtbuild.builder.cli", "run",
+                               str(pp_engines[1, 2]), "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-1500:] for _, err in outputs]
+    printed = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs if out.strip()]
+    assert len(printed) == 1 and printed[0]["token_ids"] == expected
+
+
+def _greedy(engine: Path, prompts=PROMPTS, max_tokens: int = 24, **kwargs):
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    with LLM(engine, backend="onnxruntime", **kwargs) as llm:
+        return [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))], llm
+
+
+@pytest.mark.slow
+def test_medusa_on_the_last_stage_gives_plain_greedy_tokens(tmp_path_factory, medusa_engine):
+    """Medusa heads live on the last stage; verification steps (tree masks, keep_path on every
+    stage's caches) give the tokens of plain greedy decoding at P=2."""
+    staged = _build(tmp_path_factory, "medusa-pp2", base="tiny-code-medusa.yaml", pipeline=2)
+    records = [json.loads(line) for line in (staged / "passes.jsonl").read_text().splitlines()]
+    attach = {r["rank"]: r for r in records if r["pass"] == "attach_medusa"}
+    assert (attach[0]["medusa_heads"], attach[1]["medusa_heads"]) == (0, 4) and attach[1]["numerics"]["ok"]
+    plain, _ = _greedy(medusa_engine, max_tokens=32, medusa_tree_size=0)
+    speculative, llm = _greedy(staged, max_tokens=32, medusa_tree_size=8)
+    assert speculative == plain
+    assert llm.speculation.stats.verify_steps > 0 and llm.speculation.stats.mean_accepted_per_step > 1.2
+
+
+@pytest.mark.slow
+def test_int4_stages_give_the_tokens_of_one_rank(tmp_path_factory):
+    quant = {"mode": "int4_weight_only", "algorithm": "rtn", "group_size": 64}
+    one = _build(tmp_path_factory, "int4-pp1", quantization=quant)
+    two = _build(tmp_path_factory, "int4-pp2", quantization=quant, pipeline=2)
+    assert _greedy(two)[0] == _greedy(one)[0]
+    whole = json.loads((one / "manifest.json").read_text())["ranks"][0]["weight_bytes"]
+    ranks = json.loads((two / "manifest.json").read_text())["ranks"]
+    assert all(r["weight_bytes"] < 0.75 * whole for r in ranks)  # each stage holds its layers' codes only
