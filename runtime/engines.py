@@ -33,8 +33,9 @@ def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks
     if engine_dir.world_size > 1:
         from .tensor_parallel import TensorParallelEngine
 
+        # Pipeline stages: as many micro-batches as stages fills the pipeline.
         return TensorParallelEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
-                                    verify=verify, backend=backend)
+                                    verify=verify, backend=backend, micro_batches=engine_dir.pipeline_parallel)
     if backend == "tensorrt":
         from .tensorrt_engine import TensorRTEngine
 

@@ -87,13 +87,14 @@ def launched_by_torchrun() -> bool:
 
 
 def _rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
-                 backend: str):
+                 backend: str, micro_batches: int):
     """This rank's engine once the process group is up: with pipeline stages, run as its stage
-    (runtime/pipeline_parallel.py) with its collectives over the stage's group."""
+    (runtime/pipeline_parallel.py, a step in up to ``micro_batches``) with its collectives over
+    the stage's group."""
     groups = stage_groups(engine_dir)  # every rank creates every stage's group
     local = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend,
                           groups[rank // engine_dir.tensor_parallel])
-    return local if engine_dir.pipeline_parallel == 1 else StageRunner(local, engine_dir, rank)
+    return local if engine_dir.pipeline_parallel == 1 else StageRunner(local, engine_dir, rank, micro_batches)
 
 
 def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
@@ -149,7 +150,7 @@ def serve_rank(engine: object) -> None:
 
 
 def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix_blocks: int, block_size: int,
-            verify: bool, backend: str) -> None:
+            verify: bool, backend: str, micro_batches: int) -> None:
     """A rank process started by rank 0 on this machine (``python -m trtbuild.runtime.tensor_parallel``)."""
     import torch.distributed as dist
 
@@ -158,7 +159,8 @@ def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        engine = _rank_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend)
+        engine = _rank_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend,
+                              micro_batches)
         dist.barrier()  # every rank loaded: rank 0's constructor returns
         serve_rank(engine)
     except Exception as exc:  # noqa: BLE001  (reported by rank 0 as this rank's failure)
@@ -180,7 +182,9 @@ class TensorParallelEngine:
     """Rank 0's view of a tensor-parallel engine dir: one Engine over all ranks."""
 
     def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
-                 verify: bool = True, backend: str = "onnxruntime"):
+                 verify: bool = True, backend: str = "onnxruntime", micro_batches: int = 1):
+        """``micro_batches``: with pipeline stages, how many a step's rows split into (at most;
+        1: the stages run one after another)."""
         import torch.distributed as dist
 
         self.world, self.tensor = engine_dir.world_size, engine_dir.tensor_parallel
@@ -199,7 +203,7 @@ class TensorParallelEngine:
                                  f"{dist.get_world_size()} processes: use --nproc-per-node/--nnodes for {self.world}")
             rank = dist.get_rank()
             if rank != 0:  # this process serves rank 0's commands, then the program ends
-                engine = _rank_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend)
+                engine = _rank_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend, micro_batches)
                 dist.barrier()
                 serve_rank(engine)
                 dist.destroy_process_group()
@@ -213,12 +217,13 @@ class TensorParallelEngine:
                     [sys.executable, "-m", "trtbuild.runtime.tensor_parallel", str(engine_dir.path), "--rank", str(rank),
                      "--world", str(self.world), "--address", address, "--threads", str(threads),
                      "--prefix-blocks", str(prefix_blocks), "--block-size", str(block_size), "--backend", backend,
+                     "--micro-batches", str(micro_batches),
                      *([] if verify else ["--no-verify"])], stdin=subprocess.DEVNULL, stderr=self.stderr[rank])
         try:
             if not launched_by_torchrun():
                 dist.init_process_group("gloo", init_method=address, rank=0, world_size=self.world,
                                         timeout=timedelta(seconds=TIMEOUT_S))
-            self.local = _rank_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend)
+            self.local = _rank_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend, micro_batches)
             dist.barrier()  # every rank loaded its engine
         except Exception as exc:  # noqa: BLE001  (no rank may outlive a failed constructor)
             raise self._failure(exc, "the engine was not loaded") from None
@@ -329,9 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-verify", action="store_true")
     parser.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
+    parser.add_argument("--micro-batches", type=int, default=1)
     args = parser.parse_args(argv)
     _worker(args.engine_dir, args.rank, args.world, args.address, args.threads, args.prefix_blocks,
-            args.block_size, not args.no_verify, args.backend)
+            args.block_size, not args.no_verify, args.backend, args.micro_batches)
 
 
 if __name__ == "__main__":

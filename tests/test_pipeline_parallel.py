@@ -52,6 +52,19 @@ def test_stage_feeds_hold_the_stage_caches_and_its_boundary():
     assert "input_ids" in stage_feeds(feeds, spec.ranks[0], hidden_states=None)
 
 
+def test_micro_batches_split_rows_into_contiguous_slot_runs():
+    from trtbuild.runtime.pipeline_parallel import micro_batches
+    from trtbuild.runtime.scheduler import Step, StepKind
+
+    step = Step(kind=StepKind.decode, first_slot=2, rids=("a", "b", "c", "d", "e"),
+                tokens=((1,), (2,), (3,), (4,), (5,)), starts=(7, 8, 9, 10, 11), samples=(True,) * 5)
+    parts = micro_batches(step, 2)
+    assert [(p.first_slot, p.rids, p.tokens, p.starts) for p in parts] == [
+        (2, ("a", "b", "c"), ((1,), (2,), (3,)), (7, 8, 9)), (5, ("d", "e"), ((4,), (5,)), (10, 11))]
+    assert [len(p.rids) for p in micro_batches(step, 8)] == [1, 1, 1, 1, 1]  # never an empty micro-batch
+    assert micro_batches(step, 1) == [step]
+
+
 # -- the manifest's rank grid ---------------------------------------------------------------------
 
 def _grid_manifest(tensor: int, stages: list[list[int]]) -> dict:
