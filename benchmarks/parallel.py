@@ -8,8 +8,9 @@ Per grid: build wall time, weight bytes and builder peak RSS per rank, collectiv
 step and the bytes rank 0 sends per step (its collectives' inputs, or the hidden states it
 hands to stage 1), greedy tokens/s at batch 1 and 8 (ONNX Runtime, one process per rank over
 gloo), the share of rank 0's step time spent in collectives, and with pipeline stages rank 0's
-idle share (waiting for the last stage's logits: the pipeline bubble, since each step runs the
-stages one after another; no micro-batches yet). On a 2-core CPU more ranks cannot be faster
+idle share (waiting for the last stage's logits: the pipeline bubble; a batch of 1 runs the
+stages one after another; at batch 8 the step splits into P micro-batches, and the
+same batch runs once more without them to show the difference). On a 2-core CPU more ranks cannot be faster
 (they share the same cores); the point is the cost of the communication, measured, and that
 the tokens stay those of 1×1.
 """
@@ -47,13 +48,16 @@ def build(tp: int, pp: int, root: Path) -> tuple[Path, dict, float]:
     return out, json.loads(proc.stdout), time.perf_counter() - start
 
 
-def generate(engine: Path, batch: int, tokens: int) -> dict:
+def generate(engine: Path, batch: int, tokens: int, micro_batches: int = 1) -> dict:
+    from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
-
     from trtbuild.runtime.pipeline_parallel import StageRunner
+    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.tensor_parallel import TensorParallelEngine
 
-    with LLM(engine, backend="onnxruntime", prefix_cache=False, token_budget=256) as llm:
+    d = load(engine)
+    ranks = (TensorParallelEngine(d, micro_batches=micro_batches) if d.world_size > 1 else None)
+    with LLM(engine, backend="onnxruntime", prefix_cache=False, token_budget=256, engine=ranks) as llm:
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))  # warm-up
         local = getattr(llm.engine, "local", None)  # rank 0's engine, with more than one rank
         stage = local if isinstance(local, StageRunner) else None
@@ -98,13 +102,18 @@ def main() -> None:
                    "collectives_per_step": 0 if tp == 1 else 2 * stage_layers + (1 if pp == 1 else 0),
                    "layers": layers}
             for batch in (1, 8):
-                figures = generate(engine, batch, args.tokens)
+                figures = generate(engine, batch, args.tokens, micro_batches=pp)  # P micro-batches fill P stages
                 reference.setdefault(batch, figures["tokens"])
                 row[f"b{batch}_tok_s"] = figures["tok_s"]
                 row[f"b{batch}_same_tokens"] = figures["tokens"] == reference[batch]
                 row[f"b{batch}_collective_share"] = figures["collective_s"] / max(figures["engine_s"], 1e-9)
                 row[f"b{batch}_bubble_share"] = figures["bubble_s"] / max(figures["engine_s"], 1e-9)
                 row[f"b{batch}_bytes_per_step"] = figures["sent_bytes"] / max(1, figures["steps"])
+            if pp > 1:  # the same batch of 8 with the stages one after another
+                serial = generate(engine, 8, args.tokens, micro_batches=1)
+                row["b8_serial_tok_s"] = serial["tok_s"]
+                row["b8_serial_bubble_share"] = serial["bubble_s"] / max(serial["engine_s"], 1e-9)
+                row["b8_serial_same_tokens"] = serial["tokens"] == reference[8]
             results[f"{tp}x{pp}"] = row
             base = base or row
             rows.append([f"{tp}×{pp}", f"{wall:.1f}", human_bytes(max(row["rank_weight_bytes"])),
@@ -115,13 +124,16 @@ def main() -> None:
                          f"{100 * row['b1_collective_share']:.0f} % / {100 * row['b8_collective_share']:.0f} %",
                          "-" if pp == 1 else
                          f"{100 * row['b1_bubble_share']:.0f} % / {100 * row['b8_bubble_share']:.0f} %",
-                         "yes" if row["b1_same_tokens"] and row["b8_same_tokens"] else "NO"])
+                         "-" if pp == 1 else
+                         f"{row['b8_serial_tok_s']:.0f} tok/s, {100 * row['b8_serial_bubble_share']:.0f} % idle",
+                         "yes" if row["b1_same_tokens"] and row["b8_same_tokens"]
+                         and row.get("b8_serial_same_tokens", True) else "NO"])
     if args.json:
         print(json.dumps(results, indent=2))
         return
     print(table(rows, ["T×P", "build s", "weights/rank", "build peak RSS", "collectives/step", "rank 0 sent/step b1",
                        "sent/step b8", "tok/s b1", "tok/s b8", "collective share b1/b8", "rank 0 idle b1/b8",
-                       "same tokens"]))
+                       "b8 without micro-batches", "same tokens"]))
 
 
 if __name__ == "__main__":
