@@ -358,3 +358,14 @@ def test_int4_stages_give_the_tokens_of_one_rank(tmp_path_factory):
     whole = json.loads((one / "manifest.json").read_text())["ranks"][0]["weight_bytes"]
     ranks = json.loads((two / "manifest.json").read_text())["ranks"]
     assert all(r["weight_bytes"] < 0.75 * whole for r in ranks)  # each stage holds its layers' codes only
+
+
+@pytest.mark.slow
+def test_stage_eval_scores_like_one_rank(pp_engines, tiny_engine):
+    from trtbuild.runtime.evaluate import evaluate
+
+    data = TINY_CODE / "heldout.txt"
+    one = evaluate(tiny_engine, data, 256, 1024)
+    for grid, engine in pp_engines.items():
+        result = evaluate(engine, data, 256, 1024, reference=tiny_engine)
+        assert abs(result.perplexity - one.perplexity) / one.perplexity < 1e-4 and result.agreement == 1.0, grid
