@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 HIDDEN_STATES = "hidden_states"          # input of every stage but the first
 HIDDEN_STATES_OUT = "hidden_states_out"  # output of every stage but the last
 
@@ -60,19 +58,6 @@ def cache_layer(name: str) -> int | None:
     return int(name.rsplit("_", 1)[1])
 
 
-def stage_feeds(feeds: dict[str, np.ndarray], position: RankPosition,
-                hidden_states: np.ndarray | None) -> dict[str, np.ndarray]:
-    """One stage's inputs from the whole model's step inputs: its layers' caches only, the
-    hidden states from the stage before instead of the token ids (but on the first stage),
-    and logits_index on the last stage only."""
-    out = {}
-    for name, value in feeds.items():
-        layer = cache_layer(name)
-        if layer is not None and layer not in position.layers:
-            continue
-        if (name == "input_ids" and not position.first) or (name == "logits_index" and not position.last):
-            continue
-        out[name] = value
-    if not position.first:
-        out[HIDDEN_STATES] = hidden_states
-    return out
+def stage_cache_names(layers: range) -> list[str]:
+    """``key_3, value_3, key_4, …``: a stage's caches under their global layer names."""
+    return [f"{kind}_{layer}" for layer in layers for kind in ("key", "value")]

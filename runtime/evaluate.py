@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ..contract import onnxruntime as ort_config
-from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
-from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
+from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, stage_cache_names
+from ..contract.step import CACHE_DTYPES, CacheShape, step_arrays
 from ..plugins import fp4
 
 
@@ -85,9 +85,8 @@ def score_engine(d, batches: np.ndarray, threads: int = 0) -> Scores:
     for start in range(0, len(batches), d.max_batch_size):
         group = batches[start:start + d.max_batch_size]
         b = len(group)
-        caches = [{f"past_{name}": shape.zeros(b, dtype)  # each rank's stage's layers
-                   for name in cache_names(d.num_layers)[2 * d.rank_layers(rank).start:2 * d.rank_layers(rank).stop]}
-                  for rank in range(d.world_size)]
+        caches = [{f"past_{name}": shape.zeros(b, dtype) for name in stage_cache_names(d.rank_layers(rank))}
+                  for rank in range(d.world_size)]  # each rank holds its stage's layers
         rows = []
         for begin in range(0, context, d.max_input_len):
             end = min(begin + d.max_input_len, context)

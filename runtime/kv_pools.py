@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contract.step import cache_names
+from ..contract.pipeline import stage_cache_names
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PoolShape:
 
     @property
     def names(self) -> list[str]:
-        return cache_names(self.first_layer + self.num_layers)[2 * self.first_layer:]
+        return stage_cache_names(range(self.first_layer, self.first_layer + self.num_layers))
 
     @property
     def slot(self) -> tuple[int, int, int]:

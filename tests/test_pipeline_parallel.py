@@ -17,7 +17,8 @@ from safetensors import safe_open
 from conftest import REPO, TINY_CODE
 from trtbuild.builder.resolve import spec_from_dict
 from trtbuild.contract.manifest import ManifestError, check_rank_grid
-from trtbuild.contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, balanced_layers, stage_feeds, stage_layers
+from trtbuild.contract.pipeline import (HIDDEN_STATES, HIDDEN_STATES_OUT, balanced_layers, cache_layer,
+                                       stage_cache_names, stage_layers)
 
 CONFIG = json.loads((TINY_CODE / "config.json").read_text())
 
@@ -40,16 +41,9 @@ def test_stages_are_balanced_or_as_listed():
                     (4, 2, 0, range(4, 6), False, True), (5, 2, 1, range(4, 6), False, True)]
 
 
-def test_stage_feeds_hold_the_stage_caches_and_its_boundary():
-    spec = _spec(pipeline=3)
-    feeds = {"input_ids": 1, "position_ids": 2, "logits_index": 3,
-             **{f"past_{kind}_{layer}": layer for layer in range(6) for kind in ("key", "value")}}
-    middle = stage_feeds(feeds, spec.ranks[1], hidden_states="h")
-    assert sorted(middle) == sorted(["position_ids", "past_key_2", "past_value_2", "past_key_3", "past_value_3",
-                                     HIDDEN_STATES])
-    last = stage_feeds(feeds, spec.ranks[2], hidden_states="h")
-    assert "logits_index" in last and "input_ids" not in last and "past_key_5" in last
-    assert "input_ids" in stage_feeds(feeds, spec.ranks[0], hidden_states=None)
+def test_stage_caches_keep_their_global_layer_names():
+    assert stage_cache_names(range(3, 5)) == ["key_3", "value_3", "key_4", "value_4"]
+    assert [cache_layer(n) for n in ("past_key_12", "present_value_0", "logits", "hidden_states")] == [12, 0, None, None]
 
 
 def test_micro_batches_split_rows_into_contiguous_slot_runs():
