@@ -363,3 +363,28 @@ def test_stage_eval_scores_like_one_rank(pp_engines, tiny_engine):
     for grid, engine in pp_engines.items():
         result = evaluate(engine, data, 256, 1024, reference=tiny_engine)
         assert abs(result.perplexity - one.perplexity) / one.perplexity < 1e-4 and result.agreement == 1.0, grid
+
+
+@pytest.mark.slow
+def test_stages_with_the_truncated_check(tmp_path_factory):
+    """A model above passes.numerics_whole_max_mib: the passes run on a graph of its first layers
+    split into the same P stages (one layer each here) with the numerics gate, and every stage of
+    the built graph gets the structural check over its own layers."""
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+    from trtbuild.builder.resolve import load_spec
+
+    spec = yaml.safe_load((REPO / "specs" / "tiny-code.yaml").read_text())
+    spec["model"]["checkpoint"] = str(TINY_CODE)
+    spec["parallel"] = {"tensor": 2, "pipeline": 2}
+    spec["passes"] = {"numerics": True, "numerics_whole_max_mib": 0}
+    root = tmp_path_factory.mktemp("pp-truncated")
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    summary = build(load_spec(root / "spec.yaml"), BuildOptions(out=root / "engine"), Progress(Verbosity.error))
+    for name in ("split_pipeline_stages", "shard_tensor_parallel"):
+        records = [r for r in summary.pass_records if r["pass"] == name]
+        assert len(records) == 4
+        for r in records:
+            assert r["numerics"]["check"] == "truncated" and r["numerics"]["layers"] == 2 and r["numerics"]["ok"]
+            assert r["numerics"]["stages_in_sequence"] == 2
+            assert r["structure"]["layers_alike"] == 3  # the built stage's layers: 0–2 or 3–5
