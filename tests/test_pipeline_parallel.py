@@ -388,3 +388,61 @@ def test_stages_with_the_truncated_check(tmp_path_factory):
             assert r["numerics"]["check"] == "truncated" and r["numerics"]["layers"] == 2 and r["numerics"]["ok"]
             assert r["numerics"]["stages_in_sequence"] == 2
             assert r["structure"]["layers_alike"] == 3  # the built stage's layers: 0–2 or 3–5
+
+
+# -- trtbuild plan: the pipeline side ---------------------------------------------------------------
+
+def _pipeline_plan(tmp_path, pp: int, tp: int = 1, gpu: str = "RTX-4090", per_node: int = 4, tied: bool = False):
+    from test_plan import LLAMA_2_70B, config_dir, make_plan
+    from trtbuild.builder.gpus import find_network
+    from trtbuild.builder.plan_pipeline import PipelinePlan
+
+    config = {**LLAMA_2_70B, "tie_word_embeddings": tied}
+    plan = make_plan(config_dir(tmp_path, f"llama-{tied}-{pp}-{tp}-{per_node}", config), gpu=gpu, tp=tp,
+                     batch=8, seq_len=4096)
+    return PipelinePlan(plan, pp, find_network("ndr-infiniband"), per_node)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_plan_stages_partition_the_weights(tmp_path, tied):
+    """The stages' weights add up to the model's; a tied lm_head reads the embedding table, which
+    the first and the last stage then both hold."""
+    from trtbuild.builder.plan import weight_bytes
+
+    pipe = _pipeline_plan(tmp_path, pp=4, tied=tied)
+    assert pipe.stages == (range(0, 20), range(20, 40), range(40, 60), range(60, 80))
+    total = sum(weight_bytes(pipe.stage_counts(s), "fp16") for s in range(4))
+    table = 2 * pipe.plan.counts.embedding
+    assert total == pytest.approx(pipe.plan.weights("fp16") + (table if tied else 0), rel=1e-9)
+    middle = weight_bytes(pipe.stage_counts(1), "fp16")
+    assert weight_bytes(pipe.stage_counts(0), "fp16") == pytest.approx(middle + table, rel=1e-9)
+
+
+def test_plan_handoff_bubble_and_recommendation(tmp_path):
+    pipe = _pipeline_plan(tmp_path, pp=2, tp=4)
+    assert pipe.handoff_bytes(1) == 8192 * 2 and pipe.handoff_bytes(8) == 8 * 8192 * 2  # [B, 1, D] fp16
+    assert pipe.handoff_s(8) == pytest.approx(8 * 8192 * 2 / 50e9)                   # one boundary, NDR 50 GB/s
+    assert pipe.plan.allreduce_bytes(1) == 160 * pipe.handoff_bytes(1)               # TP across nodes: 2 × 80 layers
+    assert pipe.bubble(1) == 0.5 and pipe.bubble(8) == pytest.approx(1 / 3)          # M = min(P, B) micro-batches
+    # 70B fp16 in nodes of 4 × 24 GB: no node holds it (T = 4 is the most a node has); 2 nodes do.
+    assert not pipe.plan.fits("fp16", 4) and not pipe.fits("fp16", 4, 1) and pipe.fits("fp16", 4, 2)
+    assert pipe.recommendation("fp16") == (4, 2)
+    assert _pipeline_plan(tmp_path, pp=1, per_node=8).recommendation("fp16") == (8, 1)  # one node of 8 does
+
+
+def test_plan_cli_sizes_the_stages_a_node_cannot_hold():
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-3-70b", "--gpu", "RTX-4090",
+                           "--gpus-per-node", "4", "--batch", "8", "--seq-len", "4096", "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    pipeline = json.loads(proc.stdout)["pipeline"]
+    assert (pipeline["tp"], pipeline["pp"], pipeline["stages"]) == (4, 2, [[0, 40], [40, 80]])
+    assert pipeline["recommended"] == {"tp": 4, "pp": 2} and pipeline["fits"]
+    assert pipeline["bubble"] == {"1": 0.5, "8": 0.3333}
+    text = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-3-70b", "--gpu", "L40S",
+                           "--pp", "2", "--tp", "8", "--network", "100gbe"], capture_output=True, text=True)
+    assert text.returncode == 0, text.stderr
+    assert "pipeline (T × P = 8 × 2" in text.stdout and "Ethernet, 100 Gb/s per port, 12.5 GB/s" in text.stdout
+    bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-3-70b", "--network", "token-ring"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--network: unknown network 'token-ring'; valid: ndr-infiniband, 100gbe" in bad.stderr
