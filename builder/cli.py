@@ -1,7 +1,6 @@
 """The ``trtbuild`` command line. Runtime commands register lazily so ``build`` never imports them."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import sys
@@ -172,19 +171,12 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
               default=None, help="Precision of the roofline figures: int8/int4 weight-only, w8a8 int8 GEMMs, fp4 "
                                  "NVFP4 (default: the spec's quantization or dtype, else fp16).")
 @click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor parallelism (default: the spec's, else 1).")
-@click.option("--pp", type=click.IntRange(min=1), default=None,
-              help="Pipeline stages, one per node (default: the spec's, else 1); shows the pipeline section.")
-@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
-              help="GPUs in a node: tensor parallelism stays inside one.")
-@click.option("--network", default="ndr-infiniband", show_default=True,
-              help="Link between nodes: ndr-infiniband (400 Gb/s) or 100gbe.")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size (default: the spec's max_batch_size, else 1).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None,
               help="Tokens per sequence (default: the spec's max_seq_len, else the model's context).")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU table and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def plan(source: Path, gpu: str, gpus, precision, tp, pp, gpus_per_node: int, network: str, batch, seq_len,
-         list_gpus: bool, as_json: bool):
+def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, list_gpus: bool, as_json: bool):
     """Diagnose the bottleneck before building: memory per rank and the roofline of prefill and decode.
 
     SOURCE is a spec (YAML), a checkpoint dir holding at least config.json (no weights needed),
@@ -197,17 +189,12 @@ def plan(source: Path, gpu: str, gpus, precision, tp, pp, gpus_per_node: int, ne
       trtbuild plan specs/llama-3-8b.yaml --gpu L40S
       trtbuild plan llama-3-70b --gpu H200 --precision fp8
       trtbuild plan /models/Llama-2-70b-hf --gpu A100-80GB --precision int8
-      trtbuild plan llama-3-70b --gpu L40S --tp 8 --pp 2 --network 100gbe
-
-    The pipeline section (--pp > 1, or a model no node of --gpus-per-node holds) sizes each stage,
-    the hand-off per step between nodes, the bubble, and recommends T × P.
     """
     from .frontend.checkpoint import arch_config
-    from .gpus import find_gpu, find_network, gpu_table
+    from .gpus import find_gpu, gpu_table
     from .known_models import find_known, known_arch, known_names
     from .plan import QUANTIZATION_PRECISION, Plan, medusa_plan, param_counts, workload_for
     from .plan_advice import plan_report
-    from .plan_pipeline import PipelinePlan, render_pipeline
     from .plan_render import render
     from .resolve import load_spec
     from .spec_checks import tensor_parallel_refusal
@@ -242,18 +229,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, pp, gpus_per_node: int, ne
                   workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
                   medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
                   backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
-    pp = pp or (spec.parallel.pipeline if spec else 1)
-    if pp > arch.num_layers:
-        raise UserError(f"--pp: {pp} exceeds num_hidden_layers={arch.num_layers}")
-    pipe = PipelinePlan(result, pp, find_network(network), gpus_per_node)
-    show_pipeline = pp > 1 or (result.min_gpus(precision) or 10**6) > gpus_per_node
-    if pp == 1 and show_pipeline and (best := pipe.recommendation()) is not None:  # no node holds it: size the advice
-        pipe = PipelinePlan(dataclasses.replace(result, tp=best[0], gpus=best[0]), best[1], pipe.network, gpus_per_node)
-    if as_json:
-        click.echo(json.dumps({**plan_report(result), **({"pipeline": pipe.as_dict()} if show_pipeline else {})},
-                              indent=2))
-    else:
-        click.echo(render(result) + ("\n\n" + "\n".join(render_pipeline(pipe)) if show_pipeline else ""))
+    click.echo(json.dumps(plan_report(result), indent=2) if as_json else render(result))
 
 
 

@@ -1,5 +1,5 @@
 """The GPU table (builder/data/gpus.json): memory, bandwidth, peak FLOP/s per precision and
-interconnect of each GPU, and the networks between nodes, with the datasheet each figure comes from."""
+interconnect of each GPU, with the datasheet each figure comes from."""
 from __future__ import annotations
 
 import json
@@ -45,27 +45,3 @@ def find_gpu(name: str) -> Gpu:
             return Gpu(entry["name"], entry["sm"], entry["memory_gb"] * GB, entry["bandwidth_gbps"] * GB,
                        entry["tflops"], entry["interconnect"], entry["source"])
     raise UserError(f"--gpu: unknown GPU {name!r}; valid: {', '.join(table)}")
-
-
-@dataclass(frozen=True)
-class Network:
-    """A link between nodes (what a pipeline-stage boundary crosses)."""
-
-    name: str
-    kind: str
-    bandwidth: float            # bytes/s per direction
-    source: str
-
-
-def network_table() -> dict[str, dict]:
-    data = json.loads(resources.files(__package__).joinpath("data/gpus.json").read_text())
-    return {n["name"]: n for n in data["networks"]}
-
-
-def find_network(name: str) -> Network:
-    table = network_table()
-    key = name.lower()
-    for entry in table.values():
-        if key == entry["name"] or key in entry["aliases"]:
-            return Network(entry["name"], entry["kind"], entry["gbps"] * GB, entry["source"])
-    raise UserError(f"--network: unknown network {name!r}; valid: {', '.join(table)}")
