@@ -388,3 +388,27 @@ def test_stages_with_the_truncated_check(tmp_path_factory):
             assert r["numerics"]["check"] == "truncated" and r["numerics"]["layers"] == 2 and r["numerics"]["ok"]
             assert r["numerics"]["stages_in_sequence"] == 2
             assert r["structure"]["layers_alike"] == 3  # the built stage's layers: 0–2 or 3–5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, tensor", [("qwen2", 2), ("qwen3", 1), ("mistral", 2)])
+def test_other_families_in_stages_match_transformers(family, tensor, checkpoints, tmp_path):
+    """Tied embeddings on both ends (qwen2, with q/k/v biases; qwen3 with q/k norms) and one KV
+    head replicated over the tensor ranks (mistral): P=2 stages of one layer each."""
+    from conftest import write_spec
+    from ort_greedy import transformers_greedy
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+    from trtbuild.builder.resolve import load_spec
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoints[family], parallel={"tensor": tensor, "pipeline": 2}))
+    summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))
+    split = [r for r in summary.pass_records if r["pass"] == "split_pipeline_stages"]
+    assert [r["layers"] for r in split] == [[0, 1]] * tensor + [[1, 2]] * tensor
+    assert all(r["numerics"]["ok"] for r in split)
+    prompts = [[5, 17, 300, 41], [9, 8, 7]]
+    with LLM(tmp_path / "out", backend="onnxruntime") as llm:
+        tokens = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=8))]
+    assert tokens == transformers_greedy(checkpoints[family], prompts, 8)
