@@ -38,6 +38,11 @@ class PassContext:
     weights_dir: Path | None = None   # where external weight files live; per-rank passes write theirs here
     cpu_stage: bool = False           # the CPU passes run (cpu_stage_applies); hand-built contexts say so
 
+    def __post_init__(self):
+        if self.world_size != self.tensor_size * self.pipeline:
+            raise ValueError(f"PassContext: world_size {self.world_size} is not tensor_size {self.tensor_size} × "
+                             f"{self.pipeline} pipeline stage(s)")
+
     @classmethod
     def for_spec(cls, spec: Spec, quantized: dict | None = None, quant_report: dict | None = None,
                  weights_dir: Path | None = None) -> "PassContext":
