@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import numerics
 from .emit.engine_dir import check_destination, staged
+from ..contract.pipeline import balanced_layers, stage_layers
 from ..contract.tensor_parallel import kv_heads
 from .emit.manifest import graph_metadata, io_table, tool_versions, write_manifest
 from ..contract.gpu_targets import describe
@@ -93,14 +94,14 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         if check is not None and not check.whole:
             with progress.stage(f"numerics check (the passes on {check.layers} of {check.of_layers} layers)"):
                 checked = _truncated_check(spec, check, exported, gate, context, disabled, workdir)
-            gate = StructureCheck(spec.arch.num_layers, workdir, check.record())
+            gate = StructureCheck(spec.arch.num_layers, workdir, check.record(), spec.stages, spec.parallel.tensor)
 
         def on_record(record: dict) -> None:
             if (record["pass"], record["rank"]) in checked:
                 record["numerics"] = checked[record["pass"], record["rank"]]
             progress.pass_record(record)
 
-        label = "passes" if spec.world_size == 1 else f"passes (whole model, then {spec.world_size} ranks)"
+        label = "passes" if spec.world_size == 1 else f"passes (whole model, then {_grid(spec)})"
         with progress.stage(label):
             run = manager_for(gate, on_record).run(load_graph(exported.path), context)
         records = run.records
@@ -131,6 +132,14 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                         peak_rss_bytes=max([peak_rss_bytes(), *(p.peak for p in child_peaks)]),
                         pass_records=records, manifest=manifest, processes=child_peaks,
                         dir_bytes=dir_size(options.out))
+
+
+def _grid(spec: Spec) -> str:
+    """The rank grid in words: "2 ranks", "2 pipeline stages × 2 tensor ranks"."""
+    p = spec.parallel
+    if p.pipeline == 1:
+        return f"{p.tensor} ranks"
+    return f"{p.pipeline} pipeline stages × {p.tensor} tensor rank{'s' if p.tensor > 1 else ''}"
 
 
 def _leave_out_cpu_graphs(ranks: list[dict], tmp: Path, progress: Progress) -> None:
@@ -178,14 +187,17 @@ def _numerics_gate(spec: Spec, check: numerics.CheckPlan, exported: "_Exported",
                         workdir=workdir if check.whole else workdir / "check",
                         quantized_reference=exported.quantized_reference,
                         quantized_rtol=spec.passes.quantized_rtol, num_kv_heads=spec.arch.num_kv_heads,
-                        activations=spec.quantization.activations, label=check.record())
+                        activations=spec.quantization.activations, label=check.record(),
+                        tensor_size=spec.parallel.tensor)
 
 
 def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", gate: NumericsGate,
                      context: PassContext, disabled: frozenset[str], workdir: Path) -> dict[tuple, dict]:
     """The same passes on the truncated graph, with the numerics gate: {(pass, rank): its numerics record}."""
     arch = spec.arch.model_copy(update={"num_layers": check.layers, "vocab_size": check.vocab_rows})
-    check_ctx = replace(context, arch=arch, quantized=_first_layers(context.quantized, check.layers),
+    # The truncated graph's layers split into the spec's P stages too (check.layers ≥ P), balanced.
+    stages = stage_layers(balanced_layers(check.layers, spec.parallel.pipeline))
+    check_ctx = replace(context, arch=arch, stages=stages, quantized=_first_layers(context.quantized, check.layers),
                         weights_dir=workdir / "check")
     run = PassManager(PIPELINE, disabled=disabled, numerics=gate).run(load_graph(exported.check_path), check_ctx)
     shutil.rmtree(workdir / "check")
@@ -193,10 +205,14 @@ def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: "_Exported
 
 
 def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
-    """What the runtime needs per rank: its files, KV heads, I/O table and weight bytes."""
+    """What the runtime needs per rank: where it sits in the stage × tensor-rank grid, the decoder
+    layers (and so the KV-cache layers) it holds, its files, KV heads, I/O table and weight bytes."""
     data = out / f"rank{rank}.onnx.data"
-    heads = kv_heads(rank, spec.world_size, spec.arch.num_kv_heads)
-    return {"rank": rank, "engine": f"rank{rank}.engine", "onnx": f"rank{rank}.onnx",
+    position = spec.ranks[rank]
+    heads = kv_heads(position.tensor_rank, spec.parallel.tensor, spec.arch.num_kv_heads)
+    return {"rank": rank, "stage": position.stage, "tensor_rank": position.tensor_rank,
+            "layers": [position.layers.start, position.layers.stop],
+            "engine": f"rank{rank}.engine", "onnx": f"rank{rank}.onnx",
             "onnx_data": data.name if data.is_file() else None, "num_kv_heads": len(heads),
             "kv_heads": [heads.start, heads.stop],
             "weight_bytes": data.stat().st_size if data.is_file() else 0, "io": io_table(model)}
@@ -216,7 +232,8 @@ def _manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], c
         "model": spec.arch.model_dump(),
         "tensorrt": flavor.built_for(spec.build.targets),
         "tools": tool_versions(),
-        "tensor_parallel": spec.world_size,
+        "tensor_parallel": spec.parallel.tensor,
+        "pipeline_parallel": spec.parallel.pipeline,
         "cpu_graphs": spec.build.cpu_graphs,
         "ranks": ranks,
         "limits": {"max_batch_size": spec.build.max_batch_size, "max_input_len": spec.build.max_input_len,

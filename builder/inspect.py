@@ -57,9 +57,8 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         f"limits       batch ≤ {limits['max_batch_size']}, input ≤ {limits['max_input_len']}, "
         f"sequence ≤ {limits['max_seq_len']}; CUDA-graph buckets {manifest['cuda_graph_batch_sizes']}",
         f"spec sha256  {manifest['spec_sha256'][:16]}…",
-        f"ranks        {len(manifest['ranks'])} (tensor parallel), per rank: "
-        + "; ".join(f"rank{r['rank']} {r['num_kv_heads']} KV head(s), weights {human_bytes(r['weight_bytes'])}"
-                    for r in manifest["ranks"]),
+        f"ranks        {_grid_line(manifest)}",
+        *rank_grid(manifest).splitlines(),
         *([f"medusa       {m['num_heads']} heads × {m['num_layers']} block(s); tree of {len(m['tree'])} guesses "
            f"(verification S = {m['tree_size']}); output {m['output']}"] if (m := manifest.get("medusa")) else []),
         f"quantization {(q := manifest['spec'].get('quantization', {})).get('mode', 'none')}"
@@ -74,13 +73,15 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
     rows = []
     for r in records:
         numerics = r.get("numerics") or {}
-        rows.append(["all" if r["rank"] is None else r["rank"], r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
+        rows.append([_rank_label(r, len(manifest["ranks"])), r["pass"], f"{r['ms']:.1f}", "yes" if r["modified"] else "no",
                      r.get("matches", "-"), f"{r['nodes_before']}→{r['nodes_after']}",
                      _stat(numerics.get("vs_previous")),
                      _stat(numerics.get("vs_torch")) if "vs_rank_graph" not in numerics
                      else f"{_stat(numerics['vs_rank_graph'])} (rank graph, decode step)"])
     lines.append(table(rows, ["rank", "pass", "ms", "modified", "matches", "nodes",
                               "max_abs vs prev", "max_abs vs torch"]))
+    if len(manifest["ranks"]) > 1:
+        lines.append("rank column: rank:s<pipeline stage>/t<tensor rank>; \"all\": once, on the whole model, before the split")
     if any(r.get("numerics", {}).get("step") == "decode" for r in records):
         lines.append("cpu_* passes make rankN.cpu.onnx, the decode graph ONNX Runtime runs at plain decode steps: "
                      "checked at a decode step against the finished rank graph")
@@ -96,6 +97,42 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
             if r.get("dump"):
                 lines.append(f"  graph after this pass: {r['dump']}")
     return "\n".join(lines)
+
+
+def _grid_line(manifest: dict) -> str:
+    tensor, pipeline = manifest["tensor_parallel"], manifest["pipeline_parallel"]
+    return (f"{len(manifest['ranks'])} = {pipeline} pipeline stage{'s' if pipeline > 1 else ''} × {tensor} tensor "
+            f"rank{'s' if tensor > 1 else ''} (rank = stage · {tensor} + tensor rank)")
+
+
+def rank_grid(manifest: dict) -> str:
+    """The stage × tensor-rank grid: a row per stage (its decoder layers), a column per tensor
+    rank (its rank, KV heads and weights), indented under the header lines."""
+    tensor = manifest["tensor_parallel"]
+    rows = []
+    for start in range(0, len(manifest["ranks"]), tensor):
+        stage = manifest["ranks"][start:start + tensor]
+        first, stop = stage[0]["layers"]
+        rows.append([stage[0]["stage"], _span(first, stop, "layer"),
+                     *(f"rank{r['rank']}: KV {_span(*r['kv_heads'], 'head')}, {human_bytes(r['weight_bytes'])}"
+                       for r in stage)])
+    grid = table(rows, ["stage", "decoder layers (and their KV caches)", *(f"tensor rank {t}" for t in range(tensor))])
+    return "\n".join(f"  {line}" for line in grid.splitlines())
+
+
+def _span(start: int, stop: int, what: str) -> str:
+    """[start, stop) in words: "head 1", "heads 0–3"."""
+    return f"{what} {start}" if stop - start == 1 else f"{what}s {start}–{stop - 1}"
+
+
+def _rank_label(record: dict, ranks: int) -> str:
+    """The pass log's rank column: "all" before the split, else the rank, and with more than one
+    its stage and tensor rank ("2:s1/t0")."""
+    if record["rank"] is None:
+        return "all"
+    if ranks == 1 or "stage" not in record:
+        return str(record["rank"])
+    return f"{record['rank']}:s{record['stage']}/t{record['tensor_rank']}"
 
 
 def node_origin(out: Path, rank: int, node_name: str) -> str:

@@ -58,11 +58,13 @@ def check_plan(spec: Spec, weight_bytes: int) -> CheckPlan | None:
     layers = spec.arch.num_layers
     small = weight_bytes <= spec.passes.numerics_whole_max_mib * 2**20
     bf16 = spec.model.dtype == DType.bfloat16
-    world, vocab = spec.world_size, spec.arch.vocab_size
+    world, vocab = spec.parallel.tensor, spec.arch.vocab_size  # vocab rows split over the tensor ranks
     # Quantized lm_head/embedding codes come for the whole vocabulary: those keep it.
     q = spec.quantization
     whole_vocab = small or (q.bits is not None and (q.quantize_embeddings or not any(p in "lm_head" for p in q.exclude)))
-    return CheckPlan(whole=small and not bf16, layers=layers if small else min(TRUNCATED_LAYERS, layers),
+    # A truncated check still has a layer for each pipeline stage.
+    truncated = min(max(TRUNCATED_LAYERS, spec.parallel.pipeline), layers)
+    return CheckPlan(whole=small and not bf16, layers=layers if small else truncated,
                      of_layers=layers, dtype=DType.float32 if bf16 else spec.model.dtype,
                      vocab_rows=vocab if whole_vocab else min(vocab, world * (TRUNCATED_VOCAB // world)))
 

@@ -297,7 +297,8 @@ def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = 
 
 
 def spec_build_plan(spec) -> BuildPlan:
-    """The build plan of a validated spec: its precision (quantization, else dtype) and TP."""
+    """The build plan of a validated spec: its precision (quantization, else dtype) and its ranks
+    (T × P: a pipeline stage holds ≈ 1/P of the weights, by layer count)."""
     precision = QUANTIZATION_PRECISION.get(spec.quantization.mode) or \
         {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value]
     counts = param_counts(spec.arch)

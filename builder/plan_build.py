@@ -100,8 +100,9 @@ def memory_refusal(plan: BuildPlan, ram_bytes: int, valid_tps: list[int]) -> str
                 None)
     larger = f"parallel.tensor: {fits}" if fits else "a larger parallel.tensor"
     return (f"a rank's engine build needs ≈ {need / GIB:.1f} GiB of RAM (0.2 GB + 2 × its {plan.rank_bytes / GIB:.1f} GiB "
-            f"of weights) and this machine has {ram_bytes / GIB:.1f} GiB; use {larger}, or quantization.mode: "
-            "int4_weight_only, or build on a larger machine (--ignore-memory-check to try anyway)")
+            f"of weights) and this machine has {ram_bytes / GIB:.1f} GiB; use {larger}, or parallel.pipeline stages "
+            "(≈ 1/P of the weights each), or quantization.mode: int4_weight_only, or build on a larger machine "
+            "(--ignore-memory-check to try anyway)")
 
 
 def disk_refusal(plan: BuildPlan, free_bytes: int, where) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from enum import Enum
 from pathlib import Path
 from typing import Literal
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from ..contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
 from ..contract.onnxruntime import CpuActivations
+from ..contract.pipeline import RankPosition, balanced_layers, rank_positions, stage_layers
 from ..contract.tensor_parallel import kv_heads_per_rank
 from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_TARGETS  # noqa: F401  (RTX_TARGETS: API)
 from .spec_errors import FieldError
@@ -109,7 +111,23 @@ class PassesSection(_Section):
 
 class ParallelSection(_Section):
     tensor: StrictInt = Field(1, ge=1)
-    pipeline: Literal[1] = Field(1, description="reserved: pipeline parallelism is not implemented")
+    pipeline: StrictInt = Field(1, ge=1, description="pipeline stages P: contiguous runs of decoder layers")
+    layers_per_stage: tuple[StrictInt, ...] = Field((), description=(
+        "decoder layers of each stage, first to last (one entry per stage, summing to the model's "
+        "layers); empty: balanced by layer count"))
+
+    @model_validator(mode="after")
+    def _stages(self):
+        if not self.layers_per_stage:
+            return self
+        if len(self.layers_per_stage) != self.pipeline:
+            raise FieldError("layers_per_stage", f"{len(self.layers_per_stage)} entries for pipeline={self.pipeline}; "
+                                                 "give one layer count per stage")
+        for index, count in enumerate(self.layers_per_stage):
+            if count < 1:
+                raise FieldError("layers_per_stage", f"entry {index} is {count}; every stage holds at least one "
+                                                     "decoder layer")
+        return self
 
 
 class CalibrationSection(_Section):
@@ -231,12 +249,24 @@ class Spec:
 
     @property
     def world_size(self) -> int:
+        """Ranks: T tensor ranks in each of P pipeline stages."""
         return self.parallel.tensor * self.parallel.pipeline
+
+    @cached_property
+    def stages(self) -> tuple[range, ...]:
+        """Each pipeline stage's decoder layers (spec_checks made sure they cover the model)."""
+        p = self.parallel
+        return stage_layers(p.layers_per_stage or balanced_layers(self.arch.num_layers, p.pipeline))
+
+    @cached_property
+    def ranks(self) -> tuple[RankPosition, ...]:
+        """Every rank's stage, tensor rank and layers (rank = stage · T + tensor rank)."""
+        return rank_positions(self.stages, self.parallel.tensor)
 
     @property
     def kv_heads_per_rank(self) -> int:
         """KV heads in each rank's caches (split, or one replicated head when TP exceeds them)."""
-        return kv_heads_per_rank(self.world_size, self.arch.num_kv_heads)
+        return kv_heads_per_rank(self.parallel.tensor, self.arch.num_kv_heads)
 
     @property
     def max_step_tokens(self) -> int:

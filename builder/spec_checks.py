@@ -13,6 +13,7 @@ def check_against_checkpoint(spec: Spec) -> None:
     """What the schema cannot know: the spec against the checkpoint's architecture."""
     arch = spec.arch
     _check_tensor_parallel(spec)
+    _check_pipeline(spec)
     if spec.build.max_seq_len > arch.max_position_embeddings:
         raise SpecError("build.max_seq_len", f"{spec.build.max_seq_len} exceeds the checkpoint's "
                                              f"max_position_embeddings={arch.max_position_embeddings}")
@@ -33,6 +34,16 @@ def _check_tensor_parallel(spec: Spec) -> None:
     refusal = tensor_parallel_refusal(spec.arch, spec.parallel.tensor)
     if refusal is not None:
         raise SpecError("parallel.tensor", refusal)
+
+
+def _check_pipeline(spec: Spec) -> None:
+    layers, p = spec.arch.num_layers, spec.parallel
+    if p.pipeline > layers:
+        raise SpecError("parallel.pipeline", f"{p.pipeline} exceeds num_hidden_layers={layers}: every stage holds "
+                                             f"at least one decoder layer; valid: 1 to {layers}")
+    if p.layers_per_stage and sum(p.layers_per_stage) != layers:
+        raise SpecError("parallel.layers_per_stage", f"{list(p.layers_per_stage)} sums to {sum(p.layers_per_stage)}; "
+                                                     f"the checkpoint has num_hidden_layers={layers}")
 
 
 def tensor_parallel_ok(arch: ArchConfig, tp: int) -> bool:

@@ -10,7 +10,10 @@ from .json_file import read_json_object
 # ``ranks`` carries its KV heads, I/O table and weight bytes (the top-level ``io`` is gone).
 # 3: ``tensorrt`` records the compute capabilities the engines serve (contract/gpu_targets.py);
 # the top-level ``targets`` (the spec's request, untrue for TensorRT builds) is gone.
-SCHEMA_VERSION = 3
+# 4: pipeline parallelism; top-level ``tensor_parallel`` is T (ranks per stage, no longer the rank
+# count) beside ``pipeline_parallel`` P, and each rank entry says its ``stage``, ``tensor_rank``
+# and ``layers`` [start, stop) (the decoder layers, and so the KV-cache layers, it holds).
+SCHEMA_VERSION = 4
 
 # spec.runtime.multi_step's default, and what the runtime takes for a manifest written before
 # the field (greedy decode steps run back to back: runtime/llm.py).
@@ -31,7 +34,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 MANIFEST = "manifest.json"
-REQUIRED_KEYS = ("schema_version", "files", "ranks", "model", "limits", "spec", "tensorrt")
+REQUIRED_KEYS = ("schema_version", "files", "ranks", "model", "limits", "spec", "tensorrt", "tensor_parallel",
+                 "pipeline_parallel")
 
 
 class ManifestError(ValueError):
@@ -57,7 +61,49 @@ def read_manifest(engine_dir: Path) -> dict:
         raise ManifestError(f"{path}: missing keys {', '.join(missing)}")
     if not isinstance(manifest["files"], dict) or not isinstance(manifest["ranks"], list) or not manifest["ranks"]:
         raise ManifestError(f"{path}: 'files' must be an object and 'ranks' a non-empty list")
+    check_rank_grid(path, manifest)
     return manifest
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_rank_grid(path: Path, manifest: dict) -> None:
+    """The ranks form the whole T × P grid in order (rank = stage · T + tensor rank), and the
+    stages' layers are contiguous runs covering the model's decoder layers, the same for every
+    tensor rank of a stage."""
+    tensor, pipeline, ranks = manifest["tensor_parallel"], manifest["pipeline_parallel"], manifest["ranks"]
+    for key, value in (("tensor_parallel", tensor), ("pipeline_parallel", pipeline)):
+        if not _count(value) or value < 1:
+            raise ManifestError(f"{path}: {key} {value!r} is not an integer ≥ 1")
+    if len(ranks) != tensor * pipeline:
+        raise ManifestError(f"{path}: {len(ranks)} ranks, but tensor_parallel {tensor} × pipeline_parallel "
+                            f"{pipeline} = {tensor * pipeline}")
+    num_layers = manifest["model"].get("num_layers") if isinstance(manifest["model"], dict) else None
+    start = 0
+    for index, rank in enumerate(ranks):
+        if not isinstance(rank, dict):
+            raise ManifestError(f"{path}: ranks[{index}] is not an object")
+        stage, tensor_rank = divmod(index, tensor)
+        for key, want in (("rank", index), ("stage", stage), ("tensor_rank", tensor_rank)):
+            if rank.get(key) != want or not _count(rank.get(key)):
+                raise ManifestError(f"{path}: ranks[{index}].{key} is {rank.get(key)!r}; the grid says {want} "
+                                    f"(rank = stage · {tensor} + tensor rank)")
+        layers = rank.get("layers")
+        if not (isinstance(layers, list) and len(layers) == 2 and all(map(_count, layers))
+                and layers[0] < layers[1]):
+            raise ManifestError(f"{path}: ranks[{index}].layers {layers!r} is not [start, stop) of decoder layers")
+        if tensor_rank == 0:
+            if layers[0] != start:
+                raise ManifestError(f"{path}: ranks[{index}].layers {layers} does not start where stage "
+                                    f"{stage - 1}'s end ({start})")
+            start = layers[1]
+        elif layers != ranks[index - tensor_rank]["layers"]:
+            raise ManifestError(f"{path}: ranks[{index}].layers {layers} differs from its stage's tensor rank 0 "
+                                f"{ranks[index - tensor_rank]['layers']}")
+    if start != num_layers:
+        raise ManifestError(f"{path}: the stages' layers end at {start}; model.num_layers is {num_layers!r}")
 
 
 # Per rank: the files it must have, and those it may (a graph with no external weights has no

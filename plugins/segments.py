@@ -98,6 +98,7 @@ class SegmentedRank:
 
     def __init__(self, model: onnx.ModelProto, base_dir: Path | None, threads: int = 0,
                  activations: CpuActivations = CpuActivations.float):
+        self.outputs = [o.name for o in model.graph.output]
         self.segments = split(model)
         self.sessions = [None if s.model is None else
                          ort_config.session(s.model, threads, base_dir, Spinning.never, activations)

@@ -33,7 +33,22 @@ class EngineDir:
 
     @property
     def tensor_parallel(self) -> int:
+        """Tensor-parallel ranks in each pipeline stage."""
+        return self.manifest["tensor_parallel"]
+
+    @property
+    def pipeline_parallel(self) -> int:
+        """Pipeline stages (each of tensor_parallel ranks)."""
+        return self.manifest["pipeline_parallel"]
+
+    @property
+    def world_size(self) -> int:
         return len(self.manifest["ranks"])
+
+    def rank_layers(self, rank: int) -> range:
+        """The decoder layers (and KV caches) of ``rank``'s pipeline stage."""
+        start, stop = self.manifest["ranks"][rank]["layers"]
+        return range(start, stop)
 
     @property
     def head_dim(self) -> int:

@@ -1,5 +1,5 @@
 """Which Engine serves an engine dir here: TensorRT on a GPU, ONNX Runtime on CPU, one process
-per rank for tensor-parallel dirs."""
+per rank for tensor- and pipeline-parallel dirs."""
 from __future__ import annotations
 
 from .engine import Engine
@@ -33,13 +33,14 @@ def _cpu_runnable(engine_dir: EngineDir, backend: str, no_gpu: str | None = None
 def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int,
                 verify: bool = True) -> Engine:
     """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU.
-    A tensor-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
+    A tensor- or pipeline-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
     backend = resolve_backend(engine_dir, backend)
-    if engine_dir.tensor_parallel > 1:
+    if engine_dir.world_size > 1:
         from .tensor_parallel import TensorParallelEngine
 
+        # Pipeline stages: as many micro-batches as stages fills the pipeline.
         return TensorParallelEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
-                                    verify=verify, backend=backend)
+                                    verify=verify, backend=backend, micro_batches=engine_dir.pipeline_parallel)
     if backend == "tensorrt":
         from .tensorrt_engine import TensorRTEngine
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ..contract import onnxruntime as ort_config
-from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
+from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, stage_cache_names
+from ..contract.step import CACHE_DTYPES, CacheShape, step_arrays
 from ..plugins import fp4
 
 
@@ -84,8 +85,8 @@ def score_engine(d, batches: np.ndarray, threads: int = 0) -> Scores:
     for start in range(0, len(batches), d.max_batch_size):
         group = batches[start:start + d.max_batch_size]
         b = len(group)
-        caches = [{f"past_{name}": shape.zeros(b, dtype) for name in cache_names(d.num_layers)}
-                  for _ in range(d.tensor_parallel)]
+        caches = [{f"past_{name}": shape.zeros(b, dtype) for name in stage_cache_names(d.rank_layers(rank))}
+                  for rank in range(d.world_size)]  # each rank holds its stage's layers
         rows = []
         for begin in range(0, context, d.max_input_len):
             end = min(begin + d.max_input_len, context)
@@ -93,7 +94,7 @@ def score_engine(d, batches: np.ndarray, threads: int = 0) -> Scores:
             outputs = run([{**arrays.as_dict(), **rank_caches} for rank_caches in caches])
             caches = [{name: out[name.replace("past_", "present_")] for name in rank_caches}
                       for out, rank_caches in zip(outputs, caches)]
-            rows.append(outputs[0]["logits"])                              # [b, s, V]
+            rows.append(outputs[-d.tensor_parallel]["logits"])             # [b, s, V], from the last stage
         logits = np.concatenate(rows, axis=1)                              # [b, C, V]
         part, top = _log_softmax_pick(logits.reshape(-1, logits.shape[-1]), group[:, 1:].reshape(-1))
         nll += part
@@ -102,15 +103,27 @@ def score_engine(d, batches: np.ndarray, threads: int = 0) -> Scores:
 
 
 def _rank_runner(d, threads: int):
-    """feeds per rank → outputs per rank: one session, or for a tensor-parallel dir all ranks'
-    graphs in this process with their collectives computed exactly (no process group)."""
-    if d.tensor_parallel == 1:
+    """feeds per rank → outputs per rank: one session, or for a tensor/pipeline-parallel dir all
+    ranks' graphs in this process, stage after stage (each stage's hidden states into the next),
+    its tensor ranks' collectives computed exactly (no process group)."""
+    if d.world_size == 1:
         session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads, activations=d.cpu_activations)
         return lambda feeds: [ort_config.run(session, feeds[0])]
     from ..plugins.segments import LocalRanks
 
-    models = [fp4.cpu_model(d.rank_file(rank, "onnx")) for rank in range(d.tensor_parallel)]
-    return LocalRanks(models, d.path, threads, d.cpu_activations).run
+    tensor = d.tensor_parallel
+    stages = [LocalRanks([fp4.cpu_model(d.rank_file(rank, "onnx")) for rank in range(start, start + tensor)],
+                         d.path, threads, d.cpu_activations) for start in range(0, d.world_size, tensor)]
+
+    def run(feeds: list[dict]) -> list[dict]:
+        outputs, hidden = [], None
+        for index, stage in enumerate(stages):
+            part = feeds[index * tensor:(index + 1) * tensor]
+            outputs += stage.run(part if hidden is None else [{**f, HIDDEN_STATES: hidden} for f in part])
+            hidden = outputs[-1].get(HIDDEN_STATES_OUT)
+        return outputs
+
+    return run
 
 
 def is_engine_dir(path: Path) -> bool:

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contract.step import cache_names
+from ..contract.pipeline import stage_cache_names
 
 
 @dataclass(frozen=True)
 class PoolShape:
-    num_layers: int
+    num_layers: int      # the caches' layers: first_layer … first_layer + num_layers - 1
     capacity: int        # slots, the scratch slot included
     num_kv_heads: int
     max_seq_len: int
@@ -25,17 +25,20 @@ class PoolShape:
     dtype: np.dtype      # numpy element type (bfloat16 pools hold uint16 on the host side)
     prefix_blocks: int
     block_size: int
+    first_layer: int = 0  # a pipeline stage's first layer (its caches keep the global layer names)
 
     @classmethod
-    def of(cls, engine_dir, dtype, prefix_blocks: int, block_size: int) -> "PoolShape":
+    def of(cls, engine_dir, dtype, prefix_blocks: int, block_size: int, rank: int = 0) -> "PoolShape":
+        """The pools of ``rank``'s engine: its stage's layers, its KV heads."""
         d = engine_dir
-        return cls(num_layers=d.num_layers, capacity=d.max_batch_size + 1, num_kv_heads=d.num_kv_heads,
+        layers = d.rank_layers(rank)
+        return cls(num_layers=len(layers), capacity=d.max_batch_size + 1, num_kv_heads=d.num_kv_heads,
                    max_seq_len=d.max_seq_len, head_dim=d.head_dim, dtype=np.dtype(dtype),
-                   prefix_blocks=prefix_blocks, block_size=block_size)
+                   prefix_blocks=prefix_blocks, block_size=block_size, first_layer=layers.start)
 
     @property
     def names(self) -> list[str]:
-        return cache_names(self.num_layers)
+        return stage_cache_names(range(self.first_layer, self.first_layer + self.num_layers))
 
     @property
     def slot(self) -> tuple[int, int, int]:

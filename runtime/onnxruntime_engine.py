@@ -17,6 +17,7 @@ import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
 from ..contract.onnxruntime import Spinning
+from ..contract.pipeline import HIDDEN_STATES
 from ..contract.step import (CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, StepArrays,
                              fill_step_arrays, step_shape)
 from ..plugins import fp4
@@ -56,9 +57,9 @@ class OnnxRuntimeEngine:
         self.engine_dir, self.block_size = engine_dir, block_size
         path = engine_dir.rank_file(rank, "onnx")
         self.segments, self.decode = None, None
-        if engine_dir.tensor_parallel > 1:  # the rank graph holds DistCollective nodes
+        if engine_dir.world_size > 1:  # DistCollective nodes, or a pipeline stage: run in segments
             if collective is None:
-                raise ValueError(f"{path} is one rank of a tensor-parallel engine: run it through the "
+                raise ValueError(f"{path} is one rank of a tensor/pipeline-parallel engine: run it through the "
                                  "tensor-parallel engine (trtbuild.runtime.tensor_parallel)")
             model = fp4.cpu_model(path)
             self.segments = SegmentedRank(model, path.parent, threads, engine_dir.cpu_activations)
@@ -68,13 +69,14 @@ class OnnxRuntimeEngine:
             source, self.decode = cpu_graph(engine_dir, rank, use_decode_graph)  # self.decode: rankN.cpu.onnx or None
             self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
-        self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
+        self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size, rank))
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
 
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
-            return self._step_segments(step_arrays(step, self.engine_dir.max_seq_len), step)
+            values = self.stage_step(step, None)
+            return StepOutput(logits=values[LOGITS], medusa=values[MEDUSA_LOGITS] if self.has_medusa else None)
         _, seq, _ = step_shape(step.tokens, trees=step.trees)
         if step.kind == StepKind.decode and seq == 1:  # the steady state: one token a row, step after step
             bound = self._filled(step)
@@ -143,19 +145,23 @@ class OnnxRuntimeEngine:
         self._bound[key] = _Bound(arrays, binding, logits, medusa)
         return self._bound[key]
 
-    def _step_segments(self, arrays, step: Step) -> StepOutput:
-        """The rank graph piece by piece, this rank's collective between pieces; caches in place."""
+    def stage_step(self, step: Step, hidden_states: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The rank graph piece by piece, this rank's collective between pieces; caches in place.
+        ``hidden_states`` [B, S, D]: what the pipeline stage before wrote (None on the first stage).
+        Returns the graph's outputs but the caches: logits [B, R, V] (and medusa_logits
+        [B, R, K, V]) on the last stage, hidden_states_out [B, S, D] on the others."""
         rows = slice(step.first_slot, step.first_slot + len(step.rids))
         views = {name: ort.OrtValue.ortvalue_from_numpy(pool[rows]) for name, pool in self.kv.pools.items()}
-        values: dict[str, object] = dict(arrays.as_dict())
+        values: dict[str, object] = dict(step_arrays(step, self.engine_dir.max_seq_len).as_dict())
+        if hidden_states is not None:
+            values[HIDDEN_STATES] = hidden_states
         for segment, session in zip(self.segments.segments, self.segments.sessions):
             if session is not None:
                 values.update(self._run_segment(segment, session, values, views))
             collective = segment.collective
             if collective is not None:
                 values[collective.output] = self.collective(collective, values[collective.input].numpy())
-        return StepOutput(logits=_host(values[LOGITS]),  # [B, R, V]
-                          medusa=_host(values[MEDUSA_LOGITS]) if self.has_medusa else None)  # [B, R, K, V]
+        return {name: _host(values[name]) for name in self.segments.outputs if not name.startswith("present_")}
 
     @staticmethod
     def _run_segment(segment, session, values: dict, views: dict) -> dict:

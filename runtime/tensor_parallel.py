@@ -35,6 +35,7 @@ import numpy as np
 from ..plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from .engine_dir import EngineDir, load
+from .pipeline_parallel import StageRunner, stage_groups
 
 # A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
 # bundled model takes milliseconds; a first step of a large one, seconds).
@@ -52,10 +53,12 @@ class Command:
 
 
 class TorchCollectives:
-    """The rank graphs' DistCollective over torch.distributed (gloo on CPU). Counts what it does:
-    ``calls``, ``bytes`` sent by this rank and ``seconds`` waited (benchmarks/parallel.py)."""
+    """The rank graphs' DistCollective over torch.distributed (gloo on CPU), among the ranks of
+    ``group`` (a pipeline stage's; None: every rank). Counts what it does: ``calls``, ``bytes``
+    sent by this rank and ``seconds`` waited (benchmarks/parallel.py)."""
 
-    def __init__(self):
+    def __init__(self, group=None):
+        self.group = group
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
     def __call__(self, collective: Collective, x: np.ndarray) -> np.ndarray:
@@ -65,11 +68,11 @@ class TorchCollectives:
         start = time.perf_counter()
         tensor = torch.from_numpy(np.ascontiguousarray(x))
         if collective.operation == ALL_REDUCE:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self.group)
             out = tensor.numpy()
         elif collective.operation == ALL_GATHER:
-            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, tensor)
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, tensor, group=self.group)
             out = torch.cat(parts, dim=0).numpy()
         else:
             raise ValueError(f"collective {collective.operation!r} is not implemented")
@@ -83,11 +86,26 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def _rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
+                 backend: str, micro_batches: int):
+    """This rank's engine once the process group is up: with pipeline stages, run as its stage
+    (runtime/pipeline_parallel.py, a step in up to ``micro_batches``) with its collectives over
+    the stage's group."""
+    groups = stage_groups(engine_dir)  # every rank creates every stage's group
+    local = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend,
+                          groups[rank // engine_dir.tensor_parallel])
+    return local if engine_dir.pipeline_parallel == 1 else StageRunner(local, engine_dir, rank, micro_batches)
+
+
 def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
-                  backend: str = "onnxruntime"):
-    """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo), or on a GPU its
-    rankN.engine in TensorRT with an NCCL communicator (one GPU per rank: LOCAL_RANK under torchrun)."""
+                  backend: str = "onnxruntime", group=None):
+    """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo among ``group``),
+    or on a GPU its rankN.engine in TensorRT with an NCCL communicator (one GPU per rank: LOCAL_RANK
+    under torchrun)."""
     if backend == "tensorrt":
+        if engine_dir.pipeline_parallel > 1:
+            raise ValueError(f"{engine_dir.path}: pipeline stages run on ONNX Runtime only so far "
+                             "(--backend onnxruntime)")
         from .nccl import NcclCommunicator
         from .tensorrt_engine import TensorRTEngine
         from .tensorrt_runtime import cuda_runtime
@@ -102,7 +120,7 @@ def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks:
     from .onnxruntime_engine import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
-                             rank=rank, collective=TorchCollectives())
+                             rank=rank, collective=TorchCollectives(group))
 
 
 def _die_with_parent() -> None:
@@ -132,7 +150,7 @@ def serve_rank(engine: object) -> None:
 
 
 def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix_blocks: int, block_size: int,
-            verify: bool, backend: str) -> None:
+            verify: bool, backend: str, micro_batches: int) -> None:
     """A rank process started by rank 0 on this machine (``python -m trtbuild.runtime.tensor_parallel``)."""
     import torch.distributed as dist
 
@@ -141,7 +159,8 @@ def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        engine = _local_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend)
+        engine = _rank_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend,
+                              micro_batches)
         dist.barrier()  # every rank loaded: rank 0's constructor returns
         serve_rank(engine)
     except Exception as exc:  # noqa: BLE001  (reported by rank 0 as this rank's failure)
@@ -163,11 +182,15 @@ class TensorParallelEngine:
     """Rank 0's view of a tensor-parallel engine dir: one Engine over all ranks."""
 
     def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
-                 verify: bool = True, backend: str = "onnxruntime"):
+                 verify: bool = True, backend: str = "onnxruntime", micro_batches: int = 1):
+        """``micro_batches``: with pipeline stages, how many a step's rows split into (at most;
+        1: the stages run one after another)."""
         import torch.distributed as dist
 
-        self.world = engine_dir.tensor_parallel
-        self.name = f"{backend} (tensor parallel {self.world})"
+        self.world, self.tensor = engine_dir.world_size, engine_dir.tensor_parallel
+        pipeline = engine_dir.pipeline_parallel
+        self.name = (f"{backend} (tensor parallel {self.world})" if pipeline == 1 else
+                     f"{backend} ({pipeline} pipeline stages × {engine_dir.tensor_parallel} tensor ranks)")
         self.processes: dict[int, subprocess.Popen] = {}
         self.stderr: dict[int, object] = {}  # rank → the file its stderr goes to
         self.closed = False
@@ -180,7 +203,7 @@ class TensorParallelEngine:
                                  f"{dist.get_world_size()} processes: use --nproc-per-node/--nnodes for {self.world}")
             rank = dist.get_rank()
             if rank != 0:  # this process serves rank 0's commands, then the program ends
-                engine = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend)
+                engine = _rank_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend, micro_batches)
                 dist.barrier()
                 serve_rank(engine)
                 dist.destroy_process_group()
@@ -194,12 +217,13 @@ class TensorParallelEngine:
                     [sys.executable, "-m", "trtbuild.runtime.tensor_parallel", str(engine_dir.path), "--rank", str(rank),
                      "--world", str(self.world), "--address", address, "--threads", str(threads),
                      "--prefix-blocks", str(prefix_blocks), "--block-size", str(block_size), "--backend", backend,
+                     "--micro-batches", str(micro_batches),
                      *([] if verify else ["--no-verify"])], stdin=subprocess.DEVNULL, stderr=self.stderr[rank])
         try:
             if not launched_by_torchrun():
                 dist.init_process_group("gloo", init_method=address, rank=0, world_size=self.world,
                                         timeout=timedelta(seconds=TIMEOUT_S))
-            self.local = _local_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend)
+            self.local = _rank_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend, micro_batches)
             dist.barrier()  # every rank loaded its engine
         except Exception as exc:  # noqa: BLE001  (no rank may outlive a failed constructor)
             raise self._failure(exc, "the engine was not loaded") from None
@@ -230,11 +254,18 @@ class TensorParallelEngine:
         self.close(graceful=False)
         for rank, code in codes.items():
             if code and code > 0 and said[rank]:
-                return RankFailure(f"tensor-parallel rank {rank} failed: {said[rank]}; {consequence}")
+                return RankFailure(f"{self._describe(rank)} failed: {said[rank]}; {consequence}")
             if code:
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                return RankFailure(f"tensor-parallel rank {rank} {how}; {consequence}")
-        return RankFailure(f"tensor-parallel rank 0 failed: {_last_line(exc)}; {consequence}")
+                return RankFailure(f"{self._describe(rank)} {how}; {consequence}")
+        return RankFailure(f"{self._describe(0)} failed: {_last_line(exc)}; {consequence}")
+
+    def _describe(self, rank: int) -> str:
+        """A rank by name: "tensor-parallel rank 1", or with pipeline stages "rank 2 (pipeline stage 1, tensor rank 0)"."""
+        if self.world == self.tensor:
+            return f"tensor-parallel rank {rank}"
+        stage, tensor_rank = divmod(rank, self.tensor)
+        return f"rank {rank} (pipeline stage {stage}, tensor rank {tensor_rank})"
 
     def _last_stderr_line(self, rank: int) -> str:
         """What a started rank last wrote: ``trtbuild rank N: Type: message`` if it failed."""
@@ -303,9 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-verify", action="store_true")
     parser.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
+    parser.add_argument("--micro-batches", type=int, default=1)
     args = parser.parse_args(argv)
     _worker(args.engine_dir, args.rank, args.world, args.address, args.threads, args.prefix_blocks,
-            args.block_size, not args.no_verify, args.backend)
+            args.block_size, not args.no_verify, args.backend, args.micro_batches)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ FAMILIES = {
 
 # Fixtures that build engine dirs: every test that uses one (directly or through another
 # fixture) is slow, so `-m "not slow"` stays well under a minute.
-ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines"}
+ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines", "pp_engines"}
 
 
 def pytest_collection_modifyitems(items):

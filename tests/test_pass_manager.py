@@ -121,7 +121,7 @@ def record_plan(graph, ctx):
 
 def test_metadata_recorded_before_the_split_reaches_every_rank_graph():
     passes = (Pass("record_plan", record_plan), Pass("per_rank", identity, per_rank=True))
-    result = PassManager(passes).run(gs.import_onnx(graphs.rmsnorm()), PassContext(spec=None, world_size=2))
+    result = PassManager(passes).run(gs.import_onnx(graphs.rmsnorm()), PassContext(spec=None, world_size=2, tensor_size=2))
     assert len(result.graphs) == 2 and result.graphs[0] is not result.graphs[1]
     assert [graph_metadata(g) for g in result.graphs] == [{"plan": "[1, 2]"}] * 2
 

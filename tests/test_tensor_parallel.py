@@ -179,7 +179,7 @@ def test_rank_weight_files_hold_their_slice(tp_engines):
         assert {r["rank"] for r in records if r["pass"] == "fuse_attention"} == {None}  # ran once, before the split
     dumps = tp_engines[2] / "dumps"  # --dump-after: the whole model before the split, each rank after
     assert sorted(str(p.relative_to(dumps)) for p in dumps.rglob("*.onnx")) == [
-        "all/003_fuse_rotary.onnx", "rank0/006_shard_tensor_parallel.onnx", "rank1/006_shard_tensor_parallel.onnx"]
+        "all/003_fuse_rotary.onnx", "rank0/007_shard_tensor_parallel.onnx", "rank1/007_shard_tensor_parallel.onnx"]
 
 
 @pytest.mark.slow

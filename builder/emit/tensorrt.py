@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ...contract.gpu_targets import MODULES, RTX_TARGETS, built_for, sm, tensorrt_only_refusal
+from ...contract.pipeline import HIDDEN_STATES
 from ..errors import SpecError, UserError
 from ..progress import ProcessPeak, sample_peak
 from ..spec import Backend, DType, Spec
@@ -132,7 +133,9 @@ def _file_writer(trt, handle):
 
 def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], ...]]]:
     """min/opt/max shapes per input: decode (S = 1, or up to a Medusa tree's size, with logits
-    at every position) and prefill (S up to max_input_len, logits at the last token)."""
+    at every position) and prefill (S up to max_input_len, logits at the last token). They name
+    every input some rank may have (a pipeline stage reads input_ids or hidden_states, its own
+    layers' caches, logits_index on the last stage only); each engine takes those of its graph."""
     arch, b_max, s_max = spec.arch, spec.build.max_batch_size, spec.build.max_seq_len
     chunk = spec.max_step_tokens
     cache = (spec.kv_heads_per_rank, s_max, arch.head_dim)  # each rank's engine holds its KV heads
@@ -145,6 +148,7 @@ def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], .
             "kv_length": tuple((b,) for b in batch),
             "attention_mask": tuple((b, 1, s, s_max) for b, s in zip(batch, seq)),
             "logits_index": tuple((b, r) for b, r in zip(batch, rows)),
+            HIDDEN_STATES: tuple((b, s, arch.hidden_size) for b, s in zip(batch, seq)),
         }
         for layer in range(arch.num_layers):
             for kind in ("key", "value"):
@@ -179,10 +183,12 @@ def _build(onnx_path: Path, engine_path: Path, spec: Spec, flavor: Flavor) -> tu
         _make_attention_decomposable(network, trt)
     config = builder.create_builder_config()
     config.builder_optimization_level = spec.build.builder_optimization_level
+    inputs = {network.get_input(i).name for i in range(network.num_inputs)}
     for shapes in optimization_profiles(spec):
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in shapes.items():
-            profile.set_shape(name, lo, opt, hi)
+            if name in inputs:  # this rank's stage has it
+                profile.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(profile)
     if flavor.name == "tensorrt-rtx":
         _set_rtx_targets(config, spec, trt)

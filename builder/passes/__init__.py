@@ -14,6 +14,7 @@ from .onnx_rewrite import model_pass
 from .plan_cuda_graphs import plan_cuda_graphs
 from .quantize_weights import quantize_weights
 from .shard_tensor_parallel import shard_tensor_parallel
+from .split_pipeline_stages import split_pipeline_stages
 
 PIPELINE: tuple[Pass, ...] = (
     # The whole model, once:
@@ -22,7 +23,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse_rotary", fuse_rotary, requires=("canonicalize",)),
     Pass("fuse_attention", fuse_attention, requires=("canonicalize",)),
     Pass("quantize_weights", quantize_weights, requires=("canonicalize",)),
-    # 1 → N: each rank's graph from here on.
+    # 1 → N: each rank's graph from here on (N = pipeline stages × tensor ranks).
+    Pass("split_pipeline_stages", split_pipeline_stages, per_rank=True),
     Pass("shard_tensor_parallel", shard_tensor_parallel, per_rank=True),
     Pass("attach_medusa", attach_medusa, requires=("canonicalize",), per_rank=True),
     Pass("plan_cuda_graphs", plan_cuda_graphs, per_rank=True),

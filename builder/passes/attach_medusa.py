@@ -1,6 +1,6 @@
 """attach_medusa: add the Medusa heads to the graph and the ``medusa_logits`` output.
 
-With tensor parallelism each rank holds its vocabulary slice of every head's output
+With pipeline stages the heads live on the last stage. With tensor parallelism each rank holds its vocabulary slice of every head's output
 projection (like lm_head) and the stacked rows are all-gathered. The heads read what the LM head reads: the final-norm hidden state at ``logits_index``
 [B, R, D], so they too run only on the rows that need logits. Head k is
 ``h = x + SiLU(x W_j + b_j)`` per residual block, then ``h W_out`` [B, R, V]; the heads are
@@ -33,7 +33,7 @@ def _lm_head_matmul(graph: gs.Graph) -> gs.Node:
 
 def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     medusa = ctx.spec.medusa if ctx.spec is not None else None
-    if medusa is None:
+    if medusa is None or not ctx.last_stage:  # the heads live beside lm_head, on the last pipeline stage
         return PassResult(graph=graph, modified=False, stats={"medusa_heads": 0})
     heads = load_heads(medusa.heads)
     lm_head = _lm_head_matmul(graph)
@@ -56,7 +56,7 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
                             new_node("Add", f"{scope}/Residual", [h, act], outputs=[res])]
             h = res
         scope = f"/medusa_head.{k}/out"
-        columns = vocab_range(ctx.rank or 0, ctx.world_size, out.shape[0])  # vocab-parallel like lm_head
+        columns = vocab_range(ctx.tensor_rank, ctx.tensor_size, out.shape[0])  # vocab-parallel like lm_head
         w_out = gs.Constant(f"medusa_head.{k}.{heads.num_layers}.weight",
                             np.ascontiguousarray(out[columns.start:columns.stop].T, dtype))
         head_logits = gs.Variable(f"{scope}/MatMul_out", dtype=dtype)
@@ -69,8 +69,8 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     shape = [batch, rows, heads.num_heads, vocab]
     stacked = gs.Variable("/medusa/Concat_out", dtype=dtype)
     graph.nodes.append(new_node("Concat", "/medusa/Concat", per_head, {"axis": 2}, outputs=[stacked]))
-    if ctx.world_size > 1:
-        stacked = all_gather_last_axis(graph, stacked, ctx.world_size, "/medusa/AllGather", dims=4)  # [B, R, K, V/N]
+    if ctx.tensor_size > 1:
+        stacked = all_gather_last_axis(graph, stacked, ctx.tensor_size, "/medusa/AllGather", dims=4)  # [B, R, K, V/N]
     output = gs.Variable("medusa_logits", dtype=np.float32, shape=shape)
     if dtype == np.float32:
         graph.nodes.append(new_node("Identity", "/medusa/Output", [stacked], outputs=[output]))

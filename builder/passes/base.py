@@ -29,21 +29,60 @@ class PassContext:
 
     spec: Spec | None
     rank: int | None = None           # None before the split: the graph of the whole model
-    world_size: int = 1
+    world_size: int = 1               # ranks: tensor_size × pipeline stages
+    tensor_size: int = 1              # T: tensor-parallel ranks in each pipeline stage
+    stages: tuple[range, ...] = ()    # each pipeline stage's decoder layers; (): one stage of every layer
     arch: ArchConfig | None = None    # None for hand-built graphs: no expected match counts
     quantized: dict | None = None     # layer name → QuantizedLinear, when the spec quantizes
     quant_report: dict | None = None  # layer name → weight/output errors measured on the checkpoint
     weights_dir: Path | None = None   # where external weight files live; per-rank passes write theirs here
     cpu_stage: bool = False           # the CPU passes run (cpu_stage_applies); hand-built contexts say so
 
+    def __post_init__(self):
+        if self.world_size != self.tensor_size * self.pipeline:
+            raise ValueError(f"PassContext: world_size {self.world_size} is not tensor_size {self.tensor_size} × "
+                             f"{self.pipeline} pipeline stage(s)")
+
     @classmethod
     def for_spec(cls, spec: Spec, quantized: dict | None = None, quant_report: dict | None = None,
                  weights_dir: Path | None = None) -> "PassContext":
-        return cls(spec=spec, world_size=spec.world_size, arch=spec.arch, quantized=quantized,
-                   quant_report=quant_report, weights_dir=weights_dir, cpu_stage=cpu_stage_skipped(spec) is None)
+        return cls(spec=spec, world_size=spec.world_size, tensor_size=spec.parallel.tensor, stages=spec.stages,
+                   arch=spec.arch, quantized=quantized, quant_report=quant_report, weights_dir=weights_dir,
+                   cpu_stage=cpu_stage_skipped(spec) is None)
 
     def for_rank(self, rank: int) -> "PassContext":
         return replace(self, rank=rank)
+
+    @property
+    def pipeline(self) -> int:
+        return max(1, len(self.stages))
+
+    @property
+    def stage(self) -> int | None:
+        """The pipeline stage of this rank (rank = stage · tensor_size + tensor rank); None before the split."""
+        return None if self.rank is None else self.rank // self.tensor_size
+
+    @property
+    def tensor_rank(self) -> int:
+        """This rank's place among its stage's tensor-parallel ranks (0 before the split)."""
+        return 0 if self.rank is None else self.rank % self.tensor_size
+
+    @property
+    def layers(self) -> range:
+        """The decoder layers this graph holds: its stage's, or every layer before the split."""
+        if self.stage is not None and self.stages:
+            return self.stages[self.stage]
+        return range(self.arch.num_layers if self.arch is not None else 0)
+
+    @property
+    def first_stage(self) -> bool:
+        """Holds the embedding (reads input_ids): stage 0, or the graph before the split."""
+        return self.stage in (None, 0)
+
+    @property
+    def last_stage(self) -> bool:
+        """Holds the final norm and the heads (writes logits)."""
+        return self.stage is None or self.stage == self.pipeline - 1
 
 
 @dataclass
@@ -76,8 +115,10 @@ def cpu_stage_skipped(spec: Spec) -> str | None:
     runtime runs float32/float16 rank graphs; tensor-parallel ranks run the rank graph in
     segments between collectives; ONNX Runtime has no FP4 kernels (the runtime simulates the
     rank graph's); GroupQueryAttention has no place for Qwen3's per-head q/k norms."""
-    if spec.world_size > 1:
+    if spec.parallel.tensor > 1:
         return "tensor-parallel ranks run their rank graph in segments"
+    if spec.parallel.pipeline > 1:
+        return "pipeline stages run their rank graph"
     if spec.model.dtype.value not in ("float32", "float16"):
         return f"ONNX Runtime's CPU kernels do not run {spec.model.dtype.value}"
     if spec.quantization.mode == "nvfp4":

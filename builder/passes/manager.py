@@ -108,6 +108,8 @@ class PassManager:
                     instrument.before(p, rank_ctx.rank, rank_graph)
                 result = self._call(p, rank_graph, rank_ctx, ran)
                 record = {"pass": p.name, "rank": rank_ctx.rank, "modified": result.modified}
+                if rank_ctx.rank is not None:
+                    record.update(stage=rank_ctx.stage, tensor_rank=rank_ctx.tensor_rank)
                 for instrument in instruments:
                     instrument.after(p, rank_ctx.rank, rank_graph, result, record)
                 record.update(result.stats)

@@ -1,9 +1,11 @@
 """The numerics check as an instrument: after each pass that changed the graph, run it in
 ONNX Runtime on seeded inputs and compare with the graph before it and with torch eager.
 
-After the tensor-parallel split the N rank graphs run together as one step (each rank's
-cache shard as input, the collectives computed in numpy between their segments) and the
-gathered logits are compared with the whole model's: a sharding mistake fails the pass that
+After the split the rank graphs run together as one step: the pipeline stages in sequence
+(each stage's own caches and the hidden states the stage before wrote), and within a stage
+its tensor ranks together (each rank's cache shard as input, the collectives computed in
+numpy between their segments). The last stage's logits and every stage's gathered caches are
+compared with the whole model's: a split or sharding mistake on any stage fails the pass that
 made it.
 
 The CPU stage's passes make a graph for plain decode steps only: each is checked at a decode
@@ -20,8 +22,10 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ...contract.onnxruntime import CpuActivations
+from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from ...contract.tensor_parallel import gather_caches, shard_caches
 from ...plugins import fp4
+from ...plugins.collectives import OP
 from ...plugins.segments import run_ranks
 from .. import numerics
 from .base import PassError, after
@@ -32,16 +36,17 @@ class NumericsGate(Instrument):
     def __init__(self, inputs: dict, torch_reference: dict, atol: float, rtol: float, workdir: Path | None = None,
                  quantized_reference: dict | None = None, quantized_rtol: float | None = None,
                  num_kv_heads: int | None = None, activations: CpuActivations = CpuActivations.float,
-                 label: dict | None = None):
+                 label: dict | None = None, tensor_size: int = 1):
         """``workdir`` holds the graphs' external weight files; ``quantized_reference`` is torch
         eager with the dequantized weights, the reference once the graph holds quantized weights
         (quantization error is measured, not a pass's mistake); ``num_kv_heads`` of the whole
         model, to give each rank its cache shard; ``activations`` the spec's, as the runtime will run;
-        ``label``: which check this is (numerics.CheckPlan.record), copied into every record."""
+        ``label``: which check this is (numerics.CheckPlan.record), copied into every record;
+        ``tensor_size``: tensor ranks per pipeline stage (rank graphs come stage by stage)."""
         self.inputs, self.reference, self.atol, self.rtol = inputs, torch_reference, atol, rtol
         self.workdir, self.quantized_reference = workdir, quantized_reference
         self.quantized_rtol = quantized_rtol or rtol
-        self.num_kv_heads, self.activations = num_kv_heads, activations
+        self.num_kv_heads, self.activations, self.tensor_size = num_kv_heads, activations, tensor_size
         self.label = dict(label or {})
         self.previous: dict | None = None  # outputs of the graphs before the current pass
         self.produced: set[str] | None = None  # every output some graph so far had
@@ -96,6 +101,7 @@ class NumericsGate(Instrument):
             record["vs_previous"] = numerics.worst(vs_previous)
         if len(graphs) > 1:
             record["ranks_together"] = len(graphs)
+            record["stages_in_sequence"] = len(graphs) // self.tensor_size
         bad = {name: s for name, s in vs_torch.items() if not s.within(self.atol, rtol)}
         record["ok"] = not bad
         for rank_record in records:
@@ -113,10 +119,23 @@ class NumericsGate(Instrument):
         rank graphs together."""
         if single is not None:
             return numerics.run_onnx(single, self.inputs, activations=self.activations)
-        feeds = shard_caches(self.inputs, len(models), self.num_kv_heads)
-        outputs = run_ranks(models, feeds, self.workdir, self.activations)
-        logits = {name: value for name, value in outputs[0].items() if not name.startswith("present_")}
-        return {**logits, **gather_caches(outputs, self.num_kv_heads)}
+        result, hidden = {}, None
+        for start in range(0, len(models), self.tensor_size):  # stage by stage
+            stage = models[start:start + self.tensor_size]
+            names = [value.name for value in stage[0].graph.input]
+            feeds = {name: self.inputs[name] for name in names if name in self.inputs}
+            if HIDDEN_STATES in names:
+                feeds[HIDDEN_STATES] = hidden
+            # Between split_pipeline_stages and shard_tensor_parallel a stage's tensor ranks are
+            # whole copies: each gets the whole caches, and the first one's are the stage's.
+            sharded = any(node.op_type == OP for node in stage[0].graph.node)
+            outputs = run_ranks(stage, shard_caches(feeds, len(stage), self.num_kv_heads) if sharded
+                                else [feeds] * len(stage), self.workdir, self.activations)
+            hidden = outputs[0].get(HIDDEN_STATES_OUT)
+            result.update({name: value for name, value in outputs[0].items()
+                           if not name.startswith("present_") and name != HIDDEN_STATES_OUT})
+            result.update(gather_caches(outputs if sharded else outputs[:1], self.num_kv_heads))
+        return result
 
     def _check_decode(self, p, graph, records, ran) -> None:
         """A CPU-stage pass's graph at the decode step, against the rank graph and the graph before it."""

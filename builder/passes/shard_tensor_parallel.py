@@ -9,7 +9,8 @@ Quantized weights (DequantizeLinear chains) shard with their scales; AWQ/SmoothQ
 scales in front of a row-parallel MatMul are sliced with its rows. Reshapes that name head
 counts or widths get the rank's, and the cache inputs/outputs its KV heads.
 
-The first per-rank pass: with one rank it changes nothing.
+It runs after split_pipeline_stages, on the layers of the rank's stage (and lm_head on the last
+stage): ``ctx.tensor_rank`` of ``ctx.tensor_size`` ranks; with one tensor rank it changes nothing.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ class _Sharder:
         out = node.outputs[0]
         partial = gs.Variable(f"{out.name}_partial", dtype=out.dtype)
         node.outputs[0] = partial
-        reduced = all_reduce(self.graph, partial, self.ctx.world_size, f"{name.rsplit('/', 1)[0]}/AllReduce")
+        reduced = all_reduce(self.graph, partial, self.ctx.tensor_size, f"{name.rsplit('/', 1)[0]}/AllReduce")
         for consumer in list(out.outputs):
             consumer.inputs[consumer.inputs.index(out)] = reduced
         for k, graph_out in enumerate(self.graph.outputs):
@@ -155,17 +156,35 @@ def _reshape_after(node: gs.Node) -> gs.Node:
     raise PassError(f"shard_tensor_parallel: no reshape to heads after {node.name}")
 
 
+def _shard_lm_head(graph: gs.Graph, sharder: _Sharder, rank: int, world: int, vocab_size: int) -> None:
+    """lm_head vocab-parallel, its logits rows all-gathered."""
+    vocab = vocab_range(rank, world, vocab_size)
+    lm_head = sharder.column("/model/lm_head/MatMul", vocab.start, vocab.stop)
+    out = lm_head.outputs[0]
+    shard = gs.Variable(f"{out.name}_shard", dtype=out.dtype)
+    lm_head.outputs[0] = shard
+    gathered = all_gather_last_axis(graph, shard, world, "/model/lm_head/AllGather", dims=3)  # [B, R, V/N]
+    for consumer in list(out.outputs):
+        consumer.inputs[consumer.inputs.index(out)] = gathered
+    for k, graph_out in enumerate(graph.outputs):
+        if graph_out is out:  # logits straight from the MatMul (float32): the gather now makes them
+            graph.outputs[k] = gathered
+            gathered.name, out.name = out.name, f"{out.name}_unsharded"
+            gathered.shape, gathered.dtype = out.shape, out.dtype
+    sharder.stats["all_gather"] += 1
+
+
 def shard_tensor_parallel(graph: gs.Graph, ctx: PassContext) -> PassResult:
-    if ctx.world_size == 1 or ctx.arch is None:
-        return PassResult(graph=graph, modified=False, stats={"world_size": ctx.world_size})
-    arch, rank, world = ctx.arch, ctx.rank, ctx.world_size
+    if ctx.tensor_size == 1 or ctx.arch is None:
+        return PassResult(graph=graph, modified=False, stats={"world_size": ctx.tensor_size})
+    arch, rank, world = ctx.arch, ctx.tensor_rank, ctx.tensor_size
     if not any(node.op == "Attention" for node in graph.nodes):
         raise PassError("shard_tensor_parallel splits fused Attention by heads: enable fuse_attention")
     d = arch.head_dim
     q, kv = query_heads(rank, world, arch.num_heads), kv_heads(rank, world, arch.num_kv_heads)
     inter = arch.intermediate_size // world
     sharder = _Sharder(graph, ctx)
-    for i in range(arch.num_layers):
+    for i in ctx.layers:
         proj = lambda part: _PROJ.format(i=i, part=part)  # noqa: E731
         q_node = sharder.column(proj("self_attn/q_proj"), q.start * d, q.stop * d)
         sharder.set_width(_reshape_after(q_node), arch.num_heads, len(q), q_node.name)
@@ -181,20 +200,8 @@ def shard_tensor_parallel(graph: gs.Graph, ctx: PassContext) -> PassResult:
         for part in ("gate_proj", "up_proj"):
             sharder.column(proj(f"mlp/{part}"), rank * inter, (rank + 1) * inter)
         sharder.row(proj("mlp/down_proj"), rank * inter, (rank + 1) * inter)
-    vocab = vocab_range(rank, world, arch.vocab_size)
-    lm_head = sharder.column("/model/lm_head/MatMul", vocab.start, vocab.stop)
-    out = lm_head.outputs[0]
-    shard = gs.Variable(f"{out.name}_shard", dtype=out.dtype)
-    lm_head.outputs[0] = shard
-    gathered = all_gather_last_axis(graph, shard, world, "/model/lm_head/AllGather", dims=3)  # [B, R, V/N]
-    for consumer in list(out.outputs):
-        consumer.inputs[consumer.inputs.index(out)] = gathered
-    for k, graph_out in enumerate(graph.outputs):
-        if graph_out is out:  # logits straight from the MatMul (float32): the gather now makes them
-            graph.outputs[k] = gathered
-            gathered.name, out.name = out.name, f"{out.name}_unsharded"
-            gathered.shape, gathered.dtype = out.shape, out.dtype
-    sharder.stats["all_gather"] += 1
+    if ctx.last_stage:
+        _shard_lm_head(graph, sharder, rank, world, arch.vocab_size)
     for tensor in (*graph.inputs, *graph.outputs):
         if tensor.name.startswith(("past_", "present_")) and tensor.shape:
             tensor.shape = [tensor.shape[0], len(kv), *tensor.shape[2:]]
@@ -203,7 +210,7 @@ def shard_tensor_parallel(graph: gs.Graph, ctx: PassContext) -> PassResult:
         if isinstance(tensor, gs.Variable) and tensor.name not in io:
             tensor.shape = None
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    expected = 7 * arch.num_layers + 1
+    expected = 7 * len(ctx.layers) + (1 if ctx.last_stage else 0)
     found = sharder.stats["column_parallel"] + sharder.stats["row_parallel"]
     if found != expected:
         raise PassError(f"shard_tensor_parallel sharded {found} linear layers; the model has {expected}")

@@ -67,31 +67,38 @@ def external_weights(graph: gs.Graph, weights_dir: Path) -> tuple[int, int]:
 
 
 class StructureCheck(Instrument):
-    def __init__(self, num_layers: int, weights_dir: Path, label: dict):
+    def __init__(self, num_layers: int, weights_dir: Path, label: dict, stages: tuple[range, ...] = (),
+                 tensor_size: int = 1):
+        """``stages``: each pipeline stage's layers (() for one stage); rank graphs come stage by
+        stage, ``tensor_size`` of each."""
         self.num_layers, self.weights_dir, self.label = num_layers, Path(weights_dir), label
+        self.stages, self.tensor_size = stages or (range(num_layers),), tensor_size
         self.first = True
 
     def after_all(self, p, graphs, results, records, ran):
         if not (self.first or any(r.modified for r in results)):
             return
         self.first = False
-        for graph, record in zip(graphs, records):
+        for index, (graph, record) in enumerate(zip(graphs, records)):
+            layers = self.stages[index // self.tensor_size] if len(graphs) > 1 else range(self.num_layers)
             signatures = layer_signatures(graph)
-            if sorted(signatures) != list(range(self.num_layers)):
+            if layers.start > 0:  # a later stage keeps layer 0's shape arithmetic only
+                signatures.pop(0, None)
+            if sorted(signatures) != list(layers):
                 raise PassError(f"after pass {p.name} the graph has decoder layers {sorted(signatures)[:4]}…; "
-                                f"the model has {self.num_layers}{after(ran)}")
-            # Layer 0 also holds what the exporter computes once for all layers (shape arithmetic
+                                f"it holds {len(layers)} from layer {layers.start}{after(ran)}")
+            # The first layer also holds what the exporter computes once for all layers (shape arithmetic
             # named by its first use): it must hold the reference layer's ops; the others, exactly
             # them. In the CPU decode graph the residual Add fuses into the next layer's norm
             # (cpu_skip_norm), so its first and last layers differ by design: the interior ones
             # are compared there.
-            compared = range(1, self.num_layers - 1) if p.cpu else range(self.num_layers)
-            reference_layer = compared[-1] if len(compared) else self.num_layers - 1
+            compared = range(layers.start + 1, layers.stop - 1) if p.cpu else layers
+            reference_layer = compared[-1] if len(compared) else layers.stop - 1
             last = signatures[reference_layer]
             for layer in compared:
                 signature = signatures[layer]
                 missing, extra = last - signature, signature - last
-                if missing or (extra and layer > 0):
+                if missing or (extra and layer > layers.start):
                     diff = sorted(str(k) for k in missing + extra)[:2]
                     raise PassError(f"after pass {p.name} decoder layer {layer} differs from layer "
                                     f"{reference_layer}: {diff}{after(ran)}")
@@ -99,6 +106,6 @@ class StructureCheck(Instrument):
                 tensors, size = external_weights(graph, self.weights_dir)
             except ValueError as exc:
                 raise PassError(f"after pass {p.name} a weight does not resolve: {exc}{after(ran)}") from None
-            record["structure"] = {**self.label, "layers_alike": self.num_layers,
+            record["structure"] = {**self.label, "layers_alike": len(layers),
                                    "ops_per_layer": sum(last.values()),
                                    "weights_on_disk": tensors, "weight_bytes_on_disk": size}

@@ -1,0 +1,151 @@
+"""Pipeline stages at run time: each rank's engine inside the T × P grid.
+
+The ranks are the tensor-parallel engine's processes (runtime/tensor_parallel.py starts them,
+broadcasts rank 0's commands and names a failed rank); this module adds what a stage does
+around its step. Rank r = stage · T + tensor rank. A stage's tensor ranks run their
+collectives over their stage's process group; the stages hand the residual stream on with
+torch.distributed point-to-point (gloo on CPU): tensor rank t of stage s receives
+``hidden_states`` [B, S, D] from tensor rank t of stage s − 1 (every tensor rank of a stage
+ends with the same hidden states after its all-reduce) and sends its ``hidden_states_out`` to
+tensor rank t of stage s + 1. Tensor rank 0 of the last stage sends the logits (and Medusa
+logits) to rank 0, whose step returns them.
+
+A step's rows split into micro-batches (up to ``micro_batches``, whole rows, each binding its
+own slots): a stage sends micro-batch m on (without waiting for it to be received) and starts
+on m + 1 while the next stage works on m, so the stages overlap. With one micro-batch the
+stages run one after another and each rank idles (P − 1) / P of a step.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..contract.pipeline import HIDDEN_STATES_OUT
+from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS
+from dataclasses import replace
+
+from .engine import StepOutput, step_arrays
+from .engine_dir import EngineDir
+from .scheduler import Step
+
+
+def micro_batches(step: Step, count: int) -> list[Step]:
+    """``step``'s rows in up to ``count`` contiguous runs, as even as whole rows allow (the first
+    runs take one more); each binds its own slots."""
+    rows = len(step.rids)
+    count = max(1, min(count, rows))
+    per, extra = divmod(rows, count)
+    parts, start = [], 0
+    for index in range(count):
+        size = per + (1 if index < extra else 0)
+        cut = slice(start, start + size)
+        parts.append(replace(step, first_slot=step.first_slot + start, rids=step.rids[cut], tokens=step.tokens[cut],
+                             starts=step.starts[cut], samples=step.samples[cut],
+                             trees=step.trees[cut] if step.trees else ()))
+        start += size
+    return parts
+
+
+def stage_groups(engine_dir: EngineDir):
+    """Each stage's process group (every rank must create every group, in the same order);
+    None for a single stage, whose tensor ranks use the whole world."""
+    import torch.distributed as dist
+
+    tensor, pipeline = engine_dir.tensor_parallel, engine_dir.pipeline_parallel
+    if pipeline == 1:
+        return [None]
+    return [dist.new_group(list(range(stage * tensor, (stage + 1) * tensor))) for stage in range(pipeline)]
+
+
+class StageRunner:
+    """One rank's engine as a pipeline stage; the same Engine methods, the step wrapped in the
+    stage's receives and sends. Counts ``sent_bytes``, ``sends`` and ``wait_seconds`` (blocked in
+    a receive: on rank 0, waiting for the last stage's logits) for benchmarks."""
+
+    def __init__(self, engine, engine_dir: EngineDir, rank: int, micro_batches: int):
+        self.engine, self.rank, self.micro_batches = engine, rank, micro_batches
+        self.tensor, self.pipeline = engine_dir.tensor_parallel, engine_dir.pipeline_parallel
+        self.stage, self.tensor_rank = divmod(rank, self.tensor)
+        self.first, self.last = self.stage == 0, self.stage == self.pipeline - 1
+        self.hidden_size, self.vocab_size = engine_dir.model["hidden_size"], engine_dir.vocab_size
+        self.dtype = CACHE_DTYPES[engine_dir.dtype]
+        self.max_seq_len = engine_dir.max_seq_len
+        self.medusa_heads = engine_dir.medusa["num_heads"] if engine_dir.medusa else 0
+        self.sent_bytes, self.sends, self.wait_seconds = 0, 0, 0.0
+
+    def step(self, step: Step) -> StepOutput | None:
+        """This stage's part of ``step``, micro-batch by micro-batch; on rank 0 the logits the last
+        stage sent back, the micro-batches' rows in order."""
+        pending, shapes = [], []  # sends in flight (their buffers kept until done); each part's (B, S, R)
+        for part in micro_batches(step, self.micro_batches):
+            arrays = step_arrays(part, self.max_seq_len)
+            batch, seq = arrays.input_ids.shape
+            shapes.append((batch, seq, arrays.logits_index.shape[1]))
+            hidden = None
+            if not self.first:
+                hidden = self._recv((batch, seq, self.hidden_size), self.dtype, self.rank - self.tensor)
+            outputs = self.engine.stage_step(part, hidden)
+            if not self.last:
+                pending.append(self._send(outputs[HIDDEN_STATES_OUT], self.rank + self.tensor))
+            elif self.tensor_rank == 0:
+                pending.append(self._send(outputs[LOGITS], 0))
+                if self.medusa_heads:
+                    pending.append(self._send(outputs[MEDUSA_LOGITS], 0))
+        result = self._gather_logits(shapes) if self.rank == 0 else None
+        for work, _ in pending:
+            work.wait()
+        return result
+
+    def _gather_logits(self, shapes: list[tuple[int, int, int]]) -> StepOutput:
+        """Rank 0: each micro-batch's logits from the last stage, into one [B, R, V] (a micro-batch
+        with fewer rows R, as a verification step of shorter trees, fills its first R)."""
+        source = (self.pipeline - 1) * self.tensor
+        rows, batch = max(r for _, _, r in shapes), sum(b for b, _, _ in shapes)
+        logits = np.zeros((batch, rows, self.vocab_size), np.float32)                    # [B, R, V]
+        medusa = (np.zeros((batch, rows, self.medusa_heads, self.vocab_size), np.float32)  # [B, R, K, V]
+                  if self.medusa_heads else None)
+        start = 0
+        for b, _, r in shapes:
+            logits[start:start + b, :r] = self._recv((b, r, self.vocab_size), np.float32, source)
+            if medusa is not None:
+                medusa[start:start + b, :r] = self._recv((b, r, self.medusa_heads, self.vocab_size), np.float32,
+                                                         source)
+            start += b
+        return StepOutput(logits=logits, medusa=medusa)
+
+    def _send(self, value: np.ndarray, dst: int):
+        """Starts sending ``value``; returns the request and the buffer it reads, kept until it is done."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(np.ascontiguousarray(value))
+        work = dist.isend(tensor, dst=dst)
+        self.sent_bytes += value.nbytes
+        self.sends += 1
+        return work, tensor
+
+    def _recv(self, shape: tuple[int, ...], dtype, src: int) -> np.ndarray:
+        import torch
+        import torch.distributed as dist
+
+        buffer = torch.from_numpy(np.empty(shape, dtype))
+        start = time.perf_counter()
+        dist.recv(buffer, src=src)
+        self.wait_seconds += time.perf_counter() - start
+        return buffer.numpy()
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.engine.copy_slot(src, dst, length)
+
+    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
+        self.engine.keep_path(slot, start, nodes)
+
+    def save_block(self, slot: int, index: int, block: int) -> None:
+        self.engine.save_block(slot, index, block)
+
+    def load_block(self, block: int, slot: int, index: int) -> None:
+        self.engine.load_block(block, slot, index)
+
+    def close(self) -> None:
+        self.engine.close()
