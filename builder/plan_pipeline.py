@@ -2,7 +2,7 @@
 T tensor ranks) laid out over nodes of ``Gpu.node_gpus``, rank = stage · T + tensor rank.
 
 Conventions, beyond builder/plan.py's:
-- layers are split as evenly as they go, the first stages taking the extra ones; the embedding
+- layers are split as the build splits them (contract/pipeline.py, balanced); the embedding
   lives on the first stage (replicated over its tensor ranks, as sharding leaves it), the final
   norm and lm_head on the last (vocab-parallel); a tied table is held by both;
 - between stages every tensor rank sends its copy of the hidden states [B, S, D] (model dtype) to
@@ -16,15 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..contract.pipeline import balanced_layers
 from .gpus import GB, Network
 from .plan import Plan
 from .spec_checks import tensor_parallel_ok
-
-
-def balanced_layers(num_layers: int, stages: int) -> list[int]:
-    """Layers per stage, as even as they go (the first stages take the remainder)."""
-    base, extra = divmod(num_layers, stages)
-    return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,7 @@ class PipelinePlan:
         return self.plan.tp
 
     @property
-    def layers(self) -> list[int]:
+    def layers(self) -> tuple[int, ...]:
         return balanced_layers(self.plan.arch.num_layers, self.pp)
 
     @property

@@ -11,7 +11,8 @@ from trtbuild.builder.cli import main
 from trtbuild.builder.gpus import GB, find_gpu, network_table
 from trtbuild.builder.known_models import known_arch
 from trtbuild.builder.plan import Plan, param_counts, workload_for
-from trtbuild.builder.plan_pipeline import PipelinePlan, balanced_layers, recommend_layout
+from trtbuild.builder.plan_pipeline import PipelinePlan, recommend_layout
+from trtbuild.contract.pipeline import balanced_layers
 
 NDR = network_table()["infiniband-ndr"]
 
@@ -23,9 +24,9 @@ def plan_of(model: str, precision: str, tp: int = 1, gpu: str = "H100-SXM", **wo
 
 
 def test_layers_split_as_evenly_as_they_go():
-    assert balanced_layers(126, 4) == [32, 32, 31, 31]
-    assert balanced_layers(32, 2) == [16, 16]
-    assert balanced_layers(6, 6) == [1] * 6
+    assert balanced_layers(126, 4) == (32, 32, 31, 31)
+    assert balanced_layers(32, 2) == (16, 16)
+    assert balanced_layers(6, 6) == (1,) * 6
 
 
 def test_stage_weights_add_up_to_the_model_with_the_replicated_tables():

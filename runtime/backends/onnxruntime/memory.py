@@ -26,8 +26,8 @@ def bytes_per_weight_byte(engine_dir: EngineDir) -> int:
 def local_ranks(engine_dir: EngineDir) -> list[int]:
     """The ranks whose processes run on this machine: all of them, unless torchrun spread them
     over machines (then its LOCAL_WORLD_SIZE ranks of this node, which hold about the same bytes)."""
-    count = int(os.environ.get("LOCAL_WORLD_SIZE", engine_dir.tensor_parallel))
-    return list(range(min(count, engine_dir.tensor_parallel)))
+    count = int(os.environ.get("LOCAL_WORLD_SIZE", engine_dir.world_size))
+    return list(range(min(count, engine_dir.world_size)))
 
 
 def needed_bytes(engine_dir: EngineDir, ranks: list[int]) -> int:
