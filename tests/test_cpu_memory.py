@@ -18,7 +18,7 @@ GIB = 1 << 30
 
 
 def dir_of(ranks: int, weight_bytes: int, dtype: str = "float16", mode: str = "none") -> EngineDir:
-    manifest = {"spec": {"model": {"dtype": dtype}, "quantization": {"mode": mode}},
+    manifest = {"spec": {"model": {"dtype": dtype}, "quantization": {"mode": mode}}, "pipeline_parallel": 1,
                 "ranks": [{"weight_bytes": weight_bytes} for _ in range(ranks)]}
     return EngineDir(path=Path("/engines/llama-3-8b-tp2"), manifest=manifest)
 

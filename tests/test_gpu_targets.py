@@ -39,8 +39,9 @@ def machine(monkeypatch, gpu: str | None, **versions: str) -> None:
         monkeypatch.setitem(sys.modules, name, module)
 
 
-def engine_dir(built: dict) -> EngineDir:
-    return EngineDir(path=Path("/engines/x"), manifest={"tensorrt": built, "ranks": [{"weight_bytes": 1 << 20}],
+def engine_dir(built: dict, stages: int = 1) -> EngineDir:
+    return EngineDir(path=Path("/engines/x"), manifest={"tensorrt": built, "ranks": [{"weight_bytes": 1 << 20}] * stages,
+                                                        "tensor_parallel": 1, "pipeline_parallel": stages,
                                                         "spec": {"model": {"dtype": "float32"}}})
 
 
@@ -58,6 +59,15 @@ def test_rtx_engines_load_through_tensorrt_rtx(monkeypatch):
     assert tensorrt_available(engine_dir(RTX)) is None
     assert load_flavor(engine_dir(RTX)).__name__ == "tensorrt_rtx"
     assert resolve_backend(engine_dir(RTX), "auto") == "tensorrt"
+
+
+def test_pipeline_stages_run_on_onnx_runtime_until_tensorrt_runs_them(monkeypatch):
+    machine(monkeypatch, "sm89", tensorrt_rtx="1.7.1.116")
+    staged = engine_dir(RTX, stages=2)
+    assert resolve_backend(staged, "auto") == "onnxruntime"
+    with pytest.raises(EngineDirError, match="--backend tensorrt: /engines/x has 2 pipeline stages, which run on "
+                                             "ONNX Runtime only so far"):
+        resolve_backend(staged, "tensorrt")
 
 
 def test_each_flavour_runs_only_its_own_engines(monkeypatch):
