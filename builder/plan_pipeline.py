@@ -8,8 +8,9 @@ Conventions, beyond builder/plan.py's:
 - between stages every tensor rank sends its copy of the hidden states [B, S, D] (model dtype) to
   the same tensor rank of the next stage: over NVLink inside a node, over the network (one NIC
   per GPU, builder/data/gpus.json) between nodes; a hop costs latency + bytes / bandwidth;
-- bubble: in decode, a micro-batch's next step needs its last stage's output, so with M
-  micro-batches in flight each stage works M of every P stage-times: idle share 1 − min(M, P)/P.
+- bubble: the runtime (runtime/pipeline_parallel.py) splits each step's rows into M micro-batches
+  that follow each other through the stages, and the pipeline fills and drains within every step
+  (rank 0 samples before the next one starts), so each stage idles (P − 1) / (M + P − 1) of a step.
   Without micro-batching M = 1; with it, M = min(batch, P) (each micro-batch holds ≥ 1 sequence).
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ class PipelinePlan:
 
     def bubble(self, batch: int, micro_batching: bool) -> float:
         micro = min(batch, self.pp) if micro_batching else 1
-        return 1 - min(micro, self.pp) / self.pp
+        return (self.pp - 1) / (micro + self.pp - 1)
 
     def as_dict(self) -> dict:
         batch = self.plan.workload.max_batch

@@ -54,9 +54,10 @@ def test_hand_offs_leave_a_node_only_between_nodes():
 
 def test_bubble_with_and_without_micro_batches():
     pipe = PipelinePlan(plan_of("llama-3-70b", "fp16", 2), 4, NDR)
-    assert pipe.bubble(8, micro_batching=False) == 0.75
-    assert pipe.bubble(2, micro_batching=True) == 0.5
-    assert pipe.bubble(8, micro_batching=True) == 0.0
+    assert pipe.bubble(8, micro_batching=False) == 3 / 4
+    assert pipe.bubble(2, micro_batching=True) == 3 / 5
+    assert pipe.bubble(8, micro_batching=True) == 3 / 7
+    assert PipelinePlan(plan_of("llama-3-8b", "fp16"), 1, NDR).bubble(8, micro_batching=False) == 0
 
 
 def test_the_layout_it_recommends():
