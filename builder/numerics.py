@@ -113,6 +113,29 @@ def decode_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+# The tree the verification check scores: a root, two guesses for the next token and one after
+# the first (parents by node; every prefix is a tree, for steps of fewer tokens).
+VERIFY_TREE_PARENTS = (-1, 0, 0, 1)
+
+
+def verify_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The seeded step's row with cached K/V, its tokens scored as a Medusa tree: positions by
+    depth, each node sees the cache and its ancestors, logits at every node (one row: the CPU
+    verification graph's batch)."""
+    row = slice(1, 2)
+    out = {name: np.ascontiguousarray(value[row]) for name, value in inputs.items()}
+    seq, start = out["input_ids"].shape[1], int(out["write_index"][0])
+    parents = VERIFY_TREE_PARENTS[:seq]
+    depths, ancestors = np.zeros(seq, np.int32), np.eye(seq, dtype=bool)  # [T], [T, T]
+    for node in range(1, seq):
+        depths[node] = depths[parents[node]] + 1
+        ancestors[node] |= ancestors[parents[node]]
+    out["position_ids"] = (start + depths)[None, :]
+    out["attention_mask"][0, 0, :, start:start + seq] = ancestors
+    out["logits_index"] = np.arange(seq, dtype=np.int64)[None, :]
+    return out
+
+
 def run_torch(step: torch.nn.Module, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
     args = [torch.from_numpy(np.ascontiguousarray(v)) for v in inputs.values()]
     with torch.no_grad():

@@ -6,7 +6,8 @@ IO binding, so the graph writes the new K/V into the pool itself: no per-step co
 Plain decode steps reuse one binding per shape (``_bind``) and run the CPU decode graph
 (GroupQueryAttention per layer, packed QKV, fused residual norms) where the engine dir has one:
 ``rankN.cpu.onnx``, built and checked by the build's CPU stage, one session holding it and the
-rank graph (runtime/backends/onnxruntime/step_graph.py). Nothing is rewritten at load.
+rank graph (runtime/backends/onnxruntime/step_graph.py); a Medusa verification of one row runs
+its CPU verification graph where it has one (built with heads). Nothing is rewritten at load.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import onnxruntime as ort
 
 from ..contract import onnxruntime as ort_config
 from ..contract.onnxruntime import Spinning
-from ..contract.step import (CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, StepArrays,
-                             fill_step_arrays, step_shape)
+from ..contract.step import (CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY,
+                             StepArrays, fill_step_arrays, step_shape)
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
 from .backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
@@ -28,8 +29,8 @@ from .kv_pools import HostPools, PoolShape
 from .scheduler import Step, StepKind
 
 
-# The If's condition; bindings point at these arrays, so they live as long as the module.
-_PLAIN_DECODE, _NOT_PLAIN_DECODE = np.array(True), np.array(False)
+# The Ifs' conditions; bindings point at these arrays, so they live as long as the module.
+_TRUE, _FALSE = np.array(True), np.array(False)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class OnnxRuntimeEngine:
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
         self.engine_dir, self.block_size = engine_dir, block_size
         path = engine_dir.rank_file(rank, "onnx")
-        self.segments, self.decode = None, None
+        self.segments, self.decode, self.verifies_on_cpu_graph = None, None, False
         if engine_dir.tensor_parallel > 1:  # the rank graph holds DistCollective nodes
             if collective is None:
                 raise ValueError(f"{path} is one rank of a tensor-parallel engine: run it through the "
@@ -68,6 +69,8 @@ class OnnxRuntimeEngine:
             source, self.decode = cpu_graph(engine_dir, rank, use_decode_graph)  # self.decode: rankN.cpu.onnx or None
             self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
+            # A step model built with Medusa heads verifies one row's tree on its CPU verification graph.
+            self.verifies_on_cpu_graph = TREE_VERIFY in {i.name for i in self.session.get_inputs()}
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
@@ -85,7 +88,9 @@ class OnnxRuntimeEngine:
         for name, value in arrays.as_dict().items():
             binding.bind_cpu_input(name, value)
         if self.decode is not None:
-            binding.bind_cpu_input(PLAIN_DECODE, _NOT_PLAIN_DECODE)
+            binding.bind_cpu_input(PLAIN_DECODE, _FALSE)
+        if self.verifies_on_cpu_graph:  # GroupQueryAttention verifies a tree of one row only
+            binding.bind_cpu_input(TREE_VERIFY, _TRUE if len(step.rids) == 1 and step.verifies else _FALSE)
         binding.bind_output("logits")  # first, so it is get_outputs()[0]
         if self.has_medusa:
             binding.bind_output("medusa_logits")  # second
@@ -126,7 +131,7 @@ class OnnxRuntimeEngine:
         for name, value in arrays.as_dict().items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
         if self.decode is not None:
-            binding.bind_cpu_input(PLAIN_DECODE, _PLAIN_DECODE)
+            binding.bind_cpu_input(PLAIN_DECODE, _TRUE)
             for name, value in arrays.as_dict().items():  # the next step's inputs, over this one's
                 if name in NEXT_INPUTS:
                     binding.bind_ortvalue_output(NEXT_INPUTS[name], ort.OrtValue.ortvalue_from_numpy(value))

@@ -154,7 +154,7 @@ def test_pack_qkv_leaves_a_projection_someone_else_reads():
 
 def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step():
     from trtbuild.builder.emit.cpu_step_model import feeding_decode_model, step_model
-    from trtbuild.contract.step import NEXT_INPUTS, PLAIN_DECODE
+    from trtbuild.contract.step import NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
@@ -165,7 +165,8 @@ def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step()
                       [_tensor("x", [2, 1, HIDDEN]), *positions], [_tensor("logits", None)], [weight])
 
     rank, decode = graph("Add"), graph("Mul")
-    model = step_model(rank, decode)
+    model = step_model(rank, decode, None)
+    assert TREE_VERIFY not in [i.name for i in model.graph.input]  # no heads: no verification graph
     assert not model.graph.initializer  # each branch holds the weights it reads
     branches = {a.name: a.g for a in model.graph.node[0].attribute}
     assert [t.name for t in branches["then_branch"].initializer] == ["w"] == \
@@ -185,6 +186,35 @@ def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step()
     plain = _run(model, {"x": x, "write_index": write, "kv_length": length, PLAIN_DECODE: np.array(True)})
     assert alone.keys() == plain.keys() and all(np.array_equal(alone[k], plain[k]) for k in plain)
     assert len(decode.graph.node) == 2  # the decode model itself is left as it was
+
+
+def test_step_model_with_a_verification_graph_runs_it_where_tree_verify_says():
+    from trtbuild.builder.emit.cpu_step_model import decode_branch, step_model, verify_branch
+    from trtbuild.contract.step import PLAIN_DECODE, TREE_VERIFY
+
+    rng = np.random.default_rng(4)
+    weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
+    positions = [helper.make_tensor_value_info(name, TensorProto.INT64, [1]) for name in ("write_index", "kv_length")]
+
+    def graph(op):
+        return _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node(op, ["y", "y"], ["logits"])],
+                      [_tensor("x", [1, 3, HIDDEN]), *positions], [_tensor("logits", None)], [weight])
+
+    rank, decode, verify = graph("Add"), graph("Mul"), graph("Max")
+    model = step_model(rank, decode, verify)
+    assert [i.name for i in model.graph.input][-2:] == [PLAIN_DECODE, TREE_VERIFY]
+    x = rng.standard_normal((1, 3, HIDDEN)).astype(np.float32)
+    y = x @ numpy_helper.to_array(weight)  # [B, R, V]
+    feeds = {"x": x, "write_index": np.array([5]), "kv_length": np.array([8])}
+    for plain, tree, expected in ((True, False, y * y), (True, True, y * y), (False, True, y), (False, False, y + y)):
+        out = _run(model, {**feeds, PLAIN_DECODE: np.array(plain), TREE_VERIFY: np.array(tree)})
+        np.testing.assert_allclose(out["logits"], expected, rtol=1e-5, atol=1e-5)
+    # Each branch comes back out as the model it was built from, named as the step's outputs.
+    for branch, op in ((decode_branch(model), "Mul"), (verify_branch(model), "Max")):
+        assert [n.op_type for n in branch.graph.node] == ["MatMul", op]
+        assert [o.name for o in branch.graph.output] == ["logits"]
+        assert PLAIN_DECODE not in [i.name for i in branch.graph.input]
+    assert verify_branch(step_model(rank, decode, None)) is None
 
 
 def _row_gather_model(index_input):

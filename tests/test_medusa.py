@@ -109,6 +109,7 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
     for size in (0, 63, None):  # plain, the full tree, the adaptive choice
         llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)
         assert llm.scheduler.prefix_cache is not None
+        assert llm.engine.verifies_on_cpu_graph  # batch 1 verifies on rank0.cpu.onnx's verification graph
         outputs[size] = [c.token_ids for i in range(0, len(prompts), batch)
                          for c in llm.generate(prompts[i:i + batch], params)]
         stats = llm.speculation.stats
@@ -121,6 +122,45 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
             assert stats.verify_steps == 0 and 0 < llm.stats.greedy_runs < llm.stats.decode_steps
     assert outputs[63] == outputs[0]
     assert outputs[None] == outputs[0]
+
+
+def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
+    """rank0.cpu.onnx's verification graph (GroupQueryAttention over one row's tree) scores a tree
+    as the rank graph does: logits and head logits within max_abs 1e-4 (float32; logits are O(10)),
+    the tree's K/V written to the same cache positions (max_abs 1e-5), for trees of 2 to 64 nodes."""
+    from trtbuild.builder.emit.cpu_step_model import verify_branch
+    from trtbuild.contract import onnxruntime as ort_config
+    from trtbuild.contract.step import step_arrays
+    from trtbuild.runtime.medusa import Tree
+
+    manifest = json.loads((medusa_engine / "manifest.json").read_text())
+    tree = Tree(tuple(tuple(path) for path in manifest["medusa"]["tree"]))
+    verify = ort_config.session(verify_branch(onnx.load(medusa_engine / "rank0.cpu.onnx", load_external_data=False)),
+                                1, medusa_engine)
+    rank = ort_config.session(medusa_engine / "rank0.onnx", 1, medusa_engine)
+    records = [json.loads(line) for line in (medusa_engine / "passes.jsonl").read_text().splitlines()]
+    checked = [r for r in records if r["pass"].startswith("cpu_verify_")]
+    assert [r["pass"] for r in checked] == ["cpu_verify_attention", "cpu_verify_pack_qkv",
+                                            "cpu_verify_drop_row_gather", "cpu_verify_skip_norm"]
+    assert all(r["numerics"]["step"] == "verify" and r["numerics"]["ok"] for r in checked)
+    rng = np.random.default_rng(5)
+    for choices, start in ((1, 0), (4, 17), (63, 300)):
+        prefix = tree.prefix(choices)
+        tokens = rng.integers(0, manifest["model"]["vocab_size"], prefix.size).tolist()
+        feeds = step_arrays([tokens], [start], 1024, trees=[prefix]).as_dict()
+        for layer in range(manifest["model"]["num_layers"]):
+            for kind in ("key", "value"):
+                cache = np.zeros((1, 2, 1024, 32), np.float32)  # [B, H_kv, S_max, D]
+                cache[:, :, :start] = rng.standard_normal((1, 2, start, 32))
+                feeds[f"past_{kind}_{layer}"] = cache
+        got = ort_config.run(verify, {k: v.copy() for k, v in feeds.items()})
+        want = ort_config.run(rank, {k: v.copy() for k, v in feeds.items()})
+        for name in ("logits", "medusa_logits"):
+            assert got[name].shape == want[name].shape
+            assert np.abs(got[name] - want[name]).max() <= 1e-4, (name, choices)
+        for layer in range(manifest["model"]["num_layers"]):
+            written = slice(0, start + prefix.size)
+            assert np.abs(got[f"present_key_{layer}"][:, :, written] - want[f"present_key_{layer}"][:, :, written]).max() <= 1e-5
 
 
 def test_requests_with_and_without_speculation_share_steps(medusa_engine, prompts):
