@@ -37,8 +37,8 @@ _TRUE, _FALSE = np.array(True), np.array(False)
 class _Bound:
     arrays: StepArrays
     binding: object              # onnxruntime.IOBinding
-    logits: np.ndarray           # [B, 1, V]
-    medusa: np.ndarray | None    # [B, 1, K, V]
+    logits: np.ndarray           # [B, R, V]
+    medusa: np.ndarray | None    # [B, R, K, V]
 
 
 class OnnxRuntimeEngine:
@@ -73,7 +73,7 @@ class OnnxRuntimeEngine:
             self.verifies_on_cpu_graph = TREE_VERIFY in {i.name for i in self.session.get_inputs()}
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size))
         self.has_medusa = MEDUSA_LOGITS in outputs
-        self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
+        self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused binding
 
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
@@ -83,14 +83,20 @@ class OnnxRuntimeEngine:
             bound = self._filled(step)
             self.session.run_with_iobinding(bound.binding)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
+        if self.verifies_on_cpu_graph and len(step.rids) == 1 and step.verifies:  # one row's tree, step after step
+            key = (step.first_slot, 1, seq)
+            bound = self._bound.get(key) or self._bind(key)
+            fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
+            self.session.run_with_iobinding(bound.binding)
+            return StepOutput(logits=bound.logits, medusa=bound.medusa)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_cpu_input(name, value)
         if self.decode is not None:
             binding.bind_cpu_input(PLAIN_DECODE, _FALSE)
-        if self.verifies_on_cpu_graph:  # GroupQueryAttention verifies a tree of one row only
-            binding.bind_cpu_input(TREE_VERIFY, _TRUE if len(step.rids) == 1 and step.verifies else _FALSE)
+        if self.verifies_on_cpu_graph:  # a verification of several rows: GroupQueryAttention verifies one
+            binding.bind_cpu_input(TREE_VERIFY, _FALSE)
         binding.bind_output("logits")  # first, so it is get_outputs()[0]
         if self.has_medusa:
             binding.bind_output("medusa_logits")  # second
@@ -121,25 +127,30 @@ class OnnxRuntimeEngine:
         return bound
 
     def _bind(self, key: tuple[int, int, int]) -> _Bound:
-        """Buffers and an IO binding for decode steps of one shape, reused every such step:
-        inputs are numpy buffers the step fills in place, caches are views of the pools, the
-        outputs land in preallocated arrays (valid until the next step, as StepOutput says)."""
+        """Buffers and an IO binding for steps of one shape, reused every such step: plain decode
+        steps (S = 1) and, on the CPU verification graph, one row's tree verifications (S > 1,
+        logits at every node). Inputs are numpy buffers the step fills in place, caches are views
+        of the pools, the outputs land in preallocated arrays (valid until the next step, as
+        StepOutput says)."""
         first_slot, batch, seq = key
         d = self.engine_dir
-        arrays = StepArrays.empty(batch, seq, 1, d.max_seq_len)
+        arrays = StepArrays.empty(batch, seq, seq, d.max_seq_len)  # R = S: 1, or every node of a tree
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
         if self.decode is not None:
-            binding.bind_cpu_input(PLAIN_DECODE, _TRUE)
+            binding.bind_cpu_input(PLAIN_DECODE, _TRUE if seq == 1 else _FALSE)
+        if self.verifies_on_cpu_graph:
+            binding.bind_cpu_input(TREE_VERIFY, _FALSE if seq == 1 else _TRUE)
+        if self.decode is not None and seq == 1:
             for name, value in arrays.as_dict().items():  # the next step's inputs, over this one's
                 if name in NEXT_INPUTS:
                     binding.bind_ortvalue_output(NEXT_INPUTS[name], ort.OrtValue.ortvalue_from_numpy(value))
-        logits = np.empty((batch, 1, d.vocab_size), np.float32)  # [B, 1, V]
+        logits = np.empty((batch, seq, d.vocab_size), np.float32)  # [B, R, V]
         binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         medusa = None
         if self.has_medusa:
-            medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
+            medusa = np.empty((batch, seq, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, R, K, V]
             binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
         for name, pool in self.kv.pools.items():
             view = ort.OrtValue.ortvalue_from_numpy(pool[first_slot:first_slot + batch])
