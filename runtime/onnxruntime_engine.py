@@ -88,7 +88,7 @@ class OnnxRuntimeEngine:
             bound = self._bound.get(key) or self._bind(key)
             fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
             self.session.run_with_iobinding(bound.binding)
-            return StepOutput(logits=bound.logits, medusa=bound.medusa)
+            return StepOutput(logits=bound.logits, medusa=bound.medusa, medusa_at_path_end=True)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
@@ -149,8 +149,8 @@ class OnnxRuntimeEngine:
         logits = np.empty((batch, seq, d.vocab_size), np.float32)  # [B, R, V]
         binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         medusa = None
-        if self.has_medusa:
-            medusa = np.empty((batch, seq, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, R, K, V]
+        if self.has_medusa:  # a verification graph's heads: at one node a row (StepOutput.medusa_at_path_end)
+            medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
             binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
         for name, pool in self.kv.pools.items():
             view = ort.OrtValue.ortvalue_from_numpy(pool[first_slot:first_slot + batch])

@@ -118,12 +118,13 @@ def _branch_model(step: onnx.ModelProto, branch: onnx.GraphProto, names) -> onnx
     """``branch`` with the step's inputs and its outputs renamed to ``names``."""
     graph = onnx.GraphProto()
     graph.CopyFrom(branch)
-    for name, value in zip(names, graph.output):
-        for inner in graph.node:
-            for i, out in enumerate(inner.output):
-                if out == value.name:
-                    inner.output[i] = name
-        value.name = name
+    rename = {value.name: name for name, value in zip(names, graph.output)}
+    for inner in graph.node:
+        for values in (inner.input, inner.output):
+            for i, value in enumerate(values):
+                values[i] = rename.get(value, value)
+    for value in graph.output:
+        value.name = rename[value.name]
     graph.input.extend(i for i in step.graph.input if i.name not in (PLAIN_DECODE, TREE_VERIFY))
     model = helper.make_model(graph, opset_imports=list(step.opset_import))
     model.ir_version = step.ir_version

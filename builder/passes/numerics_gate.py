@@ -21,7 +21,9 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
+from ...contract import onnxruntime as ort_config
 from ...contract.onnxruntime import CpuActivations
+from ...contract.step import MEDUSA_LOGITS
 from ...contract.tensor_parallel import gather_caches, shard_caches
 from ...plugins import fp4
 from ...plugins.segments import run_ranks
@@ -51,6 +53,7 @@ class NumericsGate(Instrument):
         self.cpu_inputs: dict | None = None  # the step the current CPU graph is for
         self.cpu_reference: dict | None = None  # the rank graph at that step (the CPU stage's reference)
         self.cpu_previous: dict | None = None
+        self.path_end: int | None = None  # at a verification step: the node greedy acceptance ends at
 
     def before(self, p, rank, graph):
         if self.produced is None:  # the exported graph
@@ -59,12 +62,17 @@ class NumericsGate(Instrument):
     def start_cpu_stage(self, rank_graphs, cpu_graph):
         if len(rank_graphs) != 1:
             return  # the CPU stage runs on single-rank graphs only (base.cpu_stage_skipped)
-        model = self._model(rank_graphs[0])
-        step = numerics.decode_inputs if cpu_graph is CpuGraph.decode else numerics.verify_inputs
-        self.cpu_inputs = step(self.inputs)
-        self.cpu_reference = numerics.run_onnx(self._runnable(model, "numerics.onnx"), self.cpu_inputs,
-                                               activations=self.activations)
+        session = ort_config.session(self._runnable(self._model(rank_graphs[0]), "numerics.onnx"),
+                                     activations=self.activations)
+        rank = lambda feeds: ort_config.run(session, feeds)  # noqa: E731
+        if cpu_graph is CpuGraph.decode:
+            self.cpu_inputs = numerics.decode_inputs(self.inputs)
+        else:
+            self.cpu_inputs = numerics.verify_inputs(self.inputs, rank)
+        self.cpu_reference = rank(self.cpu_inputs)
         self.cpu_previous = self.cpu_reference
+        self.path_end = (numerics.greedy_path_end(self.cpu_inputs, self.cpu_reference["logits"])
+                         if cpu_graph is CpuGraph.verify else None)
 
     def after_all(self, p, graphs, results, records, ran):
         if p.cpu:
@@ -134,8 +142,8 @@ class NumericsGate(Instrument):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise PassError(f"pass {p.name} left a {kind} graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
         try:
-            vs_rank = numerics.compare(outputs, self.cpu_reference)
-            vs_previous = numerics.compare(outputs, self.cpu_previous)
+            vs_rank = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_reference))
+            vs_previous = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_previous))
         except numerics.DroppedOutput as exc:
             raise PassError(f"pass {p.name}: {exc}{after(ran)}") from None
         self.cpu_previous = outputs
@@ -143,6 +151,8 @@ class NumericsGate(Instrument):
         bad = {name: s for name, s in vs_rank.items() if not s.within(self.atol, rtol)}
         record = {"step": kind, "vs_rank_graph": numerics.worst(vs_rank), "vs_previous": numerics.worst(vs_previous),
                   "atol": self.atol, "rtol": rtol, "ok": not bad}
+        if self.path_end is not None:
+            record["greedy_path_end"] = self.path_end
         for rank_record in records:
             rank_record["numerics"] = record
         if bad:
@@ -150,6 +160,15 @@ class NumericsGate(Instrument):
             raise PassError(f"pass {p.name} broke numerics: at a {kind} step {name} max_abs {stat.max_abs:.3g} "
                             f"(max_rel {stat.max_rel:.3g}) vs the rank graph exceeds atol {self.atol} / rtol "
                             f"{rtol}{after(ran)}")
+
+    def _at_rows_of(self, outputs: dict, reference: dict) -> dict:
+        """``reference`` where ``outputs`` has the heads at the greedy path's end only
+        (cpu_verify_heads_at_path_end): its heads at that node, which the check's tree makes
+        two deep."""
+        medusa = outputs.get(MEDUSA_LOGITS)
+        if medusa is None or self.path_end is None or medusa.shape[1] == reference[MEDUSA_LOGITS].shape[1]:
+            return reference
+        return {**reference, MEDUSA_LOGITS: reference[MEDUSA_LOGITS][:, self.path_end:self.path_end + 1]}
 
     def _runnable(self, model: onnx.ModelProto, name: str) -> onnx.ModelProto | Path:
         """``model``, or saved in the workdir, where its external weights resolve."""
