@@ -17,12 +17,15 @@ generates --tokens tokens (ignore_eos). Side by side on the same engine dir:
     where a tree does not pay), >= 1.3x at batch 1 where verification can pay;
   * the step-time-vs-tokens curve (calibrated at load) and a greedy run's step, which explain
     the numbers.
-Every mode's tokens are checked to equal plain decoding's.
+Every mode's tokens are checked to equal plain decoding's. The 1-minute load average at the
+start and end is printed: on a shared machine the absolute tok/s move with it, the paired ratios
+much less.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -84,6 +87,7 @@ def main() -> None:
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     from tokenizers import Tokenizer
 
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         engine = args.engine_dir
         if engine is None:
@@ -123,8 +127,9 @@ def main() -> None:
         curve = [[str(s), *(f"{1000 * times[b][s]:.2f}" if s in times.get(b, {}) else "-" for b in sorted(times))]
                  for s in sorted({s for row in times.values() for s in row})]
         curve.append(["run step", *(f"{1000 * runs[b]:.2f}" if b in runs else "-" for b in sorted(times))])
+    load = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}
     if args.json:
-        print(json.dumps({"rows": [dict(zip(HEADER, r)) for r in rows],
+        print(json.dumps({"rows": [dict(zip(HEADER, r)) for r in rows], "load_average_1min": load,
                           "step_ms": {b: {s: round(1000 * t, 3) for s, t in row.items()} for b, row in times.items()}},
                          indent=2))
         return
@@ -133,6 +138,7 @@ def main() -> None:
     print("\nengine step time (ms, calibrated at load, refined while decoding) by tokens per row S and batch B;\n"
           "'run step': a step of a multi-step greedy run (plain decoding), its commit included:")
     print(format_table(curve, ["S", *(f"B={b}" for b in sorted(times))]))
+    print(f"\nload average (1 min): {load['start']} at the start, {load['end']} at the end ({os.cpu_count()} cores)")
 
 
 HEADER = ["batch", "mode", "tok/s", "vs plain", "tokens/step", "decode steps", "steps saved",

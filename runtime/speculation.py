@@ -11,7 +11,9 @@ tokens per second, (1 + E[accepted | n]) / t(B, 1 + n), and n = 0 (plain decodin
 that beats plain decoding by MIN_GAIN. Plain decoding is what the runtime really does when it
 steps aside: multi-step greedy runs (runtime/engine_core.py), whose cost per token is
 calibrated and observed separately from a single plain step's (on the CPU, a run's step on
-the decode graph costs a fraction of a verification on the rank graph). Calibration runs B in
+the decode graph costs a fraction of a verification on the rank graph; a verification of one
+row runs the CPU verification graph, close to a plain step's cost at small trees, so the
+measured table makes trees pay at batch 1 and not beyond). Calibration runs B in
 powers of two up to max_batch × 8 tree sizes, five steps each, and one greedy run per B: ~2 s
 for the bundled model on 2 CPU cores.
 """
