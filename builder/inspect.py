@@ -82,9 +82,9 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
     lines.append(table(rows, ["rank", "pass", "ms", "modified", "matches", "nodes",
                               "max_abs vs prev", "max_abs vs torch"]))
     if any(r.get("numerics", {}).get("step") == "decode" for r in records):
-        lines.append("cpu_* passes make rankN.cpu.onnx, the decode graph ONNX Runtime runs at plain decode steps "
-                     "(and cpu_verify_* the graph it verifies a Medusa tree of one row on): each checked at a step "
-                     "of its kind against the finished rank graph")
+        lines.append("cpu_* passes make rankN.cpu.onnx: the decode graph ONNX Runtime runs at plain decode steps "
+                     "and, with Medusa heads, the graph it verifies one row's tree on (the verify passes); each "
+                     "checked at a step of its kind against the finished rank graph")
     if detail:
         for r in records:
             lines += ["", f"rank {'all' if r['rank'] is None else r['rank']} {r['pass']}: op counts before → after"]
