@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Medusa benchmark on the bundled model (ONNX Runtime backend, CPU, greedy).
 
-    python benchmarks/medusa.py [--engine-dir DIR] [--prompts 8] [--tokens 128] [--repeat 3] [--json]
+    python benchmarks/medusa.py [--engine-dir DIR] [--prompts 8] [--tokens 128] [--repeat 3] [--fixed N ...] [--json]
 
 Builds specs/tiny-code-medusa.yaml into a temporary dir unless --engine-dir is given. Prompts
 are 32-token windows of the held-out text (models/tiny-code/heldout.txt); every request
 generates --tokens tokens (ignore_eos). Side by side on the same engine dir:
   * plain decoding (speculation off: multi-step greedy runs, as on an engine dir without heads),
-    the full default tree, and the adaptive policy, at batch 1 (requests one after another)
+    the full default tree, each --fixed tree prefix, and the adaptive policy, at batch 1 (requests one after another)
     and batch 8 (3 × 8 requests in flight, 8 slots), each run --repeat times (a fresh LLM
     each; calibration at load is not timed), the modes taking turns within each round; the
     median tok/s is reported, and the median over rounds of each mode's ratio to plain's run
@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="rounds (each mode once per round); medians reported")
+    parser.add_argument("--fixed", type=int, nargs="*", default=[],
+                        help="tree prefixes of N choices to run as modes of their own (what the policy chooses between)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
@@ -97,7 +99,8 @@ def main() -> None:
         tokenizer = Tokenizer.from_file(str(engine / "tokenizer.json"))
         tree_nodes = len(json.loads((engine / "manifest.json").read_text())["medusa"]["tree"])
         rows, results, curve_llm = [], {}, None
-        modes = (("plain", 0), (f"default tree ({tree_nodes} nodes)", tree_nodes), ("adaptive", None))
+        modes = (("plain", 0), (f"default tree ({tree_nodes} nodes)", tree_nodes),
+                 *((f"tree prefix ({n} nodes)", n) for n in args.fixed), ("adaptive", None))
         for batch, count in ((1, args.prompts), (8, 3 * args.prompts)):
             prompts = heldout_prompts(tokenizer, count)
             # Rounds: every mode once per round, back to back, so a slow spell of this shared

@@ -52,6 +52,18 @@ def test_tree_refuses_malformed_choices(choices, message):
         Tree(choices)
 
 
+@pytest.mark.parametrize("k", [1, 2, 5, 16, 17, 40])
+def test_top_k_ranks_like_a_full_sort_ties_by_lower_index(k):
+    from trtbuild.runtime.medusa import ARGMAX_TOP_K, _top_k
+
+    rng = np.random.default_rng(k)
+    tied = rng.integers(0, 5, 4096).astype(np.float32)  # many ties: exact order where k argmaxes rank them
+    for logits in (rng.standard_normal(4096).astype(np.float32), *((tied,) if k <= ARGMAX_TOP_K else ())):
+        expected = np.lexsort((np.arange(4096), -logits))[:k]  # descending, lower index first
+        assert _top_k(logits, k).tolist() == expected.tolist()
+        assert logits.shape == (4096,) and np.isfinite(logits).all()  # the caller's logits are left as they were
+
+
 def test_candidates_take_each_heads_ranked_guesses():
     medusa = np.array([[0.1, 0.9, 0.5, 0.0],     # head 0: ranks → tokens 1, 2
                        [0.7, 0.0, 0.0, 0.8],     # head 1: 3, 0
