@@ -157,12 +157,12 @@ def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
                 cache = np.zeros((1, 2, 1024, 32), np.float32)  # [B, H_kv, S_max, D]
                 cache[:, :, :start] = rng.standard_normal((1, 2, start, 32))
                 feeds[f"past_{kind}_{layer}"] = cache
+        run = lambda session: ort_config.run(session, {k: v.copy() for k, v in feeds.items()})  # noqa: E731
         for depth in range(1, follow + 1):  # the rank-0 chain follows the base model's argmax
-            parent, node = prefix.choices.index((0,) * (depth - 1)) + 1 if depth > 1 else 0, \
-                prefix.choices.index((0,) * depth) + 1
-            feeds["input_ids"][0, node] = ort_config.run(rank, {k: v.copy() for k, v in feeds.items()})["logits"][0, parent].argmax()
-        got = ort_config.run(verify, {k: v.copy() for k, v in feeds.items()})
-        want = ort_config.run(rank, {k: v.copy() for k, v in feeds.items()})
+            parent = prefix.choices.index((0,) * (depth - 1)) + 1 if depth > 1 else 0
+            node = prefix.choices.index((0,) * depth) + 1
+            feeds["input_ids"][0, node] = run(rank)["logits"][0, parent].argmax()
+        got, want = run(verify), run(rank)
         assert got["logits"].shape == want["logits"].shape
         assert np.abs(got["logits"] - want["logits"]).max() <= 1e-4, choices
         path = accept_greedy(prefix, feeds["input_ids"][0].tolist(), want["logits"][0])
@@ -171,7 +171,9 @@ def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
         assert np.abs(got["medusa_logits"][0, 0] - want["medusa_logits"][0, path.last_node]).max() <= 1e-4, choices
         for layer in range(manifest["model"]["num_layers"]):
             written = slice(0, start + prefix.size)
-            assert np.abs(got[f"present_key_{layer}"][:, :, written] - want[f"present_key_{layer}"][:, :, written]).max() <= 1e-5
+            for kind in ("key", "value"):
+                name = f"present_{kind}_{layer}"
+                assert np.abs(got[name][:, :, written] - want[name][:, :, written]).max() <= 1e-5
     assert max(depths) >= 3 and min(depths) == 0
 
 
