@@ -25,6 +25,8 @@ row whose typical acceptance ends elsewhere gets no draft for one step).
 """
 from __future__ import annotations
 
+import heapq
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -132,20 +134,29 @@ def _gather_row(hidden: str, picked: str) -> list[onnx.NodeProto]:
 
 
 def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Nodes in an order where each comes after what it reads (the inserted ones read the logits)."""
-    produced = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
-    pending, ordered = list(model.graph.node), []
-    while pending:
-        ready = [n for n in pending if all(i in produced for i in n.input)]
-        if not ready:
-            raise ValueError("the graph has a cycle or reads a tensor nothing makes")
-        for node in ready:
-            ordered.append(node)
-            produced.update(node.output)
-        done = {id(n) for n in ready}
-        pending = [n for n in pending if id(n) not in done]
+    """Nodes in an order where each comes after what it reads (the inserted ones read the logits):
+    Kahn's algorithm, the original order kept among nodes ready together."""
+    nodes = list(model.graph.node)
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}  # "": no output
+    waiting = [len({producer[name] for name in node.input if name in producer}) for node in nodes]
+    readers: dict[int, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for j in {producer[name] for name in node.input if name in producer}:
+            readers.setdefault(j, []).append(i)
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for k in readers.get(i, ()):
+            waiting[k] -= 1
+            if waiting[k] == 0:
+                heapq.heappush(ready, k)
+    if len(order) != len(nodes):
+        raise ValueError("the graph has a cycle")
     del model.graph.node[:]
-    model.graph.node.extend(ordered)
+    model.graph.node.extend(order)
     return model
 
 
