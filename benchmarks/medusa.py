@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Medusa benchmark on the bundled model (ONNX Runtime backend, CPU, greedy).
 
-    python benchmarks/medusa.py [--engine-dir DIR] [--prompts 8] [--tokens 128] [--repeat 3] [--json]
+    python benchmarks/medusa.py [--engine-dir DIR] [--prompts 8] [--tokens 128] [--repeat 3] [--fixed N ...] [--json]
 
 Builds specs/tiny-code-medusa.yaml into a temporary dir unless --engine-dir is given. Prompts
 are 32-token windows of the held-out text (models/tiny-code/heldout.txt); every request
 generates --tokens tokens (ignore_eos). Side by side on the same engine dir:
   * plain decoding (speculation off: multi-step greedy runs, as on an engine dir without heads),
-    the full default tree, and the adaptive policy, at batch 1 (requests one after another)
+    the full default tree, each --fixed tree prefix, and the adaptive policy, at batch 1 (requests one after another)
     and batch 8 (3 × 8 requests in flight, 8 slots), each run --repeat times (a fresh LLM
     each; calibration at load is not timed), the modes taking turns within each round; the
     median tok/s is reported, and the median over rounds of each mode's ratio to plain's run
@@ -17,12 +17,15 @@ generates --tokens tokens (ignore_eos). Side by side on the same engine dir:
     where a tree does not pay), >= 1.3x at batch 1 where verification can pay;
   * the step-time-vs-tokens curve (calibrated at load) and a greedy run's step, which explain
     the numbers.
-Every mode's tokens are checked to equal plain decoding's.
+Every mode's tokens are checked to equal plain decoding's. The 1-minute load average at the
+start and end is printed: on a shared machine the absolute tok/s move with it, the paired ratios
+much less.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,6 +50,8 @@ def heldout_prompts(tokenizer, count: int, length: int = 32) -> list[list[int]]:
 
 
 def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: int | None, threads: int) -> dict:
+    """One mode's timed generation. The LLM is closed before returning: every mode of every round
+    kept alive held ~250 MiB and a spinning thread pool each (30 of them with --repeat 5)."""
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
@@ -69,7 +74,10 @@ def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: i
               "steps": llm.stats.decode_steps}
     if spec_stats is not None:
         result.update(spec_stats.as_dict())
-    return result, llm
+        times = llm.speculation.times
+        result["step_times"] = ({b: dict(row) for b, row in times.table.items()}, dict(times.runs))
+    llm.close()
+    return result
 
 
 def main() -> None:
@@ -79,11 +87,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="rounds (each mode once per round); medians reported")
+    parser.add_argument("--fixed", type=int, nargs="*", default=[],
+                        help="tree prefixes of N choices to run as modes of their own (what the policy chooses between)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     from tokenizers import Tokenizer
 
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         engine = args.engine_dir
         if engine is None:
@@ -92,8 +103,9 @@ def main() -> None:
             build_engine(engine)
         tokenizer = Tokenizer.from_file(str(engine / "tokenizer.json"))
         tree_nodes = len(json.loads((engine / "manifest.json").read_text())["medusa"]["tree"])
-        rows, results, curve_llm = [], {}, None
-        modes = (("plain", 0), (f"default tree ({tree_nodes} nodes)", tree_nodes), ("adaptive", None))
+        rows, results, curve = [], {}, None
+        modes = (("plain", 0), (f"default tree ({tree_nodes} nodes)", tree_nodes),
+                 *((f"tree prefix ({n} nodes)", n) for n in args.fixed), ("adaptive", None))
         for batch, count in ((1, args.prompts), (8, 3 * args.prompts)):
             prompts = heldout_prompts(tokenizer, count)
             # Rounds: every mode once per round, back to back, so a slow spell of this shared
@@ -105,26 +117,26 @@ def main() -> None:
                 rounds.append({mode: run(engine, prompts, args.tokens, batch, size, args.threads)
                                for mode, size in modes})
             for mode, size in modes:
-                by_speed = sorted(rounds, key=lambda r: r[mode][0]["tok_per_s"])
-                result, llm = by_speed[len(by_speed) // 2][mode]
+                by_speed = sorted(rounds, key=lambda r: r[mode]["tok_per_s"])
+                result = by_speed[len(by_speed) // 2][mode]
                 if size is None:
-                    curve_llm = llm
-                ratio = statistics.median(r[mode][0]["tok_per_s"] / r["plain"][0]["tok_per_s"] for r in rounds)
+                    curve = result["step_times"]
+                ratio = statistics.median(r[mode]["tok_per_s"] / r["plain"]["tok_per_s"] for r in rounds)
                 results[(batch, mode)] = result
-                same = all(r[mode][0]["tokens"] == r["plain"][0]["tokens"] for r in rounds)
+                same = all(r[mode]["tokens"] == r["plain"]["tokens"] for r in rounds)
                 rows.append([str(batch), mode, f"{result['tok_per_s']:.0f}", f"{ratio:.2f}x",
                              f"{result.get('mean_tokens_per_step', 1.0):.2f}", str(result["steps"]),
                              str(result.get("steps_saved", 0)),
                              " ".join(f"{a:.2f}" for a in result.get("head_acceptance", [])) or "-",
                              ",".join(f"{s}:{c}" for s, c in result.get("tree_sizes", {}).items()) or "-",
                              "yes" if same else "NO"])
-        times = curve_llm.speculation.times.table
-        runs = curve_llm.speculation.times.runs
+        times, runs = curve
         curve = [[str(s), *(f"{1000 * times[b][s]:.2f}" if s in times.get(b, {}) else "-" for b in sorted(times))]
                  for s in sorted({s for row in times.values() for s in row})]
         curve.append(["run step", *(f"{1000 * runs[b]:.2f}" if b in runs else "-" for b in sorted(times))])
+    load = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}
     if args.json:
-        print(json.dumps({"rows": [dict(zip(HEADER, r)) for r in rows],
+        print(json.dumps({"rows": [dict(zip(HEADER, r)) for r in rows], "load_average_1min": load,
                           "step_ms": {b: {s: round(1000 * t, 3) for s, t in row.items()} for b, row in times.items()}},
                          indent=2))
         return
@@ -133,6 +145,7 @@ def main() -> None:
     print("\nengine step time (ms, calibrated at load, refined while decoding) by tokens per row S and batch B;\n"
           "'run step': a step of a multi-step greedy run (plain decoding), its commit included:")
     print(format_table(curve, ["S", *(f"B={b}" for b in sorted(times))]))
+    print(f"\nload average (1 min): {load['start']} at the start, {load['end']} at the end ({os.cpu_count()} cores)")
 
 
 HEADER = ["batch", "mode", "tok/s", "vs plain", "tokens/step", "decode steps", "steps saved",

@@ -25,7 +25,7 @@ from .frontend.weight_map import WeightMap
 from .isolate import map_isolated, run_isolated
 from .medusa.heads import MedusaHeads, load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
-from .passes import PIPELINE, PassContext
+from .passes import PIPELINE, CpuGraph, PassContext
 from .passes.instruments import Instrument, to_onnx
 from .passes import weights
 from .passes.manager import PassManager
@@ -114,9 +114,10 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                 save_graph(model, tmp / f"rank{rank}.onnx", workdir, adoptable[rank])
             cuda_graph_plan = json.loads(graph_metadata(model).get("cuda_graph_batch_sizes", "[]"))
             ranks.append(_rank_entry(spec, rank, model, tmp))
-            if run.cpu_graphs is not None:
+            if run.cpu_graphs:
                 with progress.stage(f"write rank{rank}.cpu.onnx"):
-                    ranks[-1].update(_cpu_entry(rank, to_onnx(run.cpu_graphs[rank], provenance), model, tmp))
+                    cpu = {kind: to_onnx(graphs[rank], provenance) for kind, graphs in run.cpu_graphs.items()}
+                    ranks[-1].update(_cpu_entry(rank, cpu, model, tmp))
             del model
         del run
         shutil.rmtree(workdir)
@@ -218,10 +219,10 @@ def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
             "weight_bytes": data.stat().st_size if data.is_file() else 0, "io": io_table(model)}
 
 
-def _cpu_entry(rank: int, decode, model, out: Path) -> dict:
-    """Writes rankN.cpu.onnx (the CPU step model: the rank graph and the CPU stage's decode graph,
+def _cpu_entry(rank: int, cpu: dict, model, out: Path) -> dict:
+    """Writes rankN.cpu.onnx (the CPU step model: the rank graph and the CPU stage's graphs ``cpu``,
     builder/emit/cpu_step_model.py) beside the rank graph ``model`` (as saved); its manifest keys."""
-    data = save_cpu_step_model(decode, model, out / f"rank{rank}.cpu.onnx")
+    data = save_cpu_step_model(cpu[CpuGraph.decode], cpu.get(CpuGraph.verify), model, out / f"rank{rank}.cpu.onnx")
     return {"cpu_onnx": f"rank{rank}.cpu.onnx", "cpu_onnx_data": data.name if data is not None else None}
 
 

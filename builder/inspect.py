@@ -77,14 +77,15 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
                      r.get("matches", "-"), f"{r['nodes_before']}→{r['nodes_after']}",
                      _stat(numerics.get("vs_previous")),
                      _stat(numerics.get("vs_torch")) if "vs_rank_graph" not in numerics
-                     else f"{_stat(numerics['vs_rank_graph'])} (rank graph, decode step)"])
+                     else f"{_stat(numerics['vs_rank_graph'])} (rank graph, {numerics['step']} step)"])
     lines.append(table(rows, ["rank", "pass", "ms", "modified", "matches", "nodes",
                               "max_abs vs prev", "max_abs vs torch"]))
     if len(manifest["ranks"]) > 1:
         lines.append("rank column: rank:s<pipeline stage>/t<tensor rank>; \"all\": once, on the whole model, before the split")
     if any(r.get("numerics", {}).get("step") == "decode" for r in records):
-        lines.append("cpu_* passes make rankN.cpu.onnx, the decode graph ONNX Runtime runs at plain decode steps: "
-                     "checked at a decode step against the finished rank graph")
+        lines.append("cpu_* passes make rankN.cpu.onnx: the decode graph ONNX Runtime runs at plain decode steps "
+                     "and, with Medusa heads, the graph it verifies one row's tree on (the verify passes); each "
+                     "checked at a step of its kind against the finished rank graph")
     if detail:
         for r in records:
             lines += ["", f"rank {'all' if r['rank'] is None else r['rank']} {r['pass']}: op counts before → after"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -113,6 +114,49 @@ def decode_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                kv_length=write + 1, attention_mask=np.ascontiguousarray(inputs["attention_mask"][:, :, :1]),
                logits_index=np.zeros((len(write), 1), np.int64))
     return out
+
+
+# The tree the verification check scores: a root, two guesses for the next token and one after
+# the first (parents by node; every prefix is a tree, for steps of fewer tokens). The check makes
+# the path root → 1 → 3 the one greedy acceptance keeps: each token its parent's argmax.
+VERIFY_TREE_PARENTS = (-1, 0, 0, 1)
+VERIFY_ACCEPTED = (1, 3)
+
+
+def verify_inputs(inputs: dict[str, np.ndarray], run: Callable[[dict], dict]) -> dict[str, np.ndarray]:
+    """The seeded step's row with cached K/V, its tokens scored as a Medusa tree: positions by
+    depth, each node sees the cache and its ancestors, logits at every node (one row: the CPU
+    verification graph's batch). ``run`` (the rank graph) picks the accepted path's tokens."""
+    row = slice(1, 2)
+    out = {name: np.ascontiguousarray(value[row]) for name, value in inputs.items()}
+    seq, start = out["input_ids"].shape[1], int(out["write_index"][0])
+    parents = VERIFY_TREE_PARENTS[:seq]
+    depths, ancestors = np.zeros(seq, np.int32), np.eye(seq, dtype=bool)  # [T], [T, T]
+    for node in range(1, seq):
+        depths[node] = depths[parents[node]] + 1
+        ancestors[node] |= ancestors[parents[node]]
+    out["position_ids"] = (start + depths)[None, :]
+    out["attention_mask"][0, 0, :, start:start + seq] = ancestors
+    out["logits_index"] = np.arange(seq, dtype=np.int64)[None, :]
+    ids = out["input_ids"][0]
+    for node in (n for n in VERIFY_ACCEPTED if n < seq):
+        ids[node] = int(np.argmax(run(out)["logits"][0, parents[node]]))
+    for node in range(1, seq):  # siblings hold distinct tokens, as top-k guesses do
+        while any(ids[other] == ids[node] for other in range(1, node) if parents[other] == parents[node]):
+            ids[node] += 1
+    return out
+
+
+def greedy_path_end(inputs: dict[str, np.ndarray], logits: np.ndarray) -> int:
+    """The last node greedy acceptance keeps on verify_inputs' tree, from logits [1, T, V]."""
+    ids, node = inputs["input_ids"][0], 0
+    parents = VERIFY_TREE_PARENTS[:len(ids)]
+    while True:
+        target = int(np.argmax(logits[0, node]))
+        child = next((c for c in range(1, len(ids)) if parents[c] == node and ids[c] == target), None)
+        if child is None:
+            return node
+        node = child
 
 
 def run_torch(step: torch.nn.Module, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:

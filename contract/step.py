@@ -31,9 +31,12 @@ STEP_INPUTS: dict[str, tuple[str, tuple[str | int, ...]]] = {
 CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}  # what ONNX Runtime runs on CPU
 
 # rankN.cpu.onnx (the CPU step model) takes the step's inputs plus PLAIN_DECODE, a bool scalar:
-# true runs the CPU decode graph (plain decode steps, one token a row), false the rank graph. Its
-# outputs add NEXT_INPUTS: the next greedy decode step's inputs, as a plain decode step leaves them.
+# true runs the CPU decode graph (plain decode steps, one token a row), false the rank graph or,
+# where the model has TREE_VERIFY (built with Medusa heads), the CPU verification graph when that
+# is true (a Medusa verification of one row). Its outputs add NEXT_INPUTS: the next greedy decode
+# step's inputs, as a plain decode step leaves them.
 PLAIN_DECODE = "plain_decode"
+TREE_VERIFY = "tree_verify"
 NEXT_INPUTS = {"input_ids": "next_input_ids", "write_index": "next_write_index", "kv_length": "next_kv_length"}
 # The step inputs the CPU decode graph reads besides the caches: a plain decode step fills only these.
 DECODE_READS = ("input_ids", "write_index", "kv_length")

@@ -16,10 +16,13 @@ class StepOutput:
     """float32 logits [B, R, V] and, when the engine has Medusa heads, medusa [B, R, K, V].
 
     R = 1 (each row's last new token) for prefill and decode; R = S for verification. The arrays
-    are valid until the engine's next call (a backend may reuse its output buffers)."""
+    are valid until the engine's next call (a backend may reuse its output buffers).
+    ``medusa_at_path_end``: a verification's heads ran at one node a row, the end of the path
+    greedy acceptance keeps (the CPU verification graph): medusa is [B, 1, K, V] there."""
 
     logits: np.ndarray
     medusa: np.ndarray | None = None
+    medusa_at_path_end: bool = False
 
 
 class Engine(Protocol):

@@ -144,7 +144,13 @@ class EngineCore:
                 if params.top_logprobs:
                     state.top_logprobs.append(sampler.alternatives(out.logits[row, node], params.top_logprobs))
             sampled[rid] = token
-            if out.medusa is not None:
+            if out.medusa is not None and out.medusa_at_path_end:
+                # The heads ran at the greedy path's end only: a sampled row whose typical
+                # acceptance ended elsewhere drafts nothing this step (its next step is plain).
+                greedy_end = node if params.greedy else accept_greedy(tree, tokens, logits).last_node
+                if node == greedy_end:
+                    heads_at[rid] = out.medusa[row, 0]
+            elif out.medusa is not None:
                 heads_at[rid] = out.medusa[row, node]
         self.scheduler.commit(step, sampled, accepted, on_token)
         if policy is not None and heads_at:
@@ -194,3 +200,4 @@ class EngineCore:
                 self.engine.load_block(op.block, op.slot, op.index)
             elif isinstance(op, KeepPath):
                 self.engine.keep_path(op.slot, op.start, op.nodes)
+

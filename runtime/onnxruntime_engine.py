@@ -6,7 +6,8 @@ IO binding, so the graph writes the new K/V into the pool itself: no per-step co
 Plain decode steps reuse one binding per shape (``_bind``) and run the CPU decode graph
 (GroupQueryAttention per layer, packed QKV, fused residual norms) where the engine dir has one:
 ``rankN.cpu.onnx``, built and checked by the build's CPU stage, one session holding it and the
-rank graph (runtime/backends/onnxruntime/step_graph.py). Nothing is rewritten at load.
+rank graph (runtime/backends/onnxruntime/step_graph.py); a Medusa verification of one row runs
+its CPU verification graph where it has one (built with heads). Nothing is rewritten at load.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import onnxruntime as ort
 from ..contract import onnxruntime as ort_config
 from ..contract.onnxruntime import Spinning
 from ..contract.pipeline import HIDDEN_STATES
-from ..contract.step import (CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, StepArrays,
-                             fill_step_arrays, step_shape)
+from ..contract.step import (CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY,
+                             StepArrays, fill_step_arrays, step_shape)
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
 from .backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
@@ -29,16 +30,16 @@ from .kv_pools import HostPools, PoolShape
 from .scheduler import Step, StepKind
 
 
-# The If's condition; bindings point at these arrays, so they live as long as the module.
-_PLAIN_DECODE, _NOT_PLAIN_DECODE = np.array(True), np.array(False)
+# The Ifs' conditions; bindings point at these arrays, so they live as long as the module.
+_TRUE, _FALSE = np.array(True), np.array(False)
 
 
 @dataclass(frozen=True)
 class _Bound:
     arrays: StepArrays
     binding: object              # onnxruntime.IOBinding
-    logits: np.ndarray           # [B, 1, V]
-    medusa: np.ndarray | None    # [B, 1, K, V]
+    logits: np.ndarray           # [B, R, V]
+    medusa: np.ndarray | None    # [B, R, K, V]
 
 
 class OnnxRuntimeEngine:
@@ -56,7 +57,7 @@ class OnnxRuntimeEngine:
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
         self.engine_dir, self.block_size = engine_dir, block_size
         path = engine_dir.rank_file(rank, "onnx")
-        self.segments, self.decode = None, None
+        self.segments, self.decode, self.verifies_on_cpu_graph = None, None, False
         if engine_dir.world_size > 1:  # DistCollective nodes, or a pipeline stage: run in segments
             if collective is None:
                 raise ValueError(f"{path} is one rank of a tensor/pipeline-parallel engine: run it through the "
@@ -69,9 +70,11 @@ class OnnxRuntimeEngine:
             source, self.decode = cpu_graph(engine_dir, rank, use_decode_graph)  # self.decode: rankN.cpu.onnx or None
             self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
+            # A step model built with Medusa heads verifies one row's tree on its CPU verification graph.
+            self.verifies_on_cpu_graph = TREE_VERIFY in {i.name for i in self.session.get_inputs()}
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size, rank))
         self.has_medusa = MEDUSA_LOGITS in outputs
-        self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused decode binding
+        self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused binding
 
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
@@ -82,12 +85,20 @@ class OnnxRuntimeEngine:
             bound = self._filled(step)
             self.session.run_with_iobinding(bound.binding)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
+        if self.verifies_on_cpu_graph and len(step.rids) == 1 and step.verifies:  # one row's tree, step after step
+            key = (step.first_slot, 1, seq)
+            bound = self._bound.get(key) or self._bind(key)
+            fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
+            self.session.run_with_iobinding(bound.binding)
+            return StepOutput(logits=bound.logits, medusa=bound.medusa, medusa_at_path_end=True)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_cpu_input(name, value)
         if self.decode is not None:
-            binding.bind_cpu_input(PLAIN_DECODE, _NOT_PLAIN_DECODE)
+            binding.bind_cpu_input(PLAIN_DECODE, _FALSE)
+        if self.verifies_on_cpu_graph:  # a verification of several rows: GroupQueryAttention verifies one
+            binding.bind_cpu_input(TREE_VERIFY, _FALSE)
         binding.bind_output("logits")  # first, so it is get_outputs()[0]
         if self.has_medusa:
             binding.bind_output("medusa_logits")  # second
@@ -118,24 +129,29 @@ class OnnxRuntimeEngine:
         return bound
 
     def _bind(self, key: tuple[int, int, int]) -> _Bound:
-        """Buffers and an IO binding for decode steps of one shape, reused every such step:
-        inputs are numpy buffers the step fills in place, caches are views of the pools, the
-        outputs land in preallocated arrays (valid until the next step, as StepOutput says)."""
+        """Buffers and an IO binding for steps of one shape, reused every such step: plain decode
+        steps (S = 1) and, on the CPU verification graph, one row's tree verifications (S > 1,
+        logits at every node). Inputs are numpy buffers the step fills in place, caches are views
+        of the pools, the outputs land in preallocated arrays (valid until the next step, as
+        StepOutput says)."""
         first_slot, batch, seq = key
         d = self.engine_dir
-        arrays = StepArrays.empty(batch, seq, 1, d.max_seq_len)
+        arrays = StepArrays.empty(batch, seq, seq, d.max_seq_len)  # R = S: 1, or every node of a tree
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
         if self.decode is not None:
-            binding.bind_cpu_input(PLAIN_DECODE, _PLAIN_DECODE)
+            binding.bind_cpu_input(PLAIN_DECODE, _TRUE if seq == 1 else _FALSE)
+        if self.verifies_on_cpu_graph:
+            binding.bind_cpu_input(TREE_VERIFY, _FALSE if seq == 1 else _TRUE)
+        if self.decode is not None and seq == 1:
             for name, value in arrays.as_dict().items():  # the next step's inputs, over this one's
                 if name in NEXT_INPUTS:
                     binding.bind_ortvalue_output(NEXT_INPUTS[name], ort.OrtValue.ortvalue_from_numpy(value))
-        logits = np.empty((batch, 1, d.vocab_size), np.float32)  # [B, 1, V]
+        logits = np.empty((batch, seq, d.vocab_size), np.float32)  # [B, R, V]
         binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         medusa = None
-        if self.has_medusa:
+        if self.has_medusa:  # a verification graph's heads: at one node a row (StepOutput.medusa_at_path_end)
             medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
             binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
         for name, pool in self.kv.pools.items():

@@ -11,12 +11,15 @@ tokens per second, (1 + E[accepted | n]) / t(B, 1 + n), and n = 0 (plain decodin
 that beats plain decoding by MIN_GAIN. Plain decoding is what the runtime really does when it
 steps aside: multi-step greedy runs (runtime/engine_core.py), whose cost per token is
 calibrated and observed separately from a single plain step's (on the CPU, a run's step on
-the decode graph costs a fraction of a verification on the rank graph). Calibration runs B in
+the decode graph costs a fraction of a verification on the rank graph; a verification of one
+row runs the CPU verification graph, close to a plain step's cost at small trees, so the
+measured table makes trees pay at batch 1 and not beyond). Calibration runs B in
 powers of two up to max_batch × 8 tree sizes, five steps each, and one greedy run per B: ~2 s
 for the bundled model on 2 CPU cores.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -33,7 +36,11 @@ if TYPE_CHECKING:
 
 PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
 RECENT = 15           # step times kept per (B, S): the median of these is the estimate
-REDECIDE_EVERY = 16   # decode steps between re-choosing a batch size's tree (choosing costs ~1 ms)
+REDECIDE_EVERY = 16   # decisions between re-choosing a batch size's tree (choosing costs ~1 ms)
+# Standing aside, every EXPLORE_EVERY-th choice verifies the likeliest-to-pay tree once, so a step
+# time measured in a slow spell (calibration, one noisy step) cannot keep a batch size off trees
+# for good: its estimate comes from a fresh step. ~1 verification per 2 × 16 runs of plain steps.
+EXPLORE_EVERY = 2
 
 
 class AcceptanceModel:
@@ -92,7 +99,7 @@ class StepTimes:
         """Medians of recent steps: robust to the odd slow step (GC, the OS) on a busy host."""
         recent = self._recent.setdefault((batch, seq), deque(maxlen=RECENT))
         recent.append(seconds)
-        self.table.setdefault(batch, {})[seq] = float(np.median(recent))
+        self.table.setdefault(batch, {})[seq] = statistics.median(recent)  # (np.median: ~20× slower on 15 floats)
         if loop_seconds is not None:
             self._host_per_row[seq > 1].append(max(0.0, loop_seconds - seconds) / batch)
 
@@ -100,10 +107,10 @@ class StepTimes:
         """A multi-step greedy run of ``steps`` steps that took ``seconds``, its commit included."""
         recent = self._recent_runs.setdefault(batch, deque(maxlen=RECENT))
         recent.append(seconds / steps)
-        self.runs[batch] = float(np.median(recent))
+        self.runs[batch] = statistics.median(recent)
 
     def estimate(self, batch: int, seq: int) -> float:
-        return self.engine_estimate(batch, seq) + batch * float(np.median(self._host_per_row[seq > 1]))
+        return self.engine_estimate(batch, seq) + batch * statistics.median(self._host_per_row[seq > 1])
 
     def estimates(self, batch: int, seqs: np.ndarray) -> np.ndarray:
         """``estimate(batch, s)`` for every s in ``seqs`` at once: the policy weighs every tree
@@ -111,7 +118,8 @@ class StepTimes:
         if not self.table:
             raise ValueError("no step times measured")
         engine = _along_batch({b: self._along_seq_many(b, seqs) for b in self.table}, batch)
-        host = np.where(seqs > 1, np.median(self._host_per_row[True]), np.median(self._host_per_row[False]))
+        host = np.where(seqs > 1, statistics.median(self._host_per_row[True]),
+                        statistics.median(self._host_per_row[False]))
         return engine + batch * host
 
     def _along_seq_many(self, batch: int, seqs: np.ndarray) -> np.ndarray:
@@ -201,7 +209,8 @@ class SpeculationPolicy:
         self._order = tree.choices
         self._trees: dict[tuple, Tree] = {}
         self._since_reorder = 0
-        self._decided: dict[int, tuple[int, int]] = {}  # batch → (choices, decode steps it stands for)
+        self._decided: dict[int, tuple[int, int]] = {}  # batch → (choices, decisions it stands for)
+        self._aside: dict[int, int] = {}  # batch → times it chose plain decoding
 
     def prefix(self, n: int) -> Tree:
         """The first n choices in the current order, as a tree (cached)."""
@@ -220,17 +229,25 @@ class SpeculationPolicy:
         if left > 0:
             self._decided[batch] = (size, left - 1)
             return size
-        size = self._best(batch)
+        size, likeliest = self._best(batch)
         self._decided[batch] = (size, REDECIDE_EVERY)
+        if size == 0 and likeliest:
+            self._aside[batch] = self._aside.get(batch, 0) + 1
+            if self._aside[batch] % EXPLORE_EVERY == 0:
+                # This choice and the next (the step's drafting) say ``likeliest``: one verification.
+                self._decided[batch] = (likeliest, 1)
+                return likeliest
         return size
 
-    def _best(self, batch: int) -> int:
+    def _best(self, batch: int) -> tuple[int, int]:
+        """(the tree prefix to verify, 0 for plain; the prefix of the highest expected rate)."""
         expected = self.acceptance.expected_accepted(self.prefix(len(self._order)))  # [N + 1]
         if len(expected) == 1:
-            return 0
+            return 0, 0
         seconds = self.times.estimates(batch, 1 + np.arange(len(expected)))  # [N + 1] a step of 1 + n tokens a row
+        likeliest = 1 + int(np.argmax((1 + expected[1:]) / seconds[1:]))
         return best_tree_prefix(list(expected), lambda tokens: float(seconds[tokens - 1]),
-                                plain_seconds=self.times.plain_estimate(batch))[0]
+                                plain_seconds=self.times.plain_estimate(batch))[0], likeliest
 
     def _reorder(self) -> None:
         probs = self.acceptance.path_probabilities(self.tree.choices)
@@ -269,9 +286,10 @@ def calibrate(engine, tree: Tree, max_batch: int, run_steps: int = 1, repeats: i
     and with ``run_steps`` > 1 a greedy run of that many plain steps per B.
 
     The steps are shaped as real ones: n = 0 is a plain decode (logits at one row), n > 0 a
-    tree prefix with logits and head logits at every node, which is what makes them cost.
+    tree prefix with logits at every node and the heads' (at every node on the rank graph, at
+    the greedy path's end on the CPU verification graph), which is what makes them cost.
     Each shape runs twice to warm up, then ``repeats`` times back to back (as a serving loop
-    repeats a shape); the median counts. Decode steps and runs refine the table as they run."""
+    repeats a shape); their median counts, and decode steps and runs refine it as they run."""
     from .scheduler import Step, StepKind
 
     batches = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch), max_batch})
@@ -285,13 +303,11 @@ def calibrate(engine, tree: Tree, max_batch: int, run_steps: int = 1, repeats: i
         engine.step(steps[(1, 0)])
     times = StepTimes()
     for (batch, n), step in steps.items():
-        values = []
         for run in range(2 + repeats):
             start = time.perf_counter()
             engine.step(step)
-            if run >= 2:
-                values.append(time.perf_counter() - start)
-        times.observe(batch, 1 + n, float(np.median(values)))
+            if run >= 2:  # each repeat counts: one slow step later moves the median less
+                times.observe(batch, 1 + n, time.perf_counter() - start)
     if run_steps > 1:
         for batch in batches:
             for _ in range(2 + repeats):

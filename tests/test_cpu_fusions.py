@@ -154,7 +154,7 @@ def test_pack_qkv_leaves_a_projection_someone_else_reads():
 
 def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step():
     from trtbuild.builder.emit.cpu_step_model import feeding_decode_model, step_model
-    from trtbuild.contract.step import NEXT_INPUTS, PLAIN_DECODE
+    from trtbuild.contract.step import NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
@@ -165,7 +165,8 @@ def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step()
                       [_tensor("x", [2, 1, HIDDEN]), *positions], [_tensor("logits", None)], [weight])
 
     rank, decode = graph("Add"), graph("Mul")
-    model = step_model(rank, decode)
+    model = step_model(rank, decode, None)
+    assert TREE_VERIFY not in [i.name for i in model.graph.input]  # no heads: no verification graph
     assert not model.graph.initializer  # each branch holds the weights it reads
     branches = {a.name: a.g for a in model.graph.node[0].attribute}
     assert [t.name for t in branches["then_branch"].initializer] == ["w"] == \
@@ -185,6 +186,35 @@ def test_step_model_runs_the_branch_plain_decode_names_and_feeds_the_next_step()
     plain = _run(model, {"x": x, "write_index": write, "kv_length": length, PLAIN_DECODE: np.array(True)})
     assert alone.keys() == plain.keys() and all(np.array_equal(alone[k], plain[k]) for k in plain)
     assert len(decode.graph.node) == 2  # the decode model itself is left as it was
+
+
+def test_step_model_with_a_verification_graph_runs_it_where_tree_verify_says():
+    from trtbuild.builder.emit.cpu_step_model import decode_branch, step_model, verify_branch
+    from trtbuild.contract.step import PLAIN_DECODE, TREE_VERIFY
+
+    rng = np.random.default_rng(4)
+    weight = numpy_helper.from_array(rng.standard_normal((HIDDEN, 4)).astype(np.float32), "w")
+    positions = [helper.make_tensor_value_info(name, TensorProto.INT64, [1]) for name in ("write_index", "kv_length")]
+
+    def graph(op):
+        return _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node(op, ["y", "y"], ["logits"])],
+                      [_tensor("x", [1, 3, HIDDEN]), *positions], [_tensor("logits", None)], [weight])
+
+    rank, decode, verify = graph("Add"), graph("Mul"), graph("Max")
+    model = step_model(rank, decode, verify)
+    assert [i.name for i in model.graph.input][-2:] == [PLAIN_DECODE, TREE_VERIFY]
+    x = rng.standard_normal((1, 3, HIDDEN)).astype(np.float32)
+    y = x @ numpy_helper.to_array(weight)  # [B, R, V]
+    feeds = {"x": x, "write_index": np.array([5]), "kv_length": np.array([8])}
+    for plain, tree, expected in ((True, False, y * y), (True, True, y * y), (False, True, y), (False, False, y + y)):
+        out = _run(model, {**feeds, PLAIN_DECODE: np.array(plain), TREE_VERIFY: np.array(tree)})
+        np.testing.assert_allclose(out["logits"], expected, rtol=1e-5, atol=1e-5)
+    # Each branch comes back out as the model it was built from, named as the step's outputs.
+    for branch, op in ((decode_branch(model), "Mul"), (verify_branch(model), "Max")):
+        assert [n.op_type for n in branch.graph.node] == ["MatMul", op]
+        assert [o.name for o in branch.graph.output] == ["logits"]
+        assert PLAIN_DECODE not in [i.name for i in branch.graph.input]
+    assert verify_branch(step_model(rank, decode, None)) is None
 
 
 def _row_gather_model(index_input):
@@ -232,3 +262,48 @@ def test_int4_codes_concatenate_exactly_whatever_their_widths():
     packed = _concat(tensors, 1, "packed", None)
     assert list(packed.dims) == [3, 10] and len(packed.raw_data) == 15
     assert numpy_helper.to_array(packed).tolist() == np.concatenate(codes, axis=1).tolist()
+
+
+def test_heads_at_path_end_run_the_heads_where_greedy_acceptance_ends():
+    """cpu_verify_heads_at_path_end on a planted LM head and one Medusa head: for trees whose
+    accepted path ends at the root, mid-tree or at a leaf, the graph's head logits equal the head
+    at runtime.medusa.accept_greedy's last node, and the logits are untouched."""
+    from trtbuild.builder.passes.cpu_verify_heads_at_path_end import heads_at_path_end
+    from trtbuild.contract.step import step_arrays
+    from trtbuild.runtime.medusa import Tree, accept_greedy
+
+    vocab, s_max = 8, 32
+    rng = np.random.default_rng(7)
+    w_lm, w_head = (rng.standard_normal((HIDDEN, vocab)).astype(np.float32) for _ in range(2))
+    axes = numpy_helper.from_array(np.array([2], np.int64), "axes")
+    nodes = [helper.make_node("MatMul", ["hidden", "w_lm"], ["logits"], name="/model/lm_head/MatMul"),
+             helper.make_node("MatMul", ["hidden", "w_head"], ["head"], name="/medusa_head.0/out/MatMul"),
+             helper.make_node("Unsqueeze", ["head", "axes"], ["medusa_logits"], name="/medusa_head.0/out/Unsqueeze")]
+    inputs = [_tensor("hidden", [1, "S", HIDDEN]),
+              helper.make_tensor_value_info("input_ids", TensorProto.INT32, [1, "S"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT32, [1, "S"]),
+              helper.make_tensor_value_info("write_index", TensorProto.INT64, [1]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, [1, 1, "S", s_max])]
+    model = _model(nodes, inputs, [_tensor("logits", [1, "S", vocab]), _tensor("medusa_logits", [1, "S", 1, vocab])],
+                   [numpy_helper.from_array(w_lm, "w_lm"), numpy_helper.from_array(w_head, "w_head"), axes])
+    rewritten, count = _pair(heads_at_path_end(model))
+    assert count == 1
+    tree = Tree(((0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0), (0, 0, 1), (2,)))
+    ends = set()
+    for trial in range(24):
+        hidden = rng.standard_normal((1, tree.size, HIDDEN)).astype(np.float32)
+        logits = hidden[0] @ w_lm  # [T, V]
+        # Per depth, the rank whose guess is the argmax (3: none); the first trials reach a leaf and stop at the root.
+        right = [np.zeros(tree.depth, int), np.full(tree.depth, 3)][trial] if trial < 2 else rng.integers(0, 4, tree.depth)
+        tokens = [5] + [int((logits[tree.parents[n]].argmax() + path[-1] - right[len(path) - 1]) % vocab)
+                        for n, path in enumerate(tree.choices, start=1)]
+        arrays = step_arrays([tokens], [3 + trial % 16], s_max, trees=[tree]).as_dict()
+        feeds = {"hidden": hidden, **{k: arrays[k] for k in ("input_ids", "position_ids", "write_index",
+                                                              "attention_mask")}}
+        out = _run(rewritten, feeds)
+        end = accept_greedy(tree, tokens, logits).last_node
+        ends.add(end)
+        np.testing.assert_allclose(out["logits"][0], logits, rtol=1e-5, atol=1e-5)
+        assert out["medusa_logits"].shape == (1, 1, 1, vocab)
+        np.testing.assert_allclose(out["medusa_logits"][0, 0, 0], hidden[0, end] @ w_head, rtol=1e-5, atol=1e-5)
+    assert len(ends) >= 4 and 0 in ends and max(tree.depths[list(ends)]) == 3  # root, mid-tree and leaf ends

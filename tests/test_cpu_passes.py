@@ -9,12 +9,12 @@ import pytest
 from onnx import TensorProto, helper
 
 from trtbuild.builder.frontend.checkpoint import ArchConfig
-from trtbuild.builder.passes import PIPELINE, PassContext, PassError
+from trtbuild.builder.passes import PIPELINE, CpuGraph, PassContext, PassError
 
 ARCH = ArchConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
                   num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=64,
                   tie_word_embeddings=False, qk_norm=False, sliding_window=None)
-CTX = PassContext(spec=None, rank=0, arch=ARCH, cpu_stage=True)
+CTX = PassContext(spec=None, rank=0, arch=ARCH, cpu_graphs=frozenset(CpuGraph))
 FLOAT = TensorProto.FLOAT
 
 
@@ -72,6 +72,24 @@ def test_group_query_attention_matches_the_chain_and_fails_a_chain_that_differs(
     with pytest.raises(PassError, match=r"cpu_group_query_attention matched 0 of the 1 sites a LlamaForCausalLM with "
                                         r"1 layers has; not matched: \{'attention': 'q/k/v are not Transpose"):
         run("cpu_group_query_attention", _named(attention_chain(query_norm=True), "Attention", "attention"))
+
+
+def test_verify_attention_wires_positions_and_the_tree_mask_into_group_query_attention():
+    decode = next(n for n in run("cpu_group_query_attention", attention_chain()).graph.nodes
+                  if n.op == "GroupQueryAttention")
+    result = run("cpu_verify_attention", attention_chain())
+    assert result.stats["matches"] == 1 == result.stats["expected"]
+    (verify,) = [n for n in result.graph.nodes if n.op == "GroupQueryAttention"]
+    # The decode wiring reads neither: a plain decode step does not fill them.
+    assert len(decode.inputs) == 9 and len(verify.inputs) == 11
+    positions, bias = verify.inputs[9:]
+    assert positions.inputs[0].op == "Cast" and positions.inputs[0].inputs[0].name == "position_ids"
+    where = bias.inputs[0]
+    assert where.op == "Where" and where.inputs[0].inputs[0].op == "Slice"
+    assert where.inputs[0].inputs[0].inputs[0].name == "attention_mask"
+    # Its filled length counts the step's tokens from write_index (kv_length is not read).
+    seqlens = verify.inputs[5].inputs[0]  # Cast(write_index + S - 1)
+    assert seqlens.op == "Cast" and seqlens.inputs[0].inputs[0].op == "Sub"
 
 
 def _named(model, op, name):

@@ -109,6 +109,7 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
     for size in (0, 63, None):  # plain, the full tree, the adaptive choice
         llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)
         assert llm.scheduler.prefix_cache is not None
+        assert llm.engine.verifies_on_cpu_graph  # batch 1 verifies on rank0.cpu.onnx's verification graph
         outputs[size] = [c.token_ids for i in range(0, len(prompts), batch)
                          for c in llm.generate(prompts[i:i + batch], params)]
         stats = llm.speculation.stats
@@ -121,6 +122,59 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
             assert stats.verify_steps == 0 and 0 < llm.stats.greedy_runs < llm.stats.decode_steps
     assert outputs[63] == outputs[0]
     assert outputs[None] == outputs[0]
+
+
+def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
+    """rank0.cpu.onnx's verification graph (GroupQueryAttention over one row's tree, the heads at
+    the end of the greedy path only) scores a tree as the rank graph does: logits within max_abs
+    1e-4 (float32; logits are O(10)), the heads' logits equal to the rank graph's at the node
+    greedy acceptance ends at (max_abs 1e-4; trees whose path is accepted 0 to 3 deep), and the
+    tree's K/V written to the same cache positions (max_abs 1e-5), for trees of 2 to 64 nodes."""
+    from trtbuild.builder.emit.cpu_step_model import verify_branch
+    from trtbuild.contract import onnxruntime as ort_config
+    from trtbuild.contract.step import step_arrays
+    from trtbuild.runtime.medusa import Tree, accept_greedy
+
+    manifest = json.loads((medusa_engine / "manifest.json").read_text())
+    tree = Tree(tuple(tuple(path) for path in manifest["medusa"]["tree"]))
+    verify = ort_config.session(verify_branch(onnx.load(medusa_engine / "rank0.cpu.onnx", load_external_data=False)),
+                                1, medusa_engine)
+    rank = ort_config.session(medusa_engine / "rank0.onnx", 1, medusa_engine)
+    records = [json.loads(line) for line in (medusa_engine / "passes.jsonl").read_text().splitlines()]
+    checked = [r for r in records if r["pass"].startswith("cpu_verify_")]
+    assert [r["pass"] for r in checked] == ["cpu_verify_attention", "cpu_verify_pack_qkv", "cpu_verify_drop_row_gather",
+                                            "cpu_verify_skip_norm", "cpu_verify_heads_at_path_end"]
+    assert all(r["numerics"]["step"] == "verify" and r["numerics"]["ok"] for r in checked)
+    assert checked[-1]["numerics"]["greedy_path_end"] == 3  # the build's check accepts root → 1 → 3
+    rng = np.random.default_rng(5)
+    depths = set()
+    for choices, start, follow in ((1, 0, 0), (4, 17, 1), (63, 300, 3), (63, 40, 0)):
+        prefix = tree.prefix(choices)
+        tokens = rng.integers(0, manifest["model"]["vocab_size"], prefix.size).tolist()
+        feeds = step_arrays([tokens], [start], 1024, trees=[prefix]).as_dict()
+        for layer in range(manifest["model"]["num_layers"]):
+            for kind in ("key", "value"):
+                cache = np.zeros((1, 2, 1024, 32), np.float32)  # [B, H_kv, S_max, D]
+                cache[:, :, :start] = rng.standard_normal((1, 2, start, 32))
+                feeds[f"past_{kind}_{layer}"] = cache
+        run = lambda session: ort_config.run(session, {k: v.copy() for k, v in feeds.items()})  # noqa: E731
+        for depth in range(1, follow + 1):  # the rank-0 chain follows the base model's argmax
+            parent = prefix.choices.index((0,) * (depth - 1)) + 1 if depth > 1 else 0
+            node = prefix.choices.index((0,) * depth) + 1
+            feeds["input_ids"][0, node] = run(rank)["logits"][0, parent].argmax()
+        got, want = run(verify), run(rank)
+        assert got["logits"].shape == want["logits"].shape
+        assert np.abs(got["logits"] - want["logits"]).max() <= 1e-4, choices
+        path = accept_greedy(prefix, feeds["input_ids"][0].tolist(), want["logits"][0])
+        depths.add(len(path.nodes))
+        assert got["medusa_logits"].shape == (1, 1, *want["medusa_logits"].shape[2:])
+        assert np.abs(got["medusa_logits"][0, 0] - want["medusa_logits"][0, path.last_node]).max() <= 1e-4, choices
+        for layer in range(manifest["model"]["num_layers"]):
+            written = slice(0, start + prefix.size)
+            for kind in ("key", "value"):
+                name = f"present_{kind}_{layer}"
+                assert np.abs(got[name][:, :, written] - want[name][:, :, written]).max() <= 1e-5
+    assert max(depths) >= 3 and min(depths) == 0
 
 
 def test_requests_with_and_without_speculation_share_steps(medusa_engine, prompts):
@@ -154,6 +208,12 @@ def test_sampling_with_typical_acceptance(medusa_engine, prompts):
         assert len(completion.token_ids) == 48 and len(completion.logprobs) == 48
         assert all(lp <= 0 for lp in completion.logprobs) and min(completion.logprobs) > -30
     assert sum(c.accepted_tokens for c in first) > 0
+    # One request at a time: its trees verify on the CPU verification graph, whose heads ran at
+    # the greedy path's end; a row whose typical acceptance ends elsewhere drafts after a plain step.
+    alone = [[LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16).generate([p], params)[0] for p in prompts[:2]]
+             for _ in range(2)]
+    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in alone[1]]  # seeded: reproducible
+    assert all(len(c.token_ids) == 48 for c in alone[0]) and sum(c.accepted_tokens for c in alone[0]) > 0
 
 
 def test_plain_engine_refuses_a_medusa_tree_size(tiny_engine):

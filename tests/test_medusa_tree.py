@@ -12,7 +12,7 @@ from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy, accept_typica
 from trtbuild.runtime.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.scheduler import Draft, KeepPath, Phase, Request, Scheduler, StepKind
-from trtbuild.runtime.speculation import AcceptanceModel, SpeculationPolicy, StepTimes
+from trtbuild.runtime.speculation import EXPLORE_EVERY, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
 
 TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
 
@@ -50,6 +50,18 @@ def test_tree_structure():
 def test_tree_refuses_malformed_choices(choices, message):
     with pytest.raises(ValueError, match=message):
         Tree(choices)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 16, 17, 40])
+def test_top_k_ranks_like_a_full_sort_ties_by_lower_index(k):
+    from trtbuild.runtime.medusa import ARGMAX_TOP_K, _top_k
+
+    rng = np.random.default_rng(k)
+    tied = rng.integers(0, 5, 4096).astype(np.float32)  # many ties: exact order where k argmaxes rank them
+    for logits in (rng.standard_normal(4096).astype(np.float32), *((tied,) if k <= ARGMAX_TOP_K else ())):
+        expected = np.lexsort((np.arange(4096), -logits))[:k]  # descending, lower index first
+        assert _top_k(logits, k).tolist() == expected.tolist()
+        assert logits.shape == (4096,) and np.isfinite(logits).all()  # the caller's logits are left as they were
 
 
 def test_candidates_take_each_heads_ranked_guesses():
@@ -191,6 +203,27 @@ def test_policy_compares_a_tree_with_what_a_multi_step_run_costs():
     assert cheap_runs.plain_estimate(4) == 4 * 0.004  # beyond the measured batches rows scale time
     assert SpeculationPolicy(tree, acceptance, cheap_runs).choose(1) == 0
     assert SpeculationPolicy(tree, acceptance, dear_runs).choose(1) == 4
+
+
+def test_policy_standing_aside_verifies_the_likeliest_tree_now_and_then_and_takes_it_when_it_pays():
+    tree = Tree(((0,), (0, 0), (0, 0, 0), (1,)))
+    acceptance = AcceptanceModel([[0.6, 0.2], [0.6, 0.2], [0.6, 0.2]])
+    times = StepTimes()
+    times.observe(1, 1, 0.010)
+    for seq in (2, 3, 4, 5):
+        times.observe(1, seq, 0.100)  # measured in a slow spell: no tree pays
+    times.observe(1, 2, 0.110)
+    policy = SpeculationPolicy(tree, acceptance, times)
+    window = [policy.choose(1) for _ in range(REDECIDE_EVERY + 1)]
+    assert window == [0] * (REDECIDE_EVERY + 1)  # the first choice stands for the next REDECIDE_EVERY
+    # The EXPLORE_EVERY-th choice to stand aside verifies the likeliest-to-pay tree once: two
+    # choices (the step before it, its drafting) say so, then plain decoding again.
+    assert EXPLORE_EVERY == 2
+    assert [policy.choose(1) for _ in range(3)] == [4, 4, 0]  # all 4 choices: 2.376 tokens / 0.1 s is the best rate
+    for _ in range(3):
+        times.observe(1, 5, 0.012)  # that verification and others measured now: the tree pays
+    assert [policy.choose(1) for _ in range(REDECIDE_EVERY)] == [0] * REDECIDE_EVERY
+    assert policy.choose(1) == 4
 
 
 def test_acceptance_model_learns_from_verifications():

@@ -9,7 +9,7 @@ import pytest
 
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.numerics import run_onnx
-from trtbuild.builder.passes import PIPELINE, Pass, PassContext, PassError, PassResult
+from trtbuild.builder.passes import PIPELINE, CpuGraph, Pass, PassContext, PassError, PassResult
 from trtbuild.builder.passes.base import graph_metadata, record_metadata
 from trtbuild.builder.passes.fuse_rmsnorm import fuse_rmsnorm
 from trtbuild.builder.passes.instruments import to_onnx
@@ -131,23 +131,43 @@ def mark_cpu(graph, ctx):
     return PassResult(graph=graph, modified=True)
 
 
-@pytest.mark.parametrize("cpu_stage", [True, False])
-def test_cpu_stage_runs_on_a_copy_of_the_finished_rank_graph(cpu_stage):
+def mark_verify(graph, ctx):
+    graph.nodes[0].name = f"verify_after_{graph.nodes[0].name}"
+    return PassResult(graph=graph, modified=True)
+
+
+@pytest.mark.parametrize("made", [frozenset(CpuGraph), frozenset({CpuGraph.decode}), frozenset()])
+def test_each_cpu_graph_runs_on_its_own_copy_of_the_finished_rank_graph(made):
     passes = (Pass("fuse_rmsnorm", fuse_rmsnorm), Pass("plan", record_plan, per_rank=True),
-              Pass("mark_cpu", mark_cpu, per_rank=True, cpu=True))
+              Pass("mark_cpu", mark_cpu, per_rank=True, cpu=CpuGraph.decode),
+              Pass("mark_verify", mark_verify, per_rank=True, cpu=CpuGraph.verify))
     records = []
     result = PassManager(passes, on_record=records.append).run(gs.import_onnx(graphs.rmsnorm()),
-                                                               PassContext(spec=None, cpu_stage=cpu_stage))
-    assert [n.name for n in result.graph.nodes] != ["cpu_only"]  # the rank graph TensorRT compiles is untouched
-    if cpu_stage:
-        (cpu,) = result.cpu_graphs
-        assert [n.name for n in cpu.nodes] == ["cpu_only"] and graph_metadata(cpu) == {"plan": "[1, 2]"}
-        assert records[-1]["pass"] == "mark_cpu" and records[-1]["ops_after"] == {"RMSNormalization": 1}
-    else:  # base.cpu_stage_skipped said no: its passes do not run
-        assert result.cpu_graphs is None and [r["pass"] for r in records] == ["fuse_rmsnorm", "plan"]
+                                                               PassContext(spec=None, cpu_graphs=made))
+    rank_names = [n.name for n in result.graph.nodes]
+    assert rank_names[0] not in ("cpu_only", "verify_after_cpu_only")  # the rank graph TensorRT compiles is untouched
+    assert result.cpu_graphs.keys() == made  # base.cpu_graphs_made said which: the others' passes do not run
+    assert [r["pass"] for r in records] == ["fuse_rmsnorm", "plan", *(["mark_cpu"] if CpuGraph.decode in made else []),
+                                            *(["mark_verify"] if CpuGraph.verify in made else [])]
+    if CpuGraph.decode in made:
+        (decode,) = result.cpu_graphs[CpuGraph.decode]
+        assert [n.name for n in decode.nodes] == ["cpu_only"] and graph_metadata(decode) == {"plan": "[1, 2]"}
+        assert records[2]["ops_after"] == {"RMSNormalization": 1}
+    if CpuGraph.verify in made:  # a copy of the rank graph, not of the decode graph
+        (verify,) = result.cpu_graphs[CpuGraph.verify]
+        assert [n.name for n in verify.nodes] == [f"verify_after_{rank_names[0]}"]
+
+
+def test_a_cpu_graph_whose_passes_are_split_is_refused():
+    passes = (Pass("mark_cpu", mark_cpu, per_rank=True, cpu=CpuGraph.decode),
+              Pass("mark_verify", mark_verify, per_rank=True, cpu=CpuGraph.verify),
+              Pass("mark_cpu_again", mark_cpu, per_rank=True, cpu=CpuGraph.decode))
+    with pytest.raises(PassError, match="pass mark_cpu_again makes the CPU decode graph, whose passes ran before "
+                                        "mark_verify's: each CPU graph's passes come together"):
+        PassManager(passes)
 
 
 def test_a_rank_graph_pass_after_the_cpu_stage_is_refused():
-    passes = (Pass("mark_cpu", mark_cpu, per_rank=True, cpu=True), Pass("late", identity, per_rank=True))
+    passes = (Pass("mark_cpu", mark_cpu, per_rank=True, cpu=CpuGraph.decode), Pass("late", identity, per_rank=True))
     with pytest.raises(PassError, match="pass late runs on the rank graph but comes after the CPU-stage pass mark_cpu"):
         PassManager(passes)

@@ -2,7 +2,10 @@
 
 An ``If`` on the bool input ``plain_decode`` runs the CPU decode graph (the CPU stage's output:
 GroupQueryAttention, packed q/k/v, fused residual norms) for plain decode steps and the rank
-graph for everything else (prefill chunks, Medusa verification). After the If the model computes
+graph for everything else (prefill chunks, Medusa verification). With Medusa heads the CPU stage
+also makes a verification graph (the same fusions, GroupQueryAttention taking a tree of S tokens
+of one row): the If's other branch is then a second If, on ``tree_verify``, between it and the
+rank graph, so a verification of batch 1 runs on it. After the If the model computes
 each row's next decode inputs from the step's logits (``NEXT_INPUTS``: the argmax as
 ``input_ids``, ``write_index``/``kv_length`` one further), which the runtime binds onto its input
 buffers so greedy steps run back to back.
@@ -25,7 +28,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from ...contract.step import NEXT_INPUTS, PLAIN_DECODE
+from ...contract.step import NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY
 from .rank_onnx import INLINE_BELOW
 
 
@@ -49,20 +52,39 @@ def _branch(model: onnx.ModelProto, tag: str, outputs: list[str]) -> onnx.GraphP
     return graph
 
 
-def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto) -> onnx.ModelProto:
-    """The rank graph's inputs plus ``plain_decode``, its outputs plus NEXT_INPUTS, chosen by one If."""
+def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto, verify: onnx.ModelProto | None) -> onnx.ModelProto:
+    """The rank graph's inputs plus ``plain_decode`` (and ``tree_verify`` with a verification
+    graph), its outputs plus NEXT_INPUTS, the branch chosen by If."""
     outputs = [o.name for o in rank.graph.output]
-    if [o.name for o in decode.graph.output] != outputs:
-        raise ValueError("the decode graph's outputs differ from the rank graph's")
+    for graph in (decode, verify):
+        if graph is not None and [o.name for o in graph.graph.output] != outputs:
+            raise ValueError("a CPU graph's outputs differ from the rank graph's")
+    inputs = [*rank.graph.input, helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])]
+    otherwise = _branch(rank, "rank", outputs)
+    if verify is not None:
+        inputs.append(helper.make_tensor_value_info(TREE_VERIFY, TensorProto.BOOL, []))
+        otherwise = _choice(TREE_VERIFY, "verify_or_rank", _branch(verify, "verify", outputs), otherwise, rank)
     step = helper.make_node("If", [PLAIN_DECODE], outputs, name="cpu_step",
-                            then_branch=_branch(decode, "decode", outputs), else_branch=_branch(rank, "rank", outputs))
-    graph = helper.make_graph([step, *_next_inputs()], "cpu_step",
-                              [*rank.graph.input, helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])],
-                              [*rank.graph.output, *_next_outputs()])
+                            then_branch=_branch(decode, "decode", outputs), else_branch=otherwise)
+    graph = helper.make_graph([step, *_next_inputs()], "cpu_step", inputs, [*rank.graph.output, *_next_outputs()])
     model = helper.make_model(graph, opset_imports=list(decode.opset_import))
     model.ir_version = rank.ir_version
     model.metadata_props.extend(decode.metadata_props)
     return model
+
+
+def _choice(condition: str, tag: str, then: onnx.GraphProto, otherwise: onnx.GraphProto,
+            rank: onnx.ModelProto) -> onnx.GraphProto:
+    """A subgraph holding one If between two branches, its outputs the step's renamed by ``tag``."""
+    names = [f"{tag}/{o.name}" for o in rank.graph.output]
+    node = helper.make_node("If", [condition], names, name=tag, then_branch=then, else_branch=otherwise)
+    graph = onnx.GraphProto(name=f"{tag}_step")
+    graph.node.append(node)
+    for value, name in zip(rank.graph.output, names):
+        out = graph.output.add()
+        out.CopyFrom(value)
+        out.name = name
+    return graph
 
 
 def feeding_decode_model(decode: onnx.ModelProto) -> onnx.ModelProto:
@@ -78,16 +100,32 @@ def feeding_decode_model(decode: onnx.ModelProto) -> onnx.ModelProto:
 def decode_branch(step: onnx.ModelProto) -> onnx.ModelProto:
     """The decode graph of a step model as a model of its own (its outputs named as the rank graph's)."""
     (node,) = [n for n in step.graph.node if n.op_type == "If"]
-    branch = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch")
+    return _branch_model(step, _attribute(node, "then_branch"), node.output)
+
+
+def verify_branch(step: onnx.ModelProto) -> onnx.ModelProto | None:
+    """The verification graph of a step model as a model of its own, or None where it has none."""
+    (node,) = [n for n in step.graph.node if n.op_type == "If"]
+    inner = [n for n in _attribute(node, "else_branch").node if n.op_type == "If"]
+    return _branch_model(step, _attribute(inner[0], "then_branch"), node.output) if inner else None
+
+
+def _attribute(node: onnx.NodeProto, name: str):
+    return next(helper.get_attribute_value(a) for a in node.attribute if a.name == name)
+
+
+def _branch_model(step: onnx.ModelProto, branch: onnx.GraphProto, names) -> onnx.ModelProto:
+    """``branch`` with the step's inputs and its outputs renamed to ``names``."""
     graph = onnx.GraphProto()
     graph.CopyFrom(branch)
-    for name, value in zip(node.output, graph.output):
-        for inner in graph.node:
-            for i, out in enumerate(inner.output):
-                if out == value.name:
-                    inner.output[i] = name
-        value.name = name
-    graph.input.extend(i for i in step.graph.input if i.name != PLAIN_DECODE)
+    rename = {value.name: name for name, value in zip(names, graph.output)}
+    for inner in graph.node:
+        for values in (inner.input, inner.output):
+            for i, value in enumerate(values):
+                values[i] = rename.get(value, value)
+    for value in graph.output:
+        value.name = rename[value.name]
+    graph.input.extend(i for i in step.graph.input if i.name not in (PLAIN_DECODE, TREE_VERIFY))
     model = helper.make_model(graph, opset_imports=list(step.opset_import))
     model.ir_version = step.ir_version
     return model
@@ -111,17 +149,19 @@ def _next_inputs() -> list[onnx.NodeProto]:
             helper.make_node("Add", ["kv_length", "next/rows"], [NEXT_INPUTS["kv_length"]], name="next/kv_length")]
 
 
-def save_cpu_step_model(decode: onnx.ModelProto, rank: onnx.ModelProto, path: Path) -> Path | None:
-    """Writes the step model of ``rank`` (as saved: its large tensors in its data file) and
-    ``decode`` (the CPU stage's graph) to ``path``; returns its own data file, if it needs one.
-    A decode tensor of the rank's name, type and shape is the rank's (the CPU passes never
-    change a weight, they only add tensors), so it is read from the rank's data file."""
+def save_cpu_step_model(decode: onnx.ModelProto, verify: onnx.ModelProto | None, rank: onnx.ModelProto,
+                        path: Path) -> Path | None:
+    """Writes the step model of ``rank`` (as saved: its large tensors in its data file),
+    ``decode`` and ``verify`` (the CPU stage's graphs; no verification graph: None) to ``path``;
+    returns its own data file, if it needs one. A CPU graph's tensor of the rank's name, type and
+    shape is the rank's (the CPU passes never change a weight, they only add tensors), so it is
+    read from the rank's data file; a tensor both CPU graphs made (packed q/k/v) is written once."""
     path = Path(path)
     shared = {t.name: t for t in rank.graph.initializer}
     data_path = path.parent / f"{path.name}.data"
     offset = 0
     with open(data_path, "wb") as out:
-        for tensor in decode.graph.initializer:
+        for tensor in (t for model in (decode, verify) if model is not None for t in model.graph.initializer):
             known = shared.get(tensor.name)
             if known is not None and (known.data_type, list(known.dims)) == (tensor.data_type, list(tensor.dims)):
                 tensor.CopyFrom(known)
@@ -140,7 +180,8 @@ def save_cpu_step_model(decode: onnx.ModelProto, rank: onnx.ModelProto, path: Pa
                 entry.key, entry.value = key, value
             tensor.data_location = TensorProto.EXTERNAL
             offset += len(data)
+            shared[tensor.name] = tensor  # the other CPU graph's tensor of this name reads these bytes
     if offset == 0:
         data_path.unlink()
-    onnx.save_model(step_model(rank, decode), path)
+    onnx.save_model(step_model(rank, decode, verify), path)
     return data_path if offset else None

@@ -4,8 +4,8 @@ from onnx_graphsurgeon.logger import G_LOGGER
 # onnx-graphsurgeon logs to stdout; warnings there would corrupt `trtbuild build --json`.
 G_LOGGER.severity = G_LOGGER.ERROR
 from .attach_medusa import attach_medusa
-from .base import Pass, PassContext, PassError, PassResult
-from . import cpu_drop_row_gather, cpu_group_query_attention, cpu_pack_qkv, cpu_skip_norm
+from .base import CpuGraph, Pass, PassContext, PassError, PassResult
+from . import cpu_drop_row_gather, cpu_group_query_attention, cpu_pack_qkv, cpu_skip_norm, cpu_verify_heads_at_path_end
 from .canonicalize import canonicalize
 from .fuse_attention import fuse_attention
 from .fuse_rmsnorm import fuse_rmsnorm
@@ -15,6 +15,19 @@ from .plan_cuda_graphs import plan_cuda_graphs
 from .quantize_weights import quantize_weights
 from .shard_tensor_parallel import shard_tensor_parallel
 from .split_pipeline_stages import split_pipeline_stages
+
+
+def _cpu_passes(graph: CpuGraph, attention: str, rewrite_attention, prefix: str) -> tuple[Pass, ...]:
+    """One CPU graph's passes: its GroupQueryAttention wiring, then the fusions every CPU graph
+    shares, named ``prefix`` + what they do."""
+    gather = f"{prefix}drop_row_gather"
+    return tuple(Pass(name, model_pass(name, rewrite, module.expected), requires=requires, per_rank=True, cpu=graph)
+                 for name, module, rewrite, requires in (
+                     (attention, cpu_group_query_attention, rewrite_attention, ("fuse_attention", "fuse_rotary")),
+                     (f"{prefix}pack_qkv", cpu_pack_qkv, cpu_pack_qkv.rewrite, (attention,)),
+                     (gather, cpu_drop_row_gather, cpu_drop_row_gather.rewrite, (attention,)),
+                     (f"{prefix}skip_norm", cpu_skip_norm, cpu_skip_norm.rewrite, (attention, "fuse_rmsnorm", gather))))
+
 
 PIPELINE: tuple[Pass, ...] = (
     # The whole model, once:
@@ -28,14 +41,14 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("shard_tensor_parallel", shard_tensor_parallel, per_rank=True),
     Pass("attach_medusa", attach_medusa, requires=("canonicalize",), per_rank=True),
     Pass("plan_cuda_graphs", plan_cuda_graphs, per_rank=True),
-    # The CPU stage, per rank: a copy of the finished rank graph becomes the decode graph ONNX
-    # Runtime runs at plain decode steps (rankN.cpu.onnx; base.cpu_stage_skipped says when not).
-    *(Pass(name, model_pass(name, module.rewrite, module.expected), requires=requires, per_rank=True, cpu=True)
-      for name, module, requires in (
-          ("cpu_group_query_attention", cpu_group_query_attention, ("fuse_attention", "fuse_rotary")),
-          ("cpu_pack_qkv", cpu_pack_qkv, ("cpu_group_query_attention",)),
-          ("cpu_drop_row_gather", cpu_drop_row_gather, ("cpu_group_query_attention",)),
-          ("cpu_skip_norm", cpu_skip_norm, ("cpu_group_query_attention", "fuse_rmsnorm", "cpu_drop_row_gather")))),
+    # The CPU stage, per rank: copies of the finished rank graph become the graphs ONNX Runtime
+    # runs at plain decode steps and, with Medusa heads, at verifications of one row
+    # (rankN.cpu.onnx; base.cpu_graphs_made says which a build makes).
+    *_cpu_passes(CpuGraph.decode, "cpu_group_query_attention", cpu_group_query_attention.rewrite, "cpu_"),
+    *_cpu_passes(CpuGraph.verify, "cpu_verify_attention", cpu_group_query_attention.rewrite_verify, "cpu_verify_"),
+    Pass("cpu_verify_heads_at_path_end", model_pass("cpu_verify_heads_at_path_end", cpu_verify_heads_at_path_end.rewrite,
+                                                    cpu_verify_heads_at_path_end.expected),
+         requires=("attach_medusa", "cpu_verify_attention"), per_rank=True, cpu=CpuGraph.verify),
 )
 
-__all__ = ["PIPELINE", "Pass", "PassContext", "PassError", "PassResult"]
+__all__ = ["CpuGraph", "PIPELINE", "Pass", "PassContext", "PassError", "PassResult"]

@@ -2,13 +2,15 @@
 
 The pipeline splits once, 1 → N: passes before the first ``per_rank`` pass see the whole
 model once (``ctx.rank`` None); from there every pass runs on each rank's graph. The ``cpu``
-passes come last: they run on a copy of each finished rank graph (what TensorRT compiles,
-``rankN.onnx``) and make the CPU decode graph ONNX Runtime runs (``rankN.cpu.onnx``).
+passes come last: each CPU graph's passes run on a copy of each finished rank graph (what
+TensorRT compiles, ``rankN.onnx``) and make a graph ONNX Runtime runs (``rankN.cpu.onnx``): the
+decode graph, and with Medusa heads the verification graph.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -21,6 +23,16 @@ if TYPE_CHECKING:  # the pass registry reads a Spec, it does not import one (spe
     from ..spec import Spec
 
 METADATA = "trtbuild_metadata"  # gs.Graph attribute: what passes record in the model's metadata_props
+
+
+class CpuGraph(Enum):
+    """The graphs the CPU stage makes, each from a copy of the finished rank graph, for the steps
+    ONNX Runtime runs faster on them than on the rank graph (builder/emit/cpu_step_model.py)."""
+
+    decode = "decode"  # plain decode steps: one token a row, any batch
+    # Medusa verification of one row's tree: GroupQueryAttention takes S > 1 new tokens after a
+    # cached past only at batch 1 (ONNX Runtime 1.32's CPU kernel refuses more rows).
+    verify = "verify"
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class PassContext:
     quantized: dict | None = None     # layer name → QuantizedLinear, when the spec quantizes
     quant_report: dict | None = None  # layer name → weight/output errors measured on the checkpoint
     weights_dir: Path | None = None   # where external weight files live; per-rank passes write theirs here
-    cpu_stage: bool = False           # the CPU passes run (cpu_stage_applies); hand-built contexts say so
+    cpu_graphs: frozenset[CpuGraph] = frozenset()  # the CPU graphs made (cpu_graphs_made); hand-built contexts say so
 
     def __post_init__(self):
         if self.world_size != self.tensor_size * self.pipeline:
@@ -48,7 +60,7 @@ class PassContext:
                  weights_dir: Path | None = None) -> "PassContext":
         return cls(spec=spec, world_size=spec.world_size, tensor_size=spec.parallel.tensor, stages=spec.stages,
                    arch=spec.arch, quantized=quantized, quant_report=quant_report, weights_dir=weights_dir,
-                   cpu_stage=cpu_stage_skipped(spec) is None)
+                   cpu_graphs=cpu_graphs_made(spec))
 
     def for_rank(self, rank: int) -> "PassContext":
         return replace(self, rank=rank)
@@ -98,7 +110,7 @@ class Pass:
     run: Callable[[gs.Graph, PassContext], PassResult]
     requires: tuple[str, ...] = ()  # passes that must be enabled and run earlier
     per_rank: bool = False          # runs on each rank's graph (the first such pass is the 1 → N split)
-    cpu: bool = False               # runs on the rank's CPU decode graph (per rank, after every other pass)
+    cpu: CpuGraph | None = None     # the CPU graph it makes (per rank, after every other pass)
 
 
 class PassError(UserError):
@@ -126,6 +138,14 @@ def cpu_stage_skipped(spec: Spec) -> str | None:
     if spec.arch.qk_norm:
         return "GroupQueryAttention has no place for per-head q/k norms"
     return None
+
+
+def cpu_graphs_made(spec: Spec) -> frozenset[CpuGraph]:
+    """The CPU graphs a build of ``spec`` makes: none where the stage is skipped, the verification
+    graph where there are Medusa heads to verify."""
+    if cpu_stage_skipped(spec) is not None:
+        return frozenset()
+    return frozenset({CpuGraph.decode, *((CpuGraph.verify,) if spec.medusa is not None else ())})
 
 
 def record_metadata(graph: gs.Graph, key: str, value) -> None:

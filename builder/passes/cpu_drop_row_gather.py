@@ -1,10 +1,11 @@
 """CPU stage: the step's ``GatherElements`` of the rows at ``logits_index`` is the identity in a
-plain decode step (one token a row, so S = R = 1 and every index is 0): its readers take the
-hidden state itself, and the last residual Add → final norm becomes a cpu_skip_norm match like
-every other layer's. Valid only for steps of one token a row: the decode graph's.
+plain decode step (one token a row, so S = R = 1 and every index is 0) and in a Medusa
+verification (logits at every node: logits_index is 0..S-1): its readers take the hidden state
+itself, and the last residual Add → final norm becomes a cpu_skip_norm match like every other
+layer's. Valid only for those steps: the decode and verification graphs'.
 
     fusion: pattern (GatherElements(x, Expand(Unsqueeze(logits_index))) on axis 1) + replacement
-    (its readers read x) + check (the numerics gate: a decode step against the rank graph)
+    (its readers read x) + check (the numerics gate: a step of the graph's kind against the rank graph)
 """
 from __future__ import annotations
 

@@ -3,24 +3,35 @@
 The chain (q/k/v Reshape → Transpose → RotaryEmbedding, TensorScatter into the caches, Slice to
 the filled length, Attention, Transpose → Reshape) becomes one GroupQueryAttention over the same
 pools, which writes each row's new K/V in place at its own position (past and present share the
-buffer) and attends over that row's filled length. Valid for plain decode steps (one new token a
-row): it is the decode graph's first pass, and the graph it leaves runs only those steps; the
-runtime runs every other step on the rank graph (builder/emit/cpu_step_model.py).
+buffer) and attends over that row's filled length. Two wirings, one per CPU graph:
+
+* decode (``cpu_group_query_attention``, the decode graph's first pass): one new token a row,
+  written at ``write_index``; the step's positions and mask are not read (a plain decode step
+  does not fill them, runtime/backends/onnxruntime/step_graph.py).
+* verify (``cpu_verify_attention``, the verification graph's first pass): S new tokens of one
+  row written from ``write_index``, rotated at the step's ``position_ids`` (a tree node's is its
+  depth past the root, not its index) and masked by ``attention_mask`` as an additive bias (each
+  node sees the cache and its ancestors). ONNX Runtime 1.32's CPU kernel takes S > 1 tokens after
+  a cached past for one row only, so the runtime runs this graph at verifications of batch 1.
+
+The runtime runs every other step on the rank graph (builder/emit/cpu_step_model.py).
 
     fusion: pattern (``_match``) + replacement (``group_query_attention``) + check (the numerics
-    gate runs the decode graph against the rank graph at a decode step)
+    gate runs each graph against the rank graph at a step of its kind)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .base import PassContext
+from .base import CpuGraph, PassContext
 from .onnx_rewrite import Rewritten, attribute, prune, with_microsoft_domain
 
 SEQLENS, TOTAL = "cpu_decode/seqlens_k", "cpu_decode/total_sequence_length"
+POSITIONS, BIAS = "cpu_verify/position_ids", "cpu_verify/attention_bias"
 
 
 @dataclass(frozen=True)
@@ -100,9 +111,10 @@ def _match(index: _Index, attention: onnx.NodeProto, inputs: set[str], outputs: 
                   replaced=(attention, transpose, reshape, k_scatter, v_scatter))
 
 
-def group_query_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int) -> Rewritten:
-    """Every matching chain rewritten (heads are this rank's); a chain that is not the pattern is
-    left and reported."""
+def group_query_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: int,
+                          cpu_graph: CpuGraph = CpuGraph.decode) -> Rewritten:
+    """Every matching chain rewritten (heads are this rank's) for the steps of ``cpu_graph``; a
+    chain that is not the pattern is left and reported."""
     graph = model.graph
     index = _Index(graph)
     inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
@@ -113,20 +125,19 @@ def group_query_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: 
     unmatched = {name: reason for name, reason in found.items() if isinstance(reason, str)}
     if not chains:
         return Rewritten(model, 0, unmatched)
+    verify = cpu_graph is CpuGraph.verify
     replacement: dict[int, onnx.NodeProto | None] = {}
     for chain in chains:
         for node in chain.replaced:
             replacement[id(node)] = None
+        inputs = [chain.query, chain.key, chain.value, chain.past_key, chain.past_value, SEQLENS, TOTAL, chain.cos,
+                  chain.sin, *((POSITIONS, BIAS) if verify else ())]
         replacement[id(chain.attention)] = helper.make_node(
-            "GroupQueryAttention",
-            [chain.query, chain.key, chain.value, chain.past_key, chain.past_value, SEQLENS, TOTAL, chain.cos, chain.sin],
-            [chain.output, chain.present_key, chain.present_value], name=f"{chain.attention.name}/cpu_decode",
-            domain="com.microsoft", num_heads=num_heads, kv_num_heads=num_kv_heads, scale=chain.scale,
-            do_rotary=1, rotary_interleaved=chain.interleaved)
-    # One new token per row: it is written at write_index, and the row's filled length is kv_length.
-    nodes = [helper.make_node("Cast", ["write_index"], [SEQLENS], to=TensorProto.INT32, name="cpu_decode/seqlens"),
-             helper.make_node("ReduceMax", ["kv_length"], [f"{TOTAL}_int64"], keepdims=0, name="cpu_decode/total"),
-             helper.make_node("Cast", [f"{TOTAL}_int64"], [TOTAL], to=TensorProto.INT32, name="cpu_decode/total_int32")]
+            "GroupQueryAttention", inputs, [chain.output, chain.present_key, chain.present_value],
+            name=f"{chain.attention.name}/cpu_{cpu_graph.value}", domain="com.microsoft", num_heads=num_heads,
+            kv_num_heads=num_kv_heads, scale=chain.scale, do_rotary=1, rotary_interleaved=chain.interleaved)
+    cache_type = next(i.type.tensor_type.elem_type for i in graph.input if i.name == chains[0].past_key)
+    nodes = _verify_inputs(cache_type) if verify else _decode_inputs()
     for node in graph.node:
         if id(node) not in replacement:
             nodes.append(node)
@@ -140,9 +151,47 @@ def group_query_attention(model: onnx.ModelProto, num_heads: int, num_kv_heads: 
     return Rewritten(with_microsoft_domain(prune(out)), len(chains), unmatched)
 
 
+def _decode_inputs() -> list[onnx.NodeProto]:
+    """One new token per row: it is written at write_index, and the row's filled length is kv_length."""
+    return [helper.make_node("Cast", ["write_index"], [SEQLENS], to=TensorProto.INT32, name="cpu_decode/seqlens"),
+            helper.make_node("ReduceMax", ["kv_length"], [f"{TOTAL}_int64"], keepdims=0, name="cpu_decode/total"),
+            helper.make_node("Cast", [f"{TOTAL}_int64"], [TOTAL], to=TensorProto.INT32, name="cpu_decode/total_int32")]
+
+
+def _verify_inputs(cache_type: int) -> list[onnx.NodeProto]:
+    """S new tokens of a row written from write_index (as the rank graph's TensorScatter writes
+    them), so its filled length is write_index + S; the mask up to the longest such length as an
+    additive bias of the caches' type (0 where seen, the type's lowest value where not)."""
+    lowest = float(np.finfo(helper.tensor_dtype_to_np_dtype(cache_type)).min)
+    constant = {"cpu_verify/one": helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+                "cpu_verify/zero": helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+                "cpu_verify/last_axis": helper.make_tensor("axis", TensorProto.INT64, [1], [3]),
+                "cpu_verify/seen": helper.make_tensor("seen", cache_type, [], [0.0]),
+                "cpu_verify/unseen": helper.make_tensor("unseen", cache_type, [], [lowest])}
+    return [*(helper.make_node("Constant", [], [name], name=name, value=value) for name, value in constant.items()),
+            helper.make_node("Shape", ["input_ids"], ["cpu_verify/tokens"], start=1, end=2, name="cpu_verify/tokens"),
+            helper.make_node("Add", ["write_index", "cpu_verify/tokens"], ["cpu_verify/filled"],
+                             name="cpu_verify/filled"),  # [B]
+            helper.make_node("Sub", ["cpu_verify/filled", "cpu_verify/one"], ["cpu_verify/last"], name="cpu_verify/last"),
+            helper.make_node("Cast", ["cpu_verify/last"], [SEQLENS], to=TensorProto.INT32, name="cpu_verify/seqlens"),
+            helper.make_node("ReduceMax", ["cpu_verify/filled"], ["cpu_verify/longest"], keepdims=1,
+                             name="cpu_verify/longest"),  # [1]
+            helper.make_node("Squeeze", ["cpu_verify/longest"], [f"{TOTAL}_int64"], name="cpu_verify/total"),
+            helper.make_node("Cast", [f"{TOTAL}_int64"], [TOTAL], to=TensorProto.INT32, name="cpu_verify/total_int32"),
+            helper.make_node("Cast", ["position_ids"], [POSITIONS], to=TensorProto.INT64, name="cpu_verify/positions"),
+            helper.make_node("Slice", ["attention_mask", "cpu_verify/zero", "cpu_verify/longest", "cpu_verify/last_axis"],
+                             ["cpu_verify/mask"], name="cpu_verify/mask"),  # [B, 1, S, longest]
+            helper.make_node("Where", ["cpu_verify/mask", "cpu_verify/seen", "cpu_verify/unseen"], [BIAS],
+                             name="cpu_verify/bias")]
+
+
 def rewrite(model: onnx.ModelProto, ctx: PassContext) -> Rewritten:
     # The CPU stage runs on single-rank graphs only (base.cpu_stage_skipped): the model's heads.
-    return group_query_attention(model, ctx.arch.num_heads, ctx.arch.num_kv_heads)
+    return group_query_attention(model, ctx.arch.num_heads, ctx.arch.num_kv_heads, CpuGraph.decode)
+
+
+def rewrite_verify(model: onnx.ModelProto, ctx: PassContext) -> Rewritten:
+    return group_query_attention(model, ctx.arch.num_heads, ctx.arch.num_kv_heads, CpuGraph.verify)
 
 
 def expected(ctx: PassContext) -> int:

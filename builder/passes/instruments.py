@@ -14,7 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..emit.rank_onnx import save_graph
-from .base import Pass, PassResult, graph_metadata
+from .base import CpuGraph, Pass, PassResult, graph_metadata
 
 
 class Instrument:
@@ -28,8 +28,8 @@ class Instrument:
     def split(self, world_size: int) -> None:
         """The pipeline has just turned one graph into ``world_size`` rank graphs."""
 
-    def start_cpu_stage(self, rank_graphs: list[gs.Graph]) -> None:
-        """The rank graphs are final; the passes from here on work on the CPU decode graphs."""
+    def start_cpu_stage(self, rank_graphs: list[gs.Graph], cpu_graph: CpuGraph) -> None:
+        """The rank graphs are final; the passes from here on make ``cpu_graph`` from copies of them."""
 
 
 class OpCounts(Instrument):

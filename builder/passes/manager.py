@@ -6,10 +6,11 @@ every rank's graph before the next pass starts, so instruments (the numerics che
 all) can look at all ranks together. Ordering constraints are checked before anything runs;
 a failure names the pass, the rank and the passes that ran before it.
 
-The ``cpu`` passes come last: at the first, each finished rank graph is kept (``graphs``, what
-becomes rankN.onnx) and a copy of it runs through the CPU stage (``cpu_graphs``, rankN.cpu.onnx),
-under the same instruments. Where the stage does not apply (``PassContext.cpu_stage``) its
-passes do not run and ``cpu_graphs`` is None.
+The ``cpu`` passes come last, grouped by the CPU graph they make: at the first, each finished
+rank graph is kept (``graphs``, what becomes rankN.onnx), and at the first of each CPU graph a
+copy of it runs through that graph's passes (``cpu_graphs``, rankN.cpu.onnx), under the same
+instruments. The CPU graphs a build does not make (``PassContext.cpu_graphs``) have their passes
+skipped and are absent from ``cpu_graphs``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from ..errors import UserError
-from .base import Pass, PassContext, PassError, PassResult, after, copy_graph
+from .base import CpuGraph, Pass, PassContext, PassError, PassResult, after, copy_graph
 from .instruments import Dump, Instrument, OpCounts, Provenance, Timing, to_onnx  # noqa: F401  (to_onnx: API)
 
 
@@ -30,7 +31,7 @@ class RunResult:
     results: dict[str, list[PassResult]]          # pass name → its result per graph it ran on
     provenance: list[dict[str, str]]              # per rank: node name → pass that created it
     records: list[dict] = field(default_factory=list)
-    cpu_graphs: list[gs.Graph] | None = None      # per rank: the CPU decode graph, when the CPU stage ran
+    cpu_graphs: dict[CpuGraph, list[gs.Graph]] = field(default_factory=dict)  # each CPU graph made, per rank
 
     @property
     def graph(self) -> gs.Graph:
@@ -58,9 +59,11 @@ class PassManager:
 
     def check_order(self) -> None:
         """Every pass's requirements must be enabled and come before it, and no whole-model pass
-        may follow a per-rank one; checked before any runs."""
+        may follow a per-rank one, nor a rank-graph pass a CPU-stage one, and each CPU graph's
+        passes come together; checked before any runs."""
         seen: set[str] = set()
         split = cpu = None
+        cpu_done: set[CpuGraph] = set()  # CPU graphs whose passes are over
         for p in self.enabled:
             for need in p.requires:
                 if need in self.disabled:
@@ -74,8 +77,14 @@ class PassManager:
                 raise PassError(f"pass {p.name} is a CPU-stage pass, and those run per rank")
             if cpu and not p.cpu:
                 raise PassError(f"pass {p.name} runs on the rank graph but comes after the CPU-stage pass {cpu}")
+            if cpu and p.cpu is not previous.cpu:
+                cpu_done.add(previous.cpu)
+            if p.cpu in cpu_done:
+                raise PassError(f"pass {p.name} makes the CPU {p.cpu.value} graph, whose passes ran before "
+                                f"{previous.name}'s: each CPU graph's passes come together")
             split = split or (p.name if p.per_rank else None)
             cpu = cpu or (p.name if p.cpu else None)
+            previous = p
             seen.add(p.name)
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> RunResult:
@@ -90,18 +99,20 @@ class PassManager:
         records: list[dict] = []
         ran: list[str] = []
         rank_graphs: list[gs.Graph] | None = None  # once the CPU stage has started
+        cpu_graphs: dict[CpuGraph, list[gs.Graph]] = {}
         for p in self.enabled:
             if p.per_rank and contexts[0].rank is None:  # the 1 → N split
                 graphs = [graph if ctx.world_size == 1 else copy_graph(graph) for _ in range(ctx.world_size)]
                 contexts = [ctx.for_rank(rank) for rank in range(ctx.world_size)]
                 for instrument in instruments:
                     instrument.split(ctx.world_size)
-            if p.cpu and rank_graphs is None:  # the rank graphs are done; the CPU stage works on copies
-                if not ctx.cpu_stage:
-                    break
-                rank_graphs, graphs = graphs, [copy_graph(g) for g in graphs]
+            if p.cpu and p.cpu not in ctx.cpu_graphs:
+                continue  # a CPU graph this build does not make
+            if p.cpu and p.cpu not in cpu_graphs:  # the rank graphs are done; each CPU graph works on copies
+                rank_graphs = graphs if rank_graphs is None else rank_graphs
+                graphs = cpu_graphs[p.cpu] = [copy_graph(g) for g in rank_graphs]
                 for instrument in instruments:
-                    instrument.start_cpu_stage(rank_graphs)
+                    instrument.start_cpu_stage(rank_graphs, p.cpu)
             step_results, step_records = [], []
             for index, (rank_graph, rank_ctx) in enumerate(zip(graphs, contexts)):
                 for instrument in instruments:
@@ -113,7 +124,7 @@ class PassManager:
                 for instrument in instruments:
                     instrument.after(p, rank_ctx.rank, rank_graph, result, record)
                 record.update(result.stats)
-                graphs[index] = result.graph
+                graphs[index] = result.graph  # (a CPU graph's list in cpu_graphs too)
                 step_results.append(result)
                 step_records.append(record)
             for instrument in instruments:
@@ -125,7 +136,7 @@ class PassManager:
             ran.append(p.name)
         return RunResult(graphs=graphs if rank_graphs is None else rank_graphs, results=results,
                          provenance=provenance.by_rank, records=records,
-                         cpu_graphs=None if rank_graphs is None else graphs)
+                         cpu_graphs=cpu_graphs)
 
     @staticmethod
     def _call(p: Pass, graph: gs.Graph, ctx: PassContext, ran: list[str]) -> PassResult:

@@ -8,8 +8,10 @@ numpy between their segments). The last stage's logits and every stage's gathere
 compared with the whole model's: a split or sharding mistake on any stage fails the pass that
 made it.
 
-The CPU stage's passes make a graph for plain decode steps only: each is checked at a decode
-step (the seeded step cut to one token a row) against the finished rank graph at that step.
+The CPU stage's passes make graphs for one kind of step each: a decode graph pass is checked at
+a decode step (the seeded step cut to one token a row), a verification graph pass at a Medusa
+verification step of one row (the seeded row with a cached past, its tokens as a tree), each
+against the finished rank graph at that step.
 
 An output the reference has is either not made yet (medusa_logits before attach_medusa: no
 graph so far had it) or must be there: a pass that loses one (a ``present_*``) fails.
@@ -21,14 +23,16 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
+from ...contract import onnxruntime as ort_config
 from ...contract.onnxruntime import CpuActivations
 from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
+from ...contract.step import MEDUSA_LOGITS
 from ...contract.tensor_parallel import gather_caches, shard_caches
 from ...plugins import fp4
 from ...plugins.collectives import OP
 from ...plugins.segments import run_ranks
 from .. import numerics
-from .base import PassError, after
+from .base import CpuGraph, PassError, after
 from .instruments import Instrument
 
 
@@ -51,25 +55,34 @@ class NumericsGate(Instrument):
         self.previous: dict | None = None  # outputs of the graphs before the current pass
         self.produced: set[str] | None = None  # every output some graph so far had
         self.first = True
-        self.decode_reference: dict | None = None  # the rank graph at a decode step (the CPU stage's reference)
-        self.decode_previous: dict | None = None
+        self.cpu_inputs: dict | None = None  # the step the current CPU graph is for
+        self.cpu_reference: dict | None = None  # the rank graph at that step (the CPU stage's reference)
+        self.cpu_previous: dict | None = None
+        self.path_end: int | None = None  # at a verification step: the node greedy acceptance ends at
 
     def before(self, p, rank, graph):
         if self.produced is None:  # the exported graph
             self.produced = {tensor.name for tensor in graph.outputs}
 
-    def start_cpu_stage(self, rank_graphs):
+    def start_cpu_stage(self, rank_graphs, cpu_graph):
         if len(rank_graphs) != 1:
             return  # the CPU stage runs on single-rank graphs only (base.cpu_stage_skipped)
-        model = self._model(rank_graphs[0])
-        self.decode_reference = numerics.run_onnx(self._runnable(model, "numerics.onnx"),
-                                                  numerics.decode_inputs(self.inputs), activations=self.activations)
-        self.decode_previous = self.decode_reference
+        session = ort_config.session(self._runnable(self._model(rank_graphs[0]), "numerics.onnx"),
+                                     activations=self.activations)
+        rank = lambda feeds: ort_config.run(session, feeds)  # noqa: E731
+        if cpu_graph is CpuGraph.decode:
+            self.cpu_inputs = numerics.decode_inputs(self.inputs)
+        else:
+            self.cpu_inputs = numerics.verify_inputs(self.inputs, rank)
+        self.cpu_reference = rank(self.cpu_inputs)
+        self.cpu_previous = self.cpu_reference
+        self.path_end = (numerics.greedy_path_end(self.cpu_inputs, self.cpu_reference["logits"])
+                         if cpu_graph is CpuGraph.verify else None)
 
     def after_all(self, p, graphs, results, records, ran):
         if p.cpu:
-            if self.decode_reference is not None and any(r.modified for r in results):
-                self._check_decode(p, graphs[0], records, ran)
+            if self.cpu_reference is not None and any(r.modified for r in results):
+                self._check_cpu_graph(p, graphs[0], records, ran)
             return
         if not (self.first or any(r.modified for r in results)):
             return
@@ -137,32 +150,44 @@ class NumericsGate(Instrument):
             result.update(gather_caches(outputs if sharded else outputs[:1], self.num_kv_heads))
         return result
 
-    def _check_decode(self, p, graph, records, ran) -> None:
-        """A CPU-stage pass's graph at the decode step, against the rank graph and the graph before it."""
+    def _check_cpu_graph(self, p, graph, records, ran) -> None:
+        """A CPU-stage pass's graph at its step, against the rank graph and the graph before it."""
         model = self._model(graph)
+        kind = p.cpu.value
         try:
-            outputs = numerics.run_onnx(self._runnable(model, "numerics_cpu.onnx"),
-                                        numerics.decode_inputs(self.inputs), activations=self.activations)
+            outputs = numerics.run_onnx(self._runnable(model, "numerics_cpu.onnx"), self.cpu_inputs,
+                                        activations=self.activations)
         except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise PassError(f"pass {p.name} left a decode graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
+            raise PassError(f"pass {p.name} left a {kind} graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
         try:
-            vs_rank = numerics.compare(outputs, self.decode_reference)
-            vs_previous = numerics.compare(outputs, self.decode_previous)
+            vs_rank = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_reference))
+            vs_previous = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_previous))
         except numerics.DroppedOutput as exc:
             raise PassError(f"pass {p.name}: {exc}{after(ran)}") from None
-        self.decode_previous = outputs
+        self.cpu_previous = outputs
         rtol = self.quantized_rtol if any(n.op == "DequantizeLinear" for n in graph.nodes) else self.rtol
         bad = {name: s for name, s in vs_rank.items() if not s.within(self.atol, rtol)}
-        record = {"step": "decode", "vs_rank_graph": numerics.worst(vs_rank), "vs_previous": numerics.worst(vs_previous),
+        record = {"step": kind, "vs_rank_graph": numerics.worst(vs_rank), "vs_previous": numerics.worst(vs_previous),
                   "atol": self.atol, "rtol": rtol, "ok": not bad}
+        if self.path_end is not None:
+            record["greedy_path_end"] = self.path_end
         for rank_record in records:
             rank_record["numerics"] = record
         if bad:
             name, stat = max(bad.items(), key=lambda kv: kv[1].max_abs)
-            raise PassError(f"pass {p.name} broke numerics: at a decode step {name} max_abs {stat.max_abs:.3g} "
+            raise PassError(f"pass {p.name} broke numerics: at a {kind} step {name} max_abs {stat.max_abs:.3g} "
                             f"(max_rel {stat.max_rel:.3g}) vs the rank graph exceeds atol {self.atol} / rtol "
                             f"{rtol}{after(ran)}")
+
+    def _at_rows_of(self, outputs: dict, reference: dict) -> dict:
+        """``reference`` where ``outputs`` has the heads at the greedy path's end only
+        (cpu_verify_heads_at_path_end): its heads at that node, which the check's tree makes
+        two deep."""
+        medusa = outputs.get(MEDUSA_LOGITS)
+        if medusa is None or self.path_end is None or medusa.shape[1] == reference[MEDUSA_LOGITS].shape[1]:
+            return reference
+        return {**reference, MEDUSA_LOGITS: reference[MEDUSA_LOGITS][:, self.path_end:self.path_end + 1]}
 
     def _runnable(self, model: onnx.ModelProto, name: str) -> onnx.ModelProto | Path:
         """``model``, or saved in the workdir, where its external weights resolve."""
