@@ -2,6 +2,7 @@
 per rank for tensor- and pipeline-parallel dirs."""
 from __future__ import annotations
 
+from ..contract.onnxruntime import Spinning
 from .engine import Engine
 from .engine_dir import EngineDir, EngineDirError
 
@@ -34,7 +35,7 @@ def _cpu_runnable(engine_dir: EngineDir, backend: str, no_gpu: str | None = None
 
 
 def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks: int, block_size: int,
-                verify: bool = True) -> Engine:
+                verify: bool = True, spinning: Spinning = Spinning.always) -> Engine:
     """``auto`` runs the TensorRT engine on a GPU machine with TensorRT, else the rank ONNX on CPU.
     A tensor- or pipeline-parallel engine dir runs one process per rank (runtime/tensor_parallel.py)."""
     backend = resolve_backend(engine_dir, backend)
@@ -50,4 +51,5 @@ def make_engine(engine_dir: EngineDir, backend: str, threads: int, prefix_blocks
         return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size)
     from .onnxruntime_engine import OnnxRuntimeEngine
 
-    return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size)
+    return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
+                             spinning=spinning)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..contract.onnxruntime import CpuActivations
+from ..contract.onnxruntime import CpuActivations, Spinning
 from .detokenize import Detokenizer
 from .engine import Engine
 from .engine_core import EngineCore, RuntimeStats
@@ -51,7 +51,7 @@ class LLM:
                  prefix_cache: bool | None = None, prefix_cache_blocks: int | None = None, block_size: int = 16,
                  batching: Batching = Batching.inflight, token_budget: int | None = None,
                  verify: bool = True, medusa_tree_size: int | None = None, multi_step: int | None = None,
-                 engine: Engine | None = None):
+                 engine: Engine | None = None, spinning: Spinning = Spinning.always):
         """``medusa_tree_size``: for engine dirs with Medusa heads, None picks the tree prefix per
         batch from measured step times and acceptance; an int pins it (0: no speculation).
         ``multi_step``: decode steps a batch of greedy requests runs back to back, each row fed
@@ -59,7 +59,9 @@ class LLM:
         every step goes through them; None: the spec's runtime.multi_step). Greedy tokens are
         the same either way. ``engine``: run this Engine (made for this dir, with
         ``prefix_cache_blocks`` blocks of ``block_size``) instead of the backend's; tests and
-        benchmarks pass a configured one in."""
+        benchmarks pass a configured one in. ``spinning``: whether the CPU engine's threads spin
+        between ops (contract.onnxruntime.Spinning); a server, whose event loop shares the cores
+        with the engine, runs them sleeping."""
         from tokenizers import Tokenizer
 
         if multi_step is not None:
@@ -76,7 +78,7 @@ class LLM:
                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         self.inputs = InputProcessor(self.tokenizer, d)
         self.outputs = OutputProcessor(Detokenizer(self.tokenizer, d.vocab_size))
-        engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify)
+        engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
             token_budget=token_budget, prefix_cache=PrefixCache(block_size, blocks) if use_prefix else None,

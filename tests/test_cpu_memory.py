@@ -88,3 +88,30 @@ def test_trtbuild_run_refuses_in_one_line_with_exit_2(tiny_engine, monkeypatch):
     result = CliRunner().invoke(main, ["run", str(tiny_engine), "--prompt", "def f():", "--max-tokens", "4"])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "would need ≈ 0.5 GiB of RAM" in result.output
+
+
+def test_the_server_runs_onnx_runtime_threads_sleeping(tiny_engine, monkeypatch):
+    """A spinning engine thread keeps the cores from the server's event loop between steps
+    (benchmarks/serve_load.py: half the server's tokens/s at 8 in flight); offline LLM keeps spinning."""
+    from click.testing import CliRunner
+
+    from trtbuild.builder.cli import main
+    from trtbuild.contract.onnxruntime import Spinning
+    from trtbuild.runtime import llm as llm_module
+
+    def spinning_of(llm) -> str:
+        return llm.engine.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+
+    with llm_module.LLM(tiny_engine, backend="onnxruntime") as offline:
+        assert spinning_of(offline) == "1"
+    with llm_module.LLM(tiny_engine, backend="onnxruntime", spinning=Spinning.never) as sleeping:
+        assert spinning_of(sleeping) == "0"
+    asked = {}
+
+    def refuse(*args, **kwargs):
+        asked.update(kwargs)
+        raise EngineDirError("stop here")
+
+    monkeypatch.setattr(llm_module, "LLM", refuse)
+    result = CliRunner().invoke(main, ["serve", str(tiny_engine), "--port", "0"])
+    assert result.exit_code == 2 and asked["spinning"] is Spinning.never
