@@ -15,7 +15,7 @@ Conventions, beyond builder/plan.py's:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..contract.pipeline import balanced_layers
 from .gpus import GB, Network
@@ -142,8 +142,6 @@ def recommend_layout(plan: Plan, network: Network) -> PipelinePlan | None:
     """The T × P layout that fits on the fewest nodes, tensor parallelism kept inside a node
     (T ≤ node_gpus, a T the spec accepts) and stages across nodes: then the fewest stages (each
     adds a hop and a bubble to every step), then the smallest T. None if nothing up to 64 nodes fits."""
-    from dataclasses import replace
-
     arch, node = plan.arch, plan.gpu.node_gpus
     best = None
     for tp in (t for t in range(1, node + 1) if tensor_parallel_ok(arch, t)):

@@ -75,6 +75,11 @@ class EngineDir:
         return self.manifest["spec"]["model"]["dtype"]
 
     @property
+    def quantized(self) -> bool:
+        """Whether the spec quantized the weights (quantization.mode other than none)."""
+        return self.manifest["spec"].get("quantization", {}).get("mode", "none") != "none"
+
+    @property
     def cpu_activations(self) -> CpuActivations:
         """What ONNX Runtime multiplies int4/int8 weights with (the spec's quantization.cpu_activations)."""
         value = self.manifest["spec"].get("quantization", {}).get("cpu_activations", "float")

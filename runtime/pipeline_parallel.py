@@ -18,14 +18,13 @@ stages run one after another and each rank idles (P − 1) / P of a step.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from ..contract.pipeline import HIDDEN_STATES_OUT
-from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS
-from dataclasses import replace
-
-from .engine import StepOutput, step_arrays
+from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, step_shape
+from .engine import StepOutput
 from .engine_dir import EngineDir
 from .scheduler import Step
 
@@ -70,7 +69,6 @@ class StageRunner:
         self.first, self.last = self.stage == 0, self.stage == self.pipeline - 1
         self.hidden_size, self.vocab_size = engine_dir.model["hidden_size"], engine_dir.vocab_size
         self.dtype = CACHE_DTYPES[engine_dir.dtype]
-        self.max_seq_len = engine_dir.max_seq_len
         self.medusa_heads = engine_dir.medusa["num_heads"] if engine_dir.medusa else 0
         self.sent_bytes, self.sends, self.wait_seconds = 0, 0, 0.0
 
@@ -79,9 +77,8 @@ class StageRunner:
         stage sent back, the micro-batches' rows in order."""
         pending, shapes = [], []  # sends in flight (their buffers kept until done); each part's (B, S, R)
         for part in micro_batches(step, self.micro_batches):
-            arrays = step_arrays(part, self.max_seq_len)
-            batch, seq = arrays.input_ids.shape
-            shapes.append((batch, seq, arrays.logits_index.shape[1]))
+            batch, seq, rows = step_shape(part.tokens, trees=part.trees)  # stage_step builds the arrays
+            shapes.append((batch, seq, rows))
             hidden = None
             if not self.first:
                 hidden = self._recv((batch, seq, self.hidden_size), self.dtype, self.rank - self.tensor)

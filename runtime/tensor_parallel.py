@@ -102,10 +102,7 @@ def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks:
     """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo among ``group``),
     or on a GPU its rankN.engine in TensorRT with an NCCL communicator (one GPU per rank: LOCAL_RANK
     under torchrun)."""
-    if backend == "tensorrt":
-        if engine_dir.pipeline_parallel > 1:
-            raise ValueError(f"{engine_dir.path}: pipeline stages run on ONNX Runtime only so far "
-                             "(--backend onnxruntime)")
+    if backend == "tensorrt":  # never a staged dir: runtime/engines.py resolve_backend refuses it
         from .nccl import NcclCommunicator
         from .tensorrt_engine import TensorRTEngine
         from .tensorrt_runtime import cuda_runtime

@@ -19,8 +19,7 @@ PROCESS_BYTES = GIB // 2  # a rank process before its weights: Python, torch, ON
 
 def bytes_per_weight_byte(engine_dir: EngineDir) -> int:
     """RAM per byte of a rank's weight file once its session is created."""
-    quantized = engine_dir.manifest["spec"].get("quantization", {}).get("mode", "none") != "none"
-    return 2 if engine_dir.dtype == "float16" and not quantized else 1
+    return 2 if engine_dir.dtype == "float16" and not engine_dir.quantized else 1
 
 
 def local_ranks(engine_dir: EngineDir) -> list[int]:
