@@ -80,7 +80,7 @@ def _status(sock: socket.socket) -> int:
 
 
 def test_health_and_streams_answer_while_a_large_prompt_is_tokenized(server):
-    long_prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 8000
+    long_prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 12000  # ~980 kB: over 1 s to tokenize
     gaps, big, health = [], [], []
 
     def stream():  # another client's stream: its tokens must keep coming

@@ -4,6 +4,8 @@ graph (and a pass planted to break layer 0 caught by it), and the export's memor
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -153,19 +155,26 @@ def test_export_never_holds_the_model(checkpoints, tmp_path):
 def test_a_written_slice_leaves_memory(tmp_path):
     """WeightWriter (what shard_tensor_parallel writes each rank's slices with) keeps the constants
     it returns but not their bytes: 256 MB written, the heap grows by far less. (Clearing raw_data
-    on the proto that held them kept the bytes in protobuf's arena: a TP=2 build held the model.)"""
-    from trtbuild.builder.passes.weights import WeightWriter, read
-    from trtbuild.builder.progress import rss_parts
-
-    writer = WeightWriter(tmp_path / "rank0.shard.data")
-    kept = []
-    before, _ = rss_parts()
-    for k in range(8):
-        kept.append(writer.constant(f"w{k}", np.full((4096, 4096), k, np.float16)))  # 32 MiB each
-    grown = rss_parts()[0] - before
+    on the proto that held them kept the bytes in protobuf's arena: a TP=2 build held the model.)
+    Measured in a fresh process: a long test session's heap moves by itself."""
+    script = f"""
+import numpy as np
+from pathlib import Path
+from trtbuild.builder.passes.weights import WeightWriter, read
+from trtbuild.builder.progress import rss_parts
+out = Path({str(tmp_path)!r})
+writer = WeightWriter(out / "rank0.shard.data")
+kept = []
+before, _ = rss_parts()
+for k in range(8):
+    kept.append(writer.constant(f"w{{k}}", np.full((4096, 4096), k, np.float16)))  # 32 MiB each
+print(rss_parts()[0] - before, float(read(kept[5], out)[17, 4000]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    grown, value = result.stdout.split()
     assert (tmp_path / "rank0.shard.data").stat().st_size == 8 * 2**25
-    assert grown < 64 * 2**20, f"the heap grew by {grown / 2**20:.0f} MiB for 256 MiB written"
-    assert float(read(kept[5], tmp_path)[17, 4000]) == 5.0
+    assert int(grown) < 64 * 2**20, f"the heap grew by {int(grown) / 2**20:.0f} MiB for 256 MiB written"
+    assert float(value) == 5.0
 
 
 def test_memory_refusal_names_what_fits():
