@@ -50,7 +50,7 @@ def bound_step(engine: Path, model: str, batch: int, threads: int):
 
     from trtbuild.builder.emit.cpu_step_model import decode_branch, feeding_decode_model
     from trtbuild.contract import onnxruntime as ort_config
-    from trtbuild.contract.step import PLAIN_DECODE, StepArrays
+    from trtbuild.contract.step import DRAFT_HEADS, PLAIN_DECODE, StepArrays
     from trtbuild.runtime.backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.kv_pools import PoolShape
@@ -71,6 +71,8 @@ def bound_step(engine: Path, model: str, batch: int, threads: int):
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
     if PLAIN_DECODE in names:
         binding.bind_cpu_input(PLAIN_DECODE, np.array(True))
+    if DRAFT_HEADS in names:  # a Medusa dir: a greedy run's plain step, heads skipped
+        binding.bind_cpu_input(DRAFT_HEADS, np.array(False))
     shape = PoolShape.of(d, np.float32, 0, 16)
     rng = np.random.default_rng(0)
     for name in shape.names:  # each cache its own buffer, written in place as the runtime's pools are

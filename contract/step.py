@@ -34,9 +34,12 @@ CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}  # what ONNX Runti
 # true runs the CPU decode graph (plain decode steps, one token a row), false the rank graph or,
 # where the model has TREE_VERIFY (built with Medusa heads), the CPU verification graph when that
 # is true (a Medusa verification of one row). Its outputs add NEXT_INPUTS: the next greedy decode
-# step's inputs, as a plain decode step leaves them.
+# step's inputs, as a plain decode step leaves them. Built with Medusa heads, it also takes
+# DRAFT_HEADS: false skips the heads in a plain decode step (their logits come back as zeros), for
+# steps whose heads nobody reads (a multi-step greedy run); every other step ignores it.
 PLAIN_DECODE = "plain_decode"
 TREE_VERIFY = "tree_verify"
+DRAFT_HEADS = "draft_heads"
 NEXT_INPUTS = {"input_ids": "next_input_ids", "write_index": "next_write_index", "kv_length": "next_kv_length"}
 # The step inputs the CPU decode graph reads besides the caches: a plain decode step fills only these.
 DECODE_READS = ("input_ids", "write_index", "kv_length")

@@ -74,7 +74,7 @@ class EngineCore:
             done = self._greedy_run(step, run, on_token, interrupted)
             if self.speculation is not None:  # stepped aside: plain steps, in a run
                 self.speculation.times.observe_run(len(step.rids), done, time.perf_counter() - start)
-                self.speculation.stats.plain_steps += done
+                self.speculation.stood_aside(len(step.rids), done)
         elif step is not None:
             engine_start = time.perf_counter()
             out = self.engine.step(step)
@@ -110,7 +110,7 @@ class EngineCore:
         heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
         policy = self.speculation
         if policy is not None and step.kind == StepKind.decode:
-            policy.count_step(step.verifies, step.seq_len)
+            policy.count_step(len(step.rids), step.verifies, step.seq_len)
         # Plain rows read logits row 0: those that take its argmax share one over the batch.
         plain, argmax = not step.trees and out.logits.shape[1] == 1, None
         for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):

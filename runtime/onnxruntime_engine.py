@@ -19,7 +19,7 @@ import onnxruntime as ort
 from ..contract import onnxruntime as ort_config
 from ..contract.onnxruntime import Spinning
 from ..contract.pipeline import HIDDEN_STATES
-from ..contract.step import (CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY,
+from ..contract.step import (CACHE_DTYPES, DRAFT_HEADS, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY,
                              StepArrays, fill_step_arrays, step_shape)
 from ..plugins import fp4
 from ..plugins.segments import CollectiveFn, SegmentedRank
@@ -40,6 +40,7 @@ class _Bound:
     binding: object              # onnxruntime.IOBinding
     logits: np.ndarray           # [B, R, V]
     medusa: np.ndarray | None    # [B, R, K, V]
+    draft: np.ndarray | None     # the bound DRAFT_HEADS (a bool scalar), where the model has it
 
 
 class OnnxRuntimeEngine:
@@ -57,7 +58,7 @@ class OnnxRuntimeEngine:
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
         self.engine_dir, self.block_size = engine_dir, block_size
         path = engine_dir.rank_file(rank, "onnx")
-        self.segments, self.decode, self.verifies_on_cpu_graph = None, None, False
+        self.segments, self.decode, self.verifies_on_cpu_graph, self.drafts_on_demand = None, None, False, False
         if engine_dir.world_size > 1:  # DistCollective nodes, or a pipeline stage: run in segments
             if collective is None:
                 raise ValueError(f"{path} is one rank of a tensor/pipeline-parallel engine: run it through the "
@@ -71,7 +72,9 @@ class OnnxRuntimeEngine:
             self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
             # A step model built with Medusa heads verifies one row's tree on its CPU verification graph.
-            self.verifies_on_cpu_graph = TREE_VERIFY in {i.name for i in self.session.get_inputs()}
+            names = {i.name for i in self.session.get_inputs()}
+            self.verifies_on_cpu_graph = TREE_VERIFY in names
+            self.drafts_on_demand = DRAFT_HEADS in names  # a greedy run's steps skip the heads
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size, rank))
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused binding
@@ -82,7 +85,7 @@ class OnnxRuntimeEngine:
             return StepOutput(logits=values[LOGITS], medusa=values[MEDUSA_LOGITS] if self.has_medusa else None)
         _, seq, _ = step_shape(step.tokens, trees=step.trees)
         if step.kind == StepKind.decode and seq == 1:  # the steady state: one token a row, step after step
-            bound = self._filled(step)
+            bound = self._filled(step, draft=True)  # the caller may draft a tree from the heads
             self.session.run_with_iobinding(bound.binding)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
         if self.verifies_on_cpu_graph and len(step.rids) == 1 and step.verifies:  # one row's tree, step after step
@@ -99,6 +102,8 @@ class OnnxRuntimeEngine:
             binding.bind_cpu_input(PLAIN_DECODE, _FALSE)
         if self.verifies_on_cpu_graph:  # a verification of several rows: GroupQueryAttention verifies one
             binding.bind_cpu_input(TREE_VERIFY, _FALSE)
+        if self.drafts_on_demand:  # read by the decode graph only
+            binding.bind_cpu_input(DRAFT_HEADS, _TRUE)
         binding.bind_output("logits")  # first, so it is get_outputs()[0]
         if self.has_medusa:
             binding.bind_output("medusa_logits")  # second
@@ -115,12 +120,16 @@ class OnnxRuntimeEngine:
     def greedy_run(self, step: Step) -> GreedyRun:
         if self.segments is not None:
             return StepwiseGreedyRun(self, step)
-        return _BoundGreedyRun(self.session, self._filled(step), feeds_itself=self.decode is not None)
+        # Nobody drafts from a run's steps: their heads are skipped where the model can.
+        return _BoundGreedyRun(self.session, self._filled(step, draft=False), feeds_itself=self.decode is not None)
 
-    def _filled(self, step: Step) -> _Bound:
-        """The reused binding of a plain decode step's shape, its inputs filled for ``step``."""
+    def _filled(self, step: Step, draft: bool) -> _Bound:
+        """The reused binding of a plain decode step's shape, its inputs filled for ``step``;
+        ``draft``: whether the step computes the Medusa heads' logits (where it can skip them)."""
         key = (step.first_slot, len(step.rids), 1)
         bound = self._bound.get(key) or self._bind(key)
+        if bound.draft is not None:
+            bound.draft[...] = draft
         arrays = bound.arrays
         if self.decode is not None:
             fill_decode_inputs(arrays.input_ids, arrays.write_index, arrays.kv_length, step.tokens, step.starts)
@@ -144,6 +153,9 @@ class OnnxRuntimeEngine:
             binding.bind_cpu_input(PLAIN_DECODE, _TRUE if seq == 1 else _FALSE)
         if self.verifies_on_cpu_graph:
             binding.bind_cpu_input(TREE_VERIFY, _FALSE if seq == 1 else _TRUE)
+        draft = np.array(True) if self.drafts_on_demand else None  # set by _filled before each plain step
+        if draft is not None:
+            binding.bind_ortvalue_input(DRAFT_HEADS, ort.OrtValue.ortvalue_from_numpy(draft))
         if self.decode is not None and seq == 1:
             for name, value in arrays.as_dict().items():  # the next step's inputs, over this one's
                 if name in NEXT_INPUTS:
@@ -158,7 +170,7 @@ class OnnxRuntimeEngine:
             view = ort.OrtValue.ortvalue_from_numpy(pool[first_slot:first_slot + batch])
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
-        self._bound[key] = _Bound(arrays, binding, logits, medusa)
+        self._bound[key] = _Bound(arrays, binding, logits, medusa, draft)
         return self._bound[key]
 
     def stage_step(self, step: Step, hidden_states: np.ndarray | None) -> dict[str, np.ndarray]:

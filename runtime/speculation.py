@@ -37,10 +37,12 @@ if TYPE_CHECKING:
 PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
 RECENT = 15           # step times kept per (B, S): the median of these is the estimate
 REDECIDE_EVERY = 16   # decisions between re-choosing a batch size's tree (choosing costs ~1 ms)
-# Standing aside, every EXPLORE_EVERY-th choice verifies the likeliest-to-pay tree once, so a step
-# time measured in a slow spell (calibration, one noisy step) cannot keep a batch size off trees
-# for good: its estimate comes from a fresh step. ~1 verification per 2 × 16 runs of plain steps.
-EXPLORE_EVERY = 2
+# Standing aside, a batch size verifies the likeliest-to-pay tree once when the plain decoding it
+# did since the last such verification took EXPLORE_AFTER times that verification's estimated
+# cost, so a step time measured in a slow spell (calibration, one noisy step) cannot keep a batch
+# size off trees for good: its estimate comes from a fresh step. Exploring costs at most
+# 1 / EXPLORE_AFTER of plain decoding's time where trees do not pay.
+EXPLORE_AFTER = 100
 
 
 class AcceptanceModel:
@@ -210,7 +212,7 @@ class SpeculationPolicy:
         self._trees: dict[tuple, Tree] = {}
         self._since_reorder = 0
         self._decided: dict[int, tuple[int, int]] = {}  # batch → (choices, decisions it stands for)
-        self._aside: dict[int, int] = {}  # batch → times it chose plain decoding
+        self._aside_seconds: dict[int, float] = {}  # batch → plain decoding's estimated seconds since it explored
 
     def prefix(self, n: int) -> Tree:
         """The first n choices in the current order, as a tree (cached)."""
@@ -231,12 +233,12 @@ class SpeculationPolicy:
             return size
         size, likeliest = self._best(batch)
         self._decided[batch] = (size, REDECIDE_EVERY)
-        if size == 0 and likeliest:
-            self._aside[batch] = self._aside.get(batch, 0) + 1
-            if self._aside[batch] % EXPLORE_EVERY == 0:
-                # This choice and the next (the step's drafting) say ``likeliest``: one verification.
-                self._decided[batch] = (likeliest, 1)
-                return likeliest
+        if size == 0 and likeliest and \
+                self._aside_seconds.get(batch, 0.0) >= EXPLORE_AFTER * self.times.estimate(batch, 1 + likeliest):
+            # This choice and the next (the step's drafting) say ``likeliest``: one verification.
+            self._aside_seconds[batch] = 0.0
+            self._decided[batch] = (likeliest, 1)
+            return likeliest
         return size
 
     def _best(self, batch: int) -> tuple[int, int]:
@@ -254,13 +256,19 @@ class SpeculationPolicy:
         # A path is never likelier than its parent (probabilities ≤ 1): parents stay first.
         self._order = tuple(sorted(self.tree.choices, key=lambda p: (-probs[p], len(p), p)))
 
-    def count_step(self, verifies: bool, seq_len: int) -> None:
-        """One decode step: a verification of ``seq_len`` tokens per row, or plain."""
+    def count_step(self, batch: int, verifies: bool, seq_len: int) -> None:
+        """One decode step of ``batch`` rows: a verification of ``seq_len`` tokens per row, or plain."""
         if verifies:
             self.stats.verify_steps += 1
             self.stats.tree_sizes[seq_len] += 1
         else:
-            self.stats.plain_steps += 1
+            self.stood_aside(batch, 1)
+
+    def stood_aside(self, batch: int, steps: int) -> None:
+        """``steps`` plain decode steps of ``batch`` rows (one, or a multi-step run's)."""
+        self.stats.plain_steps += steps
+        if self.times.table:  # a pinned tree size measures nothing and never explores
+            self._aside_seconds[batch] = self._aside_seconds.get(batch, 0.0) + steps * self.times.plain_estimate(batch)
 
     def record(self, tree: Tree, accepted: Accepted) -> None:
         """One row's verification: acceptance estimates and the per-head metrics."""

@@ -217,6 +217,58 @@ def test_step_model_with_a_verification_graph_runs_it_where_tree_verify_says():
     assert verify_branch(step_model(rank, decode, None)) is None
 
 
+def test_step_model_skips_the_medusa_heads_where_draft_heads_says_so():
+    from trtbuild.builder.emit.cpu_step_model import decode_branch, step_model
+    from trtbuild.contract.step import DRAFT_HEADS, PLAIN_DECODE, TREE_VERIFY
+
+    rng = np.random.default_rng(6)
+    vocab, heads = 4, 2
+    lm_head = numpy_helper.from_array(rng.standard_normal((HIDDEN, vocab)).astype(np.float32), "lm_head")
+    head_w = numpy_helper.from_array(rng.standard_normal((HIDDEN, heads * vocab)).astype(np.float32), "heads")
+    shape = numpy_helper.from_array(np.array([0, 1, heads, vocab], np.int64), "heads_shape")
+    positions = [helper.make_tensor_value_info(name, TensorProto.INT64, [2]) for name in ("write_index", "kv_length")]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT32, [2, 1]), _tensor("x", [2, 1, HIDDEN]),
+              *positions]
+    outputs = [_tensor("logits", None), _tensor("medusa_logits", ["B", "R", heads, vocab])]
+
+    def graph(op):
+        return _model([helper.make_node(op, ["x", "x"], ["h"]),
+                       helper.make_node("MatMul", ["h", "lm_head"], ["logits"]),
+                       helper.make_node("MatMul", ["h", "heads"], ["flat"]),
+                       helper.make_node("Reshape", ["flat", "heads_shape"], ["medusa_logits"])],
+                      inputs, outputs, [lm_head, head_w, shape])
+
+    decode = graph("Mul")
+    model = step_model(graph("Add"), decode, graph("Max"))
+    assert [i.name for i in model.graph.input][-3:] == [PLAIN_DECODE, TREE_VERIFY, DRAFT_HEADS]
+    # The heads' weight lives in the branch that reads it (ONNX Runtime prepacks it there); lm_head stays.
+    branch = decode_branch(model)
+    (draft,) = [n for n in branch.graph.node if n.op_type == "If"]
+    then = next(a.g for a in draft.attribute if a.name == "then_branch")
+    assert {t.name for t in then.initializer} == {"heads", "heads_shape"}
+    assert "lm_head" in {t.name for t in branch.graph.initializer} and "heads" not in \
+        {t.name for t in branch.graph.initializer}
+    x = rng.standard_normal((2, 1, HIDDEN)).astype(np.float32)
+    feeds = {"input_ids": np.array([[3], [5]], np.int32), "x": x, "write_index": np.array([5, 9]),
+             "kv_length": np.array([6, 10]), PLAIN_DECODE: np.array(True), TREE_VERIFY: np.array(False)}
+    alone = _run(decode, {k: v for k, v in feeds.items() if k not in (PLAIN_DECODE, TREE_VERIFY)})
+    drafted = _run(model, {**feeds, DRAFT_HEADS: np.array(True)})
+    skipped = _run(model, {**feeds, DRAFT_HEADS: np.array(False)})
+    assert np.array_equal(drafted["logits"], alone["logits"]) and np.array_equal(skipped["logits"], alone["logits"])
+    assert np.array_equal(drafted["medusa_logits"], alone["medusa_logits"]) and alone["medusa_logits"].any()
+    assert skipped["medusa_logits"].shape == (2, 1, heads, vocab) and not skipped["medusa_logits"].any()
+    # Every other step ignores it: the rank graph and the verification graph compute the heads.
+    for plain, tree in ((False, False), (False, True)):
+        out = _run(model, {**feeds, PLAIN_DECODE: np.array(plain), TREE_VERIFY: np.array(tree),
+                           DRAFT_HEADS: np.array(False)})
+        assert out["medusa_logits"].any()
+    # Without heads the decode graph is left as it was: no DRAFT_HEADS input.
+    plain_model = step_model(*(_model([helper.make_node(op, ["x", "x"], ["h"]),
+                                       helper.make_node("MatMul", ["h", "lm_head"], ["logits"])],
+                                      inputs, outputs[:1], [lm_head]) for op in ("Add", "Mul")), None)
+    assert DRAFT_HEADS not in [i.name for i in plain_model.graph.input]
+
+
 def _row_gather_model(index_input):
     """hidden [B, S, D] → GatherElements at Expand(Unsqueeze(index)) → Add → RMSNormalization."""
     rng = np.random.default_rng(3)

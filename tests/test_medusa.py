@@ -124,6 +124,27 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
     assert outputs[None] == outputs[0]
 
 
+def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa_engine):
+    """Nobody drafts from a greedy run's steps (speculation stepped aside, or off), so they skip
+    the heads' four vocabulary projections; a single plain step computes them for the next tree."""
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.scheduler import Step, StepKind
+
+    engine = OnnxRuntimeEngine(load(medusa_engine), threads=2)
+    assert engine.drafts_on_demand
+    step = Step(kind=StepKind.decode, first_slot=0, rids=("a", "b"), tokens=((5,), (9,)), starts=(3, 7),
+                samples=(True, True))
+    single = engine.step(step)
+    logits, heads = single.logits.copy(), single.medusa.copy()  # [B, 1, V], [B, 1, K, V]
+    assert heads.shape[:3] == (2, 1, 4) and heads.any(axis=-1).all()
+    run = engine.greedy_run(step)  # the same positions again: the same logits
+    assert run.advance() == logits[:, 0].argmax(-1).tolist()
+    assert not single.medusa.any()  # the run's step wrote the shared buffer: zeros, its heads skipped
+    again = engine.step(step)
+    assert np.array_equal(again.medusa, heads) and np.array_equal(again.logits, logits)
+
+
 def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
     """rank0.cpu.onnx's verification graph (GroupQueryAttention over one row's tree, the heads at
     the end of the greedy path only) scores a tree as the rank graph does: logits within max_abs

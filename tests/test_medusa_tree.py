@@ -12,7 +12,7 @@ from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy, accept_typica
 from trtbuild.runtime.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.scheduler import Draft, KeepPath, Phase, Request, Scheduler, StepKind
-from trtbuild.runtime.speculation import EXPLORE_EVERY, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
+from trtbuild.runtime.speculation import EXPLORE_AFTER, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
 
 TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
 
@@ -205,7 +205,7 @@ def test_policy_compares_a_tree_with_what_a_multi_step_run_costs():
     assert SpeculationPolicy(tree, acceptance, dear_runs).choose(1) == 4
 
 
-def test_policy_standing_aside_verifies_the_likeliest_tree_now_and_then_and_takes_it_when_it_pays():
+def test_policy_standing_aside_explores_within_its_time_budget_and_takes_a_tree_when_it_pays():
     tree = Tree(((0,), (0, 0), (0, 0, 0), (1,)))
     acceptance = AcceptanceModel([[0.6, 0.2], [0.6, 0.2], [0.6, 0.2]])
     times = StepTimes()
@@ -216,14 +216,22 @@ def test_policy_standing_aside_verifies_the_likeliest_tree_now_and_then_and_take
     policy = SpeculationPolicy(tree, acceptance, times)
     window = [policy.choose(1) for _ in range(REDECIDE_EVERY + 1)]
     assert window == [0] * (REDECIDE_EVERY + 1)  # the first choice stands for the next REDECIDE_EVERY
-    # The EXPLORE_EVERY-th choice to stand aside verifies the likeliest-to-pay tree once: two
-    # choices (the step before it, its drafting) say so, then plain decoding again.
-    assert EXPLORE_EVERY == 2
-    assert [policy.choose(1) for _ in range(3)] == [4, 4, 0]  # all 4 choices: 2.376 tokens / 0.1 s is the best rate
+    # The likeliest-to-pay tree (all 4 choices: 2.376 tokens / 0.1 s) costs 0.1 s to verify: it is
+    # explored once plain decoding since the last exploration took EXPLORE_AFTER × 0.1 s.
+    assert EXPLORE_AFTER == 100
+    budget_steps = round(EXPLORE_AFTER * 0.100 / 0.010)  # plain steps of 10 ms
+    policy.stood_aside(1, budget_steps - 1)
+    assert [policy.choose(1) for _ in range(REDECIDE_EVERY + 1)] == [0] * (REDECIDE_EVERY + 1)
+    policy.stood_aside(1, 1)
+    # Two choices (the step before the verification, its drafting) say so, then plain again.
+    assert [policy.choose(1) for _ in range(3)] == [4, 4, 0]
+    assert policy.stats.plain_steps == budget_steps
     for _ in range(3):
         times.observe(1, 5, 0.012)  # that verification and others measured now: the tree pays
     assert [policy.choose(1) for _ in range(REDECIDE_EVERY)] == [0] * REDECIDE_EVERY
     assert policy.choose(1) == 4
+    # Another batch size keeps its own budget.
+    assert policy._aside_seconds.get(2, 0.0) == 0.0
 
 
 def test_acceptance_model_learns_from_verifications():

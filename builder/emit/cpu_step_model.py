@@ -28,7 +28,8 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from ...contract.step import NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY
+from ...contract.step import DRAFT_HEADS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY
+from .draft_heads import heads_on_demand
 from .rank_onnx import INLINE_BELOW
 
 
@@ -53,8 +54,9 @@ def _branch(model: onnx.ModelProto, tag: str, outputs: list[str]) -> onnx.GraphP
 
 
 def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto, verify: onnx.ModelProto | None) -> onnx.ModelProto:
-    """The rank graph's inputs plus ``plain_decode`` (and ``tree_verify`` with a verification
-    graph), its outputs plus NEXT_INPUTS, the branch chosen by If."""
+    """The rank graph's inputs plus ``plain_decode`` (and with Medusa heads ``tree_verify`` for a
+    verification graph and ``draft_heads``, builder/emit/draft_heads.py), its outputs plus
+    NEXT_INPUTS, the branch chosen by If."""
     outputs = [o.name for o in rank.graph.output]
     for graph in (decode, verify):
         if graph is not None and [o.name for o in graph.graph.output] != outputs:
@@ -64,8 +66,11 @@ def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto, verify: onnx.Mode
     if verify is not None:
         inputs.append(helper.make_tensor_value_info(TREE_VERIFY, TensorProto.BOOL, []))
         otherwise = _choice(TREE_VERIFY, "verify_or_rank", _branch(verify, "verify", outputs), otherwise, rank)
+    drafting = heads_on_demand(decode)
+    if drafting is not decode:
+        inputs.append(helper.make_tensor_value_info(DRAFT_HEADS, TensorProto.BOOL, []))
     step = helper.make_node("If", [PLAIN_DECODE], outputs, name="cpu_step",
-                            then_branch=_branch(decode, "decode", outputs), else_branch=otherwise)
+                            then_branch=_branch(drafting, "decode", outputs), else_branch=otherwise)
     graph = helper.make_graph([step, *_next_inputs()], "cpu_step", inputs, [*rank.graph.output, *_next_outputs()])
     model = helper.make_model(graph, opset_imports=list(decode.opset_import))
     model.ir_version = rank.ir_version
@@ -125,7 +130,8 @@ def _branch_model(step: onnx.ModelProto, branch: onnx.GraphProto, names) -> onnx
                 values[i] = rename.get(value, value)
     for value in graph.output:
         value.name = rename[value.name]
-    graph.input.extend(i for i in step.graph.input if i.name not in (PLAIN_DECODE, TREE_VERIFY))
+    graph.input.extend(i for i in step.graph.input if i.name not in (PLAIN_DECODE, TREE_VERIFY)
+                       and (i.name != DRAFT_HEADS or any(DRAFT_HEADS in n.input for n in graph.node)))
     model = helper.make_model(graph, opset_imports=list(step.opset_import))
     model.ir_version = step.ir_version
     return model
