@@ -4,7 +4,7 @@ T×P = 1×1, 2×1, 4×1 (tensor), 1×2, 1×4 (pipeline stages) and 2×2.
 
     python benchmarks/parallel.py [--json] [--tokens 64] [--grid 1x1,1x2]
 
-Per grid: build wall time, weight bytes and builder peak RSS per rank, collectives per decode
+Per grid: build wall time and peak RSS, the largest rank's weights, collectives per decode
 step and the bytes rank 0 sends per step (its collectives' inputs, or the hidden states it
 hands to stage 1), greedy tokens/s at batch 1 and 8 (ONNX Runtime, one process per rank over
 gloo), the share of rank 0's step time spent in collectives, and with pipeline stages rank 0's
@@ -12,7 +12,10 @@ idle share (waiting for the last stage's logits: the pipeline bubble; a batch of
 stages one after another; at batch 8 the step splits into P micro-batches, and the
 same batch runs once more without them to show the difference). On a 2-core CPU more ranks cannot be faster
 (they share the same cores); the point is the cost of the communication, measured, and that
-the tokens stay those of 1×1.
+the tokens stay those of 1×1. A second table gives each rank of each grid: its stage, tensor
+rank and layers, its weight bytes, its engine build's seconds and peak RSS (each engine builds in
+its own process), and its resident memory while serving (after the batch-8 run; rank 0 is this
+process, which also holds the scheduler and the other grids' leftovers).
 """
 from __future__ import annotations
 
@@ -72,13 +75,37 @@ def generate(engine: Path, batch: int, tokens: int, micro_batches: int = 1) -> d
         generated = sum(len(c.token_ids) for c in done)
         steps = llm.stats.decode_steps - steps_before
         calls = (counter.calls - before[0]) if counter else 0
+        pids = {0: "self", **({rank: process.pid for rank, process in ranks.processes.items()} if ranks else {})}
         return {"tok_s": generated / seconds, "tokens": [c.token_ids for c in done],
+                "rank_rss_bytes": {rank: resident_bytes(pid) for rank, pid in pids.items()},
                 "collective_s": (counter.seconds - before[2]) if counter else 0.0,
                 "engine_s": llm.stats.engine_s - engine_before, "calls": calls,
                 "sent_bytes": ((counter.bytes - before[1]) if counter else 0)
                 + ((stage.sent_bytes - stage_before[0]) if stage else 0),
                 "bubble_s": (stage.wait_seconds - stage_before[1]) if stage else 0.0,
                 "steps": llm.stats.steps, "decode_steps": steps}
+
+
+def resident_bytes(pid) -> int:
+    """A process's resident memory now (VmRSS), from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def rank_rows(tp: int, pp: int, manifest: dict, summary: dict, rss: dict) -> list[list]:
+    """One row per rank: where it sits, what it holds, what building and serving it took."""
+    engines = {e["rank"]: e for e in summary.get("engines", [])}
+    rows = []
+    for rank, entry in enumerate(manifest["ranks"]):
+        engine = engines.get(rank, {})
+        stage, tensor_rank = divmod(rank, tp)
+        first, last = entry["layers"]
+        rows.append([f"{tp}×{pp}", rank, f"{stage} / {tensor_rank}", f"{first}–{last - 1}",
+                     human_bytes(entry["weight_bytes"]), f"{engine.get('seconds', 0.0):.1f}",
+                     human_bytes(engine.get("peak_rss_bytes") or 0), human_bytes(rss.get(rank, 0))])
+    return rows
 
 
 def main() -> None:
@@ -88,7 +115,7 @@ def main() -> None:
     parser.add_argument("--grid", default="1x1,2x1,4x1,1x2,1x4,2x2", help="T×P pairs, the first the baseline")
     args = parser.parse_args()
     grids = [tuple(int(n) for n in item.split("x")) for item in args.grid.split(",")]
-    rows, results = [], {}
+    rows, per_rank, results = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
         reference, base = {}, None
         for tp, pp in grids:
@@ -109,6 +136,10 @@ def main() -> None:
                 row[f"b{batch}_collective_share"] = figures["collective_s"] / max(figures["engine_s"], 1e-9)
                 row[f"b{batch}_bubble_share"] = figures["bubble_s"] / max(figures["engine_s"], 1e-9)
                 row[f"b{batch}_bytes_per_step"] = figures["sent_bytes"] / max(1, figures["steps"])
+                row["rank_rss_bytes"] = figures["rank_rss_bytes"]  # after the batch-8 run
+            row["engine_build"] = [{k: e.get(k) for k in ("rank", "seconds", "peak_rss_bytes")}
+                                   for e in summary.get("engines", [])]
+            per_rank += rank_rows(tp, pp, manifest, summary, row["rank_rss_bytes"])
             if pp > 1:  # the same batch of 8 with the stages one after another
                 serial = generate(engine, 8, args.tokens, micro_batches=1)
                 row["b8_serial_tok_s"] = serial["tok_s"]
@@ -134,6 +165,9 @@ def main() -> None:
     print(table(rows, ["T×P", "build s", "weights/rank", "build peak RSS", "collectives/step", "rank 0 sent/step b1",
                        "sent/step b8", "tok/s b1", "tok/s b8", "collective share b1/b8", "rank 0 idle b1/b8",
                        "b8 without micro-batches", "same tokens"]))
+    print()
+    print(table(per_rank, ["T×P", "rank", "stage / tensor rank", "layers", "weights", "engine build s",
+                           "engine build peak RSS", "RSS serving b8"]))
 
 
 if __name__ == "__main__":

@@ -244,7 +244,11 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
                   workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
                   medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
                   backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
-    pipe = PipelinePlan(result, pp, network_table()[network])
+    split = spec.parallel.layers_per_stage if spec is not None and pp == spec.parallel.pipeline else ()
+    if spec is not None and spec.parallel.layers_per_stage and not split:
+        click.echo(f"note: --pp {pp} is not the spec's pipeline {spec.parallel.pipeline}: its "
+                   "parallel.layers_per_stage is left out and the layers are balanced", err=True)
+    pipe = PipelinePlan(result, pp, network_table()[network], split)
     layout = recommend_layout(result, pipe.network)
     if as_json:
         click.echo(json.dumps({**plan_report(result), "pipeline": pipe.as_dict(),

@@ -2,7 +2,8 @@
 T tensor ranks) laid out over nodes of ``Gpu.node_gpus``, rank = stage · T + tensor rank.
 
 Conventions, beyond builder/plan.py's:
-- layers are split as the build splits them (contract/pipeline.py, balanced); the embedding
+- layers are split as the build splits them (contract/pipeline.py: the spec's
+  ``parallel.layers_per_stage`` where it gives one for this P, else balanced); the embedding
   lives on the first stage (replicated over its tensor ranks, as sharding leaves it), the final
   norm and lm_head on the last (vocab-parallel); a tied table is held by both;
 - between stages every tensor rank sends its copy of the hidden states [B, S, D] (model dtype) to
@@ -28,6 +29,13 @@ class PipelinePlan:
     plan: Plan          # the model, GPU, precision, workload and T (plan.tp)
     pp: int
     network: Network
+    layers_per_stage: tuple[int, ...] = ()  # the spec's split; () balances the layers
+
+    def __post_init__(self):
+        if self.layers_per_stage and (len(self.layers_per_stage) != self.pp
+                                      or sum(self.layers_per_stage) != self.plan.arch.num_layers):
+            raise ValueError(f"layers_per_stage {list(self.layers_per_stage)}: {self.pp} stages summing to "
+                             f"{self.plan.arch.num_layers} layers")
 
     @property
     def tp(self) -> int:
@@ -35,7 +43,7 @@ class PipelinePlan:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return balanced_layers(self.plan.arch.num_layers, self.pp)
+        return self.layers_per_stage or balanced_layers(self.plan.arch.num_layers, self.pp)
 
     @property
     def nodes(self) -> int:

@@ -86,3 +86,24 @@ def test_plan_cli_prints_the_stages_and_refuses_more_stages_than_layers():
     assert report["layout"]["tp"] == 4 and report["layout"]["pp"] == 1
     bad = CliRunner().invoke(main, ["plan", "llama-3-8b", "--pp", "33"])
     assert bad.exit_code == 2 and "--pp: 33 stages for 32 layers" in bad.output
+
+
+def test_plan_of_a_spec_splits_its_stages_as_the_spec_says(tmp_path):
+    """A spec's parallel.layers_per_stage is the split the build makes, so the plan's stage
+    memory follows it; another --pp than the spec's balances the layers and says so."""
+    spec = tmp_path / "uneven.yaml"
+    spec.write_text("model:\n  checkpoint: llama-3-8b\n  dtype: float16\n"
+                    "parallel:\n  pipeline: 2\n  layers_per_stage: [12, 20]\n")
+    report = json.loads(CliRunner().invoke(main, ["plan", str(spec), "--json"]).stdout)
+    stages = report["pipeline"]["stages"]
+    assert [s["layers"] for s in stages] == [12, 20]
+    balanced = json.loads(CliRunner().invoke(main, ["plan", "llama-3-8b", "--pp", "2", "--json"]).stdout)
+    assert [s["layers"] for s in balanced["pipeline"]["stages"]] == [16, 16]
+    # The last stage (lm_head and 8 more layers) holds more than the balanced split's.
+    assert stages[1]["weights_bytes_per_rank"] > balanced["pipeline"]["stages"][1]["weights_bytes_per_rank"]
+    other = CliRunner().invoke(main, ["plan", str(spec), "--pp", "4", "--json"])
+    assert other.exit_code == 0
+    assert [s["layers"] for s in json.loads(other.stdout)["pipeline"]["stages"]] == [8, 8, 8, 8]
+    assert "parallel.layers_per_stage is left out" in other.stderr
+    with pytest.raises(ValueError, match="2 stages summing to 32"):
+        PipelinePlan(plan_of("llama-3-8b", "fp16"), 2, NDR, (10, 10))
