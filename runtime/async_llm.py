@@ -4,7 +4,7 @@ and their deltas made by its output processor (streamed text holds back what cou
 stop string, so the pieces join to the completion's text).
 
 A driver task runs engine steps in a worker thread while any request lives and hands each
-stream its deltas. Submitting never waits for a running step (LLM.submit takes the request
+stream its deltas, one per step (the pieces of a multi-step greedy run joined). Submitting never waits for a running step (LLM.submit takes the request
 into an inbox), a stream that is left early (a client disconnects, a task is cancelled)
 aborts its request, and a failing step ends every waiting stream with that error instead
 of leaving it hanging.
@@ -55,10 +55,15 @@ class AsyncLLM:
         try:
             while self.llm.has_work():
                 deltas, _ = await loop.run_in_executor(None, self.llm.step)
+                pieces: dict[str, list[Delta]] = {}
                 for delta in deltas:
-                    queue = self._queues.get(delta.rid)
+                    pieces.setdefault(delta.rid, []).append(delta)
+                # One delta per request per step: a greedy run's tokens reach its stream (and a
+                # server's client) as one piece, not as many wake-ups, events and writes.
+                for rid, group in pieces.items():
+                    queue = self._queues.get(rid)
                     if queue is not None:
-                        queue.put_nowait(delta)
+                        queue.put_nowait(Delta.joined(group))
         except Exception as exc:  # noqa: BLE001  (every stream must hear of it, not hang)
             for queue in list(self._queues.values()):
                 queue.put_nowait(exc)

@@ -36,3 +36,13 @@ class Delta:
     finished: bool
     finish_reason: str | None = None
     completion: "Completion | None" = None
+
+    @staticmethod
+    def joined(pieces: "list[Delta]") -> "Delta":
+        """One request's consecutive pieces as one (``token_id`` the newest token's): what a
+        stream sends for an engine-core step, whose greedy run may commit many tokens at once."""
+        if len(pieces) == 1:
+            return pieces[0]
+        last = pieces[-1]
+        return Delta(last.rid, "".join(p.text for p in pieces), last.token_id, last.finished, last.finish_reason,
+                     last.completion)

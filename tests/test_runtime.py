@@ -192,6 +192,23 @@ def test_streaming_sync_and_async_give_the_final_text(llm):
     assert texts[0] == whole.text and texts[1] == llm.generate([PROMPTS[5]], GREEDY)[0].text
 
 
+def test_async_streams_get_one_delta_per_step_of_a_greedy_run(llm):
+    """A multi-step greedy run commits several tokens in one engine-core step: an async stream
+    (the server's) gets them as one piece, whose text is theirs and whose token id the newest."""
+    (whole,) = llm.generate([PROMPTS[4]], GREEDY)
+
+    async def collect():
+        return [delta async for delta in AsyncLLM(llm).stream(PROMPTS[4], GREEDY)]
+
+    deltas = asyncio.run(collect())
+    assert llm.multi_step > 1
+    steps = 1 + -(-(GREEDY.max_tokens - 1) // llm.multi_step)  # the prefill's token, then full runs
+    assert len(deltas) == steps, [d.text for d in deltas]
+    assert "".join(d.text for d in deltas) == whole.text
+    assert deltas[-1].finished and deltas[-1].completion.token_ids == whole.token_ids
+    assert deltas[-1].token_id == whole.token_ids[-1]
+
+
 async def _join(stream) -> str:
     return "".join([delta.text async for delta in stream])
 
