@@ -54,7 +54,7 @@ class TensorRTEngine:
         self.num_heads = d.medusa["num_heads"] if MEDUSA_LOGITS in self.tensors else 0
         self.max_rows = rows = d.medusa["tree_size"] if d.medusa else 1
         b, s, s_max = d.max_batch_size, max(d.max_input_len, rows), d.max_seq_len
-        self.max_seq = s
+        self.max_seq = s  # the most new tokens a step has (S): a prefill chunk or a Medusa tree
         sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
                  "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
         self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items() if name in self.tensors}
