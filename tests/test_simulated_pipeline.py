@@ -77,6 +77,31 @@ def test_stages_on_the_simulated_device_give_the_cpu_runtime_tokens(device, pp2_
     assert device.calls["cudaGraphLaunch"] == 0  # stage steps run eagerly
 
 
+@pytest.mark.slow
+def test_medusa_heads_on_the_last_stage_verify_on_the_simulated_device(monkeypatch, tmp_path):
+    """Medusa verification steps on stages: the tree's S rows handed on, medusa_logits from the
+    last stage's device buffer, keep_path on both stages' caches: plain decoding's tokens."""
+    import yaml
+
+    spec = yaml.safe_load((REPO / "specs" / "tiny-code-medusa.yaml").read_text())
+    spec["model"]["checkpoint"] = str(REPO / "models" / "tiny-code")
+    spec["speculative"]["medusa"]["heads"] = str(REPO / "models" / "tiny-code" / "medusa")
+    spec["parallel"] = {"pipeline": 2}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(tmp_path / "spec.yaml"), "-o",
+                           str(tmp_path / "medusa-pp2")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    engine = tmp_path / "medusa-pp2"
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    with LLM(engine, backend="onnxruntime", medusa_tree_size=0) as llm:
+        plain = [c.token_ids for c in llm.generate(PROMPTS[:4], params)]
+    SimulatedDevice().install(monkeypatch, [engine])
+    install_in_rank_processes(monkeypatch, [engine])
+    with LLM(engine, backend="tensorrt", medusa_tree_size=63) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS[:4], params)] == plain
+        assert llm.speculation.stats.verify_steps > 0 and llm.speculation.stats.accepted_tokens > 0
+
+
 # -- planted faults: the simulation must notice them -----------------------------------------------
 
 def hand_off_from_the_next_slot(stage_step):
