@@ -28,8 +28,9 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 def pp2_engine(tmp_path_factory):
     """specs/tiny-code-pp2.yaml: two stages of three layers, T = 1 (no collectives in a stage)."""
     out = tmp_path_factory.mktemp("engines") / "tiny-pp2"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code-pp2.yaml"),
-                           "-o", str(out)], capture_output=True, text=True)
+    spec = REPO / "specs" / "tiny-code-pp2.yaml"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return out
 
