@@ -50,6 +50,15 @@ class EngineDir:
         start, stop = self.manifest["ranks"][rank]["layers"]
         return range(start, stop)
 
+    def rank_tensors(self, rank: int) -> frozenset[str]:
+        """The names of ``rank``'s engine inputs and outputs (its manifest I/O table): a pipeline
+        stage reads ``input_ids`` or ``hidden_states`` and writes ``hidden_states_out`` or the logits."""
+        rows = self.manifest["ranks"][rank].get("io")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("name"), str) for r in rows):
+            raise EngineDirError(f"{self.path / 'manifest.json'}: ranks[{rank}].io is not a list of tensors "
+                                 "with names; rebuild the engine dir")
+        return frozenset(row["name"] for row in rows)
+
     @property
     def head_dim(self) -> int:
         return self.model["head_dim"]

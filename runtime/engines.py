@@ -15,10 +15,7 @@ def resolve_backend(engine_dir: EngineDir, backend: str) -> str:
         return _cpu_runnable(engine_dir, backend)
     from .tensorrt_runtime import tensorrt_available
 
-    # Pipeline stages are not in the TensorRT runtime yet: say so before any rank starts.
-    reason = (f"{engine_dir.path} has {engine_dir.pipeline_parallel} pipeline stages, which run on ONNX Runtime "
-              "only so far (--backend onnxruntime)") if engine_dir.pipeline_parallel > 1 \
-        else tensorrt_available(engine_dir)
+    reason = tensorrt_available(engine_dir)
     if reason is not None and backend == "tensorrt":
         raise EngineDirError(f"--backend tensorrt: {reason}")
     return "tensorrt" if reason is None else _cpu_runnable(engine_dir, "onnxruntime", reason)

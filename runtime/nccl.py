@@ -2,9 +2,11 @@
 
 TensorRT's DistCollective layers run over the NCCL communicator the execution context is given,
 as a capsule holding the ``ncclComm_t``. It is made with NCCL's own C API (ctypes on the
-libnccl that the CUDA builds of torch ship in the ``nvidia-nccl`` wheel): rank 0 draws the
-unique id, the ranks' torch.distributed group (gloo, on CPU) carries it to the others, each
-rank calls ``ncclCommInitRank`` on its own GPU. GPU machines only; nothing here runs on CPU.
+libnccl that the CUDA builds of torch ship in the ``nvidia-nccl`` wheel): the group's first rank
+draws the unique id, the ranks' torch.distributed group (gloo, on CPU) carries it to the others,
+each rank calls ``ncclCommInitRank`` on its own GPU. With pipeline stages the group is the stage's
+tensor ranks (runtime/pipeline_parallel.py stage_groups), so the collectives stay inside the stage.
+GPU machines only; nothing here runs on CPU.
 """
 from __future__ import annotations
 
@@ -44,9 +46,11 @@ def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
 
 
 class NcclCommunicator:
-    """This rank's communicator over ``world`` ranks, on the current CUDA device."""
+    """This rank's communicator among the ``size`` ranks of ``group`` (a torch.distributed gloo
+    group; None: every rank), where it is ``rank`` (its rank within the group), on the current
+    CUDA device."""
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, size: int, group):
         import torch.distributed as dist
 
         self.lib = lib = _library()
@@ -54,10 +58,10 @@ class NcclCommunicator:
         if rank == 0:
             _check(lib, lib.ncclGetUniqueId(ctypes.byref(unique)), "ncclGetUniqueId")
         box = [bytes(unique.internal) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)  # over the CPU (gloo) group every rank already joined
+        dist.broadcast_object_list(box, group=group, group_src=0)  # over the CPU (gloo) group its ranks joined
         ctypes.memmove(unique.internal, box[0], NCCL_UNIQUE_ID_BYTES)
         self.comm = ctypes.c_void_p()
-        _check(lib, lib.ncclCommInitRank(ctypes.byref(self.comm), world, unique, rank), "ncclCommInitRank")
+        _check(lib, lib.ncclCommInitRank(ctypes.byref(self.comm), size, unique, rank), "ncclCommInitRank")
 
     def capsule(self) -> object:
         """What ``IExecutionContext.set_communicator`` takes: a capsule of the ncclComm_t."""

@@ -173,6 +173,11 @@ class OnnxRuntimeEngine:
         self._bound[key] = _Bound(arrays, binding, logits, medusa, draft)
         return self._bound[key]
 
+    def stage_input(self, step: Step) -> np.ndarray:
+        """Where a pipeline stage receives ``step``'s hidden states: [B, S, D] in the model's dtype."""
+        batch, seq, _ = step_shape(step.tokens, trees=step.trees)
+        return np.empty((batch, seq, self.engine_dir.model["hidden_size"]), CACHE_DTYPES[self.engine_dir.dtype])
+
     def stage_step(self, step: Step, hidden_states: np.ndarray | None) -> dict[str, np.ndarray]:
         """The rank graph piece by piece, this rank's collective between pieces; caches in place.
         ``hidden_states`` [B, S, D]: what the pipeline stage before wrote (None on the first stage).

@@ -4,7 +4,8 @@ The ranks are the tensor-parallel engine's processes (runtime/tensor_parallel.py
 broadcasts rank 0's commands and names a failed rank); this module adds what a stage does
 around its step. Rank r = stage · T + tensor rank. A stage's tensor ranks run their
 collectives over their stage's process group; the stages hand the residual stream on with
-torch.distributed point-to-point (gloo on CPU): tensor rank t of stage s receives
+torch.distributed point-to-point through a transport (runtime/stage_transport.py: numpy over gloo
+on CPU, device buffers over NCCL on GPUs): tensor rank t of stage s receives
 ``hidden_states`` [B, S, D] from tensor rank t of stage s − 1 (every tensor rank of a stage
 ends with the same hidden states after its all-reduce) and sends its ``hidden_states_out`` to
 tensor rank t of stage s + 1. Tensor rank 0 of the last stage sends the logits (and Medusa
@@ -23,7 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..contract.pipeline import HIDDEN_STATES_OUT
-from ..contract.step import CACHE_DTYPES, LOGITS, MEDUSA_LOGITS, step_shape
+from ..contract.step import LOGITS, MEDUSA_LOGITS, step_shape
 from .engine import StepOutput
 from .engine_dir import EngineDir
 from .scheduler import Step
@@ -59,29 +60,30 @@ def stage_groups(engine_dir: EngineDir):
 
 class StageRunner:
     """One rank's engine as a pipeline stage; the same Engine methods, the step wrapped in the
-    stage's receives and sends. Counts ``sent_bytes``, ``sends`` and ``wait_seconds`` (blocked in
-    a receive: on rank 0, waiting for the last stage's logits) for benchmarks."""
+    stage's receives and sends. ``engine`` has ``stage_input`` (where a micro-batch's hidden states
+    land) and ``stage_step``; ``transport`` moves what they hold (runtime/stage_transport.py). Counts
+    ``sent_bytes``, ``sends`` and ``wait_seconds`` (in a receive: on rank 0, waiting for the last
+    stage's logits; a device transport's receives make its stream wait, not the host) for benchmarks."""
 
-    def __init__(self, engine, engine_dir: EngineDir, rank: int, micro_batches: int):
-        self.engine, self.rank, self.micro_batches = engine, rank, micro_batches
+    def __init__(self, engine, engine_dir: EngineDir, rank: int, micro_batches: int, transport):
+        self.engine, self.rank, self.micro_batches, self.transport = engine, rank, micro_batches, transport
         self.tensor, self.pipeline = engine_dir.tensor_parallel, engine_dir.pipeline_parallel
         self.stage, self.tensor_rank = divmod(rank, self.tensor)
         self.first, self.last = self.stage == 0, self.stage == self.pipeline - 1
-        self.hidden_size, self.vocab_size = engine_dir.model["hidden_size"], engine_dir.vocab_size
-        self.dtype = CACHE_DTYPES[engine_dir.dtype]
+        self.vocab_size = engine_dir.vocab_size
         self.medusa_heads = engine_dir.medusa["num_heads"] if engine_dir.medusa else 0
         self.sent_bytes, self.sends, self.wait_seconds = 0, 0, 0.0
 
     def step(self, step: Step) -> StepOutput | None:
         """This stage's part of ``step``, micro-batch by micro-batch; on rank 0 the logits the last
         stage sent back, the micro-batches' rows in order."""
-        pending, shapes = [], []  # sends in flight (their buffers kept until done); each part's (B, S, R)
+        pending, shapes = [], []  # sends in flight (each keeps its buffer until done); each part's (B, S, R)
         for part in micro_batches(step, self.micro_batches):
-            batch, seq, rows = step_shape(part.tokens, trees=part.trees)  # stage_step builds the arrays
-            shapes.append((batch, seq, rows))
+            shapes.append(step_shape(part.tokens, trees=part.trees))  # stage_step builds the arrays
             hidden = None
             if not self.first:
-                hidden = self._recv((batch, seq, self.hidden_size), self.dtype, self.rank - self.tensor)
+                hidden = self.engine.stage_input(part)  # [B, S, D]
+                self._recv_into(hidden, self.rank - self.tensor)
             outputs = self.engine.stage_step(part, hidden)
             if not self.last:
                 pending.append(self._send(outputs[HIDDEN_STATES_OUT], self.rank + self.tensor))
@@ -90,8 +92,8 @@ class StageRunner:
                 if self.medusa_heads:
                     pending.append(self._send(outputs[MEDUSA_LOGITS], 0))
         result = self._gather_logits(shapes) if self.rank == 0 else None
-        for work, _ in pending:
-            work.wait()
+        for sending in pending:
+            sending.wait()
         return result
 
     def _gather_logits(self, shapes: list[tuple[int, int, int]]) -> StepOutput:
@@ -104,33 +106,29 @@ class StageRunner:
                   if self.medusa_heads else None)
         start = 0
         for b, _, r in shapes:
-            logits[start:start + b, :r] = self._recv((b, r, self.vocab_size), np.float32, source)
+            logits[start:start + b, :r] = self._recv_host((b, r, self.vocab_size), source)
             if medusa is not None:
-                medusa[start:start + b, :r] = self._recv((b, r, self.medusa_heads, self.vocab_size), np.float32,
-                                                         source)
+                medusa[start:start + b, :r] = self._recv_host((b, r, self.medusa_heads, self.vocab_size), source)
             start += b
         return StepOutput(logits=logits, medusa=medusa)
 
-    def _send(self, value: np.ndarray, dst: int):
-        """Starts sending ``value``; returns the request and the buffer it reads, kept until it is done."""
-        import torch
-        import torch.distributed as dist
-
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
-        work = dist.isend(tensor, dst=dst)
+    def _send(self, value, dst: int):
+        """Starts sending ``value``; the returned sending keeps its buffer until it is done."""
+        sending = self.transport.send(value, dst)
         self.sent_bytes += value.nbytes
         self.sends += 1
-        return work, tensor
+        return sending
 
-    def _recv(self, shape: tuple[int, ...], dtype, src: int) -> np.ndarray:
-        import torch
-        import torch.distributed as dist
-
-        buffer = torch.from_numpy(np.empty(shape, dtype))
+    def _recv_into(self, value, src: int) -> None:
         start = time.perf_counter()
-        dist.recv(buffer, src=src)
+        self.transport.recv_into(value, src)
         self.wait_seconds += time.perf_counter() - start
-        return buffer.numpy()
+
+    def _recv_host(self, shape: tuple[int, ...], src: int) -> np.ndarray:
+        start = time.perf_counter()
+        out = self.transport.recv_host(shape, np.float32, src)
+        self.wait_seconds += time.perf_counter() - start
+        return out
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self.engine.copy_slot(src, dst, length)

@@ -36,6 +36,7 @@ from ..plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from .engine_dir import EngineDir, load
 from .pipeline_parallel import StageRunner, stage_groups
+from .stage_transport import HostTransport
 
 # A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
 # bundled model takes milliseconds; a first step of a large one, seconds).
@@ -90,19 +91,43 @@ def _rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: 
                  backend: str, micro_batches: int):
     """This rank's engine once the process group is up: with pipeline stages, run as its stage
     (runtime/pipeline_parallel.py, a step in up to ``micro_batches``) with its collectives over
-    the stage's group."""
+    the stage's group and its hand-offs through a transport (runtime/stage_transport.py)."""
     groups = stage_groups(engine_dir)  # every rank creates every stage's group
     local = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend,
                           groups[rank // engine_dir.tensor_parallel])
-    return local if engine_dir.pipeline_parallel == 1 else StageRunner(local, engine_dir, rank, micro_batches)
+    if engine_dir.pipeline_parallel == 1:
+        return local
+    if backend == "tensorrt":
+        from .tensorrt_stage import TensorRTStage
+
+        return StageRunner(TensorRTStage(local), engine_dir, rank, micro_batches, _device_transport(local))
+    return StageRunner(local, engine_dir, rank, micro_batches, HostTransport())
+
+
+def _device_transport(engine):
+    """How a TensorRT stage hands device buffers on: over NCCL where torch has CUDA (real GPUs),
+    else staged through host memory over gloo (a CPU build of torch; the simulated device).
+    Every rank of a job runs the same torch, so all take the same path; each creates the NCCL
+    group (every rank, in the same order)."""
+    import torch.distributed as dist
+
+    from .stage_transport import HostStagedTransport, NcclTransport, nccl_usable
+
+    if nccl_usable():
+        import torch
+
+        torch.cuda.set_device(engine.device)
+        return NcclTransport(dist.new_group(backend="nccl"), engine.device, engine.stream)
+    return HostStagedTransport(engine.cudart, engine.stream, engine.ok)
 
 
 def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
                   backend: str = "onnxruntime", group=None):
-    """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo among ``group``),
-    or on a GPU its rankN.engine in TensorRT with an NCCL communicator (one GPU per rank: LOCAL_RANK
-    under torchrun)."""
-    if backend == "tensorrt":  # never a staged dir: runtime/engines.py resolve_backend refuses it
+    """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo among ``group``,
+    its stage's ranks or all), or on a GPU its rankN.engine in TensorRT (one GPU per rank:
+    LOCAL_RANK under torchrun) with, where the stage has tensor ranks, an NCCL communicator among
+    the ranks of ``group``."""
+    if backend == "tensorrt":
         from .nccl import NcclCommunicator
         from .tensorrt_engine import TensorRTEngine
         from .tensorrt_runtime import cuda_runtime
@@ -111,9 +136,10 @@ def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks:
         count = cudart.cudaGetDeviceCount()[1]
         device = int(os.environ.get("LOCAL_RANK", rank)) % max(1, count)
         cudart.cudaSetDevice(device)
-        communicator = NcclCommunicator(rank, engine_dir.tensor_parallel)
+        tensor = engine_dir.tensor_parallel
+        communicator = NcclCommunicator(rank % tensor, tensor, group).capsule() if tensor > 1 else None
         return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size, rank=rank,
-                              device=device, communicator=communicator.capsule())
+                              device=device, communicator=communicator)
     from .onnxruntime_engine import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,

@@ -4,12 +4,15 @@ KV pools and step I/O live in device memory. Each step binds ``pool + first_slot
 as both ``past_*`` and ``present_*`` (the engine's KV-cache update writes in place).
 Decode steps are padded to the manifest's CUDA-graph batch buckets and replayed as CUDA
 graphs once captured: the bucket's addresses and shapes never change (decode binds slots
-from 0). Prefill uses the second optimization profile, eagerly.
+from 0). Prefill uses the second optimization profile, eagerly. A rank of a pipeline stage binds
+only the tensors its engine has (the manifest's I/O table) and holds its stage's caches; its
+hand-off is runtime/tensorrt_stage.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..contract.step import LOGITS, MEDUSA_LOGITS
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import DevicePools, PoolShape, device_alloc
@@ -28,7 +31,7 @@ class TensorRTEngine:
         (runtime/nccl.py) its DistCollective layers run over."""
         # The flavour the manifest names (tensorrt or tensorrt_rtx), checked against this GPU.
         trt, cudart = load_flavor(engine_dir, device), cuda_runtime()
-        self.trt, self.cudart, self.dir, self.block_size = trt, cudart, engine_dir, block_size
+        self.trt, self.cudart, self.dir, self.block_size, self.device = trt, cudart, engine_dir, block_size, device
         self.ok = _ok = cuda_check(cudart)
         _ok(cudart.cudaSetDevice(device))
         self.logger = trt.Logger(trt.Logger.WARNING)
@@ -44,15 +47,18 @@ class TensorRTEngine:
                 raise RuntimeError(f"TensorRT refused the NCCL communicator for rank {rank}")
             self.contexts[kind] = context
         d = engine_dir
-        self.kv = DevicePools(PoolShape.of(d, _ELEMENT[d.dtype], prefix_blocks, block_size), cudart, self.stream, _ok)
-        # A Medusa verification scores the whole tree: S and R up to its size.
-        self.num_heads = d.medusa["num_heads"] if d.medusa else 0
-        rows = d.medusa["tree_size"] if d.medusa else 1
+        self.element = np.dtype(_ELEMENT[d.dtype])
+        self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
+        self.tensors = d.rank_tensors(rank)  # a pipeline stage has some of the step's inputs and outputs
+        # A Medusa verification scores the whole tree: S and R up to its size (heads: on the last stage).
+        self.num_heads = d.medusa["num_heads"] if MEDUSA_LOGITS in self.tensors else 0
+        self.max_rows = rows = d.medusa["tree_size"] if d.medusa else 1
         b, s, s_max = d.max_batch_size, max(d.max_input_len, rows), d.max_seq_len
+        self.max_seq = s  # the most new tokens a step has (S): a prefill chunk or a Medusa tree
         sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
                  "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
-        self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items()}
-        self.logits = device_alloc(cudart, _ok, b * rows * d.vocab_size * 4)
+        self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items() if name in self.tensors}
+        self.logits = device_alloc(cudart, _ok, b * rows * d.vocab_size * 4) if LOGITS in self.tensors else None
         self.medusa = device_alloc(cudart, _ok, b * rows * self.num_heads * d.vocab_size * 4) if self.num_heads else None
         self.buckets = sorted(d.cuda_graph_batch_sizes)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch bucket, S) → CUDA graph
@@ -73,10 +79,7 @@ class TensorRTEngine:
         arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
         batch, logit_rows = arrays.input_ids.shape[0], arrays.logits_index.shape[1]
         key = (bucket, step.seq_len)
-        for name, value in arrays.as_dict().items():
-            value = np.ascontiguousarray(value)
-            _ok(cudart.cudaMemcpyAsync(self.inputs[name], value.ctypes.data, value.nbytes,
-                                       cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+        self.upload(arrays)
         context = self.contexts[step.kind]
         if bucket is not None and key in self.graphs:
             _ok(cudart.cudaGraphLaunch(self.graphs[key], self.stream))
@@ -97,20 +100,33 @@ class TensorRTEngine:
         _ok(cudart.cudaStreamSynchronize(self.stream))
         return StepOutput(logits=logits[:rows], medusa=None if medusa is None else medusa[:rows])
 
-    def _bind(self, context, arrays, first_slot: int) -> None:
+    def upload(self, arrays) -> None:
+        """The step's arrays that this engine reads, host → its input buffers, on its stream."""
         for name, value in arrays.as_dict().items():
-            context.set_input_shape(name, value.shape)
-            context.set_tensor_address(name, self.inputs[name])
-        batch = arrays.input_ids.shape[0]
+            if name in self.inputs:
+                value = np.ascontiguousarray(value)
+                self.ok(self.cudart.cudaMemcpyAsync(self.inputs[name], value.ctypes.data, value.nbytes,
+                                                    self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+
+    def bind_inputs(self, context, arrays, first_slot: int) -> None:
+        """The step's inputs this engine has, and its caches at the slots from ``first_slot`` (in place)."""
+        for name, value in arrays.as_dict().items():
+            if name in self.inputs:
+                context.set_input_shape(name, value.shape)
+                context.set_tensor_address(name, self.inputs[name])
+        batch = arrays.position_ids.shape[0]
         shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
         for name in self.kv.pools:
             address = self.kv.slot_address(name, first_slot)
             context.set_input_shape(f"past_{name}", shape)
             context.set_tensor_address(f"past_{name}", address)
             context.set_tensor_address(f"present_{name}", address)
-        context.set_tensor_address("logits", self.logits)
+
+    def _bind(self, context, arrays, first_slot: int) -> None:
+        self.bind_inputs(context, arrays, first_slot)
+        context.set_tensor_address(LOGITS, self.logits)
         if self.medusa is not None:
-            context.set_tensor_address("medusa_logits", self.medusa)
+            context.set_tensor_address(MEDUSA_LOGITS, self.medusa)
 
     def _capture(self, context):
         """The step just run, recorded as an executable CUDA graph. The capture always ends (a
@@ -143,7 +159,7 @@ class TensorRTEngine:
         for graph in self.graphs.values():
             self.cudart.cudaGraphExecDestroy(graph)
         self.kv.close()
-        for ptr in [*self.inputs.values(), self.logits,
-                    *([self.medusa] if self.medusa is not None else [])]:
-            self.cudart.cudaFree(ptr)
+        for ptr in [*self.inputs.values(), self.logits, self.medusa]:
+            if ptr is not None:
+                self.cudart.cudaFree(ptr)
         self.cudart.cudaStreamDestroy(self.stream)

@@ -241,19 +241,41 @@ class SimulatedDevice:
 
         return tensorrt_module(self, module_name, version, engine_dirs)
 
-    def install(self, monkeypatch, engine_dirs: list[Path], flavors: dict[str, str] | None = None) -> None:
-        """Puts the simulation where the runtime imports from. ``flavors``: module name → version
-        of each TensorRT flavour to offer (default: the one each engine dir names, at its version)."""
+    def modules(self, engine_dirs: list[Path], flavors: dict[str, str] | None = None) -> dict:
+        """What the runtime imports, simulated: module name → module (None: importing it fails, as
+        if absent). ``flavors``: module name → version of each TensorRT flavour to offer (default:
+        the one each engine dir names, at its version)."""
         import json
 
         from trtbuild.contract.gpu_targets import MODULES
 
-        monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", self.module())
         if flavors is None:
             flavors = {}
             for path in engine_dirs:
                 built = json.loads((Path(path) / "manifest.json").read_text())["tensorrt"]
                 flavors[MODULES[built["flavor"]]] = built["version"]
+        out = {"cuda.bindings.runtime": self.module()}
         for name in MODULES.values():
-            monkeypatch.setitem(sys.modules, name, self.tensorrt(name, flavors[name], engine_dirs)
-                                if name in flavors else None)  # None: importing it fails, as if absent
+            out[name] = self.tensorrt(name, flavors[name], engine_dirs) if name in flavors else None
+        return out
+
+    def install(self, monkeypatch, engine_dirs: list[Path], flavors: dict[str, str] | None = None) -> None:
+        """Puts the simulation where this process imports from (``modules``), for the test's span."""
+        for name, module in self.modules(engine_dirs, flavors).items():
+            monkeypatch.setitem(sys.modules, name, module)
+
+
+# Rank processes that rank 0 starts (runtime/tensor_parallel.py) are fresh interpreters: with
+# tests/simulated_site on PYTHONPATH and this variable set (a JSON list of engine dirs), its
+# sitecustomize.py installs a simulated device of their own in each (``install_in_rank_processes``).
+RANK_PROCESSES_ENV = "TRTBUILD_SIMULATED_DEVICE_DIRS"
+SITE = Path(__file__).resolve().parent / "simulated_site"
+
+
+def install_in_rank_processes(monkeypatch, engine_dirs: list[Path]) -> None:
+    """Every process this test starts simulates a device too, serving ``engine_dirs``."""
+    import json
+    import os
+
+    monkeypatch.setenv(RANK_PROCESSES_ENV, json.dumps([str(p) for p in engine_dirs]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")])))

@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from trtbuild.contract import onnxruntime as ort_config
+from trtbuild.contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from trtbuild.contract.step import CACHE_DTYPES, INPUT_NAMES, LOGITS, MEDUSA_LOGITS
 from trtbuild.plugins import fp4
 
@@ -34,13 +35,14 @@ class SimulatedEngine:
 
     def __init__(self, device, engine_dir: Path, manifest: dict, rank: int):
         if manifest["tensor_parallel"] > 1:
-            raise NotImplementedError("the simulated device runs one rank (no collectives)")
+            raise NotImplementedError("the simulated device runs ranks without collectives (tensor_parallel 1)")
         self.device, self.manifest = device, manifest
         path = engine_dir / manifest["ranks"][rank]["onnx"]
         self.session = ort_config.session(fp4.ort_source(path))
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.dtype = CACHE_DTYPES[manifest["spec"]["model"]["dtype"]]
+        self.hidden_size = manifest["model"]["hidden_size"]
         self.contexts: list[SimulatedContext] = []
 
     def create_execution_context(self) -> SimulatedContext:
@@ -89,11 +91,17 @@ class SimulatedContext:
         return True
 
     def _bound(self) -> dict:
+        # The manifest records each profile's input_ids and logits_index bounds; a later pipeline
+        # stage's hidden_states [B, S, D] is held to input_ids' [B, S].
         profile = self.engine.manifest["profiles"][self.profile]["shapes"]
-        for name in ("input_ids", "logits_index"):  # the manifest's record of each profile's bounds
-            shape, (lo, _, hi) = self.shapes.get(name), profile[name]
+        checks = [(name, name) for name in ("input_ids", "logits_index") if name in self.engine.inputs]
+        checks += [(HIDDEN_STATES, "input_ids")] if HIDDEN_STATES in self.engine.inputs else []
+        for name, recorded in checks:
+            shape, (lo, _, hi) = self.shapes.get(name), profile[recorded]
             if shape is None or any(not a <= s <= b for s, a, b in zip(shape, lo, hi)):
                 raise ValueError(f"{name} shape {shape} is outside profile {self.profile} ({lo} … {hi})")
+        if HIDDEN_STATES in self.engine.inputs and self.shapes[HIDDEN_STATES][2:] != (self.engine.hidden_size,):
+            raise ValueError(f"{HIDDEN_STATES} shape {self.shapes[HIDDEN_STATES]}: D must be {self.engine.hidden_size}")
         missing = [n for n in self.engine.inputs if n not in self.shapes or n not in self.addresses]
         missing += [n for n in self.engine.outputs if n not in self.addresses]
         if missing:
@@ -106,19 +114,21 @@ class SimulatedContext:
         binding = engine.session.io_binding()
         views = {}
         for name in engine.inputs:
-            dtype = engine.dtype if name.startswith("past_") else INPUT_DTYPES[name]
+            dtype = engine.dtype if name.startswith("past_") or name == HIDDEN_STATES else INPUT_DTYPES[name]
             views[name] = device.view(addresses[name], shapes[name], dtype)
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(views[name]))
-        batch, rows = shapes["logits_index"]
-        vocab = engine.manifest["model"]["vocab_size"]
-        out_shapes = {LOGITS: (batch, rows, vocab)}
-        if MEDUSA_LOGITS in engine.outputs:
-            out_shapes[MEDUSA_LOGITS] = (batch, rows, engine.manifest["medusa"]["num_heads"], vocab)
+        out_shapes = {HIDDEN_STATES_OUT: ((*shapes["position_ids"], engine.hidden_size), engine.dtype)}
+        if "logits_index" in shapes:  # the last pipeline stage (or the whole model)
+            batch, rows = shapes["logits_index"]
+            vocab = engine.manifest["model"]["vocab_size"]
+            out_shapes[LOGITS] = ((batch, rows, vocab), np.float32)
+            if MEDUSA_LOGITS in engine.outputs:
+                out_shapes[MEDUSA_LOGITS] = ((batch, rows, engine.manifest["medusa"]["num_heads"], vocab), np.float32)
         for name in engine.outputs:
             if name.startswith("present_"):  # same shape as its past; in place when aliased
                 shape, dtype = shapes["past_" + name[len("present_"):]], engine.dtype
             else:
-                shape, dtype = out_shapes[name], np.float32
+                shape, dtype = out_shapes[name]
             view = device.view(addresses[name], shape, dtype)
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(view))
         engine.session.run_with_iobinding(binding)

@@ -61,12 +61,12 @@ def test_rtx_engines_load_through_tensorrt_rtx(monkeypatch):
     assert resolve_backend(engine_dir(RTX), "auto") == "tensorrt"
 
 
-def test_pipeline_stages_run_on_onnx_runtime_until_tensorrt_runs_them(monkeypatch):
+def test_pipeline_stages_run_on_tensorrt_where_it_serves_them(monkeypatch):
     machine(monkeypatch, "sm89", tensorrt_rtx="1.7.1.116")
     staged = engine_dir(RTX, stages=2)
-    assert resolve_backend(staged, "auto") == "onnxruntime"
-    with pytest.raises(EngineDirError, match="--backend tensorrt: /engines/x has 2 pipeline stages, which run on "
-                                             "ONNX Runtime only so far"):
+    assert resolve_backend(staged, "auto") == resolve_backend(staged, "tensorrt") == "tensorrt"
+    machine(monkeypatch, "sm90", tensorrt_rtx="1.7.1.116")  # the usual refusals still hold for stages
+    with pytest.raises(EngineDirError, match="--backend tensorrt: .*this GPU is sm90"):
         resolve_backend(staged, "tensorrt")
 
 

@@ -104,3 +104,38 @@ def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path, tiny_engine):
         gpu = [c.token_ids for c in llm.generate(prompts, params)]
     cpu = [c.token_ids for c in LLM(tiny_engine, backend="onnxruntime").generate(prompts, params)]
     assert gpu == cpu
+
+
+@pytest.mark.parametrize("tensor, pipeline", [(1, 2), (2, 2)])
+def test_tensorrt_pipeline_stages_match_the_cpu_runtime(tmp_path, tiny_engine, tensor, pipeline):
+    """P stages × T tensor ranks on T·P GPUs: hidden states handed on over NCCL from device memory
+    (runtime/stage_transport.py NcclTransport), DistCollective over each stage's own communicator;
+    the CPU runtime's tokens. tests/test_simulated_pipeline.py runs the same stage code in CI."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import REPO, TINY_CODE
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.stage_transport import NcclTransport
+    from trtbuild.runtime.tensorrt_runtime import cuda_runtime
+
+    if cuda_runtime().cudaGetDeviceCount()[1] < tensor * pipeline:
+        pytest.skip(f"needs {tensor * pipeline} GPUs for {pipeline} stages × {tensor} tensor ranks")
+    spec = yaml.safe_load((REPO / "specs" / "tiny-code-pp2.yaml").read_text())
+    spec["model"]["checkpoint"] = str(TINY_CODE)
+    spec["parallel"] = {"tensor": tensor, "pipeline": pipeline}
+    sm = gpu_compute_capability()
+    spec["build"].update(backend="tensorrt" if sm in TENSORRT_ONLY else "tensorrt-rtx", targets=[sm])
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(tmp_path / "spec.yaml"), "-o",
+                    str(tmp_path / "staged")], check=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "import os", "class Stack:", "    def __init__(self, items):"]
+    with LLM(tmp_path / "staged", backend="tensorrt") as llm:
+        assert isinstance(llm.engine.local.transport, NcclTransport)
+        gpu = [c.token_ids for c in llm.generate(prompts, params)]
+    cpu = [c.token_ids for c in LLM(tiny_engine, backend="onnxruntime").generate(prompts, params)]
+    assert gpu == cpu

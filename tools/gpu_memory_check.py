@@ -4,6 +4,11 @@ runs on every lent GPU): KV pools from cudaMalloc moved by ``copy_slot``, ``keep
 backend's numpy moves (HostPools) byte for byte after a random sequence of moves, and a
 stream capture → instantiate → launch of a move must do what the move does eagerly.
 
+A pipeline stage's hand-off (runtime/stage_transport.py NcclTransport) is checked too where torch has
+CUDA: a cudaMalloc'd region wrapped as a torch tensor shares its memory, and torch work issued with
+the engine's cuda-python stream as torch's current stream runs after what that stream holds (NCCL
+itself needs two GPUs: tests/test_tensorrt_runtime.py).
+
     python tools/gpu_memory_check.py          # prints one line per check, exit 1 on a mismatch
 
 tests/test_simulated_device.py runs the same checks on the simulated device.
@@ -75,6 +80,38 @@ def check(cudart, dtype=np.float16, moves: int = 300, seed: int = 0) -> list[tup
     return results
 
 
+def hand_off_checks(cudart, mib: int = 64) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) for the NCCL transport's device side on GPU 0."""
+    import torch
+
+    from trtbuild.runtime.stage_transport import DeviceArray, torch_bytes
+
+    if not torch.cuda.is_available():
+        return [("hand-off through torch", True, "skipped: this torch has no CUDA")]
+    ok = cuda_check(cudart)
+    stream, nbytes = ok(cudart.cudaStreamCreate()), mib << 20
+    source, target = int(ok(cudart.cudaMalloc(nbytes))), int(ok(cudart.cudaMalloc(nbytes)))
+    values = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+    try:
+        ok(cudart.cudaMemcpy(source, values.ctypes.data, nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        region = DeviceArray(target, values.shape, np.dtype(np.float32))
+        wrapped = torch_bytes(region, torch.device("cuda", 0))
+        shares = wrapped.data_ptr() == target and wrapped.numel() == nbytes
+        # A large device copy on the engine's stream, then torch reads the target on that stream:
+        # it must see the copy's bytes, not what was there before.
+        ok(cudart.cudaMemcpyAsync(target, source, nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream))
+        with torch.cuda.stream(torch.cuda.ExternalStream(int(stream), device=torch.device("cuda", 0))):
+            seen = wrapped.clone()
+        ok(cudart.cudaStreamSynchronize(stream))
+        ordered = np.array_equal(seen.cpu().numpy().view(np.float32), values)
+        return [("hand-off wraps device memory", shares, "torch_bytes: same address, no copy"),
+                ("hand-off ordered on the stream", ordered, f"{mib} MiB copy, then a torch read under ExternalStream")]
+    finally:
+        for ptr in (source, target):
+            cudart.cudaFree(ptr)
+        cudart.cudaStreamDestroy(stream)
+
+
 def main() -> int:
     from cuda.bindings import runtime as cudart
 
@@ -85,6 +122,9 @@ def main() -> int:
         for name, passed, detail in check(cudart, dtype):
             print(f"{np.dtype(dtype).name:<8} {name:<32} {'ok' if passed else 'MISMATCH'}  ({detail})")
             failed |= not passed
+    for name, passed, detail in hand_off_checks(cudart):
+        print(f"{'bytes':<8} {name:<32} {'ok' if passed else 'MISMATCH'}  ({detail})")
+        failed |= not passed
     return 1 if failed else 0
 
 
