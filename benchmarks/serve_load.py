@@ -31,7 +31,11 @@ server's overhead: 1 - server / offline tokens/s (goal at saturation, the engine
 <= 10 %); and the CPU time each side spends per token (the server process's user + system time
 during the level, all its threads; the offline process's around its replay), which the rest of
 the machine's load moves far less than tokens/s. The load generator shares the machine's cores with the server; on a small machine its
-own CPU time is part of what the overhead column shows. The plot (PNG) goes to --plot.
+own CPU time is part of what the overhead column shows, so the last columns give the cores each
+used during the level (CPU seconds over its wall time; guidellm's sampled from /proc every 50 ms
+and counted between its first request's start and its last one's end), and the milliseconds a
+step spends inside the engine on each side (the server's from its /metrics totals, offline's from
+``LLM.stats``). The plot (PNG) goes to --plot.
 """
 from __future__ import annotations
 
@@ -85,10 +89,28 @@ def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path)
                "--constraint", f"kind=max_requests,count={args.requests}",
                "--output", f"kind=json,path={report}", "--disable-console"]
     report.unlink(missing_ok=True)
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=report.parent)
-    if proc.returncode != 0 or not report.is_file():
-        raise SystemExit(f"error: guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(report.read_text())["benchmarks"][0]
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=report.parent)
+        samples = []  # (time.time(), guidellm's CPU seconds): its share of the cores during the level
+        while proc.poll() is None:
+            try:
+                samples.append((time.time(), cpu_seconds(proc.pid)))
+            except (FileNotFoundError, ProcessLookupError):  # it just ended
+                break
+            time.sleep(0.05)
+        proc.wait()
+        if proc.returncode != 0 or not report.is_file():
+            out.seek(0)
+            raise SystemExit(f"error: guidellm failed ({proc.returncode}):\n{out.read()[-6000:]}")
+    return {**json.loads(report.read_text())["benchmarks"][0], "cpu_samples": samples}
+
+
+def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """CPU seconds a sampled process spent between two times (linear between samples)."""
+    import numpy as np
+
+    times, cpu = np.array([t for t, _ in samples]), np.array([c for _, c in samples])
+    return float(np.interp(end, times, cpu) - np.interp(start, times, cpu))
 
 
 def server_level(benchmark: dict) -> dict:
@@ -98,7 +120,9 @@ def server_level(benchmark: dict) -> dict:
     percentile = lambda name, p: metrics[name]["successful"]["percentiles"][p]  # noqa: E731
     wall = max(r["request_end_time"] for r in requests) - min(r["request_start_time"] for r in requests)
     ordered = sorted(requests, key=lambda r: r["request_start_time"])
+    start, end = min(r["request_start_time"] for r in requests), max(r["request_end_time"] for r in requests)
     return {"concurrency": benchmark["config"]["strategy"]["streams"], "requests": len(requests),
+            "loadgen_cores": cpu_between(benchmark["cpu_samples"], start, end) / (end - start),
             "errored": benchmark["metrics"]["request_totals"]["errored"],
             "ttft_p50": percentile("time_to_first_token_ms", "p50"), "ttft_p99": percentile("time_to_first_token_ms", "p99"),
             "itl_p50": percentile("inter_token_latency_ms", "p50"), "itl_p99": percentile("inter_token_latency_ms", "p99"),
@@ -113,6 +137,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def engine_totals(base: str) -> tuple[float, float]:
+    """The server's engine steps and seconds inside them so far, from its /metrics."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("trtbuild:engine_steps", "trtbuild:engine_busy_seconds"):
+            values[name] = float(value)
+    return values["trtbuild:engine_steps"], values["trtbuild:engine_busy_seconds"]
+
+
 def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: int) -> dict:
     """The same prompts through ``LLM`` in process, at most ``concurrency`` in flight (refilled as
     each finishes, as guidellm's concurrent profile does)."""
@@ -121,6 +157,7 @@ def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: i
     pending = list(zip(prompts, max_tokens))
     in_flight, tokens = set(), 0
     started, cpu = time.perf_counter(), time.process_time()
+    steps, engine_s = llm.stats.steps, llm.stats.engine_s
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             prompt, limit = pending.pop(0)
@@ -129,7 +166,8 @@ def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: i
         for completion in finished:
             in_flight.discard(completion.rid)
             tokens += len(completion.prompt_token_ids) + len(completion.token_ids)
-    return {"tokens": tokens, "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
+    return {"tokens": tokens, "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu,
+            "engine_ms_per_step": 1e3 * (llm.stats.engine_s - engine_s) / max(1, llm.stats.steps - steps)}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -187,32 +225,40 @@ def main() -> None:
             # Per level: guidellm through the server, then the same prompts offline while the
             # server idles (its engine loop sleeps without requests), so both see the same machine.
             for concurrency in args.concurrency:
-                server_cpu = cpu_seconds(proc.pid)
+                server_cpu, (steps, engine_s) = cpu_seconds(proc.pid), engine_totals(base)
                 level = server_level(run_guidellm(args.guidellm, base, concurrency, args, scratch / "guidellm.json"))
-                server_cpu = cpu_seconds(proc.pid) - server_cpu
+                server_cpu = cpu_seconds(proc.pid) - server_cpu  # it idles outside the level
+                steps_after, engine_after = engine_totals(base)
                 offline = offline_level(llm, level["prompts"], level["max_tokens"], concurrency)
                 server_tps, offline_tps = level["tokens"] / level["wall_s"], offline["tokens"] / offline["wall_s"]
                 rows.append({**level, "server_tps": server_tps, "offline_tps": offline_tps,
                              "overhead": 1 - server_tps / offline_tps,
+                             "server_cores": server_cpu / level["wall_s"],
+                             "server_engine_ms_per_step": 1e3 * (engine_after - engine_s) / max(1, steps_after - steps),
+                             "offline_engine_ms_per_step": offline["engine_ms_per_step"],
                              "server_cpu_ms_per_token": 1e3 * server_cpu / level["tokens"],
                              "offline_cpu_ms_per_token": 1e3 * offline["cpu_s"] / offline["tokens"]})
         finally:
             stop_server(proc)
 
     header = ["in flight", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-              "server tok/s", "offline tok/s", "overhead", "CPU ms/token server", "offline", "CPU overhead"]
+              "server tok/s", "offline tok/s", "overhead", "CPU ms/token server", "offline", "CPU overhead",
+              "cores: server", "guidellm", "engine ms/step server", "offline"]
     print(f"trtbuild serve vs LLM offline: {args.engine_dir}, {args.prompt_tokens}-token prompts, "
           f"{args.output_tokens} tokens each (ignore_eos), ONNX Runtime, guidellm over loopback")
     print(format_table([[r["concurrency"], f"{r['requests']} ({r['errored']} err)", f"{r['ttft_p50']:.1f}",
                                  f"{r['ttft_p99']:.1f}", f"{r['itl_p50']:.2f}", f"{r['itl_p99']:.2f}",
                                  f"{r['server_tps']:.0f}", f"{r['offline_tps']:.0f}", f"{r['overhead']:+.1%}",
                                  f"{r['server_cpu_ms_per_token']:.3f}", f"{r['offline_cpu_ms_per_token']:.3f}",
-                                 f"{r['server_cpu_ms_per_token'] / r['offline_cpu_ms_per_token'] - 1:+.1%}"]
+                                 f"{r['server_cpu_ms_per_token'] / r['offline_cpu_ms_per_token'] - 1:+.1%}",
+                                 f"{r['server_cores']:.2f}", f"{r['loadgen_cores']:.2f}",
+                                 f"{r['server_engine_ms_per_step']:.2f}", f"{r['offline_engine_ms_per_step']:.2f}"]
                                 for r in rows], header))
     saturated = max(rows, key=lambda r: r["concurrency"])
     print(f"server overhead at {saturated['concurrency']} in flight: {saturated['overhead']:+.1%} of tokens/s "
           f"(goal <= 10 %), {saturated['server_cpu_ms_per_token'] / saturated['offline_cpu_ms_per_token'] - 1:+.1%} "
-          "of CPU time per token")
+          f"of CPU time per token; guidellm took {saturated['loadgen_cores']:.2f} of the machine's "
+          f"{os.cpu_count()} cores meanwhile")
     plot(rows, args.plot)
     print(f"plot: {args.plot}")
 

@@ -64,6 +64,20 @@ def test_completion_text_equals_generate_streamed_or_not(client, reference):
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.total_tokens == 24 + len(expected.prompt_token_ids)
 
 
+def test_metrics_count_engine_steps_and_their_time(server, client):
+    """The engine's own totals (steps, seconds inside steps and inside whole core steps) on
+    /metrics: what tells a user whether the engine or the loop around it is the bottleneck."""
+    before = [_metric(server, name) for name in
+              ("trtbuild:engine_steps", "trtbuild:engine_busy_seconds", "trtbuild:engine_loop_seconds")]
+    client.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, temperature=1.0,
+                              extra_body={"ignore_eos": True})
+    steps, busy, loop = (after - b for after, b in zip(
+        [_metric(server, name) for name in
+         ("trtbuild:engine_steps", "trtbuild:engine_busy_seconds", "trtbuild:engine_loop_seconds")], before))
+    assert steps == 8  # sampled (no greedy run): a prefill with the first token, then 7 decode steps
+    assert 0 < busy < loop
+
+
 def test_chat_stop_seed_n_and_logprobs(client, reference):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}],
                                           max_tokens=16, temperature=0)

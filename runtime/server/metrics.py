@@ -29,6 +29,15 @@ class Metrics:
         self.medusa_tokens_per_step = Gauge("trtbuild:spec_decode_tokens_per_step",
                                             "Mean tokens per verification step (Medusa)", registry=registry)
 
+        # Totals since start, read from the runtime at each scrape (a gauge: the runtime counts them).
+        self.engine_steps = Gauge("trtbuild:engine_steps", "Engine steps run (a multi-step run's each count)",
+                                  registry=registry)
+        self.engine_seconds = Gauge("trtbuild:engine_busy_seconds", "Seconds spent inside engine steps",
+                                    registry=registry)
+        self.loop_seconds = Gauge("trtbuild:engine_loop_seconds",
+                                  "Seconds spent in engine-core steps (engine, sampling, scheduling, text)",
+                                  registry=registry)
+
     def observe_engine(self, llm, accepted: int) -> None:
         """Gauges from the runtime's state, read when /metrics is scraped; ``accepted``: requests the
         server took that the engine has not been handed yet (they wait too)."""
@@ -36,6 +45,10 @@ class Metrics:
         self.waiting.set(llm.queue_depth() + accepted)
         self.running.set(scheduler.slots.num_active)
         self.kv_usage.set(scheduler.slots.num_active / scheduler.slots.capacity)
+        stats = llm.stats
+        self.engine_steps.set(stats.steps)
+        self.engine_seconds.set(stats.engine_s)
+        self.loop_seconds.set(stats.loop_s)
         cache = scheduler.prefix_cache
         if cache is not None and cache.stats.hits + cache.stats.misses:
             self.prefix_hit_rate.set(cache.stats.hits / (cache.stats.hits + cache.stats.misses))
