@@ -6,7 +6,9 @@
 Builds specs/tiny-code-medusa.yaml into a temporary dir unless --engine-dir is given. Prompts
 are 32-token windows of the held-out text (models/tiny-code/heldout.txt); every request
 generates --tokens tokens (ignore_eos). Side by side on the same engine dir:
-  * plain decoding (speculation off: multi-step greedy runs, as on an engine dir without heads),
+  * plain decoding (speculation off: multi-step greedy runs, whose steps skip the heads as on an
+    engine dir without them), and the same with the heads computed in every step (what plain
+    decoding on a Medusa dir cost before the decode graph held them behind draft_heads),
     the full default tree, each --fixed tree prefix, and the adaptive policy, at batch 1 (requests one after another)
     and batch 8 (3 × 8 requests in flight, 8 slots), each run --repeat times (a fresh LLM
     each; calibration at load is not timed), the modes taking turns within each round; the
@@ -49,13 +51,23 @@ def heldout_prompts(tokenizer, count: int, length: int = 32) -> list[list[int]]:
     return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
-def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: int | None, threads: int) -> dict:
+def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: int | None, threads: int,
+        skip_idle_heads: bool = True) -> dict:
     """One mode's timed generation. The LLM is closed before returning: every mode of every round
-    kept alive held ~250 MiB and a spinning thread pool each (30 of them with --repeat 5)."""
+    kept alive held ~250 MiB and a spinning thread pool each (30 of them with --repeat 5).
+    ``skip_idle_heads`` False: a multi-step run's steps compute the heads too (as before the
+    decode graph held them behind draft_heads), the engine otherwise the same."""
+    from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
     from trtbuild.runtime.sampling import SamplingParams
 
-    llm = LLM(engine, backend="onnxruntime", threads=threads, medusa_tree_size=size)
+    d = load(engine)
+    blocks = 2 * d.max_seq_len // 16  # LLM's default prefix store, in blocks of 16
+    own = None if skip_idle_heads else OnnxRuntimeEngine(d, threads=threads, prefix_blocks=blocks, block_size=16,
+                                                        skip_idle_heads=False)
+    llm = LLM(engine, backend="onnxruntime", threads=threads, medusa_tree_size=size, prefix_cache_blocks=blocks,
+              engine=own)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     llm.stats.__init__()
@@ -104,7 +116,7 @@ def main() -> None:
         tokenizer = Tokenizer.from_file(str(engine / "tokenizer.json"))
         tree_nodes = len(json.loads((engine / "manifest.json").read_text())["medusa"]["tree"])
         rows, results, curve = [], {}, None
-        modes = (("plain", 0), (f"default tree ({tree_nodes} nodes)", tree_nodes),
+        modes = (("plain", 0), ("plain, heads in every step", 0), (f"default tree ({tree_nodes} nodes)", tree_nodes),
                  *((f"tree prefix ({n} nodes)", n) for n in args.fixed), ("adaptive", None))
         for batch, count in ((1, args.prompts), (8, 3 * args.prompts)):
             prompts = heldout_prompts(tokenizer, count)
@@ -114,7 +126,8 @@ def main() -> None:
             rounds = []
             for round_index in range(args.repeat):
                 say(f"batch {batch}: round {round_index + 1}/{args.repeat} ...")
-                rounds.append({mode: run(engine, prompts, args.tokens, batch, size, args.threads)
+                rounds.append({mode: run(engine, prompts, args.tokens, batch, size, args.threads,
+                                         skip_idle_heads="heads in every step" not in mode)
                                for mode, size in modes})
             for mode, size in modes:
                 by_speed = sorted(rounds, key=lambda r: r[mode]["tok_per_s"])

@@ -32,8 +32,9 @@ server's overhead: 1 - server / offline tokens/s (goal at saturation, the engine
 during the level, all its threads; the offline process's around its replay), which the rest of
 the machine's load moves far less than tokens/s. The load generator shares the machine's cores with the server; on a small machine its
 own CPU time is part of what the overhead column shows, so the last columns give the cores each
-used during the level (CPU seconds over its wall time; guidellm's sampled from /proc every 50 ms
-and counted between its first request's start and its last one's end), and the milliseconds a
+used during the level (CPU seconds over its wall time; guidellm's, with the worker processes it
+sends requests from, sampled from /proc every 50 ms and counted between its first request's start
+and its last one's end), and the milliseconds a
 step spends inside the engine on each side (the server's from its /metrics totals, offline's from
 ``LLM.stats``). The plot (PNG) goes to --plot.
 """
@@ -91,12 +92,11 @@ def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path)
     report.unlink(missing_ok=True)
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=report.parent)
-        samples = []  # (time.time(), guidellm's CPU seconds): its share of the cores during the level
+        # (time.time(), CPU seconds of guidellm and every process it started: it sends its requests
+        # from worker processes): its share of the cores during the level.
+        samples, seen = [], {}
         while proc.poll() is None:
-            try:
-                samples.append((time.time(), cpu_seconds(proc.pid)))
-            except (FileNotFoundError, ProcessLookupError):  # it just ended
-                break
+            samples.append((time.time(), tree_cpu_seconds(proc.pid, seen)))
             time.sleep(0.05)
         proc.wait()
         if proc.returncode != 0 or not report.is_file():
@@ -129,6 +129,26 @@ def server_level(benchmark: dict) -> dict:
             "tokens": sum(r["prompt_tokens"] + r["output_tokens"] for r in requests), "wall_s": wall,
             "prompts": [json.loads(r["request_args"])["body"]["prompt"] for r in ordered],
             "max_tokens": [json.loads(r["request_args"])["body"]["max_tokens"] for r in ordered]}
+
+
+def tree_cpu_seconds(root: int, seen: dict[int, float]) -> float:
+    """User + system CPU time of ``root`` and all its descendants, from /proc. ``seen`` keeps each
+    process's last reading, so one that has ended still counts what it used."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while we looked
+            continue
+        parents[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    tree, grew = {root}, True
+    while grew:
+        children = {pid for pid, (parent, _) in parents.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    for pid in tree & parents.keys():
+        seen[pid] = parents[pid][1]
+    return sum(seen.values())
 
 
 def cpu_seconds(pid: int) -> float:

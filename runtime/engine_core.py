@@ -7,7 +7,7 @@ inboxes and callers are the fronts' (runtime/llm.py, runtime/async_llm.py)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .engine import Engine, StepOutput
@@ -69,7 +69,10 @@ class EngineCore:
         plan = self.scheduler.schedule()
         self._apply(plan)
         step = plan.step
-        run = self.scheduler.run_length(step, self._run_limit(step)) if step is not None else 0
+        limit, heads = self._decode_plan(step) if step is not None else (0, False)
+        run = self.scheduler.run_length(step, limit) if step is not None else 0
+        if step is not None and step.kind == StepKind.decode and not heads:
+            step = replace(step, draft_heads=False)  # nobody drafts from this step's heads
         if run > 1:
             done = self._greedy_run(step, run, on_token, interrupted)
             if self.speculation is not None:  # stepped aside: plain steps, in a run
@@ -87,12 +90,13 @@ class EngineCore:
         self.stats.loop_s += time.perf_counter() - start
         return finished
 
-    def _run_limit(self, step: Step) -> int:
-        """Greedy runs up to ``multi_step``, but a single step (whose heads draft the next tree)
-        where Medusa would verify a tree for this batch."""
+    def _decode_plan(self, step: Step) -> tuple[int, bool]:
+        """(greedy runs up to how many steps, whether the step's Medusa heads are wanted): a
+        single step whose heads draft the next tree where Medusa would verify one for this
+        batch, else runs of ``multi_step`` (and a step that cannot run on computes no heads)."""
         if self.speculation is not None and step.kind == StepKind.decode and self.speculation.choose(len(step.rids)):
-            return 1
-        return self.multi_step
+            return 1, True
+        return self.multi_step, False
 
     def _count(self, kind: StepKind, steps: int, seconds: float) -> None:
         self.stats.engine_s += seconds

@@ -117,6 +117,9 @@ class Step:
     starts: tuple[int, ...]               # write_index per row (= tokens already cached)
     samples: tuple[bool, ...]             # whether a row's logits yield a token this step
     trees: tuple[Tree | None, ...] = ()   # per row, the Medusa tree its tokens form (verification)
+    # Whether a plain decode step computes the Medusa heads' logits: False where nobody drafts
+    # from them (the engine core decides), and an engine that can skip them does.
+    draft_heads: bool = True
 
     @property
     def row_trees(self) -> tuple[Tree | None, ...]:

@@ -10,10 +10,10 @@ every verification. For a batch of B rows it picks the tree prefix n maximising 
 tokens per second, (1 + E[accepted | n]) / t(B, 1 + n), and n = 0 (plain decoding) unless
 that beats plain decoding by MIN_GAIN. Plain decoding is what the runtime really does when it
 steps aside: multi-step greedy runs (runtime/engine_core.py), whose cost per token is
-calibrated and observed separately from a single plain step's (on the CPU, a run's step on
-the decode graph costs a fraction of a verification on the rank graph; a verification of one
-row runs the CPU verification graph, close to a plain step's cost at small trees, so the
-measured table makes trees pay at batch 1 and not beyond). Calibration runs B in
+calibrated and observed separately from a single plain step's (on the CPU a run's step skips
+the heads and costs a third of even a one-guess verification, which computes them and grows
+with its tokens: on the bundled model no tree pays at any batch there, docs/benchmarks.md; on
+a GPU at small batch a verification costs about one step, and trees pay). Calibration runs B in
 powers of two up to max_batch × 8 tree sizes, five steps each, and one greedy run per B: ~2 s
 for the bundled model on 2 CPU cores.
 """
@@ -233,13 +233,18 @@ class SpeculationPolicy:
             return size
         size, likeliest = self._best(batch)
         self._decided[batch] = (size, REDECIDE_EVERY)
-        if size == 0 and likeliest and \
-                self._aside_seconds.get(batch, 0.0) >= EXPLORE_AFTER * self.times.estimate(batch, 1 + likeliest):
+        if size == 0 and likeliest and self._aside_seconds.get(batch, 0.0) >= EXPLORE_AFTER * self._explore_cost(batch, likeliest):
             # This choice and the next (the step's drafting) say ``likeliest``: one verification.
             self._aside_seconds[batch] = 0.0
             self._decided[batch] = (likeliest, 1)
             return likeliest
         return size
+
+    def _explore_cost(self, batch: int, size: int) -> float:
+        """What exploring costs: the verification, and a single plain step that computes the heads
+        (to draft its tree) in place of a run's step."""
+        extra = max(0.0, self.times.estimate(batch, 1) - self.times.plain_estimate(batch))
+        return self.times.estimate(batch, 1 + size) + extra
 
     def _best(self, batch: int) -> tuple[int, int]:
         """(the tree prefix to verify, 0 for plain; the prefix of the highest expected rate)."""
@@ -261,13 +266,14 @@ class SpeculationPolicy:
         if verifies:
             self.stats.verify_steps += 1
             self.stats.tree_sizes[seq_len] += 1
+            self._aside_seconds[batch] = 0.0  # a fresh verification: no need to explore for a while
         else:
             self.stood_aside(batch, 1)
 
     def stood_aside(self, batch: int, steps: int) -> None:
         """``steps`` plain decode steps of ``batch`` rows (one, or a multi-step run's)."""
         self.stats.plain_steps += steps
-        if self.times.table:  # a pinned tree size measures nothing and never explores
+        if self.fixed is None and self.times.table:  # a pinned tree size never explores
             self._aside_seconds[batch] = self._aside_seconds.get(batch, 0.0) + steps * self.times.plain_estimate(batch)
 
     def record(self, tree: Tree, accepted: Accepted) -> None:

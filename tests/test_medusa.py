@@ -143,6 +143,34 @@ def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa
     assert not single.medusa.any()  # the run's step wrote the shared buffer: zeros, its heads skipped
     again = engine.step(step)
     assert np.array_equal(again.medusa, heads) and np.array_equal(again.logits, logits)
+    from dataclasses import replace
+    unwanted = engine.step(replace(step, draft_heads=False))  # nobody drafts from it: heads skipped
+    assert unwanted.medusa is None and np.array_equal(unwanted.logits, logits)
+
+
+def test_the_core_asks_for_heads_only_where_it_will_draft(medusa_engine, prompts):
+    """Plain single steps (sampled rows decode step by step) compute the heads only when the
+    policy will verify a tree next: never with speculation off, before each tree with it on."""
+    from trtbuild.runtime.scheduler import StepKind
+
+    for size in (0, 8):
+        llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)
+        asked, engine_step = [], llm.engine.step
+
+        def spy(step):
+            if step.kind == StepKind.decode and not step.verifies:
+                asked.append(step.draft_heads)
+            return engine_step(step)
+
+        llm.engine.step = spy
+        # Sampled rows: a typical acceptance that ends off the greedy path drafts nothing, so plain
+        # steps come between verifications.
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=1)
+        llm.generate(prompts[:2], params)
+        if size == 0:
+            assert asked and not any(asked)  # every plain step of sampled rows skipped the heads
+        else:
+            assert asked and all(asked) and llm.speculation.stats.verify_steps > 0
 
 
 def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
