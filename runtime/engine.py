@@ -72,6 +72,25 @@ class StepwiseGreedyRun:
         return tokens
 
 
+class CacheOpsOfEngine:
+    """For a wrapper around one rank's Engine (``self.engine``): the KV-cache operations are the
+    engine's own."""
+
+    engine: Engine
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.engine.copy_slot(src, dst, length)
+
+    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
+        self.engine.keep_path(slot, start, nodes)
+
+    def save_block(self, slot: int, index: int, block: int) -> None:
+        self.engine.save_block(slot, index, block)
+
+    def load_block(self, block: int, slot: int, index: int) -> None:
+        self.engine.load_block(block, slot, index)
+
+
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:
     """The contract's arrays for a scheduler step (``pad_batch``: a CUDA-graph bucket)."""
     return contract_step_arrays(step.tokens, step.starts, max_seq_len, pad_batch=pad_batch, trees=step.trees)

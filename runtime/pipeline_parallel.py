@@ -25,7 +25,7 @@ import numpy as np
 
 from ..contract.pipeline import HIDDEN_STATES_OUT
 from ..contract.step import LOGITS, MEDUSA_LOGITS, step_shape
-from .engine import StepOutput
+from .engine import CacheOpsOfEngine, StepOutput
 from .engine_dir import EngineDir
 from .scheduler import Step
 
@@ -58,7 +58,7 @@ def stage_groups(engine_dir: EngineDir):
     return [dist.new_group(list(range(stage * tensor, (stage + 1) * tensor))) for stage in range(pipeline)]
 
 
-class StageRunner:
+class StageRunner(CacheOpsOfEngine):
     """One rank's engine as a pipeline stage; the same Engine methods, the step wrapped in the
     stage's receives and sends. ``engine`` has ``stage_input`` (where a micro-batch's hidden states
     land) and ``stage_step``; ``transport`` moves what they hold (runtime/stage_transport.py). Counts
@@ -129,18 +129,6 @@ class StageRunner:
         out = self.transport.recv_host(shape, np.float32, src)
         self.wait_seconds += time.perf_counter() - start
         return out
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        self.engine.copy_slot(src, dst, length)
-
-    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
-        self.engine.keep_path(slot, start, nodes)
-
-    def save_block(self, slot: int, index: int, block: int) -> None:
-        self.engine.save_block(slot, index, block)
-
-    def load_block(self, block: int, slot: int, index: int) -> None:
-        self.engine.load_block(block, slot, index)
 
     def close(self) -> None:
         self.engine.close()

@@ -15,14 +15,14 @@ import numpy as np
 
 from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from ..contract.step import LOGITS, MEDUSA_LOGITS, step_shape
-from .engine import step_arrays
+from .engine import CacheOpsOfEngine, step_arrays
 from .kv_pools import device_alloc
 from .scheduler import Step
 from .stage_transport import DeviceArray
 from .tensorrt_engine import TensorRTEngine
 
 
-class TensorRTStage:
+class TensorRTStage(CacheOpsOfEngine):
     """``engine`` (a stage rank's TensorRTEngine) with the stage protocol StageRunner drives:
     ``stage_input``, ``stage_step``, and the engine's cache moves."""
 
@@ -84,18 +84,6 @@ class TensorRTStage:
         if not context.execute_async_v3(e.stream):
             raise RuntimeError("TensorRT execution failed")
         return outputs
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        self.engine.copy_slot(src, dst, length)
-
-    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
-        self.engine.keep_path(slot, start, nodes)
-
-    def save_block(self, slot: int, index: int, block: int) -> None:
-        self.engine.save_block(slot, index, block)
-
-    def load_block(self, block: int, slot: int, index: int) -> None:
-        self.engine.load_block(block, slot, index)
 
     def close(self) -> None:
         for ptr in (self.hidden_in, self.hidden_out):

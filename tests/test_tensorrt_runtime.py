@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"needs an NVIDIA GPU with TensorRT: {_UNAVAILABLE}")]
 
 
-def build_for_this_gpu(tmp_path_factory, spec_name: str):
+def build_for_this_gpu(tmp_path_factory, spec_name: str, parallel: dict | None = None):
+    """specs/SPEC_NAME built for this GPU with the flavour that serves it (``parallel``: the spec's
+    parallel section replaced)."""
     import subprocess
     import sys
 
@@ -33,6 +35,8 @@ def build_for_this_gpu(tmp_path_factory, spec_name: str):
     if "medusa" in spec.get("speculative", {}):
         spec["speculative"]["medusa"]["heads"] = str(REPO / "models" / "tiny-code" / "medusa")
     spec["build"].update(backend=flavor, targets=[sm])
+    if parallel is not None:
+        spec["parallel"] = parallel
     folder = tmp_path_factory.mktemp("gpu")
     (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
     subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(folder / "spec.yaml"), "-o",
@@ -77,46 +81,28 @@ def test_tensorrt_medusa_matches_plain_decoding(gpu_medusa_engine):
     print("medusa on tensorrt:", llm.speculation.stats.as_dict())
 
 
-def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path, tiny_engine):
+def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path_factory, tiny_engine):
     """TP=2 on two GPUs (TensorRT, NCCL through set_communicator) gives the CPU runtime's tokens."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    from conftest import REPO, TINY_CODE
     from trtbuild.runtime.tensorrt_runtime import cuda_runtime
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
     if cuda_runtime().cudaGetDeviceCount()[1] < 2:
         pytest.skip("needs two GPUs for two tensor-parallel ranks")
-    spec = yaml.safe_load((REPO / "specs" / "tiny-code-tp2.yaml").read_text())
-    spec["model"]["checkpoint"] = str(TINY_CODE)
-    sm = gpu_compute_capability()
-    spec["build"].update(backend="tensorrt" if sm in TENSORRT_ONLY else "tensorrt-rtx", targets=[sm])
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(tmp_path / "spec.yaml"), "-o",
-                    str(tmp_path / "tp2")], check=True)
+    engine = build_for_this_gpu(tmp_path_factory, "tiny-code-tp2.yaml")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = ["def fibonacci(n):", "import os", "class Stack:"]
-    with LLM(tmp_path / "tp2", backend="tensorrt") as llm:
+    with LLM(engine, backend="tensorrt") as llm:
         gpu = [c.token_ids for c in llm.generate(prompts, params)]
     cpu = [c.token_ids for c in LLM(tiny_engine, backend="onnxruntime").generate(prompts, params)]
     assert gpu == cpu
 
 
 @pytest.mark.parametrize("tensor, pipeline", [(1, 2), (2, 2)])
-def test_tensorrt_pipeline_stages_match_the_cpu_runtime(tmp_path, tiny_engine, tensor, pipeline):
+def test_tensorrt_pipeline_stages_match_the_cpu_runtime(tmp_path_factory, tiny_engine, tensor, pipeline):
     """P stages × T tensor ranks on T·P GPUs: hidden states handed on over NCCL from device memory
     (runtime/stage_transport.py NcclTransport), DistCollective over each stage's own communicator;
     the CPU runtime's tokens. tests/test_simulated_pipeline.py runs the same stage code in CI."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    from conftest import REPO, TINY_CODE
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
     from trtbuild.runtime.stage_transport import NcclTransport
@@ -124,17 +110,10 @@ def test_tensorrt_pipeline_stages_match_the_cpu_runtime(tmp_path, tiny_engine, t
 
     if cuda_runtime().cudaGetDeviceCount()[1] < tensor * pipeline:
         pytest.skip(f"needs {tensor * pipeline} GPUs for {pipeline} stages × {tensor} tensor ranks")
-    spec = yaml.safe_load((REPO / "specs" / "tiny-code-pp2.yaml").read_text())
-    spec["model"]["checkpoint"] = str(TINY_CODE)
-    spec["parallel"] = {"tensor": tensor, "pipeline": pipeline}
-    sm = gpu_compute_capability()
-    spec["build"].update(backend="tensorrt" if sm in TENSORRT_ONLY else "tensorrt-rtx", targets=[sm])
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(tmp_path / "spec.yaml"), "-o",
-                    str(tmp_path / "staged")], check=True)
+    engine = build_for_this_gpu(tmp_path_factory, "tiny-code-pp2.yaml", {"tensor": tensor, "pipeline": pipeline})
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = ["def fibonacci(n):", "import os", "class Stack:", "    def __init__(self, items):"]
-    with LLM(tmp_path / "staged", backend="tensorrt") as llm:
+    with LLM(engine, backend="tensorrt") as llm:
         assert isinstance(llm.engine.local.transport, NcclTransport)
         gpu = [c.token_ids for c in llm.generate(prompts, params)]
     cpu = [c.token_ids for c in LLM(tiny_engine, backend="onnxruntime").generate(prompts, params)]
