@@ -214,6 +214,7 @@ class TensorParallelEngine:
         pipeline = engine_dir.pipeline_parallel
         self.name = (f"{backend} (tensor parallel {self.world})" if pipeline == 1 else
                      f"{backend} ({pipeline} pipeline stages × {engine_dir.tensor_parallel} tensor ranks)")
+        self.local = None  # rank 0's own engine, once loaded
         self.processes: dict[int, subprocess.Popen] = {}
         self.stderr: dict[int, object] = {}  # rank → the file its stderr goes to
         self.closed = False
@@ -336,6 +337,8 @@ class TensorParallelEngine:
                 process.wait(timeout=5)
         for file in self.stderr.values():
             file.close()
+        if self.local is not None:  # rank 0's engine: its device memory on a GPU
+            self.local.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -254,6 +254,19 @@ def test_a_failing_rank_0_step_is_named_with_its_error(tp_engines):
 
 
 @pytest.mark.slow
+def test_closing_releases_rank_0s_own_engine_too(tp_engines):
+    """close() stops the started ranks and releases rank 0's engine (on a GPU its device memory
+    stayed allocated until the process ended)."""
+    from trtbuild.runtime.llm import LLM
+
+    llm = LLM(tp_engines[2], backend="onnxruntime")
+    closed, local_close = [], llm.engine.local.close
+    llm.engine.local.close = lambda: (closed.append(True), local_close())
+    llm.close()
+    assert closed == [True] and _rank_processes() == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("streamed", [False, True])
 def test_tp_stop_strings_end_at_the_stop(tp_engines, streamed):
     from stop_cases import check_stop, greedy_steps, stop_cases
