@@ -58,12 +58,12 @@ def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: i
     ``skip_idle_heads`` False: a multi-step run's steps compute the heads too (as before the
     decode graph held them behind draft_heads), the engine otherwise the same."""
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.llm import LLM, default_prefix_blocks
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
     from trtbuild.runtime.sampling import SamplingParams
 
     d = load(engine)
-    blocks = 2 * d.max_seq_len // 16  # LLM's default prefix store, in blocks of 16
+    blocks = default_prefix_blocks(d, 16)  # LLM's default prefix store, in its default blocks of 16
     own = None if skip_idle_heads else OnnxRuntimeEngine(d, threads=threads, prefix_blocks=blocks, block_size=16,
                                                         skip_idle_heads=False)
     llm = LLM(engine, backend="onnxruntime", threads=threads, medusa_tree_size=size, prefix_cache_blocks=blocks,

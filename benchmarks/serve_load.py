@@ -131,16 +131,25 @@ def server_level(benchmark: dict) -> dict:
             "max_tokens": [json.loads(r["request_args"])["body"]["max_tokens"] for r in ordered]}
 
 
+def proc_stat(stat: Path) -> tuple[int, float]:
+    """A process's parent pid and user + system CPU time (all its threads), from its /proc stat."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    return proc_stat(Path(f"/proc/{pid}/stat"))[1]
+
+
 def tree_cpu_seconds(root: int, seen: dict[int, float]) -> float:
-    """User + system CPU time of ``root`` and all its descendants, from /proc. ``seen`` keeps each
-    process's last reading, so one that has ended still counts what it used."""
+    """CPU time of ``root`` and all its descendants. ``seen`` keeps each process's last reading,
+    so one that has ended still counts what it used."""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = proc_stat(stat)
         except OSError:  # ended while we looked
             continue
-        parents[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
     tree, grew = {root}, True
     while grew:
         children = {pid for pid, (parent, _) in parents.items() if parent in tree} - tree
@@ -149,12 +158,6 @@ def tree_cpu_seconds(root: int, seen: dict[int, float]) -> float:
     for pid in tree & parents.keys():
         seen[pid] = parents[pid][1]
     return sum(seen.values())
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_totals(base: str) -> tuple[float, float]:

@@ -4,10 +4,10 @@ and their deltas made by its output processor (streamed text holds back what cou
 stop string, so the pieces join to the completion's text).
 
 A driver task runs engine steps in a worker thread while any request lives and hands each
-stream its deltas, one per step (the pieces of a multi-step greedy run joined). Submitting never waits for a running step (LLM.submit takes the request
-into an inbox), a stream that is left early (a client disconnects, a task is cancelled)
-aborts its request, and a failing step ends every waiting stream with that error instead
-of leaving it hanging.
+stream its deltas, one per step (the pieces of a multi-step greedy run joined). Submitting never
+waits for a running step (LLM.submit takes the request into an inbox), a stream that is left
+early (a client disconnects, a task is cancelled) aborts its request, and a failing step ends
+every waiting stream with that error instead of leaving it hanging.
 """
 from __future__ import annotations
 

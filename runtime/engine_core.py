@@ -68,11 +68,12 @@ class EngineCore:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         self._apply(plan)
-        step = plan.step
-        limit, heads = self._decode_plan(step) if step is not None else (0, False)
-        run = self.scheduler.run_length(step, limit) if step is not None else 0
-        if step is not None and step.kind == StepKind.decode and not heads:
-            step = replace(step, draft_heads=False)  # nobody drafts from this step's heads
+        step, run = plan.step, 0
+        if step is not None:
+            limit, heads = self._decode_plan(step)
+            run = self.scheduler.run_length(step, limit)
+            if self.speculation is not None and step.kind == StepKind.decode and not heads:
+                step = replace(step, draft_heads=False)  # nobody drafts from this step's heads
         if run > 1:
             done = self._greedy_run(step, run, on_token, interrupted)
             if self.speculation is not None:  # stepped aside: plain steps, in a run
@@ -93,7 +94,8 @@ class EngineCore:
     def _decode_plan(self, step: Step) -> tuple[int, bool]:
         """(greedy runs up to how many steps, whether the step's Medusa heads are wanted): a
         single step whose heads draft the next tree where Medusa would verify one for this
-        batch, else runs of ``multi_step`` (and a step that cannot run on computes no heads)."""
+        batch, else runs of ``multi_step``, whose steps (and a single one, where rows cannot run
+        on) nobody drafts from."""
         if self.speculation is not None and step.kind == StepKind.decode and self.speculation.choose(len(step.rids)):
             return 1, True
         return self.multi_step, False

@@ -34,6 +34,11 @@ from .speculation import SpeculationPolicy, policy_for
 __all__ = ["LLM", "RuntimeStats"]
 
 
+def default_prefix_blocks(engine_dir, block_size: int) -> int:
+    """The prefix store's size unless the caller gives one: as many tokens as two full slots."""
+    return 2 * engine_dir.max_seq_len // block_size
+
+
 @dataclass(frozen=True)
 class _Submitted:
     request: Request
@@ -68,9 +73,8 @@ class LLM:
             checked_multi_step(multi_step)
         d = self.engine_dir = load(Path(engine_dir), verify_hashes=verify)
         use_prefix = d.runtime_defaults.get("prefix_cache", True) if prefix_cache is None else prefix_cache
-        # By default the prefix store holds as many tokens as two full slots.
         blocks = (prefix_cache_blocks if prefix_cache_blocks is not None
-                  else 2 * d.max_seq_len // block_size) if use_prefix else 0
+                  else default_prefix_blocks(d, block_size)) if use_prefix else 0
         try:
             self.tokenizer = Tokenizer.from_file(str(d.path / "tokenizer.json"))
         except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)

@@ -233,7 +233,8 @@ class SpeculationPolicy:
             return size
         size, likeliest = self._best(batch)
         self._decided[batch] = (size, REDECIDE_EVERY)
-        if size == 0 and likeliest and self._aside_seconds.get(batch, 0.0) >= EXPLORE_AFTER * self._explore_cost(batch, likeliest):
+        budget = self._aside_seconds.get(batch, 0.0)
+        if size == 0 and likeliest and budget >= EXPLORE_AFTER * self._explore_cost(batch, likeliest):
             # This choice and the next (the step's drafting) say ``likeliest``: one verification.
             self._aside_seconds[batch] = 0.0
             self._decided[batch] = (likeliest, 1)
