@@ -25,13 +25,20 @@ What runs, in order:
   3. right after each level, with the server idle, ``LLM`` (same engine dir and backend) replays
      that level's prompts in process with the same cap on requests in flight (interleaved so that
      both sides see the same load from whatever else runs on the machine).
+Where they run: by default the server and the offline ``LLM`` get the first half of this
+process's CPUs and guidellm the other half (--engine-cpus / --loadgen-cpus; 'all' pins
+nothing), and ONNX Runtime gets as many threads as the engine side has CPUs. guidellm parsing
+the streams costs about a core at 8 in flight on the bundled model; on shared cores that came
+out of the server's share while the offline run had the whole machine (the overhead read +57 to
++67 % on 2 cores, most of it the load generator's), so both sides run their engine on the same
+CPUs and the load generator on others.
+
 The table gives, per concurrency, guidellm's p50/p99 TTFT and inter-token latency, total tokens/s
 (prompt + generated, first request sent to last answered) through the server and offline, and the
 server's overhead: 1 - server / offline tokens/s (goal at saturation, the engine's batch size:
 <= 10 %); and the CPU time each side spends per token (the server process's user + system time
 during the level, all its threads; the offline process's around its replay), which the rest of
-the machine's load moves far less than tokens/s. The load generator shares the machine's cores with the server; on a small machine its
-own CPU time is part of what the overhead column shows, so the last columns give the cores each
+the machine's load moves far less than tokens/s. The last columns give the cores each side
 used during the level (CPU seconds over its wall time; guidellm's, with the worker processes it
 sends requests from, sampled from /proc every 50 ms and counted between its first request's start
 and its last one's end), and the milliseconds a
@@ -57,11 +64,17 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 MODEL_NAME = "tiny"
 
 
-def start_server(engine_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def pinned(cpus: set[int] | None):
+    """A Popen preexec_fn that confines the child (and what it starts) to ``cpus``."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def start_server(engine_dir: Path, log: Path, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "trtbuild.builder.cli", "serve", str(engine_dir), "--port", "0",
-               "--model-name", MODEL_NAME, "--backend", "onnxruntime", "--max-queue", "256"]
+               "--model-name", MODEL_NAME, "--backend", "onnxruntime", "--max-queue", "256",
+               "--threads", str(len(cpus) if cpus else 0)]
     with open(log, "w") as sink:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink)
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, preexec_fn=pinned(cpus))
     deadline = time.monotonic() + 120
     while not (found := re.search(r"on http://127\.0\.0\.1:(\d+)", log.read_text())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -80,7 +93,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path) -> dict:
+def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path, cpus: set[int] | None) -> dict:
     """One concurrency level (guidellm's concurrent profile), its JSON report's benchmark."""
     command = [guidellm, "run",
                "--backend", f"kind=openai_http,target={base},model={MODEL_NAME},request_format=/v1/completions",
@@ -91,7 +104,8 @@ def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path)
                "--output", f"kind=json,path={report}", "--disable-console"]
     report.unlink(missing_ok=True)
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=report.parent)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=report.parent,
+                                preexec_fn=pinned(cpus))
         # (time.time(), CPU seconds of guidellm and every process it started: it sends its requests
         # from worker processes): its share of the cores during the level.
         samples, seen = [], {}
@@ -193,6 +207,33 @@ def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: i
             "engine_ms_per_step": 1e3 * (llm.stats.engine_s - engine_s) / max(1, llm.stats.steps - steps)}
 
 
+def cpu_list(text: str) -> set[int]:
+    """'0', '0,2', '0-3', or 'all' (an empty set: not pinned)."""
+    if text == "all":
+        return set()
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus |= set(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def split_cpus(engine: set[int] | None, loadgen: set[int] | None) -> tuple[set[int] | None, set[int] | None]:
+    """Where the engine side (server, offline LLM) and the load generator run. By default each
+    gets half of this process's CPUs, so that what guidellm spends parsing streams (a core at
+    8 in flight on a 2-core machine) is not taken from the server while the offline run has
+    the whole machine: both sides run their engine on the same CPUs."""
+    mine = sorted(os.sched_getaffinity(0))
+    if engine is None and loadgen is None and len(mine) >= 2:
+        half = len(mine) // 2
+        return set(mine[:half]), set(mine[half:])
+    return engine or None, loadgen or None
+
+
+def shown(cpus: set[int] | None) -> str:
+    return "any" if cpus is None else ",".join(map(str, sorted(cpus)))
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -227,7 +268,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--engine-cpus", type=cpu_list, default=None,
+                        help="CPUs the server and the offline LLM run on, e.g. 0 or 0-3 (default: the first "
+                             "half of this process's CPUs); 'all' shares every CPU with the load generator")
+    parser.add_argument("--loadgen-cpus", type=cpu_list, default=None,
+                        help="CPUs guidellm runs on (default: the other half)")
     args = parser.parse_args()
+    engine_cpus, loadgen_cpus = split_cpus(args.engine_cpus, args.loadgen_cpus)
     if not Path(args.guidellm).is_file():
         raise SystemExit(f"error: --guidellm {args.guidellm}: not found; install it with "
                          "python3 -m venv .loadgen-venv && .loadgen-venv/bin/pip install guidellm")
@@ -236,10 +283,13 @@ def main() -> None:
     from trtbuild.runtime.sampling import SamplingParams
 
     rows = []
-    with tempfile.TemporaryDirectory() as scratch, LLM(args.engine_dir, backend="onnxruntime") as llm:
+    if engine_cpus is not None:
+        os.sched_setaffinity(0, engine_cpus)  # the offline side runs in this process
+    with tempfile.TemporaryDirectory() as scratch, \
+            LLM(args.engine_dir, backend="onnxruntime", threads=len(engine_cpus or ())) as llm:
         scratch = Path(scratch)
         llm.generate(["def f(x):"], SamplingParams(max_tokens=16))   # warm-up: ONNX Runtime's first runs
-        proc, base = start_server(args.engine_dir, scratch / "serve.log")
+        proc, base = start_server(args.engine_dir, scratch / "serve.log", engine_cpus)
         try:
             import httpx
 
@@ -249,7 +299,8 @@ def main() -> None:
             # server idles (its engine loop sleeps without requests), so both see the same machine.
             for concurrency in args.concurrency:
                 server_cpu, (steps, engine_s) = cpu_seconds(proc.pid), engine_totals(base)
-                level = server_level(run_guidellm(args.guidellm, base, concurrency, args, scratch / "guidellm.json"))
+                level = server_level(run_guidellm(args.guidellm, base, concurrency, args, scratch / "guidellm.json",
+                                                  loadgen_cpus))
                 server_cpu = cpu_seconds(proc.pid) - server_cpu  # it idles outside the level
                 steps_after, engine_after = engine_totals(base)
                 offline = offline_level(llm, level["prompts"], level["max_tokens"], concurrency)
@@ -268,7 +319,8 @@ def main() -> None:
               "server tok/s", "offline tok/s", "overhead", "CPU ms/token server", "offline", "CPU overhead",
               "cores: server", "guidellm", "engine ms/step server", "offline"]
     print(f"trtbuild serve vs LLM offline: {args.engine_dir}, {args.prompt_tokens}-token prompts, "
-          f"{args.output_tokens} tokens each (ignore_eos), ONNX Runtime, guidellm over loopback")
+          f"{args.output_tokens} tokens each (ignore_eos), ONNX Runtime, guidellm over loopback; "
+          f"server and offline on CPUs {shown(engine_cpus)}, guidellm on {shown(loadgen_cpus)}")
     print(format_table([[r["concurrency"], f"{r['requests']} ({r['errored']} err)", f"{r['ttft_p50']:.1f}",
                                  f"{r['ttft_p99']:.1f}", f"{r['itl_p50']:.2f}", f"{r['itl_p99']:.2f}",
                                  f"{r['server_tps']:.0f}", f"{r['offline_tps']:.0f}", f"{r['overhead']:+.1%}",
