@@ -164,7 +164,11 @@ class LLM:
         """Queues one request without waiting for a running step; raises ValueError (and changes
         nothing) if it cannot run. The next step admits it."""
         tokens = self.inputs.process(prompt, params, "prompt")
-        return self._enqueue(tokens, params, rid or f"req-{next(self._ids)}")
+        return self._enqueue(tokens, params, rid or self.new_rid())
+
+    def new_rid(self) -> str:
+        """A request id no other request of this LLM has been given."""
+        return f"req-{next(self._ids)}"
 
     def _enqueue(self, tokens: list[int], params: SamplingParams, rid: str) -> str:
         submitted = _Submitted(Request(rid=rid, prompt=tokens, params=params), time.perf_counter())
@@ -202,7 +206,7 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
         token_lists = [self.inputs.process(p, q, f"prompt {i}") for i, (p, q) in enumerate(zip(prompts, params_list))]
-        rids = [f"req-{next(self._ids)}" for _ in prompts]
+        rids = [self.new_rid() for _ in prompts]
         for rid in rids:
             self._collect[rid] = None
         for rid, tokens, p in zip(rids, token_lists, params_list):
@@ -224,7 +228,7 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[Delta]:
         """Yields text pieces of one request as they are produced (other queued requests run too;
         their pieces go to their own callers). Leaving the loop early aborts the request."""
-        rid = f"req-{next(self._ids)}"
+        rid = self.new_rid()
         mine = self._streams[rid] = deque()
         finished = False
         try:

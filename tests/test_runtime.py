@@ -209,6 +209,45 @@ def test_async_streams_get_one_delta_per_step_of_a_greedy_run(llm):
     assert deltas[-1].token_id == whole.token_ids[-1]
 
 
+def test_a_request_group_streams_its_choices_by_index_and_closing_it_aborts_the_rest(llm):
+    """A server request's choices are one group: each delta comes with its request's index, the
+    texts join to generate()'s, and a group closed early aborts what still runs."""
+    expected = [c.text for c in llm.generate([PROMPTS[4], PROMPTS[5]], GREEDY)]
+    short = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def run():
+        engine = AsyncLLM(llm)
+        texts = ["", ""]
+        async with engine.submit([(PROMPTS[4], GREEDY), (PROMPTS[5], GREEDY)], ["g-0", "g-1"]) as group:
+            async for index, delta in group:
+                texts[index] += delta.text
+        finished = []
+        async with engine.submit([(PROMPTS[0], short), (PROMPTS[1], GREEDY)], ["h-0", "h-1"]) as group:
+            async for index, delta in group:
+                if delta.finished:
+                    finished.append((index, delta.finish_reason))
+                    break   # leave with h-1 still decoding
+        while llm.has_work():
+            await asyncio.sleep(0.01)
+        return texts, finished
+
+    texts, finished = asyncio.run(run())
+    assert texts == expected
+    assert finished == [(0, "length")]
+    assert llm.scheduler.slots.num_active == 0 and not llm.has_work()  # h-1 was aborted, its slot freed
+
+
+def test_a_group_with_a_refused_job_submits_none_of_it(llm):
+    async def run():
+        with pytest.raises(ValueError, match="max_tokens"):
+            AsyncLLM(llm).submit([(PROMPTS[0], GREEDY), (PROMPTS[1], SamplingParams(max_tokens=10**6))],
+                                 ["r-0", "r-1"])
+
+    asyncio.run(run())
+    done = llm.run_until_done()  # r-0 was aborted before any step ran it; r-1 was never submitted
+    assert [(c.rid, c.finish_reason, c.token_ids) for c in done] == [("r-0", "abort", [])]
+
+
 async def _join(stream) -> str:
     return "".join([delta.text async for delta in stream])
 

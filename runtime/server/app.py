@@ -12,10 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..async_llm import AsyncLLM
+from ..async_llm import AsyncLLM, EngineFailure, RequestGroup
 from ..outputs import Completion
 from . import chat
-from .admission import Admission, Ticket
+from .admission import Admission
 from .gate import Gate
 from .inputs import Inputs, Limits, Prepared
 from .metrics import Metrics
@@ -23,7 +23,6 @@ from .protocol import ApiError, chunk_body, completion_body, usage
 
 OPEN_ROUTES = ("/health",)                    # no API key needed
 DISCONNECT_POLL_S = 0.05
-_STOP = object()      # put in an SSE response's queue when the grace period ends
 PREPARE_WORKERS = 2   # bodies parsed, rendered and tokenized at once; engine steps use the default executor
 
 
@@ -39,7 +38,7 @@ class ServerState:
     draining: bool = False
     inflight: int = 0
     stopping: asyncio.Event = field(default_factory=asyncio.Event)   # the grace period is over
-    open_streams: set = field(default_factory=set)                     # the SSE responses' queues
+    open_streams: set = field(default_factory=set)                     # the SSE responses' request groups
     ids: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -53,8 +52,8 @@ class ServerState:
     def stop(self) -> None:
         """The grace period is over: open requests end now with a shutdown error (event loop only)."""
         self.stopping.set()
-        for queue in self.open_streams:
-            queue.put_nowait((0, _STOP))
+        for group in self.open_streams:
+            group.interrupt(_ShutDown())
 
 
 def create_app(engine: AsyncLLM, model: str, limits: Limits, api_key: str | None = None) -> FastAPI:
@@ -87,7 +86,7 @@ def create_app(engine: AsyncLLM, model: str, limits: Limits, api_key: str | None
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.observe_engine(state.llm, state.admission.accepted)
+        state.metrics.observe_engine(state.llm)
         return Response(state.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -130,20 +129,22 @@ async def _body(request: Request, limit: int) -> bytes:
 async def _serve(state: ServerState, request: Request, prepare):
     raw = await _body(request, state.limits.max_body_bytes)
     prepared: Prepared = await asyncio.get_running_loop().run_in_executor(state.workers, prepare, raw)
-    ticket = state.admission.admit(len(prepared.jobs))   # no await between this and the streams' creation
+    state.admission.admit(len(prepared.jobs))   # no await between this check and the submission
     chat, body = prepared.chat, prepared.body
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(state.ids)}"
-    streams = [_handed_over(ticket, state.engine.stream(tokens, params, rid=f"{rid}-{i}"))
-               for i, (tokens, params) in enumerate(prepared.jobs)]
-    if body.stream:
-        return _TicketedStream(ticket, _sse(state, rid, body, streams, prepared.prompt_tokens, chat),
-                               media_type="text/event-stream")
     try:
-        done = await _until_done_or_disconnect(state, request, [_collect(s) for s in streams])
+        group = state.engine.submit(prepared.jobs, [f"{rid}-{i}" for i in range(len(prepared.jobs))])
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    if body.stream:
+        return _GroupStream(group, _sse(state, rid, body, group, prepared.prompt_tokens, chat),
+                            media_type="text/event-stream")
+    try:
+        done = await _until_done_or_disconnect(state, request, _completions(group))
     finally:
-        ticket.close()
+        group.close()
     if done is None:  # the client left: its requests were aborted; nobody reads this
-        state.metrics.aborted(len(streams))
+        state.metrics.aborted(len(prepared.jobs))
         return Response(status_code=499)
     for completion in done:
         state.metrics.finished(completion)
@@ -152,27 +153,23 @@ async def _serve(state: ServerState, request: Request, prepare):
     return completion_body(rid, state.model, choices, used, chat)
 
 
-async def _handed_over(ticket: Ticket, stream):
-    """``stream`` submits its request on its first step, before its first await: from here the
-    engine's queue counts it instead of the ticket."""
-    ticket.handed_over()
-    async for delta in stream:
-        yield delta
+class _GroupStream(StreamingResponse):
+    """Closes the request group however the response ends, even if its body was never iterated
+    (the client left before the first byte): what still runs is aborted."""
 
-
-class _TicketedStream(StreamingResponse):
-    """Releases the ticket however the response ends, even if its body was never iterated (the
-    client left before the first byte)."""
-
-    def __init__(self, ticket: Ticket, content, media_type: str):
+    def __init__(self, group: RequestGroup, content, media_type: str):
         super().__init__(content, media_type=media_type)
-        self.ticket = ticket
+        self.group = group
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.ticket.close()
+            self.group.close()
+
+
+class _ShutDown(Exception):
+    """Raised into an open SSE response's group when the grace period ends."""
 
 
 def _shut_down() -> ApiError:
@@ -180,16 +177,19 @@ def _shut_down() -> ApiError:
                     code="shutdown")
 
 
-async def _collect(stream) -> Completion:
-    async for delta in stream:
+async def _completions(group: RequestGroup) -> list[Completion]:
+    """The group's completions in submission order."""
+    done: list[Completion] = [None] * len(group.rids)  # type: ignore[list-item]
+    async for index, delta in group:
         if delta.finished:
-            return delta.completion
+            done[index] = delta.completion
+    return done
 
 
-async def _until_done_or_disconnect(state: ServerState, request: Request, coroutines: list) -> list[Completion] | None:
+async def _until_done_or_disconnect(state: ServerState, request: Request, completions) -> list[Completion] | None:
     """The completions, or None if the client goes away first: then every request is aborted
-    (the streams' cleanup frees their KV slots within a step). 503 if the grace period ends first."""
-    work = asyncio.ensure_future(asyncio.gather(*coroutines))
+    (closing the group frees their KV slots within a step). 503 if the grace period ends first."""
+    work = asyncio.ensure_future(completions)
     while not work.done():
         gone = await request.is_disconnected()
         if gone or state.stopping.is_set():
@@ -224,56 +224,44 @@ def _choice(index: int, completion: Completion, chat: bool, tokenizer) -> dict:
     return choice
 
 
-async def _sse(state: ServerState, rid: str, body, streams: list, prompt_tokens: int, chat: bool):
+async def _sse(state: ServerState, rid: str, body, group: RequestGroup, prompt_tokens: int, chat: bool):
     """Server-sent events: one chunk per delta of any choice, usage last if asked, then [DONE].
-    A client that disconnects cancels this generator; the merged streams then abort."""
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream):
-        try:
-            async for delta in stream:
-                await merged.put((index, delta))
-        except Exception as exc:  # noqa: BLE001  (the engine failed: tell the client, then end)
-            await merged.put((index, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    generated, open_choices, failed = 0, len(streams), False
-    state.open_streams.add(merged)
+    A client that disconnects cancels this generator; the response then closes the group, which
+    aborts what still runs."""
+    generated, finished, failed = 0, 0, False
+    state.open_streams.add(group)
     try:
         if chat:
-            for index in range(len(streams)):
+            for index in range(len(group.rids)):
                 yield _event(chunk_body(rid, state.model, [{"index": index, "delta": {"role": "assistant"},
                                                             "finish_reason": None}], chat))
-        while open_choices:
-            index, delta = await merged.get()
-            if delta is _STOP:  # the grace period ended: say so before the connection closes
-                failed = True
-                state.metrics.aborted(open_choices)
-                yield _event(_shut_down().body())
-                return
-            if isinstance(delta, Exception):
-                failed = True
-                yield _event(ApiError(500, f"generation failed: {delta}", kind="server_error").body())
-                return
-            finish = delta.finish_reason if delta.finished else None
-            piece = {"content": delta.text} if chat else None
-            choice = ({"index": index, "delta": piece, "finish_reason": finish} if chat else
-                      {"index": index, "text": delta.text, "finish_reason": finish, "logprobs": None})
-            if delta.text or finish:
-                yield _event(chunk_body(rid, state.model, [choice], chat))
-            if delta.finished:
-                open_choices -= 1
-                generated += len(delta.completion.token_ids)
-                state.metrics.finished(delta.completion)
+        try:
+            async for index, delta in group:
+                finish = delta.finish_reason if delta.finished else None
+                if delta.text or finish:
+                    choice = ({"index": index, "delta": {"content": delta.text}, "finish_reason": finish} if chat else
+                              {"index": index, "text": delta.text, "finish_reason": finish, "logprobs": None})
+                    yield _event(chunk_body(rid, state.model, [choice], chat))
+                if delta.finished:
+                    finished += 1
+                    generated += len(delta.completion.token_ids)
+                    state.metrics.finished(delta.completion)
+        except _ShutDown:  # the grace period ended: say so before the connection closes
+            failed = True
+            state.metrics.aborted(len(group.rids) - finished)
+            yield _event(_shut_down().body())
+            return
+        except EngineFailure as exc:
+            failed = True
+            yield _event(ApiError(500, str(exc), kind="server_error").body())
+            return
         if body.include_usage:
             yield _event(chunk_body(rid, state.model, [], chat, usage(prompt_tokens, generated)))
         yield "data: [DONE]\n\n"
     finally:
-        for task in tasks:
-            task.cancel()
-        state.open_streams.discard(merged)
-        if open_choices and not failed:  # the client left mid-stream: the open choices were aborted
-            state.metrics.aborted(open_choices)
+        state.open_streams.discard(group)
+        if finished < len(group.rids) and not failed:  # the client left mid-stream: the rest is aborted
+            state.metrics.aborted(len(group.rids) - finished)
 
 
 def _event(body: dict) -> str:

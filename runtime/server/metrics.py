@@ -38,11 +38,10 @@ class Metrics:
                                   "Seconds spent in engine-core steps (engine, sampling, scheduling, text)",
                                   registry=registry)
 
-    def observe_engine(self, llm, accepted: int) -> None:
-        """Gauges from the runtime's state, read when /metrics is scraped; ``accepted``: requests the
-        server took that the engine has not been handed yet (they wait too)."""
+    def observe_engine(self, llm) -> None:
+        """Gauges from the runtime's state, read when /metrics is scraped."""
         scheduler = llm.scheduler
-        self.waiting.set(llm.queue_depth() + accepted)
+        self.waiting.set(llm.queue_depth())
         self.running.set(scheduler.slots.num_active)
         self.kv_usage.set(scheduler.slots.num_active / scheduler.slots.capacity)
         stats = llm.stats
