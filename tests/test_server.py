@@ -64,6 +64,20 @@ def test_completion_text_equals_generate_streamed_or_not(client, reference):
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.total_tokens == 24 + len(expected.prompt_token_ids)
 
 
+def test_a_streamed_request_of_several_prompts_streams_each_choice_by_its_index(client):
+    """The choices of one request share a stream: each chunk names its choice, and each choice's
+    pieces join to the text the same request gets unstreamed."""
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
+    whole = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0)
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert finishes == [c.finish_reason for c in sorted(whole.choices, key=lambda c: c.index)]
+
+
 def test_metrics_count_engine_steps_and_their_time(server, client):
     """The engine's own totals (steps, seconds inside steps and inside whole core steps) on
     /metrics: what tells a user whether the engine or the loop around it is the bottleneck."""
