@@ -51,9 +51,10 @@ def main() -> None:
     model.save_pretrained(args.out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED / name, args.out / name)
-    spec = (REPO / "specs" / "tiny-code.yaml").read_text()
-    spec = spec.replace("checkpoint: ../models/tiny-code   # relative to this file",
-                        "checkpoint: .                     # this directory")
+    spec, bundled = (REPO / "specs" / "tiny-code.yaml").read_text(), "checkpoint: ../models/tiny-code"
+    if bundled not in spec:  # the spec would build the bundled model, not this one
+        raise SystemExit(f"error: specs/tiny-code.yaml has no line '{bundled}' to point at {args.out}")
+    spec = spec.replace(bundled, "checkpoint: .                 ")
     (args.out / "spec.yaml").write_text(spec)
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.out}: {params / 1e6:.0f}M parameters (float32, {4 * params / 2**20:.0f} MiB), spec {args.out / 'spec.yaml'}")

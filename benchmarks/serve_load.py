@@ -36,18 +36,18 @@ CPUs and the load generator on others.
 The table gives, per concurrency, guidellm's p50/p99 TTFT and inter-token latency, total tokens/s
 (prompt + generated, first request sent to last answered) through the server and offline, and the
 server's overhead: 1 - server / offline tokens/s (goal at saturation, the engine's batch size:
-<= 10 %); and the CPU time each side spends per token (the server process's user + system time
-during the level, all its threads; the offline process's around its replay), which the rest of
-the machine's load moves far less than tokens/s. The last columns give the cores each side
-used during the level (CPU seconds over its wall time; guidellm's, with the worker processes it
-sends requests from, sampled from /proc every 50 ms and counted between its first request's start
-and its last one's end), and the milliseconds a
+<= 10 %); and the CPU time each side spends per token (the server process's user + system time,
+all its threads; the offline process's around its replay). The last columns give the cores each
+side used (CPU seconds over wall time; guidellm's with the worker processes it sends requests
+from). The server's and guidellm's CPU times are sampled from /proc every 50 ms and counted
+between the level's first request's start and its last one's end; then the milliseconds a
 step spends inside the engine on each side (the server's from its /metrics totals, offline's from
 ``LLM.stats``). The plot (PNG) goes to --plot.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -64,9 +64,21 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 MODEL_NAME = "tiny"
 
 
-def pinned(cpus: set[int] | None):
-    """A Popen preexec_fn that confines the child (and what it starts) to ``cpus``."""
-    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+def pinned(command: list[str], cpus: set[int] | None) -> list[str]:
+    """``command`` confined (with every process it starts) to ``cpus``, by taskset."""
+    return command if cpus is None else ["taskset", "-c", ",".join(map(str, sorted(cpus))), *command]
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None):
+    """This thread runs on ``cpus`` meanwhile."""
+    before = os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def start_server(engine_dir: Path, log: Path, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
@@ -74,7 +86,7 @@ def start_server(engine_dir: Path, log: Path, cpus: set[int] | None) -> tuple[su
                "--model-name", MODEL_NAME, "--backend", "onnxruntime", "--max-queue", "256",
                "--threads", str(len(cpus) if cpus else 0)]
     with open(log, "w") as sink:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, preexec_fn=pinned(cpus))
+        proc = subprocess.Popen(pinned(command, cpus), stdout=subprocess.DEVNULL, stderr=sink)
     deadline = time.monotonic() + 120
     while not (found := re.search(r"on http://127\.0\.0\.1:(\d+)", log.read_text())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -93,8 +105,10 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path, cpus: set[int] | None) -> dict:
-    """One concurrency level (guidellm's concurrent profile), its JSON report's benchmark."""
+def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path, cpus: set[int] | None,
+                 server_pid: int) -> dict:
+    """One concurrency level (guidellm's concurrent profile), its JSON report's benchmark, and
+    CPU-time samples of guidellm and of the server."""
     command = [guidellm, "run",
                "--backend", f"kind=openai_http,target={base},model={MODEL_NAME},request_format=/v1/completions",
                "--tokenizer", f"kind=huggingface_auto,model={REPO / 'models' / 'tiny-code'}",
@@ -104,14 +118,15 @@ def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path,
                "--output", f"kind=json,path={report}", "--disable-console"]
     report.unlink(missing_ok=True)
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=report.parent,
-                                preexec_fn=pinned(cpus))
-        # (time.time(), CPU seconds of guidellm and every process it started: it sends its requests
-        # from worker processes): its share of the cores during the level.
+        proc = subprocess.Popen(pinned(command, cpus), stdout=out, stderr=subprocess.STDOUT, cwd=report.parent)
+        # (time.time(), CPU seconds of guidellm and every process it started (it sends its requests
+        # from worker processes), the server's CPU seconds): each side's share of the cores between
+        # the level's first request and its last answer, not guidellm's start-up and report.
         samples, seen = [], {}
-        while proc.poll() is None:
-            samples.append((time.time(), tree_cpu_seconds(proc.pid, seen)))
-            time.sleep(0.05)
+        with on_cpus(cpus):  # the sampling costs CPU: not on the server's
+            while proc.poll() is None:
+                samples.append((time.time(), tree_cpu_seconds(proc.pid, seen), cpu_seconds(server_pid)))
+                time.sleep(0.05)
         proc.wait()
         if proc.returncode != 0 or not report.is_file():
             out.seek(0)
@@ -119,11 +134,11 @@ def run_guidellm(guidellm: str, base: str, concurrency: int, args, report: Path,
     return {**json.loads(report.read_text())["benchmarks"][0], "cpu_samples": samples}
 
 
-def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+def cpu_between(samples: list[tuple], column: int, start: float, end: float) -> float:
     """CPU seconds a sampled process spent between two times (linear between samples)."""
     import numpy as np
 
-    times, cpu = np.array([t for t, _ in samples]), np.array([c for _, c in samples])
+    times, cpu = np.array([s[0] for s in samples]), np.array([s[column] for s in samples])
     return float(np.interp(end, times, cpu) - np.interp(start, times, cpu))
 
 
@@ -136,7 +151,8 @@ def server_level(benchmark: dict) -> dict:
     ordered = sorted(requests, key=lambda r: r["request_start_time"])
     start, end = min(r["request_start_time"] for r in requests), max(r["request_end_time"] for r in requests)
     return {"concurrency": benchmark["config"]["strategy"]["streams"], "requests": len(requests),
-            "loadgen_cores": cpu_between(benchmark["cpu_samples"], start, end) / (end - start),
+            "loadgen_cores": cpu_between(benchmark["cpu_samples"], 1, start, end) / (end - start),
+            "server_cpu_s": cpu_between(benchmark["cpu_samples"], 2, start, end),
             "errored": benchmark["metrics"]["request_totals"]["errored"],
             "ttft_p50": percentile("time_to_first_token_ms", "p50"), "ttft_p99": percentile("time_to_first_token_ms", "p99"),
             "itl_p50": percentile("inter_token_latency_ms", "p50"), "itl_p99": percentile("inter_token_latency_ms", "p99"),
@@ -227,6 +243,10 @@ def split_cpus(engine: set[int] | None, loadgen: set[int] | None) -> tuple[set[i
     if engine is None and loadgen is None and len(mine) >= 2:
         half = len(mine) // 2
         return set(mine[:half]), set(mine[half:])
+    if engine and loadgen is None:      # one side given: the other gets the rest
+        loadgen = set(mine) - engine or set()
+    if loadgen and engine is None:
+        engine = set(mine) - loadgen or set()
     return engine or None, loadgen or None
 
 
@@ -272,7 +292,7 @@ def main() -> None:
                         help="CPUs the server and the offline LLM run on, e.g. 0 or 0-3 (default: the first "
                              "half of this process's CPUs); 'all' shares every CPU with the load generator")
     parser.add_argument("--loadgen-cpus", type=cpu_list, default=None,
-                        help="CPUs guidellm runs on (default: the other half)")
+                        help="CPUs guidellm runs on (default: the CPUs the engine side does not use)")
     args = parser.parse_args()
     engine_cpus, loadgen_cpus = split_cpus(args.engine_cpus, args.loadgen_cpus)
     if not Path(args.guidellm).is_file():
@@ -298,10 +318,10 @@ def main() -> None:
             # Per level: guidellm through the server, then the same prompts offline while the
             # server idles (its engine loop sleeps without requests), so both see the same machine.
             for concurrency in args.concurrency:
-                server_cpu, (steps, engine_s) = cpu_seconds(proc.pid), engine_totals(base)
+                steps, engine_s = engine_totals(base)
                 level = server_level(run_guidellm(args.guidellm, base, concurrency, args, scratch / "guidellm.json",
-                                                  loadgen_cpus))
-                server_cpu = cpu_seconds(proc.pid) - server_cpu  # it idles outside the level
+                                                  loadgen_cpus, proc.pid))
+                server_cpu = level["server_cpu_s"]
                 steps_after, engine_after = engine_totals(base)
                 offline = offline_level(llm, level["prompts"], level["max_tokens"], concurrency)
                 server_tps, offline_tps = level["tokens"] / level["wall_s"], offline["tokens"] / offline["wall_s"]

@@ -26,6 +26,13 @@ class EngineFailure(RuntimeError):
     """The step loop failed; every request in flight ends with this."""
 
 
+class _StepFailed:
+    """What the driver queues when a step fails: each group raises its own EngineFailure from it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
 class RequestGroup:
     """Requests submitted together, read as one stream of ``(index, Delta)`` in the order steps
     make them (the index: the request's place in the submission); it ends when each has sent
@@ -33,7 +40,8 @@ class RequestGroup:
 
     def __init__(self, owner: "AsyncLLM", rids: list[str]):
         self.rids, self._owner = rids, owner
-        self.queue: asyncio.Queue = asyncio.Queue()   # (index, Delta), or (-1, an exception to raise)
+        # (index, Delta); (-1, an exception interrupt() raises); or (-1, _StepFailed)
+        self.queue: asyncio.Queue = asyncio.Queue()
         self._open = set(range(len(rids)))
 
     def __aiter__(self) -> "RequestGroup":
@@ -43,6 +51,8 @@ class RequestGroup:
         if not self._open:
             raise StopAsyncIteration
         index, item = await self.queue.get()
+        if isinstance(item, _StepFailed):
+            raise EngineFailure(f"generation failed: {type(item.error).__name__}: {item.error}") from item.error
         if isinstance(item, BaseException):
             raise item
         if item.finished:
@@ -73,6 +83,7 @@ class AsyncLLM:
     def submit(self, jobs: list[tuple[str | list[int], SamplingParams]], rids: list[str]) -> RequestGroup:
         """Submits every job now (each validated by LLM.submit; if one is refused, those before it
         are aborted and the ValueError raised), and starts stepping."""
+        loop = asyncio.get_running_loop()  # first: called outside a loop, it raises having submitted nothing
         group = RequestGroup(self, rids)
         try:
             for index, ((prompt, params), rid) in enumerate(zip(jobs, rids, strict=True)):
@@ -82,7 +93,7 @@ class AsyncLLM:
             self._release(group, self._routes_of(group))
             raise
         if self._driver is None or self._driver.done():
-            self._driver = asyncio.get_running_loop().create_task(self._drive())
+            self._driver = loop.create_task(self._drive())
         return group
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -113,12 +124,10 @@ class AsyncLLM:
                     pieces.setdefault(delta.rid, []).append(delta)
                 # One delta per request per step: a greedy run's tokens reach its stream (and a
                 # server's client) as one piece, not as many wake-ups, events and writes.
-                for rid, group in pieces.items():
+                for rid, mine in pieces.items():
                     route = self._routes.get(rid)
                     if route is not None:
-                        route[0].queue.put_nowait((route[1], Delta.joined(group)))
+                        route[0].queue.put_nowait((route[1], Delta.joined(mine)))
         except Exception as exc:  # noqa: BLE001  (every stream must hear of it, not hang)
-            failure = EngineFailure(f"generation failed: {type(exc).__name__}: {exc}")
-            failure.__cause__ = exc
             for group in {id(g): g for g, _ in self._routes.values()}.values():
-                group.queue.put_nowait((-1, failure))
+                group.queue.put_nowait((-1, _StepFailed(exc)))

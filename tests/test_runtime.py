@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -214,6 +214,7 @@ def test_a_request_group_streams_its_choices_by_index_and_closing_it_aborts_the_
     texts join to generate()'s, and a group closed early aborts what still runs."""
     expected = [c.text for c in llm.generate([PROMPTS[4], PROMPTS[5]], GREEDY)]
     short = SamplingParams(max_tokens=3, ignore_eos=True)
+    long = SamplingParams(max_tokens=600, ignore_eos=True)
 
     async def run():
         engine = AsyncLLM(llm)
@@ -221,20 +222,22 @@ def test_a_request_group_streams_its_choices_by_index_and_closing_it_aborts_the_
         async with engine.submit([(PROMPTS[4], GREEDY), (PROMPTS[5], GREEDY)], ["g-0", "g-1"]) as group:
             async for index, delta in group:
                 texts[index] += delta.text
-        finished = []
-        async with engine.submit([(PROMPTS[0], short), (PROMPTS[1], GREEDY)], ["h-0", "h-1"]) as group:
+        finished, steps = [], llm.stats.steps
+        async with engine.submit([(PROMPTS[0], short), (PROMPTS[1], long)], ["h-0", "h-1"]) as group:
             async for index, delta in group:
                 if delta.finished:
                     finished.append((index, delta.finish_reason))
                     break   # leave with h-1 still decoding
-        while llm.has_work():
+        deadline = time.monotonic() + 60
+        while llm.has_work() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        return texts, finished
+        return texts, finished, llm.stats.steps - steps
 
-    texts, finished = asyncio.run(run())
+    texts, finished, steps = asyncio.run(run())
     assert texts == expected
     assert finished == [(0, "length")]
-    assert llm.scheduler.slots.num_active == 0 and not llm.has_work()  # h-1 was aborted, its slot freed
+    assert not llm.has_work() and llm.scheduler.slots.num_active == 0
+    assert steps < 100  # h-1 was aborted: running out its 600 tokens takes 600 steps
 
 
 def test_a_group_with_a_refused_job_submits_none_of_it(llm):

@@ -148,7 +148,7 @@ def test_a_disconnect_frees_the_slot(server):
     # 900 tokens take ≥ 0.3 s on 2 cores: both clients leave long before the last one, and the
     # abort count shows their slots were freed by the disconnect, not by the last token.
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 900, "ignore_eos": True}
-    aborted = _aborted(server)
+    aborted, steps = _aborted(server), _metric(server, "trtbuild:engine_steps")
     with httpx.Client(timeout=30) as http:  # streaming: read two chunks, then hang up
         with http.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=headers) as response:
             chunks = response.iter_lines()
@@ -162,6 +162,8 @@ def test_a_disconnect_frees_the_slot(server):
         assert _running(server) == 0
         time.sleep(0.5)  # still 0: nothing came back
     assert _aborted(server) == aborted + 2  # both ended by the disconnect, not by running out of tokens
+    # ... and the engine stopped generating for them: either one run to its 900th token takes 900 steps.
+    assert _metric(server, "trtbuild:engine_steps") - steps < 900
 
 
 def test_bounded_queue_and_sigterm_drain(tiny_engine, tmp_path):
