@@ -81,10 +81,10 @@ def on_cpus(cpus: set[int] | None):
         os.sched_setaffinity(0, before)
 
 
-def start_server(engine_dir: Path, log: Path, cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
+def start_server(engine_dir: Path, log: Path, cpus: set[int] | None, threads: int) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "trtbuild.builder.cli", "serve", str(engine_dir), "--port", "0",
                "--model-name", MODEL_NAME, "--backend", "onnxruntime", "--max-queue", "256",
-               "--threads", str(len(cpus) if cpus else 0)]
+               "--threads", str(threads)]
     with open(log, "w") as sink:
         proc = subprocess.Popen(pinned(command, cpus), stdout=subprocess.DEVNULL, stderr=sink)
     deadline = time.monotonic() + 120
@@ -302,14 +302,14 @@ def main() -> None:
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    rows = []
+    rows, threads = [], len(engine_cpus or ())  # ONNX Runtime threads on both sides (0: its choice)
     if engine_cpus is not None:
         os.sched_setaffinity(0, engine_cpus)  # the offline side runs in this process
     with tempfile.TemporaryDirectory() as scratch, \
-            LLM(args.engine_dir, backend="onnxruntime", threads=len(engine_cpus or ())) as llm:
+            LLM(args.engine_dir, backend="onnxruntime", threads=threads) as llm:
         scratch = Path(scratch)
         llm.generate(["def f(x):"], SamplingParams(max_tokens=16))   # warm-up: ONNX Runtime's first runs
-        proc, base = start_server(args.engine_dir, scratch / "serve.log", engine_cpus)
+        proc, base = start_server(args.engine_dir, scratch / "serve.log", engine_cpus, threads)
         try:
             import httpx
 

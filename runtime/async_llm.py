@@ -6,8 +6,7 @@ stop string, so the pieces join to the completion's text).
 A driver task runs engine steps in a worker thread while any request lives and puts each
 request's delta of a step (the pieces of a multi-step greedy run joined) straight into the queue
 of the group it was submitted in: a server request's choices are one group, read as one stream,
-so a token passes one queue between the engine and the response (at 8 streams in flight on one
-core, each hop more cost the server ~10 % of its throughput: benchmarks/serve_load.py).
+so a token passes one queue between the engine and the response.
 Submitting never waits for a running step (LLM.submit takes the request into an inbox), a group
 that is left early (a client disconnects, a task is cancelled) aborts what is still running, and
 a failing step ends every open group with that error instead of leaving it hanging.
@@ -43,6 +42,12 @@ class RequestGroup:
         # (index, Delta); (-1, an exception interrupt() raises); or (-1, _StepFailed)
         self.queue: asyncio.Queue = asyncio.Queue()
         self._open = set(range(len(rids)))
+        self._closed = False
+
+    @property
+    def unfinished(self) -> int:
+        """Requests of the group that have not sent their finished delta (at close: were aborted)."""
+        return len(self._open)
 
     def __aiter__(self) -> "RequestGroup":
         return self
@@ -64,8 +69,9 @@ class RequestGroup:
         self.queue.put_nowait((-1, exc))
 
     def close(self) -> None:
-        self._owner._release(self, [self.rids[i] for i in self._open])
-        self._open.clear()
+        if not self._closed:
+            self._closed = True
+            self._owner._release(self, [self.rids[i] for i in self._open])
 
     async def __aenter__(self) -> "RequestGroup":
         return self
@@ -108,9 +114,8 @@ class AsyncLLM:
         return [rid for rid in group.rids if self._routes.get(rid, (None,))[0] is group]
 
     def _release(self, group: RequestGroup, unfinished: list[str]) -> None:
-        for rid in group.rids:
-            if self._routes.get(rid, (None,))[0] is group:
-                del self._routes[rid]
+        for rid in self._routes_of(group):
+            del self._routes[rid]
         for rid in unfinished:
             self.llm.abort(rid)  # the slot is freed at the next step
 

@@ -228,7 +228,7 @@ async def _sse(state: ServerState, rid: str, body, group: RequestGroup, prompt_t
     """Server-sent events: one chunk per delta of any choice, usage last if asked, then [DONE].
     A client that disconnects cancels this generator; the response then closes the group, which
     aborts what still runs."""
-    generated, finished, failed = 0, 0, False
+    generated, failed = 0, False
     state.open_streams.add(group)
     try:
         if chat:
@@ -243,12 +243,11 @@ async def _sse(state: ServerState, rid: str, body, group: RequestGroup, prompt_t
                               {"index": index, "text": delta.text, "finish_reason": finish, "logprobs": None})
                     yield _event(chunk_body(rid, state.model, [choice], chat))
                 if delta.finished:
-                    finished += 1
                     generated += len(delta.completion.token_ids)
                     state.metrics.finished(delta.completion)
         except _ShutDown:  # the grace period ended: say so before the connection closes
             failed = True
-            state.metrics.aborted(len(group.rids) - finished)
+            state.metrics.aborted(group.unfinished)
             yield _event(_shut_down().body())
             return
         except EngineFailure as exc:
@@ -260,8 +259,8 @@ async def _sse(state: ServerState, rid: str, body, group: RequestGroup, prompt_t
         yield "data: [DONE]\n\n"
     finally:
         state.open_streams.discard(group)
-        if finished < len(group.rids) and not failed:  # the client left mid-stream: the rest is aborted
-            state.metrics.aborted(len(group.rids) - finished)
+        if group.unfinished and not failed:  # the client left mid-stream: the rest is aborted
+            state.metrics.aborted(group.unfinished)
 
 
 def _event(body: dict) -> str:
