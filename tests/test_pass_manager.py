@@ -126,6 +126,22 @@ def test_metadata_recorded_before_the_split_reaches_every_rank_graph():
     assert [graph_metadata(g) for g in result.graphs] == [{"plan": "[1, 2]"}] * 2
 
 
+def rebuild_renamed(graph, ctx):
+    """A whole-model pass that returns a new graph rather than editing its argument."""
+    fresh = graph.copy()
+    fresh.nodes[0].name = "made_by_rebuild"
+    return PassResult(graph=fresh, modified=True)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_split_copies_what_the_whole_model_passes_returned(world_size):
+    passes = (Pass("rebuild", rebuild_renamed), Pass("per_rank", identity, per_rank=True))
+    start = gs.import_onnx(graphs.rmsnorm())
+    result = PassManager(passes).run(start, PassContext(spec=None, world_size=world_size, tensor_size=world_size))
+    assert [g.nodes[0].name for g in result.graphs] == ["made_by_rebuild"] * world_size
+    assert start.nodes[0].name != "made_by_rebuild"
+
+
 def mark_cpu(graph, ctx):
     graph.nodes[0].name = "cpu_only"
     return PassResult(graph=graph, modified=True)

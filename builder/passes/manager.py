@@ -101,8 +101,9 @@ class PassManager:
         rank_graphs: list[gs.Graph] | None = None  # once the CPU stage has started
         cpu_graphs: dict[CpuGraph, list[gs.Graph]] = {}
         for p in self.enabled:
-            if p.per_rank and contexts[0].rank is None:  # the 1 → N split
-                graphs = [graph if ctx.world_size == 1 else copy_graph(graph) for _ in range(ctx.world_size)]
+            if p.per_rank and contexts[0].rank is None:  # the 1 → N split of what the whole-model passes made
+                whole = graphs[0]
+                graphs = [whole if ctx.world_size == 1 else copy_graph(whole) for _ in range(ctx.world_size)]
                 contexts = [ctx.for_rank(rank) for rank in range(ctx.world_size)]
                 for instrument in instruments:
                     instrument.split(ctx.world_size)
