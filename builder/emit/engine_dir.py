@@ -55,11 +55,17 @@ def _foreign_files(out: Path) -> str | None:
 
 
 def _clear_stale(out: Path) -> None:
-    """Temporaries of earlier builds to the same place whose process is gone (killed builds)."""
+    """Temporaries of earlier builds to the same place whose process is gone (killed builds). A
+    previous engine dir moved aside (``.old-``) by a build that died before its own dir took the
+    name is put back, never deleted: it is the last good build."""
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)-")
-    for sibling in out.parent.iterdir() if out.parent.is_dir() else ():
+    for sibling in sorted(out.parent.iterdir()) if out.parent.is_dir() else ():
         found = pattern.match(sibling.name)
-        if found and sibling.is_dir() and not _alive(int(found.group(2))):
+        if not (found and sibling.is_dir() and not _alive(int(found.group(2)))):
+            continue
+        if found.group(1) == "old" and not out.exists() and _foreign_files(sibling) is None:
+            sibling.rename(out)
+        else:
             shutil.rmtree(sibling, ignore_errors=True)
 
 
@@ -90,7 +96,12 @@ def staged(out: Path) -> Iterator[Path]:
             check_destination(out)  # still ours, after the minutes the build took
             old = out.with_name(f".{out.name}.old-{os.getpid()}-")
             out.rename(old)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except BaseException:
+            if old is not None:
+                old.rename(out)  # the previous engine dir back under its name
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
