@@ -19,6 +19,7 @@ from .emit.cpu_step_model import save_cpu_step_model
 from ..contract.checkpoint import CheckpointError
 from .errors import UserError
 from .frontend.export import export_step, load_graph
+from .frontend.side_files import check_side_files, checkpoint_side_files, side_file_record
 from .frontend.skeleton import truncated_model
 from .frontend.step_model import LlamaStep
 from .frontend.weight_map import WeightMap
@@ -36,9 +37,6 @@ from .plan_build import disk_refusal, machine_ram_bytes, memory_refusal
 from .spec_checks import tensor_parallel_ok
 from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes, sample_peak
 from .spec import Spec
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "config.json")
 
 
 @dataclass(frozen=True)
@@ -72,6 +70,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
     if not options.ignore_memory_check:
         _check_memory(spec)
         _check_disk(spec, options.out)
+    side_files = checkpoint_side_files(spec.model.checkpoint)
+    check_side_files(side_files, spec.model.checkpoint, spec.arch.vocab_size)
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "
@@ -126,9 +126,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         if not spec.build.cpu_graphs:
             _leave_out_cpu_graphs(ranks, tmp, progress)
         with progress.stage("manifest"):
-            _copy_tokenizer(spec.model.checkpoint, tmp)
+            for name, path in side_files.items():
+                shutil.copyfile(path, tmp / name)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            manifest = write_manifest(tmp, _manifest_body(spec, flavor, ranks, records, cuda_graph_plan))
+            manifest = write_manifest(tmp, {**_manifest_body(spec, flavor, ranks, records, cuda_graph_plan),
+                                            "side_files": side_file_record(side_files)})
     return BuildSummary(out=options.out, stages=progress.stages, engines=engines,
                         peak_rss_bytes=max([peak_rss_bytes(), *(p.peak for p in child_peaks)]),
                         pass_records=records, manifest=manifest, processes=child_peaks,
@@ -366,9 +368,3 @@ def _build_engines(spec: Spec, flavor, tmp: Path, jobs: int, progress: Progress)
         progress.say(f"  rank{rank}.engine: {human_bytes(report.bytes)}, builder process peak RSS "
                      f"{report.peak.describe()}")
     return reports
-
-
-def _copy_tokenizer(checkpoint: Path, out: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (checkpoint / name).is_file():
-            shutil.copyfile(checkpoint / name, out / name)

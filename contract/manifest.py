@@ -13,7 +13,15 @@ from .json_file import read_json_object
 # 4: pipeline parallelism; top-level ``tensor_parallel`` is T (ranks per stage, no longer the rank
 # count) beside ``pipeline_parallel`` P, and each rank entry says its ``stage``, ``tensor_rank``
 # and ``layers`` [start, stop) (the decoder layers, and so the KV-cache layers, it holds).
-SCHEMA_VERSION = 4
+# 5: ``side_files`` says of every file in SIDE_FILES whether the build wrote it; the runtime reads
+# only those listed (hashed) and refuses a dir holding one the build did not write.
+SCHEMA_VERSION = 5
+
+# The files beside the ranks' that the runtime reads: the tokenizer, its config and chat template
+# (transformers 5 keeps the template in chat_template.jinja), the end-of-sequence ids
+# (generation_config.json, config.json). Each is copied from the checkpoint where it has one.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "generation_config.json", "config.json")
 
 # spec.runtime.multi_step's default, and what the runtime takes for a manifest written before
 # the field (greedy decode steps run back to back: runtime/llm.py).
@@ -35,7 +43,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 MANIFEST = "manifest.json"
 REQUIRED_KEYS = ("schema_version", "files", "ranks", "model", "limits", "spec", "tensorrt", "tensor_parallel",
-                 "pipeline_parallel")
+                 "pipeline_parallel", "side_files")
 
 
 class ManifestError(ValueError):
@@ -151,6 +159,7 @@ def check_engine_dir(engine_dir: Path, manifest: dict, verify_hashes: bool = Tru
     for name in rank_files(manifest):
         if name not in files:
             raise ManifestError(f"{root / name}: needed by the engine dir but not listed (hashed) in {MANIFEST}")
+    _check_side_files(root, manifest)
     for name, entry in files.items():
         file = root / name
         if not file.is_file():
@@ -164,6 +173,24 @@ def check_engine_dir(engine_dir: Path, manifest: dict, verify_hashes: bool = Tru
         _check_external_data(root / rank["onnx"], {rank.get("onnx_data")})
         if rank.get("cpu_onnx") is not None:  # it shares the rank's weights, and may add its own
             _check_external_data(root / rank["cpu_onnx"], {rank.get("onnx_data"), rank.get("cpu_onnx_data")})
+
+
+def _check_side_files(root: Path, manifest: dict) -> None:
+    """Each runtime-read side file is written by the build (listed, so hashed) or recorded absent;
+    one absent at build time but present now (a generation_config.json dropped in later would change
+    the end-of-sequence ids) is refused, never read."""
+    written = manifest["side_files"]
+    if not (isinstance(written, dict) and set(written) == set(SIDE_FILES)
+            and all(isinstance(v, bool) for v in written.values())):
+        raise ManifestError(f"{root / MANIFEST}: side_files must say true or false for each of "
+                            f"{', '.join(SIDE_FILES)}")
+    for name in SIDE_FILES:
+        if written[name] and name not in manifest["files"]:
+            raise ManifestError(f"{root / name}: side_files says the build wrote it, but it is not listed (hashed) "
+                                f"in {MANIFEST}")
+        if not written[name] and (root / name).exists():
+            raise ManifestError(f"{root / name}: not written by the build ({MANIFEST} records it absent), and the "
+                                "runtime would read it; remove it, or rebuild from a checkpoint that has it")
 
 
 def _check_external_data(graph: Path, allowed: set[str | None]) -> None:

@@ -1,11 +1,12 @@
 """Load and verify an engine dir written by ``trtbuild build`` (the manifest is the contract)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..contract.manifest import DEFAULT_MULTI_STEP, ManifestError, check_engine_dir, has_cpu_graphs, read_manifest
+from ..contract.json_file import read_json_object
+from ..contract.manifest import (DEFAULT_MULTI_STEP, SIDE_FILES, ManifestError, check_engine_dir, has_cpu_graphs,
+                                 read_manifest)
 from ..contract.onnxruntime import CpuActivations
 
 
@@ -132,14 +133,54 @@ class EngineDir:
     def rank_file(self, rank: int, kind: str) -> Path:
         return self.path / self.manifest["ranks"][rank][kind]
 
+    def side_file(self, name: str) -> Path | None:
+        """A file beside the ranks' (contract.manifest.SIDE_FILES) if the build wrote it: listed,
+        so its hash was checked at load; else None, whatever lies in the dir under that name."""
+        if name not in SIDE_FILES:
+            raise KeyError(f"{name} is not one of the engine dir's side files ({', '.join(SIDE_FILES)})")
+        return self.path / name if self.manifest["side_files"][name] else None
+
+    def side_json(self, name: str) -> dict:
+        """A JSON side file's object ({} where the build wrote none)."""
+        path = self.side_file(name)
+        if path is None:
+            return {}
+        try:
+            return read_json_object(path)
+        except ValueError as exc:
+            raise EngineDirError(str(exc)) from None
+
     def eos_token_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
         for name in ("generation_config.json", "config.json"):
-            path = self.path / name
-            if path.is_file():
-                value = json.loads(path.read_text()).get("eos_token_id")
-                ids += value if isinstance(value, list) else [] if value is None else [value]
+            value = self.side_json(name).get("eos_token_id")
+            ids += value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids):
+            raise EngineDirError(f"{self.path}: eos_token_id {ids} must be token ids below vocab_size {self.vocab_size}")
         return tuple(dict.fromkeys(ids))
+
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template: chat_template.jinja (transformers 5's layout) or
+        tokenizer_config.json's ``chat_template`` (a string, or named templates: the default);
+        None where the checkpoint had none."""
+        path = self.side_file("chat_template.jinja")
+        if path is not None:
+            try:
+                return path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise EngineDirError(f"{path}: not UTF-8 text") from None
+        template = self.side_json("tokenizer_config.json").get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) and template else None
+
+    def special_token(self, key: str) -> str:
+        """tokenizer_config.json's ``bos_token``/``eos_token`` text (a chat template may print
+        them), "" where it has none."""
+        value = self.side_json("tokenizer_config.json").get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else ""
 
 
 def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:

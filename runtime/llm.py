@@ -76,7 +76,7 @@ class LLM:
         blocks = (prefix_cache_blocks if prefix_cache_blocks is not None
                   else default_prefix_blocks(d, block_size)) if use_prefix else 0
         try:
-            self.tokenizer = Tokenizer.from_file(str(d.path / "tokenizer.json"))
+            self.tokenizer = Tokenizer.from_file(str(d.side_file("tokenizer.json")))
         except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
             raise EngineDirError(f"{d.path / 'tokenizer.json'}: not a loadable tokenizer "
                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

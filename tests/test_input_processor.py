@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY_CODE
 from trtbuild.runtime.input_processor import InputProcessor, InputRefused
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.server.chat import ChatTemplate, chat_template
+from trtbuild.runtime.server.chat import DEFAULT_TEMPLATE, ChatTemplate
 from trtbuild.runtime.server.inputs import Inputs, Limits
 from trtbuild.runtime.server.protocol import ApiError
 
@@ -30,7 +30,7 @@ IDS = [case[-1][:40] for case in BAD]
 
 def _server_inputs(processor: InputProcessor) -> Inputs:
     return Inputs(processor, "tiny", Limits(max_body_bytes=1 << 20, max_prompt_chars=100_000, max_queue=8),
-                  ChatTemplate(chat_template(TINY_CODE)))
+                  ChatTemplate(DEFAULT_TEMPLATE))
 
 
 def _served(inputs: Inputs, prompt, max_tokens: int) -> tuple:

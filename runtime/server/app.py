@@ -58,7 +58,7 @@ class ServerState:
 
 def create_app(engine: AsyncLLM, model: str, limits: Limits, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="trtbuild", docs_url=None, redoc_url=None, openapi_url=None)
-    template = chat.ChatTemplate(chat.chat_template(engine.llm.engine_dir.path))
+    template = chat.chat_template(engine.llm.engine_dir)
     state = ServerState(engine, model, api_key, Inputs(engine.llm.inputs, model, limits, template),
                         Admission(engine.llm, limits.max_queue))
     app.state.trtbuild = state

@@ -1,5 +1,6 @@
-"""Chat messages → one prompt: the tokenizer's own ``chat_template`` (Jinja, as transformers
-renders it) when tokenizer_config.json has one, else trtbuild's documented default:
+"""Chat messages → one prompt: the tokenizer's own chat template (Jinja, as transformers renders
+it; from chat_template.jinja or tokenizer_config.json, whichever the build copied) when the engine
+dir has one, else trtbuild's documented default:
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n
 
@@ -8,23 +9,17 @@ not chats: the default exists so every engine dir serves the chat endpoint.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from ..engine_dir import EngineDir
 
 DEFAULT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def chat_template(engine_dir: Path) -> str:
-    config = Path(engine_dir) / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            template = None
-        if isinstance(template, str) and template:
-            return template
-    return DEFAULT_TEMPLATE
+def chat_template(engine_dir: EngineDir) -> "ChatTemplate":
+    """The engine dir's template, compiled, with the special tokens it may print."""
+    return ChatTemplate(engine_dir.chat_template() or DEFAULT_TEMPLATE,
+                        bos_token=engine_dir.special_token("bos_token"),
+                        eos_token=engine_dir.special_token("eos_token"))
 
 
 class TemplateRefused(ValueError):
@@ -38,7 +33,8 @@ class TemplateFault(RuntimeError):
 class ChatTemplate:
     """Compiled once, in sandboxed Jinja (a template from an engine dir is untrusted input)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        self.special = {"bos_token": bos_token, "eos_token": eos_token}
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -52,7 +48,7 @@ class ChatTemplate:
         if self.template is None:
             raise TemplateFault(f"the engine dir's chat template does not compile ({self.fault})")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
         except TemplateRefused:
             raise
         except Exception as exc:  # noqa: BLE001  (undefined names, sandbox violations, type errors …)
