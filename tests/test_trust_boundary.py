@@ -302,7 +302,7 @@ def test_killed_builds_leave_no_orphans_and_the_next_build_works(tmp_path):
 
     out = tmp_path / "engine"
     command = [sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"), "-o", str(out)]
-    for sig, after_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 8.0)):
+    for sig, after_s in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 4.0)):
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 120  # on a loaded machine the export worker starts late
         while len(_session_processes(proc.pid)) < 2 and time.monotonic() < deadline:
