@@ -110,13 +110,10 @@ class WeightMap:
 def _mapped(entry: TensorEntry, first: int, count: int, shape: tuple[int, ...],
             dtype: torch.dtype | None) -> torch.Tensor:
     """Elements [first, first + count) of ``entry`` as a tensor of ``shape``, memory-mapped."""
-    if count == 0:  # numpy cannot map zero bytes
-        tensor = torch.empty(shape, dtype=entry.torch_dtype)
-    else:
-        array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="c",
-                          offset=entry.offset + first * entry.itemsize, shape=(count,))
-        with warnings.catch_warnings():
-            tensor = torch.from_numpy(array).view(entry.torch_dtype).reshape(shape)
+    array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="c",
+                      offset=entry.offset + first * entry.itemsize, shape=(count,))
+    with warnings.catch_warnings():
+        tensor = torch.from_numpy(array).view(entry.torch_dtype).reshape(shape)
     if dtype is not None and dtype != entry.torch_dtype:
         return tensor.to(dtype)
     return tensor
