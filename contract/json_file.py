@@ -18,10 +18,12 @@ _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 def nesting_depth(raw: bytes) -> int:
     """How deep ``[``/``{`` nest in JSON text, brackets inside strings not counted; measured
     without parsing, so a hostile ``[[[[...`` never reaches the recursive parser."""
-    # [N] bytes: +1 opens, -1 closes; the running sum is the depth at each byte.
     codes = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
-    steps = np.isin(codes, (ord("["), ord("{"))).astype(np.int64) - np.isin(codes, (ord("]"), ord("}")))
-    return int(np.cumsum(steps).max(initial=0))
+    # "[" and "{" are 0x5b and 0x7b, "]" and "}" 0x5d and 0x7d: equal once bit 0x20 is cleared.
+    folded = codes & 0xDF
+    brackets = folded[(folded == 0x5B) | (folded == 0x5D)]                # [M] the brackets alone, in order
+    steps = np.where(brackets == 0x5B, 1, -1).astype(np.int32)            # +1 opens, -1 closes
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))          # the depth after each bracket
 
 
 class _DuplicateKey(ValueError):
