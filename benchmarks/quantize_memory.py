@@ -49,8 +49,9 @@ if kind == "quantize":
     spec = spec_from_dict(json.loads(spec_json))
     quantize_checkpoint(WeightMap.from_checkpoint(Path(checkpoint)), spec, Path(out), progress=lambda m: None)
 elif kind == "whole model":
-    from trtbuild.contract.checkpoint import load_safetensors_model
-    load_safetensors_model(Path(checkpoint), getattr(torch, json.loads(spec_json)["model"]["dtype"]))
+    # transformers' own loader, as a loader that materializes the model does (our own maps it)
+    transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, json.loads(spec_json)["model"]["dtype"]),
+                                                      use_safetensors=True, local_files_only=True)
 with open("/proc/self/status") as status:
     peak = int(next(line for line in status if line.startswith("VmHWM")).split()[1]) * 1024
 print(json.dumps({"peak": peak, "seconds": time.perf_counter() - start}))

@@ -1,49 +1,58 @@
-"""Reading a local Hugging Face checkpoint's weights: safetensors only.
+"""Which files of a local Hugging Face checkpoint dir hold its weights: safetensors only.
 
 A pickle (.bin/.pt/.pth) can run arbitrary code when loaded, so a checkpoint holding only
-pickles is refused with the conversion to do. ``trtbuild build``, ``eval`` (target and
-``--reference``) and ``medusa train`` all load through here.
+pickles is refused with the conversion to do. A dir with ``model.safetensors.index.json`` holds
+exactly the files its ``weight_map`` names (each a plain file name in the dir); without one, every
+``*.safetensors`` directly in the dir. Every command that reads a checkpoint (``trtbuild build``,
+``eval`` and its ``--reference``, ``medusa train``) reads it through contract.weight_map.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from .json_file import read_json_object
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
     """The checkpoint cannot be loaded safely; the message names the dir and what to do."""
 
 
-def weight_files(checkpoint: Path) -> list[Path]:
-    """The checkpoint's safetensors files; refuses pickle-only checkpoints."""
+def read_index(checkpoint: Path) -> dict[str, str] | None:
+    """The index's weight_map (tensor name → file name in the dir), or None without an index."""
+    path = Path(checkpoint) / INDEX_FILE
+    if not path.exists():
+        return None
+    try:
+        index = read_json_object(path)
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(str(exc)) from None
+    weight_map = index.get("weight_map")
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(f, str) for f in weight_map.values())):
+        raise CheckpointError(f"{path}: weight_map must be a non-empty object of tensor name → file name")
+    for name, file in weight_map.items():
+        if Path(file).name != file or not file.endswith(".safetensors") or "\0" in file:
+            raise CheckpointError(f"{path}: weight_map puts tensor {name} in {file!r}; each file must be a "
+                                  "*.safetensors file name directly in the checkpoint dir")
+    return weight_map
+
+
+def weight_files(checkpoint: Path, index: dict[str, str] | None = None) -> list[Path]:
+    """The checkpoint's safetensors files: those ``index`` names, else every ``*.safetensors`` in
+    the dir; refuses pickle-only checkpoints."""
     checkpoint = Path(checkpoint)
+    if index is not None:
+        return [checkpoint / name for name in sorted(set(index.values()))]
     tensors = sorted(checkpoint.glob("*.safetensors"))
     if tensors:
         return tensors
     pickles = sorted(p.name for p in checkpoint.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(f"{checkpoint}: holds only pickle weights ({', '.join(pickles)}); "
-                        "trtbuild loads safetensors only, since unpickling can run code. Convert "
-                        "once where you trust the file: model.save_pretrained(dir, "
-                        "safe_serialization=True)")
+                              "trtbuild loads safetensors only, since unpickling can run code. Convert "
+                              "once where you trust the file: model.save_pretrained(dir, "
+                              "safe_serialization=True)")
     raise CheckpointError(f"{checkpoint}: no *.safetensors weights found")
-
-
-def load_safetensors_model(checkpoint: Path, dtype):
-    """The transformers model of a checkpoint, from safetensors only, in eval mode: the one
-    loader every entry point that reads a checkpoint uses (build, eval, medusa train)."""
-    import os
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    if not (Path(checkpoint) / "config.json").is_file():
-        raise CheckpointError(f"{checkpoint}: no config.json (a local Hugging Face checkpoint dir is expected)")
-    weight_files(checkpoint)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, use_safetensors=True,
-                                                     local_files_only=True)
-    except Exception as exc:  # noqa: BLE001  (a corrupt file, a config transformers refuses)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{checkpoint}: transformers cannot load it: {first}") from None
-    return model.eval()

@@ -33,7 +33,7 @@ def test_heads_round_trip_in_the_public_layout(tmp_path):
     from safetensors.numpy import load_file
 
     rng = np.random.default_rng(0)
-    heads = MedusaHeads(blocks=tuple(((rng.standard_normal((8, 8)), rng.standard_normal(8)),
+    heads = MedusaHeads.from_arrays(blocks=tuple(((rng.standard_normal((8, 8)), rng.standard_normal(8)),
                                       (rng.standard_normal((8, 8)), rng.standard_normal(8))) for _ in range(3)),
                         out=tuple(rng.standard_normal((20, 8)) for _ in range(3)),
                         topk_accuracy=((0.5, 0.6),) * 3)
@@ -59,10 +59,10 @@ def test_heads_reference_matches_torch_medusa_block(tmp_path):
 
     heads = load_heads(TINY_CODE / "medusa")
     x = np.random.default_rng(1).standard_normal((3, heads.hidden_size)).astype(np.float32)
-    (weight, bias), = heads.blocks[2]
+    assert heads.num_layers == 1
     h = torch.from_numpy(x)
-    h = h + torch.nn.functional.silu(h @ torch.from_numpy(weight).T + torch.from_numpy(bias))
-    expected = (h @ torch.from_numpy(heads.out[2]).T).numpy()
+    h = h + torch.nn.functional.silu(h @ torch.from_numpy(heads.weight(2, 0)).T + torch.from_numpy(heads.bias(2, 0)))
+    expected = (h @ torch.from_numpy(heads.out(2)).T).numpy()
     np.testing.assert_allclose(heads.logits(x)[:, 2], expected, rtol=1e-4, atol=1e-4)
 
 

@@ -21,7 +21,8 @@ from trtbuild.builder.quant.calibrate import InputStats, calibration_batches, la
 from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint, selected_layers
 from trtbuild.builder.resolve import spec_from_dict
 from trtbuild.builder.spec import Spec
-from trtbuild.contract.checkpoint import CheckpointError, load_safetensors_model
+from trtbuild.contract.checkpoint import CheckpointError
+from trtbuild.contract.checkpoint_model import load_safetensors_model
 
 from conftest import REPO
 from test_quantization import matmul_graph

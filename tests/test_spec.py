@@ -179,7 +179,7 @@ def test_medusa_heads_for_another_model_are_refused(tmp_path):
     from trtbuild.builder.medusa.heads import MedusaHeads, save_heads
 
     rng = np.random.default_rng(0)
-    heads = MedusaHeads(blocks=((((rng.standard_normal((256, 256))), rng.standard_normal(256)),),) * 2,
+    heads = MedusaHeads.from_arrays(blocks=((((rng.standard_normal((256, 256))), rng.standard_normal(256)),),) * 2,
                         out=(rng.standard_normal((1000, 256)),) * 2)
     save_heads(heads, tmp_path / "other")
     message = error_of(spec_dict(speculative={"medusa": {"heads": str(tmp_path / "other"), "num_heads": 2}}))

@@ -102,7 +102,7 @@ def train_heads(checkpoint: Path, data: list[Path], out: Path, options: TrainOpt
     heads = nn.ModuleList(_Head(lm_head.shape[1], options.layers, lm_head) for _ in range(options.heads))
     loss = _fit(heads, train_hidden, train_ids, options, progress)
     accuracy = _accuracy(heads, eval_hidden, eval_ids)
-    trained = MedusaHeads(
+    trained = MedusaHeads.from_arrays(
         blocks=tuple(tuple((b.weight.detach().numpy().copy(), b.bias.detach().numpy().copy()) for b in h.blocks)
                      for h in heads),
         out=tuple(h.out.weight.detach().numpy().copy() for h in heads),

@@ -41,12 +41,12 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     logits = next(o for o in graph.outputs if o.name == "logits")
     dtype = np.dtype(_NUMPY_DTYPES[ctx.spec.model.dtype.value])
     per_head = []
-    for k, (blocks, out) in enumerate(zip(heads.blocks, heads.out)):
+    for k in range(heads.num_heads):  # one checkpoint tensor read at a time (each becomes a constant)
         h = hidden
-        for j, (weight, bias) in enumerate(blocks):
+        for j in range(heads.num_layers):
             scope = f"/medusa_head.{k}/{j}"
-            w = gs.Constant(f"medusa_head.{k}.{j}.linear.weight", np.ascontiguousarray(weight.T, dtype))
-            b = gs.Constant(f"medusa_head.{k}.{j}.linear.bias", bias.astype(dtype))
+            w = gs.Constant(f"medusa_head.{k}.{j}.linear.weight", np.ascontiguousarray(heads.weight(k, j).T, dtype))
+            b = gs.Constant(f"medusa_head.{k}.{j}.linear.bias", heads.bias(k, j).astype(dtype))
             z, pre, gate, act, res = (gs.Variable(f"{scope}/{n}", dtype=dtype)
                                       for n in ("MatMul_out", "Add_out", "Sigmoid_out", "Mul_out", "Residual_out"))
             graph.nodes += [new_node("MatMul", f"{scope}/MatMul", [h, w], outputs=[z]),
@@ -56,9 +56,9 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
                             new_node("Add", f"{scope}/Residual", [h, act], outputs=[res])]
             h = res
         scope = f"/medusa_head.{k}/out"
-        columns = vocab_range(ctx.tensor_rank, ctx.tensor_size, out.shape[0])  # vocab-parallel like lm_head
+        columns = vocab_range(ctx.tensor_rank, ctx.tensor_size, heads.vocab_size)  # vocab-parallel like lm_head
         w_out = gs.Constant(f"medusa_head.{k}.{heads.num_layers}.weight",
-                            np.ascontiguousarray(out[columns.start:columns.stop].T, dtype))
+                            np.ascontiguousarray(heads.out(k, columns.start, columns.stop).T, dtype))
         head_logits = gs.Variable(f"{scope}/MatMul_out", dtype=dtype)
         expanded = gs.Variable(f"{scope}/Unsqueeze_out", dtype=dtype)
         axes = gs.Constant(f"medusa_head.{k}.unsqueeze_axes", np.array([2], np.int64))
@@ -77,7 +77,6 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     else:
         graph.nodes.append(new_node("Cast", "/medusa/Output", [stacked], {"to": 1}, outputs=[output]))
     graph.outputs.insert(1, output)
-    params = sum(w.size + b.size for blocks in heads.blocks for w, b in blocks) + sum(o.size for o in heads.out)
     return PassResult(graph=graph, modified=True, stats={
-        "medusa_heads": heads.num_heads, "medusa_layers": heads.num_layers, "medusa_params": int(params),
+        "medusa_heads": heads.num_heads, "medusa_layers": heads.num_layers, "medusa_params": heads.params,
         "tree_size": medusa.tree_size})

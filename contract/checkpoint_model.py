@@ -1,0 +1,86 @@
+"""A checkpoint's transformers model built on the meta device (structure, no weight bytes),
+and real weights assigned to parts of it from the weight map, a part at a time.
+
+The export traces the meta model; the numerics check's reference, layer-by-layer calibration,
+eval and Medusa training assign real tensors to the modules they run, and those are all that is
+ever materialized. Every weight comes through contract.weight_map, never through transformers'
+own loader, so one set of checks guards every command that reads a checkpoint.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError
+from .weight_map import WeightMap
+
+
+def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = None,
+               vocab_rows: int | None = None) -> nn.Module:
+    """The transformers CausalLM of ``checkpoint``'s config.json on the meta device, in eval mode,
+    with ``num_layers`` decoder layers (default: all) and the first ``vocab_rows`` rows of the
+    embedding and lm_head (default: all). Its rotary ``inv_freq`` (a non-persistent buffer
+    computed from the config, not stored in the checkpoint) is real."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise CheckpointError(f"{checkpoint}: no config.json (a local Hugging Face checkpoint dir is expected)")
+    try:
+        config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001  (a config transformers refuses)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{checkpoint}/config.json: transformers cannot read it: {first}") from None
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2/3) must match the count
+            config.layer_types = config.layer_types[:num_layers]
+    if vocab_rows is not None:
+        config.vocab_size = vocab_rows
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    rotary = model.model.rotary_emb
+    with torch.device("cpu"):
+        model.model.rotary_emb = type(rotary)(config)
+    return model.eval()
+
+
+def checkpoint_key(model: nn.Module, name: str) -> str:
+    """The checkpoint's key for a parameter of the CausalLM: the same name, except a tied
+    ``lm_head.weight``, which the checkpoint stores only as the embedding."""
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return "model.embed_tokens.weight"
+    return name
+
+
+def assign_weights(model: nn.Module, weights: WeightMap, prefix: str, dtype: torch.dtype) -> int:
+    """Gives every parameter under module path ``prefix`` (e.g. ``model.layers.3``, or ``""`` for
+    the whole model) its real tensor from ``weights``, converted to ``dtype``; returns the bytes
+    assigned. Tied embeddings stay one tensor."""
+    module = model.get_submodule(prefix) if prefix else model
+    dot = f"{prefix}." if prefix else ""
+    state, read = {}, {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        key = checkpoint_key(model, dot + name)
+        tensor = read[key] if key in read else read.setdefault(key, weights.for_shape(key, tuple(param.shape), dtype))
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(f"tensor {key} has shape {tuple(tensor.shape)}; config.json implies "
+                                  f"{tuple(param.shape)}")
+        state[name] = tensor
+    module.load_state_dict(state, strict=True, assign=True)
+    if not prefix and model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return sum(t.numel() * t.element_size() for t in read.values())
+
+
+def load_safetensors_model(checkpoint: Path, dtype: torch.dtype) -> nn.Module:
+    """The whole transformers model of a checkpoint in eval mode, every weight read through the
+    weight map (memory-mapped where the stored dtype is ``dtype``): the loader of every entry point
+    that runs a whole checkpoint (eval and its ``--reference``, medusa train)."""
+    weights = WeightMap.from_checkpoint(Path(checkpoint))
+    model = meta_model(checkpoint, dtype)
+    assign_weights(model, weights, "", dtype)
+    return model
