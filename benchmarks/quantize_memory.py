@@ -43,7 +43,7 @@ import torch, transformers  # the imports every mode pays
 start = time.perf_counter()
 kind, checkpoint, spec_json, out = sys.argv[1:5]
 if kind == "quantize":
-    from trtbuild.builder.frontend.weight_map import WeightMap
+    from trtbuild.checkpoint.weight_map import WeightMap
     from trtbuild.builder.quant.quantize import quantize_checkpoint
     from trtbuild.builder.resolve import spec_from_dict
     spec = spec_from_dict(json.loads(spec_json))

@@ -16,13 +16,13 @@ from ..contract.gpu_targets import describe
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
 from .emit.rank_onnx import save_graph
 from .emit.cpu_step_model import save_cpu_step_model
-from ..contract.checkpoint import CheckpointError
+from ..checkpoint.errors import CheckpointError
 from .errors import UserError
 from .frontend.export import export_step, load_graph
 from .frontend.side_files import check_side_files, checkpoint_side_files, side_file_record
 from .frontend.skeleton import truncated_model
 from .frontend.step_model import LlamaStep
-from .frontend.weight_map import WeightMap
+from ..checkpoint.weight_map import WeightMap
 from .isolate import map_isolated, run_isolated
 from .medusa.heads import MedusaHeads, load_heads
 from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint

@@ -58,7 +58,7 @@ def _log_softmax_pick(logits: np.ndarray, targets: np.ndarray) -> tuple[float, n
 def score_checkpoint(checkpoint: Path, batches: np.ndarray, batch: int = 8) -> Scores:
     import torch
 
-    from ..contract.checkpoint_model import load_safetensors_model
+    from ..checkpoint.model import load_safetensors_model
 
     model = load_safetensors_model(checkpoint, torch.float32)
     nll, argmax = 0.0, []

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.medusa.heads import MedusaHeads, load_heads, read_heads_config, save_heads
-from trtbuild.contract.checkpoint import CheckpointError
-from trtbuild.contract.checkpoint_model import load_safetensors_model
-from trtbuild.contract.weight_map import WeightMap
+from trtbuild.checkpoint.errors import CheckpointError
+from trtbuild.checkpoint.model import load_safetensors_model
+from trtbuild.checkpoint.weight_map import WeightMap
 
 from conftest import TINY_CODE
 

@@ -1,6 +1,6 @@
 """No import circles among trtbuild's modules: builder, runtime, contract and plugins each read
-top-down (a module's imports never lead back to it), and builder and runtime never import each
-other. Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (a
+top-down (a module's imports never lead back to it), builder and runtime never import each
+other, and contract (the engine-dir format) and checkpoint (reading a user's checkpoint) import neither. Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (a
 type that names its user back is a circle too, one the interpreter just does not run into)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("builder", "runtime", "contract", "plugins")
+PACKAGES = ("builder", "runtime", "contract", "plugins", "checkpoint")
 
 
 def _module(path: Path) -> str:
@@ -108,3 +108,10 @@ def test_builder_and_runtime_do_not_import_each_other():
 
 def test_the_checker_finds_a_planted_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_contract_and_checkpoint_import_neither_builder_nor_runtime():
+    graph = import_graph()
+    reaching = sorted((m, t) for m, targets in graph.items() for t in targets
+                      if m.split(".")[0] in ("contract", "checkpoint") and t.split(".")[0] in ("builder", "runtime"))
+    assert reaching == []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trtbuild.builder.frontend.skeleton import assign_weights, meta_model
-from trtbuild.builder.frontend.weight_map import WeightMap
+from trtbuild.checkpoint.weight_map import WeightMap
 from trtbuild.builder.numerics import run_onnx
 from trtbuild.builder.passes import PassContext
 from trtbuild.builder.passes.quantize_weights import DATA_FILE, quantize_weights
@@ -21,8 +21,8 @@ from trtbuild.builder.quant.calibrate import InputStats, calibration_batches, la
 from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint, selected_layers
 from trtbuild.builder.resolve import spec_from_dict
 from trtbuild.builder.spec import Spec
-from trtbuild.contract.checkpoint import CheckpointError
-from trtbuild.contract.checkpoint_model import load_safetensors_model
+from trtbuild.checkpoint.errors import CheckpointError
+from trtbuild.checkpoint.model import load_safetensors_model
 
 from conftest import REPO
 from test_quantization import matmul_graph

@@ -173,9 +173,9 @@ def prompt_ids(text: str) -> list[int]:
 def dequantized_greedy(spec: Spec, prompt: list[int], steps: int, workdir) -> list[int]:
     """transformers' greedy tokens with the weights the spec's quantization gives (the same
     deterministic quantize_checkpoint the build ran) and, for W8A8/FP8, fake-quantized inputs."""
-    from trtbuild.builder.frontend.weight_map import WeightMap
+    from trtbuild.checkpoint.weight_map import WeightMap
     from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
-    from trtbuild.contract.checkpoint_model import load_safetensors_model
+    from trtbuild.checkpoint.model import load_safetensors_model
 
     quantize_checkpoint(WeightMap.from_checkpoint(TINY_CODE), spec, workdir, progress=lambda message: None)
     model = load_safetensors_model(TINY_CODE, torch.float32)

@@ -287,7 +287,7 @@ def test_a_write_into_a_mapped_tensor_stays_out_of_the_checkpoint(checkpoints, t
 
     import torch
 
-    from trtbuild.builder.frontend.weight_map import WeightMap
+    from trtbuild.checkpoint.weight_map import WeightMap
 
     checkpoint = shutil.copytree(checkpoints["llama"], tmp_path / "ckpt")
     files = sorted(checkpoint.glob("*.safetensors"))

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trtbuild.builder.frontend.skeleton import meta_model, truncated_model
-from trtbuild.builder.frontend.weight_map import WeightMap
-from trtbuild.contract.checkpoint import CheckpointError
+from trtbuild.checkpoint.weight_map import WeightMap
+from trtbuild.checkpoint.errors import CheckpointError
 
 from conftest import TINY_CODE, make_checkpoint
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from ...contract.checkpoint import CheckpointError
-from ...contract.checkpoint_model import load_safetensors_model
+from ...checkpoint.errors import CheckpointError
+from ...checkpoint.model import load_safetensors_model
 from ...contract.json_file import read_json_object
 from ..errors import UserError
 
@@ -139,7 +139,7 @@ def parse_arch(raw: dict, path: Path) -> ArchConfig:
 
 
 def load_model(checkpoint: Path, dtype):
-    """The transformers model of a checkpoint, read through the weight map (contract.checkpoint_model)."""
+    """The transformers model of a checkpoint, read through the weight map (checkpoint.model)."""
     try:
         return load_safetensors_model(checkpoint, dtype)
     except CheckpointError as exc:

@@ -27,7 +27,7 @@ from ...contract.step import INPUT_NAMES, STEP_INPUTS, io_cache_names
 from ..spec import Spec
 from .skeleton import meta_model, checkpoint_key
 from .step_model import LlamaStep
-from .weight_map import WeightMap
+from ...checkpoint.weight_map import WeightMap
 from .weights_file import GraphWeight, fold_weight_transposes, write_weights
 
 OPSET = 24

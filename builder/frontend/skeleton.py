@@ -1,4 +1,4 @@
-"""The builder's uses of the meta-device model (contract.checkpoint_model): parts of it given
+"""The builder's uses of the meta-device model (checkpoint.model): parts of it given
 real weights and released again, and the truncated reference of the numerics check.
 """
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...contract.checkpoint_model import assign_weights, checkpoint_key, meta_model
-from ...contract.weight_map import WeightMap
+from ...checkpoint.model import assign_weights, checkpoint_key, meta_model
+from ...checkpoint.weight_map import WeightMap
 
 __all__ = ["assign_weights", "checkpoint_key", "meta_model", "release_weights", "truncated_model"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from .weight_map import WeightMap
+from ...checkpoint.weight_map import WeightMap
 
 ONNX_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
                torch.bfloat16: onnx.TensorProto.BFLOAT16}

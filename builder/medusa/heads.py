@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...contract.checkpoint import CheckpointError
+from ...checkpoint.errors import CheckpointError
 from ...contract.json_file import read_json_object
-from ...contract.weight_map import WeightMap
+from ...checkpoint.weight_map import WeightMap
 from ..errors import UserError
 
 WEIGHTS_FILE = "medusa_lm_head.safetensors"

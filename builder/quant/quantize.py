@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..frontend.weight_map import WeightMap
+from ...checkpoint.weight_map import WeightMap
 from ..spec import Spec, linear_names
 from .algorithms import QuantizedLinear, awq, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
 from .calibrate import InputStats, block_of, calibration_batches, layer_by_layer

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ...contract.checkpoint import CheckpointError
-from ..frontend.weight_map import WeightMap
+from ...checkpoint.errors import CheckpointError
+from ...checkpoint.weight_map import WeightMap
 from .algorithms import QuantizedLinear
 
 INDEX = "index.json"

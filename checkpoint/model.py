@@ -3,7 +3,7 @@ and real weights assigned to parts of it from the weight map, a part at a time.
 
 The export traces the meta model; the numerics check's reference, layer-by-layer calibration,
 eval and Medusa training assign real tensors to the modules they run, and those are all that is
-ever materialized. Every weight comes through contract.weight_map, never through transformers'
+ever materialized. Every weight comes through checkpoint.weight_map, never through transformers'
 own loader, so one set of checks guards every command that reads a checkpoint.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 from .weight_map import WeightMap
 
 

@@ -8,7 +8,7 @@ numerics check's truncated reference, Medusa heads, eval's checkpoint model) rea
 one at a time.
 
 The files are untrusted input: each header is checked as the format defines it
-(contract.safetensors_header) before any offset is used, each name appears once across the
+(checkpoint.safetensors_header) before any offset is used, each name appears once across the
 files, only files directly inside the dir (not links leading out of it) are read, and a
 checkpoint's index must agree with its files' headers tensor for tensor.
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import INDEX_FILE, CheckpointError, read_index, weight_files
+from .errors import CheckpointError
+from .safetensors_files import INDEX_FILE, read_index, weight_files
 from .safetensors_header import DTYPES, TensorEntry, read_header
 
 # The tables indexed by token id: the numerics check of a large model keeps only their first rows.

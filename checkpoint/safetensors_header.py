@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError
-from .json_file import parse_json
+from .errors import CheckpointError
+from ..contract.json_file import parse_json
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 # A header is {name: {"shape": [...]}} plus "__metadata__" {str: str}: three levels.

@@ -4,20 +4,17 @@ A pickle (.bin/.pt/.pth) can run arbitrary code when loaded, so a checkpoint hol
 pickles is refused with the conversion to do. A dir with ``model.safetensors.index.json`` holds
 exactly the files its ``weight_map`` names (each a plain file name in the dir); without one, every
 ``*.safetensors`` directly in the dir. Every command that reads a checkpoint (``trtbuild build``,
-``eval`` and its ``--reference``, ``medusa train``) reads it through contract.weight_map.
+``eval`` and its ``--reference``, ``medusa train``) reads it through checkpoint.weight_map.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from .json_file import read_json_object
+from ..contract.json_file import read_json_object
+from .errors import CheckpointError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be loaded safely; the message names the dir and what to do."""
 
 
 def read_index(checkpoint: Path) -> dict[str, str] | None:
