@@ -18,7 +18,10 @@ from .emit.rank_onnx import save_graph
 from .emit.cpu_step_model import save_cpu_step_model
 from ..contract.checkpoint import CheckpointError
 from .errors import UserError
+from .frontend.checkpoint import open_weights
 from .frontend.export import export_step, load_graph
+from .frontend.gguf_config import is_gguf
+from .frontend.gguf_side_files import gguf_side_files
 from .frontend.skeleton import truncated_model
 from .frontend.step_model import LlamaStep
 from .frontend.weight_map import WeightMap
@@ -126,7 +129,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         if not spec.build.cpu_graphs:
             _leave_out_cpu_graphs(ranks, tmp, progress)
         with progress.stage("manifest"):
-            _copy_tokenizer(spec.model.checkpoint, tmp)
+            if is_gguf(spec.model.checkpoint):  # GGUF: the files rebuilt from its metadata
+                for name, data in gguf_side_files(spec.model.checkpoint).items():
+                    (tmp / name).write_bytes(data)
+            else:
+                _copy_tokenizer(spec.model.checkpoint, tmp)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
             manifest = write_manifest(tmp, _manifest_body(spec, flavor, ranks, records, cuda_graph_plan))
     return BuildSummary(out=options.out, stages=progress.stages, engines=engines,
@@ -280,7 +287,7 @@ class _Exported:
 
 def _weight_map(spec: Spec) -> WeightMap:
     try:
-        return WeightMap.from_checkpoint(spec.model.checkpoint)
+        return open_weights(spec.model.checkpoint)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
 

@@ -1,4 +1,5 @@
-"""Read a local Hugging Face checkpoint directory: architecture facts and safetensors weights.
+"""Read a checkpoint: a local Hugging Face checkpoint directory (architecture facts and
+safetensors weights) or a GGUF file (its metadata as that config.json, frontend/gguf_checkpoint.py).
 
 Only safetensors are loaded: a pickle (.bin/.pt/.pth) can run arbitrary code when loaded,
 so a checkpoint holding only pickles is refused with the conversion to do.
@@ -12,6 +13,8 @@ from pydantic import BaseModel, ConfigDict
 from ...contract.checkpoint import CheckpointError, load_safetensors_model
 from ...contract.json_file import read_json_object
 from ..errors import UserError
+from .gguf_config import gguf_config, is_gguf
+from .gguf_file import read_gguf
 
 # Architectures whose decoder layer is the Llama block (GQA + RoPE + RMSNorm + SwiGLU).
 # Qwen3 adds an RMSNorm on each head's query and key; the rest differ only in config values.
@@ -46,6 +49,11 @@ class ArchConfig(BaseModel):
 
 
 def read_config(checkpoint: Path) -> dict:
+    if is_gguf(checkpoint):
+        try:
+            return gguf_config(read_gguf(checkpoint))
+        except CheckpointError as exc:
+            raise UserError(str(exc)) from None
     path = Path(checkpoint) / "config.json"
     if not Path(checkpoint).is_dir():
         raise UserError(f"{checkpoint}: checkpoint directory does not exist")
@@ -80,7 +88,26 @@ def _flag(raw: dict, path: Path, key: str, default: bool) -> bool:
 
 def arch_config(checkpoint: Path) -> ArchConfig:
     """config.json's facts, each number checked once here (build and plan both read them)."""
-    return parse_arch(read_config(checkpoint), Path(checkpoint) / "config.json")
+    return parse_arch(read_config(checkpoint), Path(checkpoint) if is_gguf(checkpoint) else Path(checkpoint) / "config.json")
+
+
+def open_weights(checkpoint: Path):
+    """The checkpoint's WeightMap (tensors by Hugging Face name): a GGUF file's (dequantized
+    when read) or a checkpoint dir's safetensors files'."""
+    from .gguf_checkpoint import GGUFWeightMap  # torch: loaded by the readers of weights only
+    from .weight_map import WeightMap
+
+    return GGUFWeightMap.from_gguf(checkpoint) if is_gguf(checkpoint) else WeightMap.from_checkpoint(checkpoint)
+
+
+def hf_config(checkpoint: Path):
+    """The transformers config of the checkpoint (its config.json, or the one a GGUF file's metadata gives)."""
+    from transformers import AutoConfig
+
+    if not is_gguf(checkpoint):
+        return AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    config = read_config(checkpoint)
+    return AutoConfig.for_model(config.pop("model_type"), **config)
 
 
 def parse_arch(raw: dict, path: Path) -> ArchConfig:

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from ...contract.checkpoint import CheckpointError
+from .checkpoint import hf_config
+from .gguf_config import is_gguf
 from .weight_map import WeightMap
 
 
@@ -24,13 +26,14 @@ def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = No
     embedding and lm_head (default: all). Its rotary ``inv_freq`` (a non-persistent buffer
     computed from the config, not stored in the checkpoint) is real."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+        config = hf_config(checkpoint)
     except Exception as exc:  # noqa: BLE001  (a config transformers refuses)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{checkpoint}/config.json: transformers cannot read it: {first}") from None
+        where = checkpoint if is_gguf(checkpoint) else f"{checkpoint}/config.json"
+        raise CheckpointError(f"{where}: transformers cannot read it: {first}") from None
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2/3) must match the count
