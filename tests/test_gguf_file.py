@@ -168,13 +168,14 @@ def test_a_hostile_header_is_refused_in_one_line(tmp_path, case):
 
 @pytest.mark.parametrize("kvs, tensors, expected", [
     ([ARCH, *SIZES], [_tensor("blk.0.attn_sinks.weight", [8])], "tensor blk.0.attn_sinks.weight has no place"),
+    ([ARCH, *SIZES], [_tensor("blk.0.attn_q.weight", [8, 3])], "attn_q.weight: 3 rows are not whole rotary heads"),
     ([_s("general.architecture") + struct.pack("<I", 8) + _s("gpt2")], [], "general.architecture 'gpt2' is not"),
     ([ARCH, *SIZES[:2], _s("llama.embedding_length") + struct.pack("<I", 8) + _s("576")], [],
      "metadata llama.embedding_length must be a positive integer, got '576'"),
 ])
 def test_metadata_or_tensors_outside_the_llama_family_are_refused(tmp_path, kvs, tensors, expected):
     path = tmp_path / "odd.gguf"
-    path.write_bytes(_file(kvs, tensors, b"\0" * 32))
+    path.write_bytes(_file(kvs, tensors, b"\0" * 128))
     with pytest.raises(CheckpointError, match=expected):
         GGUFWeightMap.from_gguf(path)
 

@@ -61,7 +61,11 @@ class GGUFWeightMap(WeightMap):
             entries[name] = TensorEntry(name=name, file=gguf.path, offset=tensor.offset, dtype=dtype,
                                         shape=tensor.shape)
             if permuted and (name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.k_proj.weight")):
-                self.rotary_rows[name] = config["head_dim"]
+                head = config["head_dim"]
+                if head % 2 or tensor.shape[0] % head:
+                    raise CheckpointError(f"{gguf.path}: tensor {tensor.name}: {tensor.shape[0]} rows are not whole "
+                                          f"rotary heads of head_dim {head} (an even number)")
+                self.rotary_rows[name] = head
         super().__init__(entries)
 
     @classmethod

@@ -58,7 +58,7 @@ def gguf_config(gguf: GGUFFile) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
     }
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
+                      ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         token = _token_id(meta, path, key, vocab)
         if token is not None:
             config[name] = token

@@ -29,17 +29,18 @@ def gguf_side_files(path: Path) -> dict[str, bytes]:
     chat_template.jinja (when the file has a template) of the GGUF file at ``path``."""
     gguf = read_gguf(path)
     config = gguf_config(gguf)
-    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    tokenizer = gguf_tokenizer(gguf)  # checks tokenizer.ggml.tokens is a list of strings
+    tokens = gguf.metadata["tokenizer.ggml.tokens"]
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for flag in ("add_bos_token", "add_eos_token"):
         value = gguf.metadata.get(f"tokenizer.ggml.{flag}")
         if value is not None:
             tokenizer_config[flag] = _typed(gguf, f"tokenizer.ggml.{flag}", value, bool)
     for name, key in SPECIAL_TOKENS.items():
-        if key in config:
+        if key in config and config[key] < len(tokens):
             tokenizer_config[name] = tokens[config[key]]
     template = gguf.metadata.get("tokenizer.chat_template")
-    files = {"config.json": _json(config), "tokenizer.json": gguf_tokenizer(gguf).to_str().encode("utf-8"),
+    files = {"config.json": _json(config), "tokenizer.json": tokenizer.to_str().encode("utf-8"),
              "generation_config.json": _json({k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                                               if k in config})}
     if template is not None:
