@@ -94,7 +94,9 @@ def test_every_tensor_equals_transformers_loaded_model(smollm2_gguf):
         assert torch.equal(weights.tensor(name, torch.float32), state[name]), name
     reference = model.config.to_dict()
     ours = read_config(smollm2_gguf)
-    assert {key: reference[key] for key in ours} == ours
+    assert reference["architectures"] is None  # transformers leaves it unset for a GGUF; ours names the class
+    assert {key: reference[key] for key in ours if key != "architectures"} == \
+        {key: value for key, value in ours.items() if key != "architectures"}
 
 
 @pytest.mark.slow
