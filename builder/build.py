@@ -18,6 +18,7 @@ from .emit.rank_onnx import save_graph
 from .emit.cpu_step_model import save_cpu_step_model
 from ..checkpoint.errors import CheckpointError
 from .errors import UserError
+from ..checkpoint.source import open_weights
 from .frontend.export import export_step, load_graph
 from .frontend.side_files import check_side_files, checkpoint_side_files, side_file_record
 from .frontend.skeleton import truncated_model
@@ -126,8 +127,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         if not spec.build.cpu_graphs:
             _leave_out_cpu_graphs(ranks, tmp, progress)
         with progress.stage("manifest"):
-            for name, path in side_files.items():
-                shutil.copyfile(path, tmp / name)
+            for name, data in side_files.items():
+                (tmp / name).write_bytes(data)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
             manifest = write_manifest(tmp, {**_manifest_body(spec, flavor, ranks, records, cuda_graph_plan),
                                             "side_files": side_file_record(side_files)})
@@ -282,7 +283,7 @@ class _Exported:
 
 def _weight_map(spec: Spec) -> WeightMap:
     try:
-        return WeightMap.from_checkpoint(spec.model.checkpoint)
+        return open_weights(spec.model.checkpoint)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
 

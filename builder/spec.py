@@ -51,7 +51,7 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    checkpoint: Path = Field(description="HF checkpoint dir; relative paths are relative to the spec file")
+    checkpoint: Path = Field(description="HF checkpoint dir, or a .gguf file (llama.cpp; dequantized as read); relative paths are relative to the spec file")
     dtype: DType = DType.float16
 
 

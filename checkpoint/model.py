@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
+from .gguf_config import is_gguf
+from .source import hf_config, open_weights
 from .weight_map import WeightMap
 
 
@@ -25,15 +27,19 @@ def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = No
     embedding and lm_head (default: all). Its rotary ``inv_freq`` (a non-persistent buffer
     computed from the config, not stored in the checkpoint) is real."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if not (Path(checkpoint) / "config.json").is_file():
+    gguf = is_gguf(checkpoint)
+    if not gguf and not (Path(checkpoint) / "config.json").is_file():
         raise CheckpointError(f"{checkpoint}: no config.json (a local Hugging Face checkpoint dir is expected)")
     try:
-        config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+        config = hf_config(checkpoint)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001  (a config transformers refuses)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{checkpoint}/config.json: transformers cannot read it: {first}") from None
+        where = checkpoint if gguf else f"{checkpoint}/config.json"
+        raise CheckpointError(f"{where}: transformers cannot read it: {first}") from None
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2/3) must match the count
@@ -80,7 +86,7 @@ def load_safetensors_model(checkpoint: Path, dtype: torch.dtype) -> nn.Module:
     """The whole transformers model of a checkpoint in eval mode, every weight read through the
     weight map (memory-mapped where the stored dtype is ``dtype``): the loader of every entry point
     that runs a whole checkpoint (eval and its ``--reference``, medusa train)."""
-    weights = WeightMap.from_checkpoint(Path(checkpoint))
+    weights = open_weights(Path(checkpoint))
     model = meta_model(checkpoint, dtype)
     assign_weights(model, weights, "", dtype)
     return model

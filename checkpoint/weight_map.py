@@ -113,6 +113,12 @@ def _mapped(entry: TensorEntry, first: int, count: int, shape: tuple[int, ...],
     """Elements [first, first + count) of ``entry`` as a tensor of ``shape``, memory-mapped."""
     array = np.memmap(entry.file, dtype=DTYPES[entry.dtype][1], mode="c",
                       offset=entry.offset + first * entry.itemsize, shape=(count,))
+    return as_torch(array, entry, shape, dtype)
+
+
+def as_torch(array: np.ndarray, entry: TensorEntry, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+    """``array`` (elements of ``entry``'s stored dtype, raw bits) as a tensor of ``shape``, converted
+    to ``dtype`` (a copy) where given and different."""
     with warnings.catch_warnings():
         tensor = torch.from_numpy(array).view(entry.torch_dtype).reshape(shape)
     if dtype is not None and dtype != entry.torch_dtype:

@@ -78,6 +78,7 @@ def test_checkpoint_side_files_include_chat_template_jinja(tmp_path):
     (checkpoint / "chat_template.jinja").write_text(CHATML)
     files = checkpoint_side_files(checkpoint)
     assert sorted(files) == ["chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert files["chat_template.jinja"] == CHATML.encode()
     check_side_files(files, checkpoint, vocab_size=4096)
 
 
@@ -101,7 +102,7 @@ def _tokenizer_with_added_tokens(tmp_path: Path, count: int) -> Path:
 
 
 def test_tokenizer_ids_past_the_vocabulary_are_refused(tmp_path):
-    files = {"tokenizer.json": _tokenizer_with_added_tokens(tmp_path, 2)}
+    files = {"tokenizer.json": _tokenizer_with_added_tokens(tmp_path, 2).read_bytes()}
     with pytest.raises(UserError, match=r"tokenizer.json: 2 token id\(s\) outside the model's vocabulary of 4096 "
                                         r"\(config.json vocab_size\): '<\|tool_0\|>' = 4096, '<\|tool_1\|>' = 4097"):
         check_side_files(files, tmp_path, vocab_size=4096)

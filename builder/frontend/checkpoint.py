@@ -1,4 +1,5 @@
-"""Read a local Hugging Face checkpoint directory: architecture facts and safetensors weights.
+"""Read a checkpoint: a local Hugging Face checkpoint directory (architecture facts and
+safetensors weights) or a GGUF file (its metadata as that config.json, checkpoint/gguf_config.py).
 
 Only safetensors are loaded: a pickle (.bin/.pt/.pth) can run arbitrary code when loaded,
 so a checkpoint holding only pickles is refused with the conversion to do.
@@ -13,6 +14,8 @@ from ...checkpoint.errors import CheckpointError
 from ...checkpoint.model import load_safetensors_model
 from ...contract.json_file import read_json_object
 from ..errors import UserError
+from ...checkpoint.gguf_config import gguf_config, is_gguf
+from ...checkpoint.gguf_file import read_gguf
 
 # Architectures whose decoder layer is the Llama block (GQA + RoPE + RMSNorm + SwiGLU).
 # Qwen3 adds an RMSNorm on each head's query and key; the rest differ only in config values.
@@ -47,6 +50,11 @@ class ArchConfig(BaseModel):
 
 
 def read_config(checkpoint: Path) -> dict:
+    if is_gguf(checkpoint):
+        try:
+            return gguf_config(read_gguf(checkpoint))
+        except CheckpointError as exc:
+            raise UserError(str(exc)) from None
     path = Path(checkpoint) / "config.json"
     if not Path(checkpoint).is_dir():
         raise UserError(f"{checkpoint}: checkpoint directory does not exist")
@@ -81,7 +89,7 @@ def _flag(raw: dict, path: Path, key: str, default: bool) -> bool:
 
 def arch_config(checkpoint: Path) -> ArchConfig:
     """config.json's facts, each number checked once here (build and plan both read them)."""
-    return parse_arch(read_config(checkpoint), Path(checkpoint) / "config.json")
+    return parse_arch(read_config(checkpoint), Path(checkpoint) if is_gguf(checkpoint) else Path(checkpoint) / "config.json")
 
 
 def parse_arch(raw: dict, path: Path) -> ArchConfig:

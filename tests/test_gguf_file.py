@@ -1,0 +1,191 @@
+"""GGUF in, on small files written here: each block type dequantized as the `gguf` package does,
+rows read block-wise, llama.cpp's rotary permutation undone, and hostile headers refused in one
+line naming the file and what is wrong."""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from trtbuild.checkpoint.gguf_weights import GGUFWeightMap
+from trtbuild.checkpoint.gguf_file import SUPPORTED_TYPES, read_gguf
+from trtbuild.checkpoint.errors import CheckpointError
+
+QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # gguf.quants.quantize does these
+LLAMA = {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_length": 256,
+         "llama.feed_forward_length": 256, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+         "llama.vocab_size": 16}
+
+
+def write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
+    """A llama GGUF of ``tensors`` {GGUF name: (values [rows, cols] float32, GGML type name)}; the
+    K-quant types take ``values`` as their raw blocks (uint8), since the package cannot quantize them."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in LLAMA.items():
+        writer.add_uint32(key, value)
+    for name, (values, type_name) in tensors.items():
+        kind = gguf.GGMLQuantizationType[type_name]
+        if values.dtype == np.uint8:
+            writer.add_tensor(name, values, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def k_quant_blocks(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random raw blocks of a K-quant type, their f16 scales kept finite and small."""
+    kind = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    halves = {"Q2_K": [size - 4, size - 2], "Q3_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [size - 2]}
+    for at in halves[type_name]:
+        raw[..., at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return raw.reshape(rows, cols // block * size)
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_each_block_type_dequantizes_as_the_gguf_package_does(tmp_path, type_name):
+    rng = np.random.default_rng(0)
+    rows, cols = 6, 512
+    if type_name in QUANTIZABLE:
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+    else:
+        values = k_quant_blocks(type_name, rows, cols, rng)
+    path = write_llama(tmp_path / "m.gguf", {"blk.0.ffn_up.weight": (values, type_name)})
+    weights = GGUFWeightMap.from_gguf(path)
+    source = read_gguf(path).tensors["blk.0.ffn_up.weight"]
+    raw = np.fromfile(path, np.uint8, count=source.nbytes, offset=source.offset).reshape(rows, -1)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert weights.entry(name).shape == (rows, cols)
+    assert torch.equal(weights.tensor(name, torch.float32), expected)
+    assert torch.equal(weights.rows(name, 2, 5, torch.float32), expected[2:5])
+    assert weights.tensor(name).dtype == {"F16": torch.float16, "BF16": torch.bfloat16}.get(type_name, torch.float32)
+
+
+def test_q_and_k_rows_come_back_in_hugging_face_order(tmp_path):
+    """convert_hf_to_gguf permutes each rotary head's rows (halves → interleaved pairs); the map undoes it,
+    for whole tensors and for a row range that cuts heads."""
+    rng = np.random.default_rng(1)
+    q, k = (rng.standard_normal((n * 64, 256)).astype(np.float32) for n in (4, 2))  # head_dim 256 / 4 = 64
+    permute = lambda w, heads: w.reshape(heads, 2, 32, 256).swapaxes(1, 2).reshape(w.shape)  # noqa: E731
+    path = write_llama(tmp_path / "m.gguf", {"blk.0.attn_q.weight": (permute(q, 4), "F32"),
+                                             "blk.0.attn_k.weight": (permute(k, 2), "F32"),
+                                             "blk.0.attn_v.weight": (k, "F32")})
+    weights = GGUFWeightMap.from_gguf(path)
+    assert torch.equal(weights.tensor("model.layers.0.self_attn.q_proj.weight"), torch.from_numpy(q))
+    assert torch.equal(weights.tensor("model.layers.0.self_attn.k_proj.weight"), torch.from_numpy(k))
+    assert torch.equal(weights.rows("model.layers.0.self_attn.q_proj.weight", 40, 150), torch.from_numpy(q[40:150]))
+    assert torch.equal(weights.tensor("model.layers.0.self_attn.v_proj.weight"), torch.from_numpy(k))  # not permuted
+
+
+def test_no_output_tensor_means_tied_embeddings_and_names_map_to_hugging_face(tmp_path):
+    from trtbuild.builder.frontend.checkpoint import arch_config
+
+    table = np.ones((16, 256), np.float32)
+    path = write_llama(tmp_path / "m.gguf", {"token_embd.weight": (table, "F32"),
+                                             "output_norm.weight": (np.ones(256, np.float32), "F32")})
+    assert GGUFWeightMap.from_gguf(path).names == ["model.embed_tokens.weight", "model.norm.weight"]
+    arch = arch_config(path)
+    assert (arch.tie_word_embeddings, arch.vocab_size, arch.head_dim, arch.num_kv_heads) == (True, 16, 64, 2)
+    path = write_llama(tmp_path / "untied.gguf", {"token_embd.weight": (table, "F32"), "output.weight": (table, "F32")})
+    assert arch_config(path).tie_word_embeddings is False
+
+
+# --- hostile files -------------------------------------------------------------------------------
+
+def _s(text: str | bytes) -> bytes:
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(data)) + data
+
+
+def _kv_u32(key: str, value: int) -> bytes:
+    return _s(key) + struct.pack("<II", 4, value)
+
+
+def _tensor(name: str, dims: list[int], type_id: int = 0, offset: int = 0) -> bytes:
+    return _s(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", type_id, offset)
+
+
+def _file(kvs: list[bytes], tensors: list[bytes], data: bytes = b"", counts: tuple[int, int] | None = None,
+          version: int = 3, magic: bytes = b"GGUF", alignment: int = 32) -> bytes:
+    counts = counts or (len(tensors), len(kvs))
+    head = magic + struct.pack("<IQQ", version, *counts) + b"".join(kvs) + b"".join(tensors)
+    return head + b"\0" * (-len(head) % alignment) + data
+
+
+ARCH = _s("general.architecture") + struct.pack("<I", 8) + _s("llama")
+SIZES = [_kv_u32(key, value) for key, value in LLAMA.items()]
+
+HOSTILE = {
+    "bad magic": (_file([ARCH], [], magic=b"GGML"), "not a GGUF file"),
+    "version 1": (_file([ARCH], [], version=1), "GGUF version 1 is not supported"),
+    "truncated header": (_file([ARCH], [])[:40], "the file ends at 40"),
+    "huge tensor count": (_file([ARCH], [], counts=(2**63, 1)), "tensor count is 9223372036854775808"),
+    "huge key count": (_file([ARCH], [], counts=(0, 2**40)), "metadata key count is 1099511627776"),
+    "huge key": (_file([struct.pack("<Q", 2**62) + b"\0" * 8], [], counts=(0, 1)), "a metadata key is 4611686018427387904 bytes"),
+    "huge string": (_file([_s("general.name") + struct.pack("<IQ", 8, 2**33)], []), "value of general.name is 8589934592"),
+    "huge array": (_file([_s("x") + struct.pack("<IIQ", 9, 5, 2**40)], []), "length of x is 1099511627776"),
+    "array longer than the file": (_file([_s("x") + struct.pack("<IIQ", 9, 5, 1000)], []), "more than the file can hold"),
+    "nested array": (_file([_s("x") + struct.pack("<IIQ", 9, 9, 1)], []), "x: an array of arrays"),
+    "unknown value type": (_file([_s("x") + struct.pack("<I", 13)], []), "value type 13 is not a GGUF type"),
+    "duplicate key": (_file([ARCH, ARCH], []), "metadata key 'general.architecture' appears twice"),
+    "not UTF-8": (_file([_s(b"\xff\xfe") + struct.pack("<II", 4, 1)], []), "a metadata key is not UTF-8"),
+    "bad alignment": (_file([ARCH, _kv_u32("general.alignment", 3)], []), "general.alignment 3 is not a power of two"),
+    "no dims": (_file([ARCH], [_tensor("t", [])]), "tensor t: 0 dimensions"),
+    "five dims": (_file([ARCH], [_tensor("t", [1] * 5)]), "tensor t: 5 dimensions"),
+    "zero dim": (_file([ARCH], [_tensor("t", [8, 0])]), "tensor t: dims [8, 0] are not sizes"),
+    "overflowing dims": (_file([ARCH], [_tensor("t", [2**32, 2**32, 2**32])]), "tensor t: dims [4294967296"),
+    "unknown type": (_file([ARCH], [_tensor("t", [8], type_id=99)]), "tensor t: type 99 is not a GGML type"),
+    "unsupported type": (_file([ARCH], [_tensor("t", [256], type_id=16)]), "tensor t: type IQ2_XXS is not supported"),
+    "partial block": (_file([ARCH], [_tensor("t", [33, 2], type_id=2)]), "rows of 33 are not whole Q4_0 blocks"),
+    "unaligned offset": (_file([ARCH], [_tensor("t", [8], offset=4)], b"\0" * 64), "offset 4 is not a multiple"),
+    "past the end": (_file([ARCH], [_tensor("t", [8, 4])], b"\0" * 64), "run past the end of the file"),
+    "overlap": (_file([ARCH], [_tensor("a", [16]), _tensor("b", [16], offset=32)], b"\0" * 96), "tensors a and b overlap"),
+    "duplicate tensor": (_file([ARCH], [_tensor("a", [8]), _tensor("a", [8], offset=32)], b"\0" * 64),
+                         "tensor a appears twice"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
+def test_a_hostile_header_is_refused_in_one_line(tmp_path, case):
+    data, expected = HOSTILE[case]
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError) as error:
+        read_gguf(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
+
+
+@pytest.mark.parametrize("kvs, tensors, expected", [
+    ([ARCH, *SIZES], [_tensor("blk.0.attn_sinks.weight", [8])], "tensor blk.0.attn_sinks.weight has no place"),
+    ([ARCH, *SIZES], [_tensor("blk.0.attn_q.weight", [8, 3])], "attn_q.weight: 3 rows are not whole rotary heads"),
+    ([_s("general.architecture") + struct.pack("<I", 8) + _s("gpt2")], [], "general.architecture 'gpt2' is not"),
+    ([ARCH, *SIZES[:2], _s("llama.embedding_length") + struct.pack("<I", 8) + _s("576")], [],
+     "metadata llama.embedding_length must be a positive integer, got '576'"),
+])
+def test_metadata_or_tensors_outside_the_llama_family_are_refused(tmp_path, kvs, tensors, expected):
+    path = tmp_path / "odd.gguf"
+    path.write_bytes(_file(kvs, tensors, b"\0" * 128))
+    with pytest.raises(CheckpointError, match=expected):
+        GGUFWeightMap.from_gguf(path)
+
+
+def test_a_spec_naming_a_hostile_gguf_is_refused_at_model_checkpoint(tmp_path):
+    from trtbuild.builder.errors import SpecError
+    from trtbuild.builder.resolve import spec_from_dict
+
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(HOSTILE["huge array"][0])
+    with pytest.raises(SpecError) as error:
+        spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"}})
+    assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than 16777216"
