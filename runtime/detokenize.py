@@ -120,5 +120,18 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.table = _byte_table(tokenizer, vocab_size)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` adds to a text (a logprob entry's ``bytes``): exact from the byte
+        table; else a byte-fallback token's byte (``<0xE2>``), or the UTF-8 of its own decode."""
+        if self.table is not None:
+            return self.table[token] if 0 <= token < len(self.table) else b""
+        piece = self.tokenizer.id_to_token(token) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.tokenizer.decode([token]).encode("utf-8")
+
     def stream(self) -> ByteStream | IncrementalDecoder:
         return ByteStream(self.table) if self.table is not None else IncrementalDecoder(self.tokenizer)

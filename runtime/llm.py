@@ -81,7 +81,6 @@ class LLM:
             raise EngineDirError(f"{d.path / 'tokenizer.json'}: not a loadable tokenizer "
                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         self.inputs = InputProcessor(self.tokenizer, d)
-        self.outputs = OutputProcessor(Detokenizer(self.tokenizer, d.vocab_size))
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
@@ -94,6 +93,7 @@ class LLM:
             engine.close()
             raise
         self.core = EngineCore(engine, scheduler, speculation, multi_step)
+        self.outputs = OutputProcessor(Detokenizer(self.tokenizer, d.vocab_size), self.core.sampling)
         self._ids = itertools.count()
         self._lock = threading.Lock()          # held for a whole step, and by close()
         self._closed = False

@@ -9,11 +9,11 @@ pieces always join to exactly the completion's text."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .detokenize import ByteStream, Detokenizer, IncrementalDecoder
 from .engine_core import Sampling
-from .outputs import Completion, Delta
+from .outputs import Completion, Delta, TokenLogprob
 from .scheduler import Request
 
 
@@ -37,14 +37,17 @@ class RequestText:
     first_token_s: float | None = None
     text: str = ""
     sent: int = 0   # characters already in streamed pieces
+    pushed: int = 0  # tokens pushed so far (a Medusa step's tokens are all in request.output at its first)
 
-    def push(self, request: Request, token: int) -> tuple[Delta, bool]:
+    def push(self, request: Request, token: int, sampling: Sampling, detokenizer: Detokenizer) -> tuple[Delta, bool]:
         """Detokenizes the request's newest token (``request.output[-1]``): the piece to stream
         and whether a stop string completed (the text ends before it). Token-level endings (eos,
         stop ids, max_tokens) are already the scheduler's, in ``request.finish_reason``."""
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
         before = len(self.text)
+        entry = _logprob_entry(token, self.pushed, before, sampling, detokenizer) if request.params.logprobs else None
+        self.pushed += 1
         self.text += self.decoder.push(request.output)
         if request.finish_reason is not None:
             self.text += self.decoder.flush(request.output)  # text held back mid-character, if any
@@ -58,7 +61,8 @@ class RequestText:
         end = len(self.text) if finished or not stops else len(self.text) - held_back(self.text, stops)
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
         return Delta(rid=request.rid, text=piece, token_id=token, finished=finished,
-                     finish_reason="stop" if stopped else request.finish_reason), stopped
+                     finish_reason="stop" if stopped else request.finish_reason,
+                     logprobs=(entry,) if entry is not None else ()), stopped
 
     def complete(self, request: Request, sampling: Sampling) -> Completion:
         now, params, count = time.perf_counter(), request.params, len(request.output)
@@ -72,11 +76,20 @@ class RequestText:
                                         if params.logprobs and params.top_logprobs else None))
 
 
-class OutputProcessor:
-    """Text and deliverables for every live request; ``on_token`` is the engine core's sink."""
+def _logprob_entry(token: int, position: int, offset: int, sampling: Sampling, detokenizer: Detokenizer) -> TokenLogprob:
+    """The token's logprob entry; sampling recorded its logprob (and alternatives) before the
+    commit that brought the token here."""
+    alternatives = sampling.top_logprobs[position] if position < len(sampling.top_logprobs) else ()
+    return TokenLogprob(token, detokenizer.token_bytes(token), sampling.logprobs[position], offset,
+                        tuple((a, detokenizer.token_bytes(a), lp) for a, lp in alternatives))
 
-    def __init__(self, detokenizer: Detokenizer):
-        self.detokenizer = detokenizer
+
+class OutputProcessor:
+    """Text and deliverables for every live request; ``on_token`` is the engine core's sink.
+    ``sampling``: the engine core's per-request sampling state, read for logprob entries."""
+
+    def __init__(self, detokenizer: Detokenizer, sampling: dict[str, Sampling]):
+        self.detokenizer, self.sampling = detokenizer, sampling
         self.texts: dict[str, RequestText] = {}
         self._deltas: list[Delta] = []
 
@@ -84,7 +97,7 @@ class OutputProcessor:
         self.texts[rid] = RequestText(self.detokenizer.stream(), arrival_s)
 
     def on_token(self, request: Request, token: int) -> bool:
-        delta, stopped = self.texts[request.rid].push(request, token)
+        delta, stopped = self.texts[request.rid].push(request, token, self.sampling[request.rid], self.detokenizer)
         self._deltas.append(delta)
         return stopped
 
@@ -99,8 +112,7 @@ class OutputProcessor:
         closed = set()
         for index, delta in enumerate(deltas):
             if delta.finished and delta.rid in completions:
-                deltas[index] = Delta(delta.rid, delta.text, delta.token_id, True, delta.finish_reason,
-                                      completions[delta.rid])
+                deltas[index] = replace(delta, completion=completions[delta.rid])
                 closed.add(delta.rid)
         for rid, completion in completions.items():
             text = self.texts.pop(rid)

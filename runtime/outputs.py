@@ -2,7 +2,7 @@
 the output processor, runtime/output_processor.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -27,6 +27,17 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob entry, made where the text is made (the output processor),
+    so a server formats it with no tokenizer work of its own."""
+    token_id: int
+    token: bytes                 # the bytes the token adds to the text (maybe part of a character)
+    logprob: float
+    text_offset: int             # characters of the completion's text before this token's text
+    top: tuple[tuple[int, bytes, float], ...] = ()   # the likeliest tokens here: (id, bytes, logprob)
+
+
+@dataclass(frozen=True)
 class Delta:
     """A streamed piece of one request's output; the last one (``finished``) carries the
     request's ``Completion`` (token ids, logprobs, timings, usage)."""
@@ -36,6 +47,7 @@ class Delta:
     finished: bool
     finish_reason: str | None = None
     completion: "Completion | None" = None
+    logprobs: tuple[TokenLogprob, ...] = ()   # the piece's tokens' entries, when the request asked for logprobs
 
     @staticmethod
     def joined(pieces: "list[Delta]") -> "Delta":
@@ -43,6 +55,5 @@ class Delta:
         stream sends for an engine-core step, whose greedy run may commit many tokens at once."""
         if len(pieces) == 1:
             return pieces[0]
-        last = pieces[-1]
-        return Delta(last.rid, "".join(p.text for p in pieces), last.token_id, last.finished, last.finish_reason,
-                     last.completion)
+        return replace(pieces[-1], text="".join(p.text for p in pieces),
+                       logprobs=tuple(entry for p in pieces for entry in p.logprobs))

@@ -29,7 +29,8 @@ IDS = [case[-1][:40] for case in BAD]
 
 
 def _server_inputs(processor: InputProcessor) -> Inputs:
-    return Inputs(processor, "tiny", Limits(max_body_bytes=1 << 20, max_prompt_chars=100_000, max_queue=8),
+    return Inputs(processor, "tiny", Limits(max_body_bytes=1 << 20, max_prompt_chars=100_000, max_queue=8,
+                                            body_timeout=5.0),
                   ChatTemplate(DEFAULT_TEMPLATE))
 
 

@@ -4,7 +4,10 @@ that free their slot, the bounded queue, SIGTERM draining. Traffic stays on loop
 loop is bounded."""
 from __future__ import annotations
 
+import json
+import re
 import signal
+import socket
 import threading
 import time
 
@@ -194,3 +197,104 @@ def test_bounded_queue_and_sigterm_drain(tiny_engine, tmp_path):
         worker.join(timeout=60)
         assert inflight[0].status_code == 200 and inflight[0].json()["usage"]["completion_tokens"] == 900
         assert proc.wait(timeout=30) == 0
+
+
+def _events(server, path: str, body: dict) -> list[dict]:
+    """A streamed request's data events (every one but [DONE]), parsed."""
+    events = []
+    with httpx.stream("POST", f"{server}{path}", json={**body, "stream": True}, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+def test_streamed_logprobs_equal_the_unstreamed_ones_in_both_apis(server, client):
+    """Each chunk carries its tokens' logprobs; joined they are the unstreamed response's, with
+    text_offset filled (where each token's text begins) and chat's raw bytes."""
+    body = {"model": "tiny", "prompt": "x = ", "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    whole = client.completions.create(**body).choices[0]
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for event in _events(server, "/v1/completions", body):
+        for name in joined:
+            joined[name] += event["choices"][0]["logprobs"][name]
+    assert joined == whole.logprobs.model_dump() and len(joined["tokens"]) == 12
+    assert joined["text_offset"] == [len("".join(joined["tokens"][:i])) for i in range(12)]  # ASCII: 1 char a byte
+    assert "".join(joined["tokens"]) == whole.text
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x = "}], "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(**chat).choices[0]
+    content = [entry for event in _events(server, "/v1/chat/completions", chat)
+               for entry in (event["choices"][0]["logprobs"] or {"content": []})["content"]]
+    assert content == [entry.model_dump() for entry in whole.logprobs.content] and len(content) == 12
+    assert bytes(b for entry in content for b in entry["bytes"]).decode() == whole.message.content
+    assert all(len(entry["top_logprobs"]) == 2 and "bytes" in entry["top_logprobs"][0] for entry in content)
+
+
+def test_response_ids_are_openai_shaped_and_never_repeat(server, client):
+    """cmpl-/chatcmpl- and a uuid4's hex: a per-process counter would repeat after a restart."""
+    ids = [client.completions.create(model="tiny", prompt="x", max_tokens=1).id for _ in range(2)]
+    ids.append(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=1).id)
+    stream_ids = {event["id"] for event in _events(server, "/v1/completions", {"model": "tiny", "prompt": "x",
+                                                                                "max_tokens": 3})}
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids[:2]), ids
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", ids[2]) and len(set(ids)) == 3, ids
+    assert len(stream_ids) == 1 and re.fullmatch(r"cmpl-[0-9a-f]{32}", stream_ids.pop())
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("extra, messages, param", [
+    ({"top_logprobs": 2}, [{"role": "user", "content": "x"}], "top_logprobs"),
+    ({}, [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}],
+     "messages.1.tool_calls"),
+    ({}, [{"role": "user", "content": "x"}, {"role": "tool", "content": "4", "tool_call_id": "call_1"}],
+     "messages.1.role"),
+    ({}, [{"role": "user", "content": "x", "tool_call_id": "call_1"}], "messages.0.tool_call_id"),
+])
+def test_fields_the_server_would_drop_are_refused_by_name(server, extra, messages, param):
+    response = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "tiny", "max_tokens": 2, "messages": messages, **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param + ":"), error
+
+
+def test_neutral_tool_and_logprob_fields_are_accepted(server):
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": []},
+                {"role": "user", "content": "z", "tool_calls": None}]
+    response = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "tiny", "max_tokens": 2, "messages": messages, "top_logprobs": 0})
+    assert response.status_code == 200, response.text
+    assert "logprobs" not in response.json()["choices"][0]
+
+
+def test_requests_that_finished_before_the_client_left_count_as_finished(server, reference):
+    """A non-streaming request of two prompts: one ends at its first token (a stop id), the
+    other runs 900; the client leaves in between. One abort, one stop, not two aborts."""
+    from trtbuild.runtime.sampling import SamplingParams
+
+    quick, slow = "x = ", "def f(x):"
+    stop_id = reference.generate([quick], SamplingParams(max_tokens=1))[0].token_ids[0]
+    assert stop_id not in reference.generate([slow], SamplingParams(max_tokens=900, ignore_eos=True))[0].token_ids
+    stops, aborted = _metric(server, 'trtbuild:request_success_total{finished_reason="stop"}'), _aborted(server)
+    steps = _metric(server, "trtbuild:engine_steps")
+    data = json.dumps({"model": "tiny", "prompt": [quick, slow], "max_tokens": 900, "ignore_eos": True,
+                       "temperature": 0, "stop_token_ids": [stop_id]}).encode()
+    with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + 20  # the quick one done (a few steps in), the slow one running
+        while not (_metric(server, "trtbuild:engine_steps") - steps >= 3 and _running(server) == 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the response's metrics are counted as it ends
+    assert _aborted(server) - aborted == 1
+    assert _metric(server, 'trtbuild:request_success_total{finished_reason="stop"}') - stops == 1

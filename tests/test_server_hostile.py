@@ -44,7 +44,7 @@ def broken_template_engine(tiny_engine, tmp_path_factory):
 def server(broken_template_engine, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "serve.log"
     with served(broken_template_engine, log, "--max-queue", "3", "--max-prompt-chars", "1000000",
-                "--max-body-bytes", "1500000", "--header-timeout", "1", api_key=KEY) as running:
+                "--max-body-bytes", "1500000", "--header-timeout", "1", "--body-timeout", "2", api_key=KEY) as running:
         yield running
     assert "Traceback" not in log.read_text()
 
@@ -235,6 +235,41 @@ def test_half_open_connections_are_closed(server):
             assert time.monotonic() - started < 3
 
 
+def test_a_body_that_trickles_in_gets_408_and_the_connection_closes(server):
+    """A client declaring 1000 bytes and sending one every 0.2 s would hold its connection for
+    minutes; --body-timeout 2 gives it two seconds (a body of up to a MB gets one MB's worth)."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{").encode()
+    received, closed = b"", False
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head)
+        sock.settimeout(0.2)
+        deadline = time.monotonic() + 8
+        while not closed and time.monotonic() < deadline:
+            try:
+                data = sock.recv(4096)
+            except socket.timeout:
+                _send_quietly(sock, b" ")   # one byte every 0.2 s: never idle, never done
+                continue
+            except OSError:                 # reset by the server
+                data = b""
+            received += data
+            closed = not data
+    assert received.startswith(b"HTTP/1.1 408"), received[:300]
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower() and json.loads(body)["error"]["code"] == "body_timeout"
+    assert closed   # the server closed the connection
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    """Sends unless the server has closed the connection (the next recv says so)."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass
+
+
 def _stream_lines(base: str, body: dict, lines: list) -> None:
     try:
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
@@ -261,8 +296,8 @@ def test_grace_end_sends_an_error_event_then_exits_cleanly(tiny_engine, tmp_path
             client.join(timeout=30)
         assert running.proc.wait(timeout=15) == 0
         log = running.log_text()
-    assert json.loads(streamed[-1].removeprefix("data: "))["error"]["code"] == "shutdown", streamed[-3:]
-    assert "data: [DONE]" not in streamed
+    assert json.loads(streamed[-2].removeprefix("data: "))["error"]["code"] == "shutdown", streamed[-3:]
+    assert streamed[-1] == "data: [DONE]" and streamed.count("data: [DONE]") == 1   # the stream's end, after the error
     assert json.loads(plain[-1])["error"]["code"] == "shutdown", plain
     assert "Traceback" not in log and "ERROR" not in log, log
 
@@ -286,6 +321,6 @@ def test_a_second_signal_exits_at_once(tiny_engine, tmp_path, second):
         assert time.monotonic() - started < 3   # not the 60 s grace (here ~0.5 s)
         client.join(timeout=10)
         log = running.log_text()
-    assert "data: [DONE]" not in streamed
-    assert json.loads(streamed[-1].removeprefix("data: "))["error"]["code"] == "shutdown", streamed[-3:]
+    assert streamed[-1] == "data: [DONE]" and streamed.count("data: [DONE]") == 1
+    assert json.loads(streamed[-2].removeprefix("data: "))["error"]["code"] == "shutdown", streamed[-3:]
     assert "Traceback" not in log and "ERROR" not in log, log

@@ -3,8 +3,8 @@ that abort, a draining state for SIGTERM, and request preparation off the event 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -18,6 +18,7 @@ from . import chat
 from .admission import Admission
 from .gate import Gate
 from .inputs import Inputs, Limits, Prepared
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .protocol import ApiError, chunk_body, completion_body, usage
 
@@ -39,7 +40,6 @@ class ServerState:
     inflight: int = 0
     stopping: asyncio.Event = field(default_factory=asyncio.Event)   # the grace period is over
     open_streams: set = field(default_factory=set)                     # the SSE responses' request groups
-    ids: itertools.count = field(default_factory=itertools.count)
 
     @property
     def llm(self):
@@ -108,47 +108,62 @@ def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
     headers = {**(headers or {}), **({"Retry-After": "1"} if exc.status == 429 else {})}
     if exc.status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="trtbuild"'
+    if exc.status == 408:  # the rest of the body may still be coming: the connection cannot serve another request
+        headers["Connection"] = "close"
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    """The raw body, refused (413) past ``limit`` bytes before it is all read."""
+async def _body(request: Request, limits: Limits) -> bytes:
+    """The raw body, refused (413) past ``--max-body-bytes`` before it is all read, and (408) if
+    it is not all there within the deadline its declared size allows (a trickling client would
+    otherwise hold its connection, and a descriptor, for as long as it likes)."""
+    limit = limits.max_body_bytes
     too_large = ApiError(413, f"the request body is over {limit} bytes (--max-body-bytes)", code="body_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    header = request.headers.get("content-length", "")
+    declared = int(header) if header.isdigit() else None
+    if declared is not None and declared > limit:
         raise too_large
+    seconds = limits.body_deadline(declared)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(seconds):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s ({size} bytes came; "
+                            f"--body-timeout {limits.body_timeout:g} s per MB)", code="body_timeout") from None
     return b"".join(chunks)
 
 
 async def _serve(state: ServerState, request: Request, prepare):
-    raw = await _body(request, state.limits.max_body_bytes)
+    raw = await _body(request, state.limits)
     prepared: Prepared = await asyncio.get_running_loop().run_in_executor(state.workers, prepare, raw)
     state.admission.admit(len(prepared.jobs))   # no await between this check and the submission
     chat, body = prepared.chat, prepared.body
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(state.ids)}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"   # unique across restarts, as OpenAI's are
     try:
         group = state.engine.submit(prepared.jobs, [f"{rid}-{i}" for i in range(len(prepared.jobs))])
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     if body.stream:
-        return _GroupStream(group, _sse(state, rid, body, group, prepared.prompt_tokens, chat),
-                            media_type="text/event-stream")
+        return _GroupStream(group, _sse(state, rid, prepared, group), media_type="text/event-stream")
+    done: list[Completion | None] = [None] * len(group.rids)
+    entries: list[list] = [[] for _ in group.rids]   # each choice's logprob entries
     try:
-        done = await _until_done_or_disconnect(state, request, _completions(group))
+        finished = await _until_done_or_disconnect(state, request, _completions(group, done, entries))
     finally:
         group.close()
-    if done is None:  # the client left: its requests were aborted; nobody reads this
-        state.metrics.aborted(len(prepared.jobs))
+        # What finished before the client left (or the grace period ended) counts as finished.
+        for completion in filter(None, done):
+            state.metrics.finished(completion)
+        if group.unfinished:
+            state.metrics.aborted(group.unfinished)
+    if not finished:  # the client left: its unfinished requests were aborted; nobody reads this
         return Response(status_code=499)
-    for completion in done:
-        state.metrics.finished(completion)
-    choices = [_choice(i, c, chat, state.llm.tokenizer) for i, c in enumerate(done)]
+    choices = [_choice(i, c, entries[i], prepared) for i, c in enumerate(done)]
     used = usage(prepared.prompt_tokens, sum(len(c.token_ids) for c in done))
     return completion_body(rid, state.model, choices, used, chat)
 
@@ -177,18 +192,19 @@ def _shut_down() -> ApiError:
                     code="shutdown")
 
 
-async def _completions(group: RequestGroup) -> list[Completion]:
-    """The group's completions in submission order."""
-    done: list[Completion] = [None] * len(group.rids)  # type: ignore[list-item]
+async def _completions(group: RequestGroup, done: list, entries: list[list]) -> None:
+    """Reads the group to its end: each request's completion into ``done`` and its logprob
+    entries into ``entries``, in submission order, as they come."""
     async for index, delta in group:
+        entries[index] += delta.logprobs
         if delta.finished:
             done[index] = delta.completion
-    return done
 
 
-async def _until_done_or_disconnect(state: ServerState, request: Request, completions) -> list[Completion] | None:
-    """The completions, or None if the client goes away first: then every request is aborted
-    (closing the group frees their KV slots within a step). 503 if the grace period ends first."""
+async def _until_done_or_disconnect(state: ServerState, request: Request, completions) -> bool:
+    """True when ``completions`` ran to its end, False if the client went away first: then the
+    caller closes the group, which aborts what still runs (their KV slots are free within a
+    step). 503 if the grace period ends first."""
     work = asyncio.ensure_future(completions)
     while not work.done():
         gone = await request.is_disconnected()
@@ -199,49 +215,56 @@ async def _until_done_or_disconnect(state: ServerState, request: Request, comple
             except asyncio.CancelledError:
                 pass
             if gone:
-                return None
+                return False
             raise _shut_down()
         await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
-    return work.result()
+    work.result()   # raises what the group raised (an engine failure)
+    return True
 
 
-def _choice(index: int, completion: Completion, chat: bool, tokenizer) -> dict:
-    finish = "stop" if completion.finish_reason == "stop" else completion.finish_reason
-    text = lambda token: tokenizer.decode([token])  # noqa: E731
-    alternatives = completion.top_logprobs or [()] * len(completion.token_ids)
-    if chat:
-        choice = {"index": index, "message": {"role": "assistant", "content": completion.text}, "finish_reason": finish}
-        if completion.logprobs is not None:
-            choice["logprobs"] = {"content": [
-                {"token": text(t), "logprob": lp, "top_logprobs": [{"token": text(a), "logprob": alp} for a, alp in alts]}
-                for t, lp, alts in zip(completion.token_ids, completion.logprobs, alternatives)]}
+def _logprobs(entries, prepared: Prepared) -> dict | None:
+    """A choice's (or a chunk's) ``logprobs`` for these entries; None when not asked for."""
+    params = prepared.jobs[0][1]   # every job of a request asks for the same logprobs
+    if not params.logprobs:
+        return None
+    return chat_logprobs(entries) if prepared.chat else completion_logprobs(entries, params.top_logprobs > 0)
+
+
+def _choice(index: int, completion: Completion, entries: list, prepared: Prepared) -> dict:
+    logprobs = _logprobs(entries, prepared)
+    if prepared.chat:
+        choice = {"index": index, "message": {"role": "assistant", "content": completion.text},
+                  "finish_reason": completion.finish_reason}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return choice
-    choice = {"index": index, "text": completion.text, "finish_reason": finish, "logprobs": None}
-    if completion.logprobs is not None:
-        choice["logprobs"] = {"tokens": [text(t) for t in completion.token_ids], "token_logprobs": completion.logprobs,
-                              "top_logprobs": [{text(a): alp for a, alp in alts} for alts in alternatives]
-                              if completion.top_logprobs else None, "text_offset": None}
-    return choice
+    return {"index": index, "text": completion.text, "finish_reason": completion.finish_reason, "logprobs": logprobs}
 
 
-async def _sse(state: ServerState, rid: str, body, group: RequestGroup, prompt_tokens: int, chat: bool):
-    """Server-sent events: one chunk per delta of any choice, usage last if asked, then [DONE].
-    A client that disconnects cancels this generator; the response then closes the group, which
-    aborts what still runs."""
-    generated, failed = 0, False
+def _chunk_choice(index: int, delta, finish: str | None, prepared: Prepared) -> dict:
+    logprobs = _logprobs(delta.logprobs, prepared)
+    if prepared.chat:
+        return {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
+
+
+async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestGroup):
+    """Server-sent events: one chunk per delta of any choice (its tokens' logprobs with it, if
+    asked), usage last if asked, then [DONE], which also follows a final error event. A client
+    that disconnects cancels this generator; the response then closes the group, which aborts
+    what still runs."""
+    chat, generated, failed = prepared.chat, 0, False
     state.open_streams.add(group)
     try:
         if chat:
             for index in range(len(group.rids)):
                 yield _event(chunk_body(rid, state.model, [{"index": index, "delta": {"role": "assistant"},
-                                                            "finish_reason": None}], chat))
+                                                            "logprobs": None, "finish_reason": None}], chat))
         try:
             async for index, delta in group:
                 finish = delta.finish_reason if delta.finished else None
-                if delta.text or finish:
-                    choice = ({"index": index, "delta": {"content": delta.text}, "finish_reason": finish} if chat else
-                              {"index": index, "text": delta.text, "finish_reason": finish, "logprobs": None})
-                    yield _event(chunk_body(rid, state.model, [choice], chat))
+                if delta.text or finish or delta.logprobs:
+                    yield _event(chunk_body(rid, state.model, [_chunk_choice(index, delta, finish, prepared)], chat))
                 if delta.finished:
                     generated += len(delta.completion.token_ids)
                     state.metrics.finished(delta.completion)
@@ -249,13 +272,15 @@ async def _sse(state: ServerState, rid: str, body, group: RequestGroup, prompt_t
             failed = True
             state.metrics.aborted(group.unfinished)
             yield _event(_shut_down().body())
+            yield "data: [DONE]\n\n"   # the stream's end, as after any last event
             return
         except EngineFailure as exc:
             failed = True
             yield _event(ApiError(500, str(exc), kind="server_error").body())
+            yield "data: [DONE]\n\n"
             return
-        if body.include_usage:
-            yield _event(chunk_body(rid, state.model, [], chat, usage(prompt_tokens, generated)))
+        if prepared.body.include_usage:
+            yield _event(chunk_body(rid, state.model, [], chat, usage(prepared.prompt_tokens, generated)))
         yield "data: [DONE]\n\n"
     finally:
         state.open_streams.discard(group)

@@ -77,12 +77,15 @@ class _DrainingServer:
                    "it is tokenized.")
 @click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds a connection may take to send a request's headers before it is closed.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              help="Seconds per MB of its declared Content-Length (of --max-body-bytes when chunked; at least one "
+                   "MB's worth) a request body may take to arrive; a slower one gets 408 and the connection closes.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MULTI_STEP
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
-          grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, backend: str, threads: int,
-          multi_step: int | None):
+          grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, body_timeout: float,
+          backend: str, threads: int, multi_step: int | None):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -111,7 +114,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     name = model_name or Path(engine_dir).resolve().name
-    limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars, max_queue=max_queue)
+    limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars, max_queue=max_queue,
+                    body_timeout=body_timeout)
     app = create_app(AsyncLLM(llm), name, limits, api_key=api_key)
     # The drain serves the grace period; uvicorn's own graceful wait only closes what is left.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1, lifespan="off",

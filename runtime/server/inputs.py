@@ -19,6 +19,13 @@ class Limits:
     max_body_bytes: int
     max_prompt_chars: int
     max_queue: int
+    body_timeout: float   # seconds per MB a body may take to arrive (--body-timeout)
+
+    def body_deadline(self, declared: int | None) -> float:
+        """Seconds to read a body of ``declared`` bytes (None: chunked, so up to --max-body-bytes),
+        never less than one MB's worth."""
+        size = self.max_body_bytes if declared is None else declared
+        return self.body_timeout * max(1.0, size / 1_000_000)
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Tool calling is not implemented (``tools`` is refused): kept only so the refusal can name them.
+    tool_calls: list | None = None
+    tool_call_id: str | None = None
+
+    def refused_field(self) -> str | None:
+        """The tool-calling field this message uses, if any: a tool message, its call id, an
+        assistant's calls (an empty list or null asks for nothing)."""
+        if self.role == "tool":
+            return "role"
+        if self.tool_call_id is not None:
+            return "tool_call_id"
+        return "tool_calls" if self.tool_calls else None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -120,6 +132,24 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def unsupported(self) -> ApiError | None:
+        """As SamplingRequest's, and: ``top_logprobs`` without ``logprobs`` (it would be silently
+        dropped), and the tool-calling fields of messages (as ``tools`` is refused)."""
+        refused = super().unsupported()
+        if refused is not None:
+            return refused
+        if self.top_logprobs and not self.logprobs:
+            return ApiError(400, "top_logprobs: needs logprobs: true (send both, or leave top_logprobs out)",
+                            param="top_logprobs", code="unsupported_parameter")
+        for index, message in enumerate(self.messages):
+            name = message.refused_field()
+            if name is not None:
+                what = "tool messages" if name == "role" else f"{name} in messages"
+                return ApiError(400, f"messages.{index}.{name}: {what} are not supported by this server (it does "
+                                     f"not implement tool calling)", param=f"messages.{index}.{name}",
+                                code="unsupported_parameter")
+        return None
 
 
 def parse(raw: bytes, kind: type[SamplingRequest]) -> SamplingRequest:
