@@ -184,7 +184,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
          as_json: bool):
     """Diagnose the bottleneck before building: memory per rank and the roofline of prefill and decode.
 
-    SOURCE is a spec (YAML), a checkpoint dir holding at least config.json (no weights needed),
+    SOURCE is a spec (YAML), a checkpoint dir holding at least config.json (no weights needed), a .gguf file,
     or a known model's name (llama-3-8b, llama-3-70b, llama-3.1-405b, mistral-7b, qwen2.5-7b: their published
     config.json ships with trtbuild). A spec whose checkpoint is not here is planned from the
     known model its checkpoint dir names, if any (said on stderr).
@@ -201,6 +201,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
     stages across nodes. With --pp > 1 it also prints each stage's memory per rank, the
     activations handed between stages (and over the network), and the pipeline bubble.
     """
+    from ..checkpoint.gguf_config import is_gguf
     from .frontend.checkpoint import arch_config
     from .gpus import find_gpu, gpu_table, network_table
     from .known_models import find_known, known_arch, known_names
@@ -217,7 +218,9 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
                        f"{entry['tflops']['float16']:>6} TFLOP/s fp16  ({entry['source']})")
         return
     spec = None
-    if source.is_file():
+    if is_gguf(source):
+        arch = arch_config(source)
+    elif source.is_file():
         spec = load_spec(source, absent_checkpoint=_stand_in_arch)
         arch = spec.arch
     elif source.is_dir():
@@ -226,7 +229,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
         arch = known_arch(known)
         click.echo(f"note: planning {known} from its shipped config.json (builder/data/models)", err=True)
     else:
-        raise UserError(f"{source}: neither a spec file, a checkpoint dir nor a known model "
+        raise UserError(f"{source}: neither a spec file, a checkpoint dir, a .gguf file nor a known model "
                         f"({', '.join(known_names())})")
     precision = precision or (QUANTIZATION_PRECISION.get(spec.quantization.mode) if spec else None) \
         or ({"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value] if spec else "fp16")
@@ -305,11 +308,12 @@ def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, ste
     Example:
       trtbuild medusa train models/tiny-code --data train.txt --heads 4 -o models/tiny-code/medusa
     """
+    from ..checkpoint.gguf_config import is_gguf
     from .medusa.train import TrainOptions, train_heads
     from .progress import table
 
-    if not (checkpoint / "config.json").is_file():
-        raise UserError(f"{checkpoint}: not a checkpoint dir (no config.json)")
+    if not (is_gguf(checkpoint) or (checkpoint / "config.json").is_file()):
+        raise UserError(f"{checkpoint}: neither a checkpoint dir (no config.json) nor a .gguf file")
     options = TrainOptions(heads=heads, layers=layers, seq_len=seq_len, sequences=sequences, steps=steps,
                            batch=batch, lr=lr, self_distill=self_distill, seed=seed)
     report = train_heads(checkpoint, list(data), out, options, progress=lambda m: click.echo(m, err=True))

@@ -82,7 +82,7 @@ def assign_weights(model: nn.Module, weights: WeightMap, prefix: str, dtype: tor
     return sum(t.numel() * t.element_size() for t in read.values())
 
 
-def load_safetensors_model(checkpoint: Path, dtype: torch.dtype) -> nn.Module:
+def load_checkpoint_model(checkpoint: Path, dtype: torch.dtype) -> nn.Module:
     """The whole transformers model of a checkpoint in eval mode, every weight read through the
     weight map (memory-mapped where the stored dtype is ``dtype``): the loader of every entry point
     that runs a whole checkpoint (eval and its ``--reference``, medusa train)."""

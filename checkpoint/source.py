@@ -38,3 +38,23 @@ def hf_config(checkpoint: Path):
         return AutoConfig.from_pretrained(checkpoint, local_files_only=True)
     config = config_dict(checkpoint)
     return AutoConfig.for_model(config.pop("model_type"), **config)
+
+
+def checkpoint_tokenizer(checkpoint: Path):
+    """The checkpoint's ``tokenizers.Tokenizer``: a dir's tokenizer.json, or the one a GGUF file's
+    metadata gives (checkpoint/gguf_side_files.py)."""
+    from tokenizers import Tokenizer
+
+    if is_gguf(checkpoint):
+        from .gguf_side_files import gguf_tokenizer
+
+        return gguf_tokenizer(read_gguf(checkpoint))
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint}: no tokenizer.json (a Hugging Face checkpoint dir holds it beside "
+                              "config.json)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: not a loadable tokenizer ({first})") from None

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.gguf_config import is_gguf
+from ..checkpoint.source import checkpoint_tokenizer
 from ..contract import onnxruntime as ort_config
 from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, stage_cache_names
 from ..contract.step import CACHE_DTYPES, CacheShape, step_arrays
@@ -58,9 +61,9 @@ def _log_softmax_pick(logits: np.ndarray, targets: np.ndarray) -> tuple[float, n
 def score_checkpoint(checkpoint: Path, batches: np.ndarray, batch: int = 8) -> Scores:
     import torch
 
-    from ..checkpoint.model import load_safetensors_model
+    from ..checkpoint.model import load_checkpoint_model
 
-    model = load_safetensors_model(checkpoint, torch.float32)
+    model = load_checkpoint_model(checkpoint, torch.float32)
     nll, argmax = 0.0, []
     with torch.no_grad():
         for i in range(0, len(batches), batch):
@@ -138,9 +141,9 @@ def _loaded(target: Path):
         engine_dir = load(target)
         engine_dir.require_cpu_graphs(" (trtbuild eval runs its rank graphs)")
         return engine_dir
-    if (Path(target) / "config.json").is_file():
+    if is_gguf(target) or (Path(target) / "config.json").is_file():
         return Path(target)
-    raise ValueError(f"{target}: neither an engine dir (manifest.json) nor a checkpoint dir (config.json)")
+    raise ValueError(f"{target}: neither an engine dir (manifest.json), a checkpoint dir (config.json) nor a .gguf file")
 
 
 def score(target, batches: np.ndarray, threads: int = 0) -> Scores:
@@ -150,14 +153,21 @@ def score(target, batches: np.ndarray, threads: int = 0) -> Scores:
     return score_engine(target, batches, threads)
 
 
-def _token_ids(tokenizer_dir: Path, data: Path) -> list[int]:
+def _token_ids(loaded, data: Path) -> list[int]:
+    """``data`` tokenized by the tokenizer of ``loaded`` (an EngineDir's side file, or a checkpoint's)."""
     from tokenizers import Tokenizer
 
-    path = tokenizer_dir / "tokenizer.json"
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
-        raise ValueError(f"{path}: not a loadable tokenizer ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
+    if isinstance(loaded, Path):
+        try:
+            tokenizer = checkpoint_tokenizer(loaded)
+        except CheckpointError as exc:
+            raise ValueError(str(exc)) from None
+    else:
+        path = loaded.side_file("tokenizer.json")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
+            raise ValueError(f"{path}: not a loadable tokenizer ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
     try:
         text = Path(data).read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -169,7 +179,7 @@ def evaluate(target: Path, data: Path, context: int = 512, max_tokens: int | Non
              reference: Path | None = None, threads: int = 0) -> EvalResult:
     loaded = _loaded(Path(target))
     compared = _loaded(Path(reference)) if reference is not None else None
-    batches = windows(_token_ids(Path(target), data), context, max_tokens)
+    batches = windows(_token_ids(loaded, data), context, max_tokens)
     scores = score(loaded, batches, threads)
     agreement = None
     if compared is not None:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.medusa.heads import MedusaHeads, load_heads, read_heads_config, save_heads
 from trtbuild.checkpoint.errors import CheckpointError
-from trtbuild.checkpoint.model import load_safetensors_model
+from trtbuild.checkpoint.model import load_checkpoint_model
 from trtbuild.checkpoint.weight_map import WeightMap
 
 from conftest import TINY_CODE
@@ -100,7 +100,7 @@ def test_eval_and_medusa_read_through_the_same_checks(tmp_path):
     shutil.copy(TINY_CODE / "config.json", checkpoint / "config.json")
     write_raw(checkpoint / "model.safetensors", header, data)
     with pytest.raises(CheckpointError) as info:
-        load_safetensors_model(checkpoint, torch.float32)  # eval's (and --reference's) loader
+        load_checkpoint_model(checkpoint, torch.float32)  # eval's (and --reference's) loader
     assert _one_line(info.value).startswith(f"{checkpoint / 'model.safetensors'}: ") and message in str(info.value)
     heads = tmp_path / "heads"
     heads.mkdir()

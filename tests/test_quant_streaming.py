@@ -22,7 +22,7 @@ from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, q
 from trtbuild.builder.resolve import spec_from_dict
 from trtbuild.builder.spec import Spec
 from trtbuild.checkpoint.errors import CheckpointError
-from trtbuild.checkpoint.model import load_safetensors_model
+from trtbuild.checkpoint.model import load_checkpoint_model
 
 from conftest import REPO
 from test_quantization import matmul_graph
@@ -43,7 +43,7 @@ def calibrated(checkpoint, **quantization) -> Spec:
 
 def whole_model_stats(checkpoint, names: list[str], batches: torch.Tensor):
     """The old path, as the oracle: the whole transformers model run with hooks on every linear."""
-    model = load_safetensors_model(checkpoint, torch.float32)
+    model = load_checkpoint_model(checkpoint, torch.float32)
     stats: dict[str, InputStats] = {}
 
     def hook(name):
@@ -131,7 +131,7 @@ def test_streamed_codes_equal_the_whole_model_quantizers(checkpoints, tmp_path, 
         batches = calibration_batches(checkpoint, q.calibration.data, q.calibration.samples, q.calibration.seq_len)
         model, stats = whole_model_stats(checkpoint, names, batches)
     else:
-        model, stats = load_safetensors_model(checkpoint, torch.float32), {}
+        model, stats = load_checkpoint_model(checkpoint, torch.float32), {}
     assert sorted(layers) == sorted(names + (["embed_tokens"] if q.quantize_embeddings else [])) and saved_report == report
     for name in names:
         weight = model.get_submodule(name if name == "lm_head" else f"model.{name}").weight.detach().float()
@@ -211,7 +211,7 @@ def test_apply_dequantized_leaves_a_tied_embedding_float(checkpoints, tmp_path):
     quantize_checkpoint(WeightMap.from_checkpoint(checkpoint), small_spec(checkpoint, mode="int8_weight_only"),
                         tmp_path / "q", progress=lambda m: None)
     layers, _ = load_quantized(tmp_path / "q")
-    model = load_safetensors_model(checkpoint, torch.float32)
+    model = load_checkpoint_model(checkpoint, torch.float32)
     table = model.model.embed_tokens.weight.detach().clone()
     apply_dequantized(model, layers)
     assert torch.equal(model.lm_head.weight, layers["lm_head"].dequantize())

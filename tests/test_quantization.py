@@ -175,10 +175,10 @@ def dequantized_greedy(spec: Spec, prompt: list[int], steps: int, workdir) -> li
     deterministic quantize_checkpoint the build ran) and, for W8A8/FP8, fake-quantized inputs."""
     from trtbuild.checkpoint.weight_map import WeightMap
     from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
-    from trtbuild.checkpoint.model import load_safetensors_model
+    from trtbuild.checkpoint.model import load_checkpoint_model
 
     quantize_checkpoint(WeightMap.from_checkpoint(TINY_CODE), spec, workdir, progress=lambda message: None)
-    model = load_safetensors_model(TINY_CODE, torch.float32)
+    model = load_checkpoint_model(TINY_CODE, torch.float32)
     apply_dequantized(model, load_quantized(workdir)[0])
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)

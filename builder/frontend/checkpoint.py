@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from ...checkpoint.errors import CheckpointError
-from ...checkpoint.model import load_safetensors_model
+from ...checkpoint.model import load_checkpoint_model
 from ...contract.json_file import read_json_object
 from ..errors import UserError
 from ...checkpoint.gguf_config import gguf_config, is_gguf
@@ -149,6 +149,6 @@ def parse_arch(raw: dict, path: Path) -> ArchConfig:
 def load_model(checkpoint: Path, dtype):
     """The transformers model of a checkpoint, read through the weight map (checkpoint.model)."""
     try:
-        return load_safetensors_model(checkpoint, dtype)
+        return load_checkpoint_model(checkpoint, dtype)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ...checkpoint.errors import CheckpointError
+from ...checkpoint.source import checkpoint_tokenizer
 from ..errors import UserError
 from ..frontend.checkpoint import load_model
 from .heads import MedusaHeads, save_heads
@@ -76,19 +78,18 @@ class _Head(nn.Module):
 
 def train_heads(checkpoint: Path, data: list[Path], out: Path, options: TrainOptions,
                 progress: Callable[[str], None] = print) -> TrainReport:
-    from tokenizers import Tokenizer
-
     options.check()
     checkpoint = Path(checkpoint)
     for path in data:
         if not Path(path).is_file():
             raise UserError(f"--data {path}: not a file")
-    if not (checkpoint / "tokenizer.json").is_file():
-        raise UserError(f"{checkpoint}: no tokenizer.json (a local HF checkpoint dir is expected)")
+    try:
+        tokenizer = checkpoint_tokenizer(checkpoint)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
     start = time.perf_counter()
     torch.manual_seed(options.seed)
     model = load_model(checkpoint, torch.float32)
-    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     windows = _windows(tokenizer, data, options)
     progress(f"medusa: {len(windows)} sequences of {options.seq_len} tokens from {len(data)} file(s)")
     if options.self_distill:

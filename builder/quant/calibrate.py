@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..frontend.skeleton import assign_weights, meta_model, release_weights
+from ...checkpoint.source import checkpoint_tokenizer
 from ...checkpoint.weight_map import WeightMap
 
 SAMPLE_ROWS = 512  # input rows kept per layer for AWQ's search and the output-error report
@@ -57,9 +58,7 @@ class InputStats:
 
 def calibration_batches(checkpoint: Path, data: tuple[Path, ...], samples: int, seq_len: int) -> torch.Tensor:
     """``samples`` non-overlapping windows of ``seq_len`` tokens from the texts (in order), [N, L]."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
+    tokenizer = checkpoint_tokenizer(checkpoint)
     ids: list[int] = []
     for path in data:
         ids += tokenizer.encode(Path(path).read_text(encoding="utf-8", errors="replace")).ids
