@@ -69,7 +69,7 @@ def smollm2_gguf() -> Path:
 
 # Fixtures that build engine dirs: every test that uses one (directly or through another
 # fixture) is slow, so `-m "not slow"` stays well under a minute.
-ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines", "pp_engines"}
+ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines", "pp_engines", "smollm2_engine", "smollm2_tp3_engine"}
 
 
 def pytest_collection_modifyitems(items):
@@ -144,3 +144,34 @@ def medusa_engine(tmp_path_factory) -> Path:
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+def _build_smollm2(tmp_path_factory, gguf: Path, name: str, **parallel) -> Path:
+    """specs/smollm2-135m.yaml built through the CLI, its checkpoint the fetched file."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    work = tmp_path_factory.mktemp(name)
+    spec = yaml.safe_load((REPO / "specs" / "smollm2-135m.yaml").read_text())
+    spec["model"]["checkpoint"] = str(gguf)
+    if parallel:
+        spec["parallel"] = parallel
+    (work / "spec.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(work / "spec.yaml"),
+                           "-o", str(work / name)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return work / name
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf, tmp_path_factory) -> Path:
+    """The real model's engine dir (specs/smollm2-135m.yaml), built once per test process."""
+    return _build_smollm2(tmp_path_factory, smollm2_gguf, "smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tp3_engine(smollm2_gguf, tmp_path_factory) -> Path:
+    """The same at tensor parallelism 3 (9 query and 3 KV heads divide by 3, not by 2)."""
+    return _build_smollm2(tmp_path_factory, smollm2_gguf, "smollm2-tp3", tensor=3)

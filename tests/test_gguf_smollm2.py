@@ -86,38 +86,6 @@ def test_every_tensor_equals_transformers_loaded_model(smollm2_gguf):
         {key: value for key, value in ours.items() if key != "architectures"}
 
 
-@pytest.mark.slow
-def test_a_build_from_the_gguf_runs_transformers_greedy_text(smollm2_gguf, tmp_path):
-    """trtbuild build of the .gguf (float32) then `trtbuild run`: the same greedy text as transformers on the file."""
-    import subprocess
-    import sys
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from conftest import write_spec
-
-    spec = write_spec(tmp_path / "spec.yaml", smollm2_gguf, build={"max_batch_size": 2, "max_input_len": 32,
-                                                                   "max_seq_len": 64})
-    out = tmp_path / "engine"
-    build = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
-            "chat_template.jinja"} <= {p.name for p in out.iterdir()}
-    run = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(out), "--prompt", PROMPT,
-                          "--max-tokens", "24", "--temperature", "0", "--backend", "onnxruntime"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    greedy = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
-    expected = tokenizer.decode(greedy)
-    assert expected.startswith(" Paris.")
-    assert run.stdout.startswith(PROMPT + expected), (run.stdout, expected)
-
-
 def test_calibration_and_eval_read_a_gguf_checkpoint(smollm2_gguf, tmp_path):
     """Calibration text is tokenized with the file's own tokenizer, and `trtbuild eval` scores the
     file itself (the reference side of the real-model perplexity table)."""
