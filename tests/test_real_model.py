@@ -15,6 +15,7 @@ from serving import served
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
 NEW_TOKENS = 24
+EOS = 2  # <|im_end|>, the file's tokenizer.ggml.eos_token_id
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def reference(smollm2_gguf):
 
 def _expected(reference, prompt: str) -> list[int]:
     tokenizer, greedy = reference
-    return greedy(tokenizer(prompt)["input_ids"])
+    assert tokenizer.eos_token_id == EOS
+    return _until_eos(greedy(tokenizer(prompt)["input_ids"]))
 
 
 def _generate(engine, prompts: list[str]) -> list[list[int]]:
@@ -46,8 +48,13 @@ def _generate(engine, prompts: list[str]) -> list[list[int]]:
     from trtbuild.runtime.sampling import SamplingParams
 
     with LLM(engine, backend="onnxruntime") as llm:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    return [list(o.token_ids) for o in outputs]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    return [_until_eos(list(o.token_ids)) for o in outputs]
+
+
+def _until_eos(ids: list[int]) -> list[int]:
+    """The tokens before the first end-of-sequence id (transformers stops there; so does the runtime)."""
+    return ids[:ids.index(EOS)] if EOS in ids else ids
 
 
 def test_llm_gives_transformers_greedy_tokens_in_one_batch(smollm2_engine, reference):
@@ -79,11 +86,8 @@ def test_trtbuild_run_prints_transformers_greedy_text(smollm2_engine, reference)
 def test_chat_endpoint_answers_with_the_files_template_as_transformers_does(smollm2_engine, reference, tmp_path):
     tokenizer, greedy = reference
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
-    expected = greedy(ids)
-    eos = tokenizer.eos_token_id
-    expected = expected[:expected.index(eos)] if eos in expected else expected
+    ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))["input_ids"]
+    expected = _until_eos(greedy(ids))
     with served(smollm2_engine, tmp_path / "serve.log", model="smollm2") as server:
         body = json.dumps({"model": "smollm2", "messages": messages, "max_tokens": NEW_TOKENS,
                            "temperature": 0}).encode()
