@@ -189,3 +189,21 @@ def test_a_spec_naming_a_hostile_gguf_is_refused_at_model_checkpoint(tmp_path):
     with pytest.raises(SpecError) as error:
         spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"}})
     assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than 16777216"
+
+
+@pytest.mark.parametrize("case", ["huge array", "past the end"])
+def test_build_refuses_a_hostile_gguf_with_exit_2_and_writes_nothing(tmp_path, case):
+    import subprocess
+    import sys
+
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(HOSTILE[case][0])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {{checkpoint: {path}, dtype: float32}}\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-800:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert f"{path}: " in proc.stderr and HOSTILE[case][1] in proc.stderr
+    assert not out.exists()
