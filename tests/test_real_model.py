@@ -14,6 +14,8 @@ from serving import served
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+# One worker builds the real model's engine dirs (pytest-xdist runs a group on one worker).
+pytestmark = pytest.mark.xdist_group("smollm2")
 NEW_TOKENS = 24
 EOS = 2  # <|im_end|>, the file's tokenizer.ggml.eos_token_id
 
