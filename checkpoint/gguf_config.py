@@ -6,6 +6,7 @@ result then goes through the same parse_arch as a config.json.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -28,12 +29,15 @@ def gguf_config(gguf: GGUFFile) -> dict:
     """The config.json mapping transformers makes of this file's metadata (AutoConfig with ``gguf_file``)."""
     meta, path = gguf.metadata, gguf.path
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: general.architecture {arch!r} is not supported; "
                               f"supported: {', '.join(ARCHITECTURES)}")
     number = lambda key, required=True: _positive(meta, path, f"{arch}.{key}", required)  # noqa: E731
     hidden, heads = number("embedding_length"), number("attention.head_count")
     head_dim = number("attention.key_length", False) or number("rope.dimension_count", False) or hidden // heads
+    if head_dim == 0 or head_dim % 2:
+        raise CheckpointError(f"{path}: head dim {head_dim} (of {arch}.embedding_length {hidden} / "
+                              f"{arch}.attention.head_count {heads}) must be a positive even number")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise CheckpointError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported (only 'none')")
@@ -42,10 +46,10 @@ def gguf_config(gguf: GGUFFile) -> dict:
     if vocab is None:
         raise CheckpointError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    if not isinstance(eps, float) or not eps > 0:
+    if not isinstance(eps, float) or not 0 < eps < math.inf:
         raise CheckpointError(f"{path}: {arch}.attention.layer_norm_rms_epsilon must be a positive number, got {eps!r}")
     theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
-    if not isinstance(theta, float) or not theta > 0:
+    if not isinstance(theta, float) or not 0 < theta < math.inf:
         raise CheckpointError(f"{path}: {arch}.rope.freq_base must be a positive number, got {theta!r}")
     model_type, architecture = ARCHITECTURES[arch]
     config = {

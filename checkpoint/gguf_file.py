@@ -28,6 +28,9 @@ MAX_ALIGNMENT = 1 << 16
 MAX_KEY_BYTES = 1024
 MAX_STRING_BYTES = 16 * 2**20      # a chat template is kilobytes; a whole file's worth is hostile
 MAX_ARRAY_ITEMS = 16 * 2**20       # a vocabulary is ~10^5 tokens, its merges as many
+# Items of all arrays together: each string item becomes a Python object (~50 bytes), so the
+# budget bounds the header's memory (≈ 0.4 GB at worst) whatever the file's size.
+MAX_TOTAL_ITEMS = 8 * 2**20
 MAX_ITEMS = 65536                  # metadata keys, tensors
 MAX_DIMS = 4                       # GGML_MAX_DIMS
 MAX_ELEMENTS = 2**40               # per tensor: far above any model, far below an overflow
@@ -84,6 +87,7 @@ class _Parser:
 
     def __init__(self, path: Path, view: mmap.mmap, size: int):
         self.path, self.view, self.size, self.pos = path, view, size, 0
+        self.items_left = MAX_TOTAL_ITEMS
 
     def fail(self, message: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {message}")
@@ -164,11 +168,13 @@ class _Parser:
         if item not in SCALARS and item != STRING:
             raise self.fail(f"metadata {key}: array item type {item} is not a GGUF type (0-12)")
         width = 8 if item == STRING else np.dtype(SCALARS[item][1]).itemsize
-        length = self.count(f"length of {key}", MAX_ARRAY_ITEMS, width)
+        length = self.count(f"length of {key}", min(MAX_ARRAY_ITEMS, self.items_left), width)
+        self.items_left -= length
         if item == STRING:
             return [self.string(f"item {index} of {key}") for index in range(length)]
         start = self.take(length * width, f"items of {key}")
-        return np.frombuffer(self.view, dtype=SCALARS[item][1], count=length, offset=start).tolist()
+        # Numbers stay a compact array ([N] of their own width); readers convert what they use.
+        return np.frombuffer(self.view, dtype=SCALARS[item][1], count=length, offset=start).copy()
 
     def tensor_info(self) -> tuple[str, str, tuple[int, ...], int, int]:
         import gguf

@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from .errors import CheckpointError
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFile, read_gguf
 
 # metadata key → (the name in transformers' tokenizer dict, the type each value must have)
 TOKENIZER_KEYS = {"ggml.model": ("tokenizer_type", str), "ggml.pre": ("pre_tokenizer_type", str),
-                  "ggml.tokens": ("tokens", list), "ggml.scores": ("scores", list),
-                  "ggml.token_type": ("token_type", list), "ggml.merges": ("merges", list),
+                  "ggml.tokens": ("tokens", list), "ggml.scores": ("scores", np.ndarray),
+                  "ggml.token_type": ("token_type", np.ndarray), "ggml.merges": ("merges", list),
                   "ggml.add_space_prefix": ("add_prefix_space", bool)}
-LIST_ITEMS = {"tokens": str, "scores": float, "token_type": int, "merges": str}
+LIST_ITEMS = {"tokens": str, "merges": str}
+NUMBER_KINDS = {"scores": ("f", "floats"), "token_type": ("iu", "integers")}  # numpy dtype kinds
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unk_token_id",
                   "pad_token": "pad_token_id"}
 
@@ -63,6 +66,11 @@ def gguf_tokenizer(gguf: GGUFFile):
         if name in tokenizer and not all(isinstance(item, kind) and not isinstance(item, bool)
                                          for item in tokenizer[name]):
             raise CheckpointError(f"{gguf.path}: metadata tokenizer.ggml.{name} must be a list of {kind.__name__}")
+    for name, (kinds, words) in NUMBER_KINDS.items():
+        if name in tokenizer:
+            if tokenizer[name].dtype.kind not in kinds:
+                raise CheckpointError(f"{gguf.path}: metadata tokenizer.ggml.{name} must be an array of {words}")
+            tokenizer[name] = tokenizer[name].tolist()  # what transformers' conversion reads
     if "tokens" not in tokenizer or "tokenizer_type" not in tokenizer:
         raise CheckpointError(f"{gguf.path}: no tokenizer.ggml.model and tokenizer.ggml.tokens; "
                               "the file carries no tokenizer")

@@ -36,7 +36,7 @@ def hf_name(path: Path, name: str) -> str:
     if kind in ("weight", "bias"):
         if len(parts) == 1 and parts[0] in TOP_NAMES:
             return f"{TOP_NAMES[parts[0]]}.{kind}"
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() and parts[2] in LAYER_NAMES:
             return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}.{kind}"
     raise CheckpointError(f"{path}: tensor {name} has no place in a Llama-family model "
                           f"(expected {', '.join(TOP_NAMES)} or blk.N.{{{', '.join(LAYER_NAMES)}}})")

@@ -152,6 +152,9 @@ HOSTILE = {
     "overlap": (_file([ARCH], [_tensor("a", [16]), _tensor("b", [16], offset=32)], b"\0" * 96), "tensors a and b overlap"),
     "duplicate tensor": (_file([ARCH], [_tensor("a", [8]), _tensor("a", [8], offset=32)], b"\0" * 64),
                          "tensor a appears twice"),
+    # Two arrays within the per-array bound, over the whole header's: ~0.4 GB of objects otherwise.
+    "arrays over the total": (_file([_s(f"x{i}") + struct.pack("<IIQ", 9, 0, 5 * 2**20) + b"\0" * (5 * 2**20)
+                                     for i in range(2)], []), "length of x1 is 5242880, more than 3145728"),
 }
 
 
@@ -170,6 +173,13 @@ def test_a_hostile_header_is_refused_in_one_line(tmp_path, case):
     ([ARCH, *SIZES], [_tensor("blk.0.attn_sinks.weight", [8])], "tensor blk.0.attn_sinks.weight has no place"),
     ([ARCH, *SIZES], [_tensor("blk.0.attn_q.weight", [8, 3])], "attn_q.weight: 3 rows are not whole rotary heads"),
     ([_s("general.architecture") + struct.pack("<I", 8) + _s("gpt2")], [], "general.architecture 'gpt2' is not"),
+    ([_s("general.architecture") + struct.pack("<IIQ", 9, 8, 1) + _s("llama")], [],
+     r"general.architecture \['llama'\] is not"),
+    ([ARCH, *SIZES], [_tensor("blk.\u00b2.attn_norm.weight", [8])], "tensor blk.\u00b2.attn_norm.weight has no place"),
+    ([ARCH, *(_kv_u32(k, 1 if k == "llama.embedding_length" else v) for k, v in LLAMA.items())], [],
+     "head dim 0 .* must be a positive even number"),
+    ([ARCH, *SIZES, _s("llama.attention.layer_norm_rms_epsilon") + struct.pack("<If", 6, float("inf"))], [],
+     "layer_norm_rms_epsilon must be a positive number, got inf"),
     ([ARCH, *SIZES[:2], _s("llama.embedding_length") + struct.pack("<I", 8) + _s("576")], [],
      "metadata llama.embedding_length must be a positive integer, got '576'"),
 ])
@@ -188,7 +198,7 @@ def test_a_spec_naming_a_hostile_gguf_is_refused_at_model_checkpoint(tmp_path):
     path.write_bytes(HOSTILE["huge array"][0])
     with pytest.raises(SpecError) as error:
         spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"}})
-    assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than 16777216"
+    assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than 8388608"
 
 
 @pytest.mark.parametrize("case", ["huge array", "past the end"])
