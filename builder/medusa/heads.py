@@ -131,6 +131,8 @@ def save_heads(heads: MedusaHeads, out: Path, extra_config: dict | None = None) 
     if heads.topk_accuracy is not None:
         config.setdefault("trtbuild", {})["topk_accuracy"] = [list(a) for a in heads.topk_accuracy]
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
 @dataclass(frozen=True)
 class HeadsConfig:
     num_heads: int
@@ -151,6 +153,10 @@ def load_heads(path: Path) -> MedusaHeads:
     naming the file."""
     config, weights = _open_heads(Path(path))
     weights_path = Path(path) / WEIGHTS_FILE
+    expected = config.num_heads * (2 * config.num_layers + 1)
+    if expected != len(weights):  # before naming them all: a hostile count would name billions
+        raise UserError(f"{weights_path}: holds {len(weights)} tensors; medusa_num_heads={config.num_heads} × "
+                        f"(2 × medusa_num_layers={config.num_layers} + 1) = {expected}")
     shapes = tensor_shapes(config.num_heads, config.num_layers, config.hidden_size, config.vocab_size)
     for name, shape in shapes.items():
         if name not in weights:
