@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..contract.json_file import read_json_object
 from .errors import CheckpointError
+from .files import checkpoint_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_FILE = "model.safetensors.index.json"
@@ -19,8 +20,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def read_index(checkpoint: Path) -> dict[str, str] | None:
     """The index's weight_map (tensor name → file name in the dir), or None without an index."""
-    path = Path(checkpoint) / INDEX_FILE
-    if not path.exists():
+    path = checkpoint_file(checkpoint, INDEX_FILE)
+    if path is None:
         return None
     try:
         index = read_json_object(path)

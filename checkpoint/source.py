@@ -1,10 +1,11 @@
 """Which reader a checkpoint takes: a ``.gguf`` file, or a Hugging Face dir of safetensors. The
-one place that tells them apart for the weights and the transformers config."""
+one place that tells them apart for the config and the weights."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from .errors import CheckpointError
+from .files import checkpoint_file
 from .gguf_config import gguf_config, is_gguf
 from .gguf_file import read_gguf
 
@@ -15,8 +16,11 @@ def config_dict(checkpoint: Path) -> dict:
 
     if is_gguf(checkpoint):
         return gguf_config(read_gguf(checkpoint))
+    path = checkpoint_file(checkpoint, "config.json")
+    if path is None:
+        raise CheckpointError(f"{checkpoint}: no config.json (a local Hugging Face checkpoint dir is expected)")
     try:
-        return read_json_object(Path(checkpoint) / "config.json")
+        return read_json_object(path)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -34,27 +38,9 @@ def hf_config(checkpoint: Path):
     """The transformers config of the checkpoint."""
     from transformers import AutoConfig
 
-    if not is_gguf(checkpoint):
-        return AutoConfig.from_pretrained(checkpoint, local_files_only=True)
-    config = config_dict(checkpoint)
-    return AutoConfig.for_model(config.pop("model_type"), **config)
+    config = dict(config_dict(checkpoint))  # read here, inside the dir, not by transformers
+    model_type = config.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{checkpoint}: config.json has no model_type (e.g. 'llama')")
+    return AutoConfig.for_model(model_type, **config)
 
-
-def checkpoint_tokenizer(checkpoint: Path):
-    """The checkpoint's ``tokenizers.Tokenizer``: a dir's tokenizer.json, or the one a GGUF file's
-    metadata gives (checkpoint/gguf_side_files.py)."""
-    from tokenizers import Tokenizer
-
-    if is_gguf(checkpoint):
-        from .gguf_side_files import gguf_tokenizer
-
-        return gguf_tokenizer(read_gguf(checkpoint))
-    path = Path(checkpoint) / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"{checkpoint}: no tokenizer.json (a Hugging Face checkpoint dir holds it beside "
-                              "config.json)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(f"{path}: not a loadable tokenizer ({first})") from None

@@ -20,8 +20,23 @@ SCHEMA_VERSION = 5
 # The files beside the ranks' that the runtime reads: the tokenizer, its config and chat template
 # (transformers 5 keeps the template in chat_template.jinja), the end-of-sequence ids
 # (generation_config.json, config.json). Each is copied from the checkpoint where it has one.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "generation_config.json", "config.json")
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+              "config.json")
+EOS_FILES = ("generation_config.json", "config.json")
+
+
+def eos_token_ids(configs: dict[str, dict], vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids that ``configs`` (EOS_FILES' objects by name, those there are) give,
+    each an id or a list; ValueError naming the file for one that is not a token id below
+    ``vocab_size`` (the build refuses it; a runtime would stop on nothing)."""
+    ids: list[int] = []
+    for name in EOS_FILES:
+        value = configs.get(name, {}).get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in values):
+            raise ValueError(f"{name}: eos_token_id {value!r} must be token ids below vocab_size {vocab_size}")
+        ids += values
+    return tuple(dict.fromkeys(ids))
 
 # spec.runtime.multi_step's default, and what the runtime takes for a manifest written before
 # the field (greedy decode steps run back to back: runtime/llm.py).

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract.json_file import read_json_object
-from ..contract.manifest import (DEFAULT_MULTI_STEP, SIDE_FILES, ManifestError, check_engine_dir, has_cpu_graphs,
-                                 read_manifest)
+from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError, check_engine_dir,
+                                 eos_token_ids, has_cpu_graphs, read_manifest)
 from ..contract.onnxruntime import CpuActivations
 
 
@@ -151,13 +151,10 @@ class EngineDir:
             raise EngineDirError(str(exc)) from None
 
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            value = self.side_json(name).get("eos_token_id")
-            ids += value if isinstance(value, list) else [] if value is None else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids):
-            raise EngineDirError(f"{self.path}: eos_token_id {ids} must be token ids below vocab_size {self.vocab_size}")
-        return tuple(dict.fromkeys(ids))
+        try:
+            return eos_token_ids({name: self.side_json(name) for name in EOS_FILES}, self.vocab_size)
+        except ValueError as exc:
+            raise EngineDirError(f"{self.path / str(exc)}") from None
 
     def chat_template(self) -> str | None:
         """The tokenizer's chat template: chat_template.jinja (transformers 5's layout) or

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.gguf_config import is_gguf
-from ..checkpoint.source import checkpoint_tokenizer
+from ..checkpoint.tokenizer import checkpoint_tokenizer, tokenizer_from
 from ..contract import onnxruntime as ort_config
 from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, stage_cache_names
 from ..contract.step import CACHE_DTYPES, CacheShape, step_arrays
@@ -155,19 +155,11 @@ def score(target, batches: np.ndarray, threads: int = 0) -> Scores:
 
 def _token_ids(loaded, data: Path) -> list[int]:
     """``data`` tokenized by the tokenizer of ``loaded`` (an EngineDir's side file, or a checkpoint's)."""
-    from tokenizers import Tokenizer
-
-    if isinstance(loaded, Path):
-        try:
-            tokenizer = checkpoint_tokenizer(loaded)
-        except CheckpointError as exc:
-            raise ValueError(str(exc)) from None
-    else:
-        path = loaded.side_file("tokenizer.json")
-        try:
-            tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
-            raise ValueError(f"{path}: not a loadable tokenizer ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
+    path = None if isinstance(loaded, Path) else loaded.side_file("tokenizer.json")
+    try:
+        tokenizer = checkpoint_tokenizer(loaded) if path is None else tokenizer_from(path.read_bytes(), str(path))
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
     try:
         text = Path(data).read_text(encoding="utf-8")
     except UnicodeDecodeError:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.tokenizer import tokenizer_from
 from ..contract.onnxruntime import CpuActivations, Spinning
 from .detokenize import Detokenizer
 from .engine import Engine
@@ -67,8 +69,6 @@ class LLM:
         benchmarks pass a configured one in. ``spinning``: whether the CPU engine's threads spin
         between ops (contract.onnxruntime.Spinning); a server, whose event loop shares the cores
         with the engine, runs them sleeping."""
-        from tokenizers import Tokenizer
-
         if multi_step is not None:
             checked_multi_step(multi_step)
         d = self.engine_dir = load(Path(engine_dir), verify_hashes=verify)
@@ -76,10 +76,10 @@ class LLM:
         blocks = (prefix_cache_blocks if prefix_cache_blocks is not None
                   else default_prefix_blocks(d, block_size)) if use_prefix else 0
         try:
-            self.tokenizer = Tokenizer.from_file(str(d.side_file("tokenizer.json")))
-        except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
-            raise EngineDirError(f"{d.path / 'tokenizer.json'}: not a loadable tokenizer "
-                                 f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            path = d.side_file("tokenizer.json")
+            self.tokenizer = tokenizer_from(path.read_bytes(), str(path))
+        except CheckpointError as exc:
+            raise EngineDirError(str(exc)) from None
         self.inputs = InputProcessor(self.tokenizer, d)
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(

@@ -31,8 +31,8 @@ def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
     assert manifest["schema_version"] == 5
     # Every file the runtime reads beside the ranks': written (and hashed) or recorded absent.
     assert manifest["side_files"] == {"tokenizer.json": True, "tokenizer_config.json": True,
-                                      "special_tokens_map.json": False, "chat_template.jinja": False,
-                                      "generation_config.json": True, "config.json": True}
+                                      "chat_template.jinja": False, "generation_config.json": True,
+                                      "config.json": True}
     built = manifest["tensorrt"]
     if built["flavor"] == "tensorrt-rtx":  # ahead of time: the spec's targets
         assert built["compute_capabilities"] == ["sm80", "sm86", "sm89"] and not built["portable"]

@@ -127,3 +127,40 @@ def test_cli_refuses_a_tokenizer_past_the_vocabulary_before_any_work(tmp_path):
 def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path):
     with pytest.raises(UserError, match="no tokenizer.json; the engine dir needs the checkpoint's tokenizer"):
         check_side_files({}, tmp_path, vocab_size=4096)
+
+
+def test_end_of_sequence_ids_outside_the_vocabulary_are_refused_at_build(tmp_path):
+    files = {"tokenizer.json": (TINY_CODE / "tokenizer.json").read_bytes(),
+             "generation_config.json": json.dumps({"eos_token_id": [0, 99999]}).encode()}
+    with pytest.raises(UserError, match=r"generation_config.json: eos_token_id \[0, 99999\] must be token ids "
+                                        r"below vocab_size 4096"):
+        check_side_files(files, tmp_path, vocab_size=4096)
+
+
+def test_every_reader_of_a_checkpoints_tokenizer_checks_it_fits_the_vocabulary(tmp_path):
+    """Calibration, eval and medusa train take the tokenizer from checkpoint_tokenizer: the same check."""
+    from trtbuild.checkpoint.errors import CheckpointError
+    from trtbuild.checkpoint.tokenizer import checkpoint_tokenizer
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    shutil.copyfile(TINY_CODE / "config.json", checkpoint / "config.json")
+    _tokenizer_with_added_tokens(checkpoint, 1)
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: 1 token id\(s\) outside the model's vocabulary"):
+        checkpoint_tokenizer(checkpoint)
+
+
+def test_checkpoint_files_linking_out_of_the_dir_are_refused_by_every_reader(tmp_path):
+    from trtbuild.checkpoint.errors import CheckpointError
+    from trtbuild.checkpoint.safetensors_files import read_index
+    from trtbuild.checkpoint.source import config_dict
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (tmp_path / "outside.json").write_text("{}")
+    for name in ("config.json", "model.safetensors.index.json"):
+        (checkpoint / name).symlink_to(tmp_path / "outside.json")
+    with pytest.raises(CheckpointError, match="config.json: not a regular file inside the checkpoint dir"):
+        config_dict(checkpoint)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a regular file inside"):
+        read_index(checkpoint)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ...checkpoint.errors import CheckpointError
-from ...checkpoint.source import checkpoint_tokenizer
+from ...checkpoint.tokenizer import checkpoint_tokenizer
 from ..errors import UserError
 from ..frontend.checkpoint import load_model
 from .heads import MedusaHeads, save_heads

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..frontend.skeleton import assign_weights, meta_model, release_weights
-from ...checkpoint.source import checkpoint_tokenizer
+from ...checkpoint.tokenizer import checkpoint_tokenizer
 from ...checkpoint.weight_map import WeightMap
 
 SAMPLE_ROWS = 512  # input rows kept per layer for AWQ's search and the output-error report
