@@ -46,7 +46,7 @@ def whole_model_stats(checkpoint, names: list[str], batches: torch.Tensor):
     stats: dict[str, InputStats] = {}
 
     def hook(name):
-        return lambda module, inputs, output: stats.setdefault(name, InputStats.empty(inputs[0].shape[-1])).add(inputs[0])
+        return lambda module, inputs, output: stats.setdefault(name, InputStats.empty(inputs[0].shape[-1], True)).add(inputs[0])
 
     for name in names:
         model.get_submodule(name if name == "lm_head" else f"model.{name}").register_forward_hook(hook(name))
@@ -65,7 +65,7 @@ def test_layer_by_layer_statistics_equal_whole_model_hooks(checkpoints, family):
     _, expected = whole_model_stats(checkpoint, names, batches)
     streamed, blocks = {}, []
     for block, stats in layer_by_layer(checkpoint, WeightMap.from_checkpoint(checkpoint), torch.float32, names,
-                                       batches, progress=lambda message: None):
+                                       batches, progress=lambda message: None, hessian=True):
         blocks.append(block)
         streamed.update(stats)
     assert blocks == ["layers.0", "layers.1", "lm_head"] and sorted(streamed) == sorted(names)
@@ -230,3 +230,21 @@ def test_external_int4_codes_read_back_for_sharding(tmp_path):
     assert (tmp_path / DATA_FILE).stat().st_size == 2400 + 64 * 48 // 2
     np.testing.assert_array_equal(read(constant, tmp_path).astype(np.int8), codes.astype(np.int8))
 
+
+@pytest.mark.parametrize("algorithm", ["awq", "gptq"])
+def test_calibration_keeps_an_input_hessian_only_for_gptq(checkpoints, algorithm):
+    """Σ xᵀx is [in, in] float32 per linear (822 MB for a Llama-3-8B down_proj): only GPTQ reads it."""
+    from trtbuild.builder.quant.quantize import _blocks
+
+    checkpoint = checkpoints["llama"]
+    spec = calibrated(checkpoint, mode="int4_weight_only", algorithm=algorithm, group_size=32)
+    names = selected_layers(spec)
+    seen = {}
+    for _, stats in _blocks(WeightMap.from_checkpoint(checkpoint), spec, names, progress=lambda m: None):
+        seen.update({name: s.hessian for name, s in stats.items()})
+    assert sorted(seen) == sorted(names)
+    if algorithm == "gptq":
+        assert {name: tuple(h.shape) for name, h in seen.items() if "down_proj" in name} == \
+            {"layers.0.mlp.down_proj": (256, 256), "layers.1.mlp.down_proj": (256, 256)}
+    else:
+        assert all(h is None for h in seen.values())
