@@ -4,6 +4,8 @@ Each refusal is one line naming the YAML field and what would be valid.
 """
 from __future__ import annotations
 
+import math
+
 from .errors import SpecError
 from .frontend.checkpoint import ArchConfig
 from .spec import Spec, linear_names
@@ -75,6 +77,13 @@ def _divisors(n: int, limit: int = 1024) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def _group_sizes(n: int) -> str:
+    """The int4 group sizes a layer of every width dividing into ``n`` channels takes: the
+    divisors of ``n`` from the spec's minimum group of 8 (``Quantization.group_size``)."""
+    valid = [d for d in range(8, n + 1) if n % d == 0]
+    return ", ".join(map(str, valid)) if valid else f"none (the widths' common divisor is {n}, under the minimum 8)"
+
+
 def _check_quantization(spec: Spec) -> None:
     q, arch, targets = spec.quantization, spec.arch, spec.build.targets
     if q.mode == "fp8" and (not targets or any(int(t[2:]) < 89 for t in targets)):
@@ -108,12 +117,15 @@ def _check_quantization(spec: Spec) -> None:
         group = 16 if q.mode == "nvfp4" else q.group_size  # NVFP4's block is fixed by the format
         tp = spec.parallel.tensor
         per_rank = "" if tp == 1 else f" / parallel.tensor {tp}"
-        for field, dim in (("hidden_size", arch.hidden_size), (f"intermediate_size{per_rank}", arch.intermediate_size // tp),
-                           (f"num_attention_heads × head_dim{per_rank}", arch.num_heads * arch.head_dim // tp)):
+        dims = (("hidden_size", arch.hidden_size), (f"intermediate_size{per_rank}", arch.intermediate_size // tp),
+                (f"num_attention_heads × head_dim{per_rank}", arch.num_heads * arch.head_dim // tp))
+        for field, dim in dims:
             if dim % group:
-                where = "quantization.mode" if q.mode == "nvfp4" else "quantization.group_size"
-                raise SpecError(where, f"{group} does not divide {field}={dim}" +
-                                (" (NVFP4 blocks are 16 input channels)" if q.mode == "nvfp4" else ""))
+                if q.mode == "nvfp4":
+                    raise SpecError("quantization.mode", f"{group} does not divide {field}={dim} "
+                                                         "(NVFP4 blocks are 16 input channels)")
+                raise SpecError("quantization.group_size", f"{group} does not divide {field}={dim}; valid: "
+                                                           f"{_group_sizes(math.gcd(*(d for _, d in dims)))}")
     if q.algorithm in ("awq", "gptq") or q.calibration is not None:
         if q.calibration is None:
             raise SpecError("quantization.calibration", f"required for algorithm {q.algorithm}: "

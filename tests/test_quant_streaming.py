@@ -16,7 +16,7 @@ from trtbuild.checkpoint.weight_map import WeightMap
 from trtbuild.builder.numerics import run_onnx
 from trtbuild.builder.passes import PassContext
 from trtbuild.builder.passes.quantize_weights import DATA_FILE, quantize_weights
-from trtbuild.builder.quant.algorithms import awq, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
+from trtbuild.builder.quant.algorithms import awq, awq_shared, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
 from trtbuild.builder.quant.calibrate import InputStats, calibration_batches, layer_by_layer
 from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint, selected_layers
 from trtbuild.builder.resolve import spec_from_dict
@@ -47,7 +47,7 @@ def whole_model_stats(checkpoint, names: list[str], batches: torch.Tensor):
     stats: dict[str, InputStats] = {}
 
     def hook(name):
-        return lambda module, inputs, output: stats.setdefault(name, InputStats.empty(inputs[0].shape[-1])).add(inputs[0])
+        return lambda module, inputs, output: stats.setdefault(name, InputStats.empty(inputs[0].shape[-1], True)).add(inputs[0])
 
     for name in names:
         model.get_submodule(name if name == "lm_head" else f"model.{name}").register_forward_hook(hook(name))
@@ -66,7 +66,7 @@ def test_layer_by_layer_statistics_equal_whole_model_hooks(checkpoints, family):
     _, expected = whole_model_stats(checkpoint, names, batches)
     streamed, blocks = {}, []
     for block, stats in layer_by_layer(checkpoint, WeightMap.from_checkpoint(checkpoint), torch.float32, names,
-                                       batches, progress=lambda message: None):
+                                       batches, progress=lambda message: None, hessian=True):
         blocks.append(block)
         streamed.update(stats)
     assert blocks == ["layers.0", "layers.1", "lm_head"] and sorted(streamed) == sorted(names)
@@ -90,13 +90,15 @@ def expected_layer(name, weight, stats, spec, model) -> object:
     """What the whole-model quantizer computed for one layer (the oracle's dispatch)."""
     q = spec.quantization
     group = q.group_size if q.bits == 4 else None
-    if q.mode == "w8a8":
+    if q.mode == "w8a8" or q.algorithm == "awq":  # one input scale per group of linears reading one input
         parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
         attention, mlp = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
         siblings = attention if leaf in attention else mlp if leaf in mlp else (leaf,)
         members = [f"{parent}.{s}" if parent else s for s in siblings]
         weights = [model.get_submodule(m if m == "lm_head" else f"model.{m}").weight.detach().float() for m in members]
-        layers, _ = smoothquant(weights, stats[members[0]].abs_max, q.smoothquant_alpha)
+        x = stats[members[0]]
+        layers = smoothquant(weights, x.abs_max, q.smoothquant_alpha)[0] if q.mode == "w8a8" else \
+            awq_shared(weights, x.abs_mean, x.sample_rows, q.bits, group)
         return layers[members.index(name)]
     if q.mode == "nvfp4":
         return nvfp4(weight)
@@ -104,8 +106,6 @@ def expected_layer(name, weight, stats, spec, model) -> object:
         return fp8_per_tensor(weight, float(stats[name].abs_max.max()))
     if q.algorithm == "gptq":
         return gptq(weight, stats[name].hessian, q.bits, group)
-    if q.algorithm == "awq":
-        return awq(weight, stats[name].abs_mean, stats[name].sample_rows, q.bits, group)
     return rtn(weight, q.bits, group)
 
 
@@ -230,3 +230,22 @@ def test_external_int4_codes_read_back_for_sharding(tmp_path):
     constant = writer.constant("codes", codes)
     assert (tmp_path / DATA_FILE).stat().st_size == 2400 + 64 * 48 // 2
     np.testing.assert_array_equal(read(constant, tmp_path).astype(np.int8), codes.astype(np.int8))
+
+
+@pytest.mark.parametrize("algorithm", ["awq", "gptq"])
+def test_calibration_keeps_an_input_hessian_only_for_gptq(checkpoints, algorithm):
+    """Σ xᵀx is [in, in] float32 per linear (822 MB for a Llama-3-8B down_proj): only GPTQ reads it."""
+    from trtbuild.builder.quant.quantize import _blocks
+
+    checkpoint = checkpoints["llama"]
+    spec = calibrated(checkpoint, mode="int4_weight_only", algorithm=algorithm, group_size=32)
+    names = selected_layers(spec)
+    seen = {}
+    for _, stats in _blocks(WeightMap.from_checkpoint(checkpoint), spec, names, progress=lambda m: None):
+        seen.update({name: s.hessian for name, s in stats.items()})
+    assert sorted(seen) == sorted(names)
+    if algorithm == "gptq":
+        assert {name: tuple(h.shape) for name, h in seen.items() if "down_proj" in name} == \
+            {"layers.0.mlp.down_proj": (256, 256), "layers.1.mlp.down_proj": (256, 256)}
+    else:
+        assert all(h is None for h in seen.values())

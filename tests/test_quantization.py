@@ -294,3 +294,24 @@ def test_smoothquant_folds_into_the_norm_and_quantizes_activations():
     for name, layer in (("y1", l1), ("y2", l2)):
         expected = layer.fake_quantize_input(h) @ layer.dequantize().T
         np.testing.assert_allclose(out[name], expected.numpy(), atol=2e-3, rtol=1e-3)
+
+
+def test_group_size_refusal_names_the_group_sizes_that_divide_every_width(tmp_path):
+    """A SmolLM-135M-shaped config: hidden 576 = 4.5 × 128, intermediate 1536, 9 heads × 64."""
+    import json
+
+    config = json.loads((TINY_CODE / "config.json").read_text())
+    config.update(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                  vocab_size=49152)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = spec_with(mode="int4_weight_only", group_size=128)
+    spec["model"]["checkpoint"] = str(tmp_path)
+    with pytest.raises(SpecError) as info:
+        spec_from_dict(spec)
+    assert str(info.value) == ("quantization.group_size: 128 does not divide hidden_size=576; "
+                               "valid: 8, 12, 16, 24, 32, 48, 64, 96, 192")
+    spec["parallel"] = {"tensor": 3}  # per rank: intermediate 512, heads 3 × 64 = 192
+    with pytest.raises(SpecError) as info:
+        spec_from_dict(spec)
+    assert str(info.value) == ("quantization.group_size: 128 does not divide hidden_size=576; "
+                               "valid: 8, 16, 32, 64")

@@ -112,15 +112,10 @@ class _Sharder:
 
     def _slice_input_scales(self, node: gs.Node, full: int, start: int, stop: int) -> None:
         """AWQ's x / s (a Mul by a [in] constant) in front of a row-parallel MatMul, through a W8A8 Q/DQ pair."""
-        x = node.inputs[0]
-        for _ in range(4):
-            producer = x.inputs[0] if len(x.inputs) == 1 else None
-            if producer is None or producer.op not in ("Mul", "QuantizeLinear", "DequantizeLinear"):
-                return
+        for producer in _input_scaling(node):
             for k, t in enumerate(producer.inputs):
                 if isinstance(t, gs.Constant) and tuple(t.shape or ()) == (full,):
                     producer.inputs[k] = self.slice_constant(t, 0, start, stop)
-            x = producer.inputs[0]
 
     def set_width(self, reshape: gs.Node, full: int, new: int, where: str) -> None:
         """The Reshape's target shape names ``full`` at axis 2 (heads, or heads × head_dim): make it ``new``."""
@@ -174,6 +169,16 @@ def _shard_lm_head(graph: gs.Graph, sharder: _Sharder, rank: int, world: int, vo
     sharder.stats["all_gather"] += 1
 
 
+def _input_scaling(node: gs.Node) -> list[gs.Node]:
+    """The quantization's elementwise nodes in front of a MatMul's input, nearest first: AWQ's
+    Mul by 1/s and a W8A8/FP8 QuantizeLinear → DequantizeLinear pair (at most four)."""
+    chain, x = [], node.inputs[0]
+    while len(chain) < 4 and len(x.inputs) == 1 and x.inputs[0].op in ("Mul", "QuantizeLinear", "DequantizeLinear"):
+        chain.append(x.inputs[0])
+        x = chain[-1].inputs[0]
+    return chain
+
+
 def shard_tensor_parallel(graph: gs.Graph, ctx: PassContext) -> PassResult:
     if ctx.tensor_size == 1 or ctx.arch is None:
         return PassResult(graph=graph, modified=False, stats={"world_size": ctx.tensor_size})
@@ -192,7 +197,8 @@ def shard_tensor_parallel(graph: gs.Graph, ctx: PassContext) -> PassResult:
             node = sharder.column(proj(f"self_attn/{part}"), kv.start * d, kv.stop * d)
             sharder.set_width(_reshape_after(node), arch.num_kv_heads, len(kv), node.name)
         o_proj = _node(graph, proj("self_attn/o_proj"))
-        flatten = o_proj.inputs[0].inputs[0]
+        scaling = _input_scaling(o_proj)  # AWQ's x / s, W8A8/FP8's Q/DQ: the reshape is before them
+        flatten = (scaling[-1] if scaling else o_proj).inputs[0].inputs[0]
         if flatten.op != "Reshape":
             raise PassError(f"shard_tensor_parallel: {o_proj.name} does not read a reshape of the attention output")
         sharder.set_width(flatten, arch.num_heads * d, len(q) * d, "the attention output")

@@ -153,21 +153,32 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int | None, d
 
 def awq(w: torch.Tensor, x_abs_mean: torch.Tensor, x_sample: torch.Tensor, bits: int, group: int | None,
         grid: int = 20) -> QuantizedLinear:
-    """AWQ: scale salient input channels up before rounding (s = mean|x|^α, α searched on
-    calibration activations to minimize the layer's output error), divide x by s at run time."""
-    w = w.float()
-    x = x_sample.float()                    # [n, in]
-    reference = x @ w.T                     # [n, out]
+    """AWQ of one linear (see ``awq_shared``)."""
+    return awq_shared([w], x_abs_mean, x_sample, bits, group, grid)[0]
+
+
+def awq_shared(weights: list[torch.Tensor], x_abs_mean: torch.Tensor, x_sample: torch.Tensor, bits: int,
+               group: int | None, grid: int = 20) -> list[QuantizedLinear]:
+    """AWQ for linears that read one input (q/k/v; gate/up): scale salient input channels up
+    before rounding (s = mean|x|^α, α searched on calibration activations to minimize the
+    layers' summed output error), divide x by s at run time. One s for all of them, as AWQ
+    does, so the division folds into the norm that produces x and the layers keep one input
+    (the CPU stage packs q/k/v only then)."""
+    weights = [w.float() for w in weights]
+    x = x_sample.float()                                     # [n, in]
+    references = [x @ w.T for w in weights]                  # [n, out] each
     best, best_error = None, float("inf")
     for step in range(grid + 1):
         alpha = step / grid
         s = x_abs_mean.float().clamp(min=1e-5).pow(alpha)
         s = s / (s.max() * s.min()).sqrt()  # keep scales around 1
-        candidate = rtn(w * s[None, :], bits, group)
-        candidate.input_scale = s
-        error = ((x @ candidate.dequantize().T) - reference).pow(2).mean().item()
+        candidates = [rtn(w * s[None, :], bits, group) for w in weights]
+        error = 0.0
+        for candidate, reference in zip(candidates, references):
+            candidate.input_scale = s
+            error += ((x @ candidate.dequantize().T) - reference).pow(2).sum().item()
         if error < best_error:
-            best, best_error = candidate, error
+            best, best_error = candidates, error
     return best
 
 

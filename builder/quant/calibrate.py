@@ -26,20 +26,21 @@ SAMPLE_ROWS = 512  # input rows kept per layer for AWQ's search and the output-e
 
 @dataclass
 class InputStats:
-    hessian: torch.Tensor            # Σ xᵀx, float32 [in, in]
+    hessian: torch.Tensor | None     # Σ xᵀx, float32 [in, in]; None when not asked for (only GPTQ reads it)
     abs_sum: torch.Tensor            # Σ |x| per input channel
     abs_max: torch.Tensor | None = None  # max |x| per input channel
     rows: int = 0
     sample: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, features: int) -> "InputStats":
-        return cls(torch.zeros(features, features), torch.zeros(features))
+    def empty(cls, features: int, hessian: bool = False) -> "InputStats":
+        return cls(torch.zeros(features, features) if hessian else None, torch.zeros(features))
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulates one forward's inputs, any leading shape [..., in]."""
         x = x.detach().float().reshape(-1, x.shape[-1])  # [tokens, in]
-        self.hessian += x.T @ x
+        if self.hessian is not None:
+            self.hessian += x.T @ x
         self.abs_sum += x.abs().sum(dim=0)
         channel_max = x.abs().amax(dim=0)
         self.abs_max = channel_max if self.abs_max is None else torch.maximum(self.abs_max, channel_max)
@@ -75,10 +76,11 @@ def block_of(name: str) -> str:
 
 
 def layer_by_layer(checkpoint: Path, weights: WeightMap, dtype: torch.dtype, names: list[str],
-                   batches: torch.Tensor, progress=print) -> Iterator[tuple[str, dict[str, InputStats]]]:
+                   batches: torch.Tensor, progress=print, hessian: bool = False
+                   ) -> Iterator[tuple[str, dict[str, InputStats]]]:
     """Yields ``(block, statistics of its named linears)`` for each decoder layer in order, then
     ``("lm_head", ...)`` when lm_head is named; stops after the last block with a named linear.
-    Each layer's weights are released before its block is yielded."""
+    Each layer's weights are released before its block is yielded. ``hessian``: also Σ xᵀx."""
     wanted = {block_of(n) for n in names}
     model = meta_model(checkpoint, dtype)
     layers = model.model.layers
@@ -89,14 +91,15 @@ def layer_by_layer(checkpoint: Path, weights: WeightMap, dtype: torch.dtype, nam
     for i in range(last + 1):
         prefix = f"layers.{i}"
         assign_weights(model, weights, f"model.{prefix}", dtype)
-        hidden, stats = _run_layer(model, layers[i], [n for n in names if block_of(n) == prefix], hidden, kwargs)
+        hidden, stats = _run_layer(model, layers[i], [n for n in names if block_of(n) == prefix], hidden, kwargs,
+                                   hessian)
         release_weights(model, f"model.{prefix}")
         progress(f"  calibration: layer {i + 1}/{len(layers)}")
         if prefix in wanted:
             yield prefix, stats
     if "lm_head" in wanted:
         assign_weights(model, weights, "model.norm", dtype)
-        lm_head = InputStats.empty(hidden[0].shape[-1])
+        lm_head = InputStats.empty(hidden[0].shape[-1], hessian)
         with torch.no_grad():
             for h in hidden:
                 lm_head.add(model.model.norm(h))
@@ -137,14 +140,14 @@ def _layer_inputs(model: nn.Module, weights: WeightMap, dtype: torch.dtype,
 
 
 def _run_layer(model: nn.Module, layer: nn.Module, names: list[str], hidden: list[torch.Tensor],
-               kwargs: list[dict]) -> tuple[list[torch.Tensor], dict[str, InputStats]]:
+               kwargs: list[dict], hessian: bool) -> tuple[list[torch.Tensor], dict[str, InputStats]]:
     """The layer's outputs on each batch, and the statistics of the named linears' inputs."""
     stats: dict[str, InputStats] = {}
 
     def hook(name):
         def record(module, inputs, output):
             if name not in stats:
-                stats[name] = InputStats.empty(inputs[0].shape[-1])
+                stats[name] = InputStats.empty(inputs[0].shape[-1], hessian)
             stats[name].add(inputs[0])
         return record
 

@@ -16,7 +16,7 @@ import torch
 
 from ...checkpoint.weight_map import WeightMap
 from ..spec import Spec, linear_names
-from .algorithms import QuantizedLinear, awq, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
+from .algorithms import QuantizedLinear, awq_shared, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
 from .calibrate import InputStats, block_of, calibration_batches, layer_by_layer
 from .store import QuantizedWriter, load_quantized  # noqa: F401  (load_quantized: re-exported for callers)
 
@@ -47,12 +47,12 @@ def quantize_checkpoint(weights: WeightMap, spec: Spec, out: Path, progress=prin
     for block, stats in _blocks(weights, spec, names, progress):
         members = [n for n in names if block_of(n) == block]
         results = {}
-        smoothed = _smoothquant_groups(members, stats, weight_of, q.smoothquant_alpha) if q.mode == "w8a8" else {}
+        shared = _shared_scale_layers(members, stats, weight_of, spec)
         for name in members:
             if q.mode in ("int8_weight_only", "int4_weight_only") and q.algorithm == "rtn":
                 result = _rtn_by_rows(weights, spec, name, q.bits, q.group_size if q.bits == 4 else None)
             else:
-                result = _quantize(name, weight_of(name), stats, smoothed, spec)
+                result = _quantize(name, weight_of(name), stats, shared, spec)
             report[name] = _errors(weights, spec, name, result, stats[name].sample_rows if name in stats else None)
             results[name] = result
             done += 1
@@ -76,23 +76,23 @@ def _blocks(weights: WeightMap, spec: Spec, names: list[str],
         return
     batches = calibration_batches(spec.model.checkpoint, q.calibration.data, q.calibration.samples,
                                   q.calibration.seq_len)
-    yield from layer_by_layer(spec.model.checkpoint, weights, spec.model.dtype.torch, names, batches, progress)
+    # Only GPTQ reads Σ xᵀx: [in, in] float32 per linear (822 MB for a Llama-3-8B down_proj).
+    yield from layer_by_layer(spec.model.checkpoint, weights, spec.model.dtype.torch, names, batches, progress,
+                              hessian=q.algorithm == "gptq")
 
 
-def _quantize(name: str, weight: torch.Tensor, stats: dict[str, InputStats], smoothed: dict,
+def _quantize(name: str, weight: torch.Tensor, stats: dict[str, InputStats], shared: dict,
               spec: Spec) -> QuantizedLinear:
     q = spec.quantization
     group = q.group_size if q.bits == 4 else None
-    if name in smoothed:
-        return smoothed[name]
+    if name in shared:
+        return shared[name]
     if q.mode == "nvfp4":
         return nvfp4(weight)
     if q.mode == "fp8":
         return fp8_per_tensor(weight, float(stats[name].abs_max.max()) if name in stats else None)
     if q.algorithm == "gptq":
         return gptq(weight, stats[name].hessian, q.bits, group)
-    if q.algorithm == "awq":
-        return awq(weight, stats[name].abs_mean, stats[name].sample_rows, q.bits, group)
     return rtn(weight, q.bits, group)
 
 
@@ -111,19 +111,31 @@ def _rtn_by_rows(weights: WeightMap, spec: Spec, name: str, bits: int, group: in
                            bits=bits, group=group)
 
 
-def _smoothquant_groups(names, stats, weight_of, alpha: float) -> dict[str, QuantizedLinear]:
-    """W8A8 for every layer: linears fed by the same RMSNorm (q/k/v; gate/up) share one
-    smoothing scale, which the quantize_weights pass folds into that norm's weight."""
+def shared_input_groups(names: list[str]) -> list[list[str]]:
+    """``names`` grouped by the input they read: q/k/v of one layer (its input norm's output),
+    gate/up (the post-attention norm's); every other linear alone."""
     groups: dict[str, list[str]] = {}
     for name in names:
         leaf = name.rsplit(".", 1)[-1]
         shared = leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
         key = f"{name.rsplit('.', 2)[0]}.{'attn_in' if leaf in ('q_proj', 'k_proj', 'v_proj') else 'mlp_in'}" if shared else name
         groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _shared_scale_layers(names, stats, weight_of, spec: Spec) -> dict[str, QuantizedLinear]:
+    """W8A8 (SmoothQuant) and AWQ: linears that read one input share one input scale, which the
+    quantize_weights pass folds into the norm producing that input; {} for other algorithms."""
+    q = spec.quantization
+    if q.mode == "w8a8":
+        quantize = lambda weights, x: smoothquant(weights, x.abs_max, q.smoothquant_alpha)[0]  # noqa: E731
+    elif q.mode == "int4_weight_only" and q.algorithm == "awq":
+        quantize = lambda weights, x: awq_shared(weights, x.abs_mean, x.sample_rows, q.bits, q.group_size)  # noqa: E731
+    else:
+        return {}
     out = {}
-    for members in groups.values():
-        layers, _ = smoothquant([weight_of(n) for n in members], stats[members[0]].abs_max, alpha)
-        out.update(zip(members, layers))
+    for members in shared_input_groups(names):
+        out.update(zip(members, quantize([weight_of(n) for n in members], stats[members[0]])))
     return out
 
 
