@@ -21,8 +21,9 @@ def has_fp4(model: onnx.ModelProto) -> bool:
     return any(t.data_type == FP4 for t in model.graph.initializer)
 
 
-def simulate(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with every FP4 ``DequantizeLinear`` chain folded into a float initializer."""
+def simulate(model: onnx.ModelProto, base_dir: Path | str = "") -> onnx.ModelProto:
+    """``model`` with every FP4 ``DequantizeLinear`` chain folded into a float initializer; external
+    codes and scales are read relative to ``base_dir`` (the dir the model's data files lie in)."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {out: node for node in graph.node for out in node.output}
@@ -31,10 +32,10 @@ def simulate(model: onnx.ModelProto) -> onnx.ModelProto:
         codes_init = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
         if codes_init is None or codes_init.data_type != FP4:
             continue
-        codes = numpy_helper.to_array(codes_init).astype(np.float32)              # [in, out]
+        codes = numpy_helper.to_array(codes_init, base_dir).astype(np.float32)              # [in, out]
         scale_node = producers[node.input[1]]                                      # DQ(block scales, global)
-        blocks = numpy_helper.to_array(inits[scale_node.input[0]]).astype(np.float32)
-        global_scale = numpy_helper.to_array(inits[scale_node.input[1]])  # in the model's float type
+        blocks = numpy_helper.to_array(inits[scale_node.input[0]], base_dir).astype(np.float32)
+        global_scale = numpy_helper.to_array(inits[scale_node.input[1]], base_dir)  # in the model's float type
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         scales = np.repeat(blocks * global_scale.astype(np.float32), attrs["block_size"], axis=attrs.get("axis", 1))
         weight = (codes * scales).astype(global_scale.dtype)

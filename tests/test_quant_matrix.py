@@ -23,7 +23,7 @@ from trtbuild.builder import build as build_module
 from trtbuild.builder import numerics
 from trtbuild.builder.frontend.export import load_graph
 from trtbuild.builder.frontend.skeleton import truncated_model
-from trtbuild.builder.frontend.weight_map import WeightMap
+from trtbuild.checkpoint.weight_map import WeightMap
 from trtbuild.builder.passes import PIPELINE, PassContext
 from trtbuild.builder.passes.manager import PassManager
 from trtbuild.builder.passes.numerics_gate import NumericsGate
@@ -130,18 +130,11 @@ def simulated_greedy(torch_model, prompts, tokens: int) -> list[list[int]]:
     return out
 
 
-# Seen here, left to the numerics gate's owners: at TP 2 the NVFP4 codes the shard pass writes to
-# rankN.shard.data are read by plugins/fp4.simulate relative to the working directory.
-NVFP4_TP2 = pytest.mark.xfail(strict=True, reason="fp4.simulate reads the shard's external FP4 codes from the cwd")
-
-
 @pytest.mark.parametrize("tensor", [1, 2])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("model", ["tiny-code", "qwen2"])
 def test_every_mode_builds_through_the_cpu_stage_and_generates(exported, quantized, tmp_path, model, mode, tensor,
                                                                request):
-    if mode == "nvfp4" and tensor == 2:
-        request.applymarker(NVFP4_TP2)
     checkpoint, export, check, export_dir = exported(model)
     spec = spec_for(checkpoint, mode, tensor)
     layers, report, simulated = quantized(model, mode)

@@ -5,7 +5,6 @@ once every file and the manifest are written.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -16,6 +15,7 @@ from typing import Iterator
 
 from ..errors import UserError
 
+from ...contract.json_file import parse_json
 from ...contract.manifest import MANIFEST  # noqa: E402,F401  (re-exported for callers)
 
 
@@ -38,10 +38,10 @@ def _foreign_files(out: Path) -> str | None:
     if not out.is_dir():
         return "not a directory"
     try:
-        manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        manifest = parse_json((out / MANIFEST).read_bytes(), str(out / MANIFEST))  # nesting bounded
     except FileNotFoundError:
         return f"no {MANIFEST}"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return f"{MANIFEST} is not a trtbuild manifest"
     if not (isinstance(manifest, dict) and isinstance(manifest.get("schema_version"), int)
             and isinstance(manifest.get("files"), dict) and isinstance(manifest.get("ranks"), list)):

@@ -67,7 +67,7 @@ class NumericsGate(Instrument):
     def start_cpu_stage(self, rank_graphs, cpu_graph):
         if len(rank_graphs) != 1:
             return  # the CPU stage runs on single-rank graphs only (base.cpu_stage_skipped)
-        session = ort_config.session(self._runnable(self._model(rank_graphs[0]), "numerics.onnx"),
+        session = ort_config.session(self._runnable(self._model(rank_graphs[0], self.workdir), "numerics.onnx"),
                                      activations=self.activations)
         rank = lambda feeds: ort_config.run(session, feeds)  # noqa: E731
         if cpu_graph is CpuGraph.decode:
@@ -88,7 +88,7 @@ class NumericsGate(Instrument):
             return
         self.first = False
         try:
-            models = [self._model(graph) for graph in graphs]  # exported (and saved) once, for both checks
+            models = [self._model(graph, self.workdir) for graph in graphs]  # exported (and saved) once, for both checks
             single = self._runnable(models[0], "numerics.onnx") if len(models) == 1 else None
             outputs = self.run(models, single)
         except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
@@ -152,7 +152,7 @@ class NumericsGate(Instrument):
 
     def _check_cpu_graph(self, p, graph, records, ran) -> None:
         """A CPU-stage pass's graph at its step, against the rank graph and the graph before it."""
-        model = self._model(graph)
+        model = self._model(graph, self.workdir)
         kind = p.cpu.value
         try:
             outputs = numerics.run_onnx(self._runnable(model, "numerics_cpu.onnx"), self.cpu_inputs,
@@ -198,7 +198,9 @@ class NumericsGate(Instrument):
         return path
 
     @staticmethod
-    def _model(graph: gs.Graph) -> onnx.ModelProto:
+    def _model(graph: gs.Graph, weights_dir: Path | None) -> onnx.ModelProto:
+        """The graph as ONNX Runtime runs it: FP4 weights folded to float (it has no FP4 kernels),
+        their codes read from ``weights_dir``, where the graph's external data lies."""
         model = gs.export_onnx(graph)
-        return fp4.simulate(model) if fp4.has_fp4(model) else model  # ONNX Runtime has no FP4 kernels
+        return fp4.simulate(model, weights_dir or "") if fp4.has_fp4(model) else model
 
