@@ -32,10 +32,10 @@ def simulate(model: onnx.ModelProto, base_dir: Path | str = "") -> onnx.ModelPro
         codes_init = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
         if codes_init is None or codes_init.data_type != FP4:
             continue
-        codes = numpy_helper.to_array(codes_init, base_dir).astype(np.float32)              # [in, out]
+        codes = numpy_helper.to_array(codes_init, str(base_dir)).astype(np.float32)              # [in, out]
         scale_node = producers[node.input[1]]                                      # DQ(block scales, global)
-        blocks = numpy_helper.to_array(inits[scale_node.input[0]], base_dir).astype(np.float32)
-        global_scale = numpy_helper.to_array(inits[scale_node.input[1]], base_dir)  # in the model's float type
+        blocks = numpy_helper.to_array(inits[scale_node.input[0]], str(base_dir)).astype(np.float32)
+        global_scale = numpy_helper.to_array(inits[scale_node.input[1]], str(base_dir))  # in the model's float type
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         scales = np.repeat(blocks * global_scale.astype(np.float32), attrs["block_size"], axis=attrs.get("axis", 1))
         weight = (codes * scales).astype(global_scale.dtype)
