@@ -129,6 +129,7 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
 
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.cli import main
+    from trtbuild.builder.passes.quantize_weights import module_of
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
@@ -151,7 +152,7 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
     graph = onnx.load(tmp_path / "kept" / "rank0.onnx")
     arrays = {t.name: t for t in graph.graph.initializer}
     for name in ("layers.0.self_attn.q_proj", "layers.3.mlp.gate_proj"):
-        node = next(n for n in graph.graph.node if n.name == f"/model/{name.replace('.', '/')}/DequantizeLinear")
+        node = next(n for n in graph.graph.node if n.op_type == "DequantizeLinear" and module_of(n.name) == name)
         codes, scales = (numpy_helper.to_array(arrays[i]) for i in node.input[:2])  # [in, out], [in/32, out]
         expected_codes, expected_scales = file_codes(name)
         assert arrays[node.input[0]].data_type == onnx.TensorProto.INT4
