@@ -165,3 +165,11 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
     kept = [c.token_ids for c in LLM(tmp_path / "kept", backend="onnxruntime").generate(prompts, params)]
     floats = [c.token_ids for c in LLM(tmp_path / "float", backend="onnxruntime").generate(prompts, params)]
     assert kept == floats and all(len(tokens) == 16 for tokens in kept)
+
+
+def test_keep_gguf_codes_is_a_strict_boolean(gguf_files):
+    from trtbuild.builder.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"^quantization\.keep_gguf_codes: Input should be a valid boolean"):
+        spec_from_dict({"model": {"checkpoint": str(gguf_files["q4_0"])},
+                        "quantization": {"mode": "int4_weight_only", "keep_gguf_codes": "yes"}})
