@@ -11,6 +11,12 @@ What is kept (checkpoint/gguf_blocks.py reads the blocks):
   blocks share one scale: our int8 form is one scale per output channel, which cannot hold
   per-32 scales in general.
 Everything else is re-quantized from the dequantized values as usual, with the reason noted.
+
+Seen with TensorRT-RTX 1.7.1 building for sm89 (no GPU): int4 block_size 32 with codes −8 and
+negative scales builds; int8 with block_size 32 parses and builds too (so Q8_0 could be kept by
+an int8 mode with groups, which we do not have yet); a non-zero int4 zero point is refused
+("Non-zero zero point is not supported") and a uint4 initializer cannot be imported, so Q4_1 has
+no exact form.
 """
 from __future__ import annotations
 
