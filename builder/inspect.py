@@ -102,8 +102,8 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
 
 
 def _gguf_sources(records: list[dict]) -> list[str]:
-    """Per GGUF block type, how many quantized layers kept the file's codes or were re-quantized
-    (and why): the quantization report's ``source`` notes, as the quantize_weights record holds them."""
+    """Each GGUF source note (the file's codes kept, or re-quantized and why) with how many layers
+    have it: the quantization report's ``source`` entries, as the quantize_weights record holds them."""
     layers = next((r.get("layers") or {} for r in records if r["pass"] == "quantize_weights"), {})
     counts: dict[str, int] = {}
     for entry in layers.values():
