@@ -63,6 +63,7 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
            f"(verification S = {m['tree_size']}); output {m['output']}"] if (m := manifest.get("medusa")) else []),
         f"quantization {(q := manifest['spec'].get('quantization', {})).get('mode', 'none')}"
         + (f" ({q.get('algorithm')})" if q.get("mode") == "int4_weight_only" else ""),
+        *_gguf_sources(records),
         f"files        {len(manifest['files'])}, "
         f"{human_bytes(sum(f['bytes'] for f in manifest['files'].values()))}, "
         + ("all hashes verify" if not bad else f"MISMATCH: {bad}"),
@@ -98,6 +99,18 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
             if r.get("dump"):
                 lines.append(f"  graph after this pass: {r['dump']}")
     return "\n".join(lines)
+
+
+def _gguf_sources(records: list[dict]) -> list[str]:
+    """Each GGUF source note (the file's codes kept, or re-quantized and why) with how many layers
+    have it: the quantization report's ``source`` entries, as the quantize_weights record holds them."""
+    layers = next((r.get("layers") or {} for r in records if r["pass"] == "quantize_weights"), {})
+    counts: dict[str, int] = {}
+    for entry in layers.values():
+        if entry.get("source"):
+            counts[entry["source"]] = counts.get(entry["source"], 0) + 1
+    return [f"{'gguf codes' if i == 0 else '':<12} {source}: {count} layer{'s' if count > 1 else ''}"
+            for i, (source, count) in enumerate(counts.items())]
 
 
 def _grid_line(manifest: dict) -> str:

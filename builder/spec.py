@@ -150,6 +150,8 @@ class QuantizationSection(_Section):
     exclude: tuple[str, ...] = ("lm_head",)
     smoothquant_alpha: float = Field(0.5, ge=0.0, le=1.0, description="w8a8: migration strength")
     quantize_embeddings: StrictBool = Field(False, description="int8 per-row embedding table (DequantizeLinear → Gather)")
+    keep_gguf_codes: StrictBool = Field(True, description="a .gguf checkpoint's Q4_0 (Q8_0) blocks that the mode "
+                                        "represents keep their codes instead of being re-quantized")
     cpu_activations: Literal["float", "int8"] = Field(
         "float", description="ONNX Runtime (CPU) only: int8 quantizes the activations of int4/int8 weight-only "
                              "MatMuls on the fly (faster; the numerics check and eval measure the cost)")

@@ -98,6 +98,22 @@ class GGUFWeightMap(WeightMap):
         values = _unpermute(self._read(name, first, last).reshape(last - first, -1), head)  # [heads·D, in]
         return as_torch(values[start - first:stop - first].reshape(-1), entry, (stop - start, *entry.shape[1:]), dtype)
 
+    def blocks(self, name: str) -> tuple[str, np.ndarray]:
+        """A 2-D tensor's GGML type name and its raw blocks as stored, ``[rows, row bytes]``
+        uint8 (a copy), rows in Hugging Face's order: a block holds consecutive values of one
+        row, so un-permuting q/k rows moves whole blocks (checkpoint/gguf_blocks.py reads them)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        source, entry = self.sources[name], self.entry(name)
+        if len(entry.shape) != 2:
+            raise ValueError(f"{name}: blocks are read for 2-D tensors; shape {entry.shape}")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[source.type_name]]
+        rows, row_bytes = entry.shape[0], entry.shape[1] // block * type_size
+        raw = np.array(np.memmap(self.gguf.path, dtype=np.uint8, mode="r", offset=source.offset,
+                                 shape=(rows, row_bytes)))
+        head = self.rotary_rows.get(name)
+        return source.type_name, raw if head is None else _unpermute(raw, head)
+
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:
         """The flat values of rows [start, stop), in the entry's numpy dtype."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants

@@ -17,6 +17,7 @@ import torch
 from ...checkpoint.weight_map import WeightMap
 from ..spec import Spec, linear_names
 from .algorithms import QuantizedLinear, awq_shared, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
+from .gguf_codes import kept_codes
 from .calibrate import InputStats, block_of, calibration_batches, layer_by_layer
 from .store import QuantizedWriter, load_quantized  # noqa: F401  (load_quantized: re-exported for callers)
 
@@ -49,18 +50,26 @@ def quantize_checkpoint(weights: WeightMap, spec: Spec, out: Path, progress=prin
         results = {}
         shared = _shared_scale_layers(members, stats, weight_of, spec)
         for name in members:
-            if q.mode in ("int8_weight_only", "int4_weight_only") and q.algorithm == "rtn":
-                result = _rtn_by_rows(weights, spec, name, q.bits, q.group_size if q.bits == 4 else None)
-            else:
+            group = q.group_size if q.bits == 4 else None
+            result, source = kept_codes(weights, checkpoint_key(spec, name), q, q.bits, group)
+            if result is None and q.mode in ("int8_weight_only", "int4_weight_only") and q.algorithm == "rtn":
+                result = _rtn_by_rows(weights, spec, name, q.bits, group)
+            elif result is None:
                 result = _quantize(name, weight_of(name), stats, shared, spec)
             report[name] = _errors(weights, spec, name, result, stats[name].sample_rows if name in stats else None)
+            if source is not None:  # a GGUF block tensor: its codes kept, or why not
+                report[name]["source"] = source
             results[name] = result
             done += 1
-            progress(f"  quantized {name} ({done}/{len(names)}, {q.mode}, {q.algorithm})")
+            progress(f"  quantized {name} ({done}/{len(names)}, {q.mode}, {q.algorithm}){'; ' + source if source else ''}")
         writer.write(block, results)
     if q.quantize_embeddings:  # int8 per vocabulary row, whatever the linears' mode
-        result = _rtn_by_rows(weights, spec, "embed_tokens", 8, None)
+        result, source = kept_codes(weights, "model.embed_tokens.weight", q, 8, None, embedding=True)
+        if result is None:
+            result = _rtn_by_rows(weights, spec, "embed_tokens", 8, None)
         report["embed_tokens"] = _errors(weights, spec, "embed_tokens", result, None)
+        if source is not None:
+            report["embed_tokens"]["source"] = source
         writer.write("embed_tokens", {"embed_tokens": result})
     writer.finish(report)
     return report
