@@ -5,6 +5,7 @@ of the same weights, and the evaluation text.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def dequantized_dir(gguf: Path, out: Path) -> Path:
     staging = out.with_name(out.name + ".partial")  # nothing half-written under out's name
     model.save_pretrained(staging, safe_serialization=True)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+    # The config still says "quantization gguf", which other readers (onnxruntime-genai) refuse:
+    # the weights saved are plain float32.
+    config = json.loads((staging / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
     staging.rename(out)
     return out
 
