@@ -45,6 +45,7 @@ SPEC = REPO / "specs" / "smollm2-135m.yaml"
 SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8"]
 BUILD_MODES = ["float32", "float16", "int4-rtn-g64", "float32-from-dir"]
 LLAMA_KINDS = ["F32", "Q8_0", "Q4_1"]
+TRANSFORMERS = "transformers float32 (its GGUF reader)"
 
 
 def engine(name: str, gguf: Path, work: Path) -> tuple[Path, dict]:
@@ -80,8 +81,10 @@ def run_quality(modes: list[str], gguf: Path, work: Path, args) -> dict:
         print(f"  trtbuild {name}: {rows[f'trtbuild {name}']:.4f}", file=sys.stderr, flush=True)
     rows.update({f"trtbuild {name}": why for name, why in quality.NOT_BUILT.items()})
     ids = quality.token_ids(engine("float32", gguf, work)[0], text)
-    rows["transformers float32 (its GGUF reader)"] = quality.transformers_perplexity(gguf, ids, args.eval_tokens,
-                                                                                      args.threads)
+    if not args.peers:
+        return {"text": f"pydoc_data/topics.py prose, first {min(args.eval_tokens, len(ids))} of {len(ids)} tokens",
+                "perplexity": rows}
+    rows[TRANSFORMERS] = quality.transformers_perplexity(gguf, ids, args.eval_tokens, args.threads)
     if args.llama_cpp:
         for kind in LLAMA_KINDS:
             path = files.llama_cpp_file(gguf, kind, work)
@@ -134,6 +137,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: quality, speed, build")
     ap.add_argument("--no-genai", dest="genai", action="store_false")
     ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    ap.add_argument("--no-peers", dest="peers", action="store_false",
+                    help="perplexity of trtbuild's engines only (not transformers' and llama.cpp's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     gguf = files.require_gguf(args.gguf)
@@ -167,11 +172,12 @@ def _importable(module: str, how: str) -> bool:
 def print_report(report: dict, args) -> None:
     if report["quality"]:
         q = report["quality"]
-        base = q["perplexity"]["transformers float32 (its GGUF reader)"]
+        base_name = TRANSFORMERS if TRANSFORMERS in q["perplexity"] else "trtbuild float32"
+        base = q["perplexity"].get(base_name)
         print(f"perplexity, {q['text']}, windows of {quality.EVAL_CONTEXT}")
-        print(format_table([[name, f"{p:.4f}", f"{100 * (p / base - 1):+.3f} %"] if isinstance(p, float) else
-                            [name, p, ""] for name, p in q["perplexity"].items()],
-                           ["model", "perplexity", "vs transformers"]))
+        print(format_table([[name, f"{p:.4f}", "" if base is None else f"{100 * (p / base - 1):+.3f} %"]
+                            if isinstance(p, float) else [name, p, ""] for name, p in q["perplexity"].items()],
+                           ["model", "perplexity", f"vs {base_name}"]))
     if report["speed"]:
         print(f"\ndecode tok/s ({cpu_decode.PROMPT_LEN}-token random prompts, {cpu_decode.NEW_TOKENS} greedy tokens, "
               f"median of {args.repeats}, {args.threads} threads)")
