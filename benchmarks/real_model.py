@@ -150,6 +150,7 @@ def main() -> None:
         ap.error(f"--modes takes {', '.join(known)}; --skip takes quality, speed, build")
     args.genai &= _importable("onnxruntime_genai", 'pip install -e ".[bench]"')
     args.llama_cpp &= _importable("llama_cpp", "pip install llama-cpp-python (it compiles llama.cpp, minutes)")
+    args.work = args.work.resolve()  # specs written there name files by absolute path
     args.work.mkdir(parents=True, exist_ok=True)
     report = {"quality": None if "quality" in skip else run_quality(modes, gguf, args.work, args),
               "speed": None if "speed" in skip else run_speed(gguf, args.work, args),

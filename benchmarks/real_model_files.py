@@ -25,6 +25,7 @@ def dequantized_dir(gguf: Path, out: Path) -> Path:
     """The file's weights dequantized by transformers' own GGUF reader, saved as safetensors with
     its config and tokenizer. save_pretrained refuses a GGUF-loaded model, so the model is made
     anew from its config and given the loaded state dict."""
+    out = out.resolve()  # a spec names it from elsewhere
     if (out / "model.safetensors").is_file():
         return out
     import torch
