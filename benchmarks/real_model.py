@@ -186,11 +186,13 @@ def print_report(report: dict, args) -> None:
                              f"{r['prefill_tok_s']:.0f}"] for name, r in report["speed"].items()],
                            ["engine", "batch 1", "batch 8", "prefill tok/s (b1)"]))
     if report["build"]:
-        print("\nbuild: seconds per stage, peak RSS")
+        print("\nbuild: seconds per stage, peak RSS per process (MiB)")
         stages = list(dict.fromkeys(s for r in report["build"].values() for s in r["stages"]))
+        processes = list(dict.fromkeys(p for r in report["build"].values() for p in r["peaks"]))
         print(format_table([[name, *(f"{r['stages'].get(s, 0):.1f}" for s in stages), f"{r['total_s']:.1f}",
-                             f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"] for name, r in report["build"].items()],
-                           ["build", *stages, "total s", "peak RSS"]))
+                             *(f"{r['peaks'].get(p, 0) / 2**20:.0f}" for p in processes)]
+                            for name, r in report["build"].items()],
+                           ["build", *(s.split(" (")[0] for s in stages), "total s", *(f"{p} peak" for p in processes)]))
 
 
 if __name__ == "__main__":
