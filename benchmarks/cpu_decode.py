@@ -68,18 +68,21 @@ GENAI_INT4_A8 = "onnxruntime-genai int4 rtn b128, accuracy 4 (int8 activations, 
 LLAMA_CPP = "llama.cpp f16 (llama-cpp-python)"
 
 
-def build(out: Path, quantization: dict | None, workdir: Path) -> Path:
+def build(out: Path, quantization: dict | None, workdir: Path, spec: Path = REPO / "specs" / "tiny-code.yaml",
+          checkpoint: Path = CHECKPOINT) -> dict:
+    """``spec`` with model.checkpoint set to ``checkpoint`` (a dir or a .gguf) and ``quantization``
+    (none: the spec's own) built into ``out``; the build's --json summary (stages, process peaks)."""
     import yaml
 
-    spec = yaml.safe_load((REPO / "specs" / "tiny-code.yaml").read_text())
-    spec["model"]["checkpoint"] = str(CHECKPOINT)
+    spec_fields = yaml.safe_load(spec.read_text())
+    spec_fields["model"]["checkpoint"] = str(checkpoint)
     if quantization:
-        spec["quantization"] = quantization
+        spec_fields["quantization"] = quantization
     path = workdir / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out),
-                    "--log-level", "error"], check=True, capture_output=True)
-    return out
+    path.write_text(yaml.safe_dump(spec_fields))
+    done = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out),
+                           "--log-level", "error", "--json"], check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
 
 
 def gptq_int4(workdir: Path, int8_activations: bool = False) -> dict:
@@ -138,9 +141,12 @@ def trtbuild_perplexity(engine: Path, threads: int) -> float:
 
 # -- onnxruntime-genai ------------------------------------------------------------------------
 
-def genai_build(out: Path, precision: str, threads: int, accuracy_level: int | None = None) -> Path:
+def genai_build(out: Path, precision: str, threads: int, accuracy_level: int | None = None,
+                checkpoint: Path = CHECKPOINT) -> Path:
+    """onnxruntime-genai's model builder on ``checkpoint`` (a Hugging Face dir); ``accuracy_level``
+    with block 128, else its defaults."""
     extra = ["--extra_options", f"accuracy_level={accuracy_level}", "block_size=128"] if accuracy_level else []
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(CHECKPOINT), "-o", str(out),
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
                     "-p", precision, "-e", "cpu", "-c", str(out.parent / "cache"), *extra],
                    check=True, capture_output=True)
     config_path = out / "genai_config.json"
@@ -422,9 +428,10 @@ def main() -> None:
               "no llama.cpp row", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        fp32 = args.fp32_dir or build(work / "fp32", None, work)
-        int4 = args.int4_dir or build(work / "int4-gptq-g128", gptq_int4(work), work)
-        int4_a8 = args.int4_a8_dir or build(work / "int4-gptq-g128-a8", gptq_int4(work, int8_activations=True), work)
+        fp32 = args.fp32_dir or Path(build(work / "fp32", None, work)["out"])
+        int4 = args.int4_dir or Path(build(work / "int4-gptq-g128", gptq_int4(work), work)["out"])
+        int4_a8 = args.int4_a8_dir or Path(build(work / "int4-gptq-g128-a8", gptq_int4(work, int8_activations=True),
+                                                 work)["out"])
         vocab = json.loads((fp32 / "manifest.json").read_text())["model"]["vocab_size"]
         engines = {FP32: ("trtbuild", fp32), FP32_SINGLE: ("trtbuild-single", fp32),
                    INT4: ("trtbuild", int4), INT4_A8: ("trtbuild", int4_a8)}

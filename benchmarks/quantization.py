@@ -47,11 +47,13 @@ MODES += [("w8a8-smoothquant-a0.5", {"mode": "w8a8"}), ("fp8-e4m3-per-tensor", {
 TARGETS = {"fp8": "[sm89, sm120]", "nvfp4": "[sm120]"}
 
 
-def calibration_text(path: Path, limit: int = 400_000) -> Path:
+def calibration_text(path: Path, limit: int = 400_000, skip: frozenset[str] = frozenset()) -> Path:
+    """Every 7th training file of the stdlib, up to ``limit`` characters; ``skip``: paths relative
+    to the stdlib kept out (a benchmark's evaluation text)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     train, _ = split_files(corpus_files(root), root)
     text, size = [], 0
-    for file in train[::7]:
+    for file in [f for f in train if str(f.relative_to(root)) not in skip][::7]:
         text.append(read_text(file))
         size += len(text[-1])
         if size > limit:

