@@ -20,7 +20,7 @@ MODES += [("w8a8", "float32", {"mode": "w8a8"}), ("fp8", "float32", {"mode": "fp
           ("nvfp4", "float32", {"mode": "nvfp4"})]
 CALIBRATED = {"awq", "gptq"}
 # Keeping the file's own Q4_1 codes (quantized-in) is not a build mode of the product yet.
-NOT_BUILT = {"file-q4_1-codes": "not built (quantized-in is not implemented)"}
+NOT_BUILT = {"file-q4_1-codes": "not built: Q4_1's offset is no int4 zero point TensorRT takes (Q4_0 codes are kept)"}
 
 
 def token_ids(engine: Path, text: Path) -> list[int]:
