@@ -110,8 +110,8 @@ def test_cli_plan_json_and_errors(tmp_path):
     unknown = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-9-1t"], capture_output=True,
                              text=True)
     assert unknown.returncode == 2 and unknown.stderr.strip() == (
-        "error: llama-9-1t: neither a spec file, a checkpoint dir nor a known model (llama-3-70b, llama-3-8b, llama-3.1-405b, "
-        "mistral-7b, qwen2.5-7b)")
+        "error: llama-9-1t: neither a spec file, a checkpoint dir, a .gguf file nor a known model (llama-3-70b, "
+        "llama-3-8b, llama-3.1-405b, mistral-7b, qwen2.5-7b)")
 
 
 def plan_cli(*args) -> subprocess.CompletedProcess:
