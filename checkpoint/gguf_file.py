@@ -11,6 +11,7 @@ constants (type ids, block sizes) and, later, the dequantization.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import struct
@@ -71,11 +72,18 @@ class GGUFFile:
 
 def read_gguf(path: Path) -> GGUFFile:
     """The header of the GGUF file at ``path``; a CheckpointError naming the file and what is
-    wrong if it is not a well-formed GGUF file this builder can read."""
+    wrong if it is not a well-formed GGUF file this builder can read. Parsed once per file
+    version: a build asks for it from several places (spec, side files, weights, tokenizer)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file does not exist")
-    size = path.stat().st_size
+    status = path.stat()
+    return _parsed(path, status.st_size, status.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    """The header as read when the file had this size and time (a changed file is read again)."""
     if size < 24:
         raise CheckpointError(f"{path}: not a GGUF file ({size} bytes, shorter than its header)")
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:

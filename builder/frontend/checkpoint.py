@@ -14,8 +14,8 @@ from ...checkpoint.errors import CheckpointError
 from ...checkpoint.model import load_checkpoint_model
 from ...contract.json_file import read_json_object
 from ..errors import UserError
-from ...checkpoint.gguf_config import gguf_config, is_gguf
-from ...checkpoint.gguf_file import read_gguf
+from ...checkpoint.gguf_config import is_gguf
+from ...checkpoint.source import config_dict
 
 # Architectures whose decoder layer is the Llama block (GQA + RoPE + RMSNorm + SwiGLU).
 # Qwen3 adds an RMSNorm on each head's query and key; the rest differ only in config values.
@@ -52,7 +52,7 @@ class ArchConfig(BaseModel):
 def read_config(checkpoint: Path) -> dict:
     if is_gguf(checkpoint):
         try:
-            return gguf_config(read_gguf(checkpoint))
+            return config_dict(checkpoint)
         except CheckpointError as exc:
             raise UserError(str(exc)) from None
     path = Path(checkpoint) / "config.json"
