@@ -58,6 +58,7 @@ def engine(name: str, gguf: Path, work: Path) -> tuple[Path, dict]:
     dtype, fields = modes["float32"] if name == "float32-from-dir" else modes[name]
     checkpoint = files.dequantized_dir(gguf, work / "dequantized") if name == "float32-from-dir" else gguf
     spec = work / "engines" / f"{name}.spec.yaml"
+    spec.parent.mkdir(parents=True, exist_ok=True)
     spec.write_text(SPEC.read_text().replace("dtype: float32", f"dtype: {dtype}", 1))
     if fields:
         fields = dict(fields)
