@@ -133,7 +133,7 @@ def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa
     the heads' four vocabulary projections; a single plain step computes them for the next tree."""
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.scheduler import Step, StepKind
+    from trtbuild.runtime.step import Step, StepKind
 
     engine = OnnxRuntimeEngine(load(medusa_engine), threads=2)
     assert engine.drafts_on_demand
@@ -155,7 +155,7 @@ def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa
 def test_the_core_asks_for_heads_only_where_it_will_draft(medusa_engine, prompts):
     """Plain single steps (sampled rows decode step by step) compute the heads only when the
     policy will verify a tree next: never with speculation off, before each tree with it on."""
-    from trtbuild.runtime.scheduler import StepKind
+    from trtbuild.runtime.step import StepKind
 
     for size in (0, 8):
         llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)

@@ -48,7 +48,7 @@ def test_stage_caches_keep_their_global_layer_names():
 
 def test_micro_batches_split_rows_into_contiguous_slot_runs():
     from trtbuild.runtime.pipeline_parallel import micro_batches
-    from trtbuild.runtime.scheduler import Step, StepKind
+    from trtbuild.runtime.step import Step, StepKind
 
     step = Step(kind=StepKind.decode, first_slot=2, rids=("a", "b", "c", "d", "e"),
                 tokens=((1,), (2,), (3,), (4,), (5,)), starts=(7, 8, 9, 10, 11), samples=(True,) * 5)
