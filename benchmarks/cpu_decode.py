@@ -80,7 +80,7 @@ def build(out: Path, quantization: dict | None, workdir: Path, spec: Path = REPO
         spec_fields["quantization"] = quantization
     path = workdir / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(spec_fields))
-    done = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out),
+    done = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(path), "-o", str(out),
                            "--log-level", "error", "--json"], check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 

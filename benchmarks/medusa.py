@@ -40,7 +40,7 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 
 def build_engine(out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build",
+    subprocess.run([sys.executable, "-m", "trtbuild.cli", "build",
                     str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out), "--log-level", "error"],
                    check=True, capture_output=True)
 

@@ -27,7 +27,7 @@ from .backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import HostPools, PoolShape
-from .scheduler import Step, StepKind
+from .step import Step, StepKind
 
 
 # The Ifs' conditions; bindings point at these arrays, so they live as long as the module.

@@ -17,7 +17,7 @@ from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import DevicePools, PoolShape, device_alloc
 from .tensorrt_runtime import cuda_check, cuda_runtime, load_flavor
-from .scheduler import Step, StepKind
+from .step import Step, StepKind
 
 _ELEMENT = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 

@@ -11,7 +11,8 @@ from trtbuild.runtime.engine import step_arrays
 from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy, accept_typical
 from trtbuild.runtime.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import Draft, KeepPath, Phase, Request, Scheduler, StepKind
+from trtbuild.runtime.scheduler import Draft, Phase, Request, Scheduler
+from trtbuild.runtime.step import KeepPath, StepKind
 from trtbuild.runtime.speculation import EXPLORE_AFTER, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
 
 TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
