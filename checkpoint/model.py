@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..common.errors import first_line
 from .errors import CheckpointError
 from .gguf_config import is_gguf
 from .source import hf_config, open_weights
@@ -37,9 +38,8 @@ def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = No
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001  (a config transformers refuses)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = checkpoint if gguf else f"{checkpoint}/config.json"
-        raise CheckpointError(f"{where}: transformers cannot read it: {first}") from None
+        raise CheckpointError(f"{where}: transformers cannot read it: {first_line(exc)}") from None
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2/3) must match the count

@@ -1,6 +1,7 @@
 """No import circles among trtbuild's modules: builder, runtime, contract and plugins each read
 top-down (a module's imports never lead back to it), builder and runtime never import each
-other, and contract (the engine-dir format) and checkpoint (reading a user's checkpoint) import neither. Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (a
+other, contract (the engine-dir format) and checkpoint (reading a user's checkpoint) import neither,
+and common (helpers all of them use) imports no other trtbuild package. Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (a
 type that names its user back is a circle too, one the interpreter just does not run into)."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("builder", "runtime", "contract", "plugins", "checkpoint")
+PACKAGES = ("builder", "runtime", "contract", "plugins", "checkpoint", "common")
 
 
 def _module(path: Path) -> str:
@@ -115,3 +116,10 @@ def test_contract_and_checkpoint_import_neither_builder_nor_runtime():
     reaching = sorted((m, t) for m, targets in graph.items() for t in targets
                       if m.split(".")[0] in ("contract", "checkpoint") and t.split(".")[0] in ("builder", "runtime"))
     assert reaching == []
+
+
+def test_common_imports_no_other_trtbuild_package():
+    graph = import_graph()
+    reaching = sorted((m, t) for m, targets in graph.items() for t in targets
+                      if m.split(".")[0] == "common" and t.split(".")[0] != "common")
+    assert graph.keys() >= {"common.errors", "common.processes"} and reaching == []
