@@ -113,7 +113,7 @@ def _checkpoint_keys(step: LlamaStep, model: torch.nn.Module) -> dict[str, str]:
     hf_names = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         hf_names.setdefault(id(param), name)
-    return {name: checkpoint_key(model, hf_names[id(param)])
+    return {name: checkpoint_key(hf_names[id(param)], model.config.tie_word_embeddings)
             for name, param in step.named_parameters(remove_duplicate=False)}
 
 
