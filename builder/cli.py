@@ -181,7 +181,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
         raise UserError(f"{source}: neither a spec file, a checkpoint dir, a .gguf file nor a known model "
                         f"({', '.join(known_names())})")
     precision = precision or (QUANTIZATION_PRECISION.get(spec.quantization.mode) if spec else None) \
-        or ({"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value] if spec else "fp16")
+        or (spec.model.dtype.short if spec else "fp16")
     tp = tp or (spec.parallel.tensor if spec else 1)
     refusal = tensor_parallel_refusal(arch, tp)
     if refusal is not None:

@@ -17,7 +17,6 @@ started rank's stderr goes to a file rank 0 reads back), and stops every rank it
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import socket
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.processes import die_with_parent
 from ..plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from .engine_dir import EngineDir, load
@@ -146,14 +146,6 @@ def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks:
                              rank=rank, collective=TorchCollectives(group))
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the process that started it dies (even by SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _last_line(exc: BaseException) -> str:
     """The last line of the exception's traceback: ``Type: message``."""
     return traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[-1]
@@ -177,7 +169,7 @@ def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix
     """A rank process started by rank 0 on this machine (``python -m trtbuild.runtime.tensor_parallel``)."""
     import torch.distributed as dist
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to rank 0, which stops us
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))

@@ -2,7 +2,8 @@
 never lead back to it); the CLI (cli/) sits above the builder and the runtime and imports both;
 builder and runtime never import each other nor the CLI; and the packages both of them share
 (contract/, the engine-dir format; checkpoint/, reading a user's checkpoint; plugins/; the small
-shared packages) import none of the three. Every import counts: those inside functions, and those
+shared packages) import none of the three; common/ (helpers every package uses) imports no other
+trtbuild package. Every import counts: those inside functions, and those
 under ``if TYPE_CHECKING:`` (a type that names its user back is a circle too, one the interpreter
 just does not run into)."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The packages below the builder and the runtime that both may import.
-SHARED = ("contract", "checkpoint", "plugins", "medusa_math", "onnxruntime_cpu")
+SHARED = ("contract", "checkpoint", "plugins", "medusa_math", "onnxruntime_cpu", "common")
 PACKAGES = ("cli", "builder", "runtime", *SHARED)
 
 
@@ -134,3 +135,10 @@ def test_the_cli_imports_the_builder_and_the_runtime_normally():
     graph = import_graph()
     reached = {t.split(".")[0] for m, targets in graph.items() if m.split(".")[0] == "cli" for t in targets}
     assert {"builder", "runtime"} <= reached
+
+
+def test_common_imports_no_other_trtbuild_package():
+    graph = import_graph()
+    reaching = sorted((m, t) for m, targets in graph.items() for t in targets
+                      if m.split(".")[0] == "common" and t.split(".")[0] != "common")
+    assert graph.keys() >= {"common.errors", "common.processes"} and reaching == []
