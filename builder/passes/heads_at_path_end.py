@@ -64,6 +64,12 @@ def heads_at_path_end(model: onnx.ModelProto) -> Rewritten:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     out.graph.node.extend(nodes)  # sorted below: the path end reads the logits
+    names = {value.name for value in out.graph.input}
+    if "input_ids" not in names:  # a later pipeline stage reads hidden states: the tokens join them
+        tokens = next(value for value in out.graph.input if value.name == "position_ids")  # int32 [B, S] too
+        value = out.graph.input.add()
+        value.CopyFrom(tokens)
+        value.name = "input_ids"
     for value in out.graph.output:
         if value.name == "medusa_logits":  # [B, 1, K, V]
             value.type.tensor_type.shape.dim[1].ClearField("dim_param")
