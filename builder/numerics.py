@@ -149,14 +149,29 @@ def verify_inputs(inputs: dict[str, np.ndarray], run: Callable[[dict], dict]) ->
 
 def greedy_path_end(inputs: dict[str, np.ndarray], logits: np.ndarray) -> int:
     """The last node greedy acceptance keeps on verify_inputs' tree, from logits [1, T, V]."""
-    ids, node = inputs["input_ids"][0], 0
-    parents = VERIFY_TREE_PARENTS[:len(ids)]
-    while True:
-        target = int(np.argmax(logits[0, node]))
-        child = next((c for c in range(1, len(ids)) if parents[c] == node and ids[c] == target), None)
-        if child is None:
-            return node
-        node = child
+    return int(greedy_path_ends(inputs, logits)[0])
+
+
+def greedy_path_ends(inputs: dict[str, np.ndarray], logits: np.ndarray) -> np.ndarray:
+    """Each row's deepest logits row that greedy acceptance keeps (builder/passes/heads_at_path_end),
+    walked down the tree the step's mask draws: from row 0, to the row whose parent (the latest
+    row before it that it sees) is the current one and whose token is the current one's argmax.
+    logits [B, R, V] → [B]."""
+    index, ids, mask = inputs["logits_index"], inputs["input_ids"], inputs["attention_mask"][:, 0]
+    ends = np.zeros(len(index), np.int64)
+    for b, rows in enumerate(index):
+        start, count = int(inputs["write_index"][b]), int(inputs["kv_length"][b] - inputs["write_index"][b])
+        sees = mask[b][rows][:, start + rows]  # [R, R]
+        parent = [max((j for j in range(i) if sees[i, j]), default=-1) for i in range(len(rows))]
+        node = 0
+        while True:
+            target = int(np.argmax(logits[b, node]))
+            node = next((c for c in range(len(rows)) if parent[c] == node and rows[c] < count
+                         and ids[b, rows[c]] == target), None)
+            if node is None:
+                break
+            ends[b] = node
+    return ends
 
 
 def run_torch(step: torch.nn.Module, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:

@@ -15,7 +15,8 @@ from .json_file import read_json_object
 # and ``layers`` [start, stop) (the decoder layers, and so the KV-cache layers, it holds).
 # 5: ``side_files`` says of every file in SIDE_FILES whether the build wrote it; the runtime reads
 # only those listed (hashed) and refuses a dir holding one the build did not write.
-SCHEMA_VERSION = 5
+# 6: ``medusa_logits`` is [B, 1, K, V], the heads at each row's greedy path end (was [B, R, K, V]).
+SCHEMA_VERSION = 6
 
 # The files beside the ranks' that the runtime reads: the tokenizer, its config and chat template
 # (transformers 5 keeps the template in chat_template.jinja), the end-of-sequence ids

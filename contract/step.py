@@ -3,7 +3,9 @@
 inputs  ``input_ids``/``position_ids`` int32 [B, S], ``write_index``/``kv_length`` int64 [B],
         ``attention_mask`` bool [B, 1, S, S_max], ``logits_index`` int64 [B, R],
         ``past_{key,value}_{l}`` [B, H_kv, S_max, D] (updated in place)
-outputs ``logits`` float32 [B, R, V], ``medusa_logits`` [B, R, K, V] with heads,
+outputs ``logits`` float32 [B, R, V], ``medusa_logits`` [B, 1, K, V] with heads (at each row's
+        greedy path end: the deepest logits row whose token and ancestors' tokens are each
+        their parent's argmax, parents from the mask; builder/passes/heads_at_path_end),
         ``present_{key,value}_{l}`` (the same buffers as the past caches)
 """
 from __future__ import annotations

@@ -13,16 +13,15 @@ from .step import Step
 
 @dataclass(frozen=True)
 class StepOutput:
-    """float32 logits [B, R, V] and, when the engine has Medusa heads, medusa [B, R, K, V].
+    """float32 logits [B, R, V] and, when the engine has Medusa heads, medusa [B, 1, K, V].
 
-    R = 1 (each row's last new token) for prefill and decode; R = S for verification. The arrays
-    are valid until the engine's next call (a backend may reuse its output buffers).
-    ``medusa_at_path_end``: a verification's heads ran at one node a row, the end of the path
-    greedy acceptance keeps (the CPU verification graph): medusa is [B, 1, K, V] there."""
+    R = 1 (each row's last new token) for prefill and decode; R = S for verification. The heads
+    ran at one node a row, the end of the path greedy acceptance keeps (builder/passes/
+    heads_at_path_end; node 0 where R = 1). The arrays are valid until the engine's next call (a
+    backend may reuse its output buffers)."""
 
     logits: np.ndarray
     medusa: np.ndarray | None = None
-    medusa_at_path_end: bool = False
 
 
 class Engine(Protocol):

@@ -150,14 +150,12 @@ class EngineCore:
                 if params.top_logprobs:
                     state.top_logprobs.append(sampler.alternatives(out.logits[row, node], params.top_logprobs))
             sampled[rid] = token
-            if out.medusa is not None and out.medusa_at_path_end:
+            if out.medusa is not None:
                 # The heads ran at the greedy path's end only: a sampled row whose typical
                 # acceptance ended elsewhere drafts nothing this step (its next step is plain).
-                greedy_end = node if params.greedy else accept_greedy(tree, tokens, logits).last_node
-                if node == greedy_end:
+                greedy = params.greedy or tree is None  # a row without a tree ends at node 0
+                if node == (node if greedy else accept_greedy(tree, tokens, logits).last_node):
                     heads_at[rid] = out.medusa[row, 0]
-            elif out.medusa is not None:
-                heads_at[rid] = out.medusa[row, node]
         self.scheduler.commit(step, sampled, accepted, on_token)
         if policy is not None and heads_at:
             self._draft(policy, heads_at)

@@ -39,7 +39,7 @@ class _Bound:
     arrays: StepArrays
     binding: object              # onnxruntime.IOBinding
     logits: np.ndarray           # [B, R, V]
-    medusa: np.ndarray | None    # [B, R, K, V]
+    medusa: np.ndarray | None    # [B, 1, K, V]
     draft: np.ndarray | None     # the bound DRAFT_HEADS (a bool scalar), where the model has it
 
 
@@ -96,7 +96,7 @@ class OnnxRuntimeEngine:
             bound = self._bound.get(key) or self._bind(key)
             fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
             self.session.run_with_iobinding(bound.binding)
-            return StepOutput(logits=bound.logits, medusa=bound.medusa, medusa_at_path_end=True)
+            return StepOutput(logits=bound.logits, medusa=bound.medusa)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
@@ -118,7 +118,7 @@ class OnnxRuntimeEngine:
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return StepOutput(logits=outputs[0].numpy(),  # [B, R, V]
-                          medusa=outputs[1].numpy() if self.has_medusa else None)  # [B, R, K, V]
+                          medusa=outputs[1].numpy() if self.has_medusa else None)  # [B, 1, K, V]
 
     def greedy_run(self, step: Step) -> GreedyRun:
         if self.segments is not None:
@@ -167,7 +167,7 @@ class OnnxRuntimeEngine:
         logits = np.empty((batch, seq, d.vocab_size), np.float32)  # [B, R, V]
         binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         medusa = None
-        if self.has_medusa:  # a verification graph's heads: at one node a row (StepOutput.medusa_at_path_end)
+        if self.has_medusa:  # the heads: at one node a row (StepOutput)
             medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
             binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
         for name, pool in self.kv.pools.items():
@@ -186,7 +186,7 @@ class OnnxRuntimeEngine:
         """The rank graph piece by piece, this rank's collective between pieces; caches in place.
         ``hidden_states`` [B, S, D]: what the pipeline stage before wrote (None on the first stage).
         Returns the graph's outputs but the caches: logits [B, R, V] (and medusa_logits
-        [B, R, K, V]) on the last stage, hidden_states_out [B, S, D] on the others."""
+        [B, 1, K, V]) on the last stage, hidden_states_out [B, S, D] on the others."""
         rows = slice(step.first_slot, step.first_slot + len(step.rids))
         views = {name: ort.OrtValue.ortvalue_from_numpy(pool[rows]) for name, pool in self.kv.pools.items()}
         values: dict[str, object] = dict(step_arrays(step, self.engine_dir.max_seq_len).as_dict())

@@ -102,13 +102,13 @@ class StageRunner(CacheOpsOfEngine):
         source = (self.pipeline - 1) * self.tensor
         rows, batch = max(r for _, _, r in shapes), sum(b for b, _, _ in shapes)
         logits = np.zeros((batch, rows, self.vocab_size), np.float32)                    # [B, R, V]
-        medusa = (np.zeros((batch, rows, self.medusa_heads, self.vocab_size), np.float32)  # [B, R, K, V]
+        medusa = (np.zeros((batch, 1, self.medusa_heads, self.vocab_size), np.float32)  # [B, 1, K, V]
                   if self.medusa_heads else None)
         start = 0
         for b, _, r in shapes:
             logits[start:start + b, :r] = self._recv_host((b, r, self.vocab_size), source)
             if medusa is not None:
-                medusa[start:start + b, :r] = self._recv_host((b, r, self.medusa_heads, self.vocab_size), source)
+                medusa[start:start + b] = self._recv_host((b, 1, self.medusa_heads, self.vocab_size), source)
             start += b
         return StepOutput(logits=logits, medusa=medusa)
 

@@ -58,7 +58,8 @@ class TensorRTEngine:
                  "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
         self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items() if name in self.tensors}
         self.logits = device_alloc(cudart, _ok, b * rows * d.vocab_size * 4) if LOGITS in self.tensors else None
-        self.medusa = device_alloc(cudart, _ok, b * rows * self.num_heads * d.vocab_size * 4) if self.num_heads else None
+        # The heads ran at one node a row (builder/passes/heads_at_path_end): [B, 1, K, V].
+        self.medusa = device_alloc(cudart, _ok, b * self.num_heads * d.vocab_size * 4) if self.num_heads else None
         self.buckets = sorted(d.cuda_graph_batch_sizes)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch bucket, S) → CUDA graph
 
@@ -76,7 +77,7 @@ class TensorRTEngine:
         # long prompt still prefilling could own: it runs eagerly at its exact batch instead.
         bucket = self._bucket(rows) if step.kind == StepKind.decode and not step.verifies else None
         arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
-        batch, logit_rows = arrays.input_ids.shape[0], arrays.logits_index.shape[1]
+        logit_rows = arrays.logits_index.shape[1]
         key = (bucket, step.seq_len)
         self.upload(arrays)
         context = self.contexts[step.kind]
@@ -88,16 +89,19 @@ class TensorRTEngine:
                 raise RuntimeError("TensorRT execution failed")
             if bucket is not None:
                 self.graphs[key] = self._capture(context)
-        logits = np.empty((batch, logit_rows, self.dir.vocab_size), np.float32)
-        _ok(cudart.cudaMemcpyAsync(logits.ctypes.data, self.logits, logits.nbytes,
-                                   cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
-        medusa = None
-        if self.medusa is not None:
-            medusa = np.empty((batch, logit_rows, self.num_heads, self.dir.vocab_size), np.float32)
-            _ok(cudart.cudaMemcpyAsync(medusa.ctypes.data, self.medusa, medusa.nbytes,
-                                       cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        # To the host: the step's own rows (not a bucket's padding), the heads at one node each.
+        logits = self._to_host(self.logits, (rows, logit_rows, self.dir.vocab_size))  # [B, R, V]
+        medusa = None if self.medusa is None else self._to_host(self.medusa, (rows, 1, self.num_heads,
+                                                                              self.dir.vocab_size))  # [B, 1, K, V]
         _ok(cudart.cudaStreamSynchronize(self.stream))
-        return StepOutput(logits=logits[:rows], medusa=None if medusa is None else medusa[:rows])
+        return StepOutput(logits=logits, medusa=medusa)
+
+    def _to_host(self, address: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The first ``shape`` float32 elements at ``address``, copied on the stream (read after a sync)."""
+        out = np.empty(shape, np.float32)
+        self.ok(self.cudart.cudaMemcpyAsync(out.ctypes.data, address, out.nbytes,
+                                            self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        return out
 
     def upload(self, arrays) -> None:
         """The step's arrays that this engine reads, host → its input buffers, on its stream."""

@@ -2,7 +2,7 @@
 
 The stage receives ``hidden_states`` [B, S, D] into a device buffer and writes
 ``hidden_states_out`` [B, S, D] (or, on the last stage, ``logits`` [B, R, V] and
-``medusa_logits`` [B, R, K, V]) into device buffers; a transport (runtime/stage_transport.py)
+``medusa_logits`` [B, 1, K, V]) into device buffers; a transport (runtime/stage_transport.py)
 moves them between ranks. Each buffer holds max_batch slots' worth, and a micro-batch uses the
 region of its own slots (from ``first_slot``): the micro-batches of a step never share memory,
 so a stage may start micro-batch m + 1 while m is still being sent. Stage steps run eagerly at
@@ -33,7 +33,7 @@ class TensorRTStage(CacheOpsOfEngine):
         # One slot's region of each hand-off buffer: the most a row can hold.
         self.slot_hidden = engine.max_seq * self.hidden_size * engine.element.itemsize
         self.slot_logits = engine.max_rows * self.vocab_size * 4
-        self.slot_medusa = engine.max_rows * engine.num_heads * self.vocab_size * 4
+        self.slot_medusa = engine.num_heads * self.vocab_size * 4  # the heads at one node a row
 
         def buffer(name: str) -> int | None:
             if name not in engine.tensors:
@@ -78,7 +78,7 @@ class TensorRTStage(CacheOpsOfEngine):
                                           (batch, rows, self.vocab_size), np.dtype(np.float32))
         if e.medusa is not None:
             outputs[MEDUSA_LOGITS] = DeviceArray(e.medusa + step.first_slot * self.slot_medusa,
-                                                 (batch, rows, e.num_heads, self.vocab_size), np.dtype(np.float32))
+                                                 (batch, 1, e.num_heads, self.vocab_size), np.dtype(np.float32))
         for name, array in outputs.items():
             context.set_tensor_address(name, array.address)
         if not context.execute_async_v3(e.stream):

@@ -85,6 +85,7 @@ class SimulatedDevice:
     starts: list[int] = field(default_factory=list)        # sorted allocation bases
     buffers: dict[int, np.ndarray] = field(default_factory=dict)
     calls: Counter = field(default_factory=Counter)
+    copied: Counter = field(default_factory=Counter)  # bytes moved, by cudaMemcpyKind name
     last_fault: str = ""
     next_address: int = DEVICE_BASE
     graphs: list = field(default_factory=list)        # captured graphs not yet destroyed
@@ -120,6 +121,7 @@ class SimulatedDevice:
         if (self._is_device(dst), self._is_device(src)) != want:
             raise DeviceFault(cudaError_t.cudaErrorInvalidValue, f"{cudaMemcpyKind(kind).name} with dst {dst:#x}, "
                                                                  f"src {src:#x}")
+        self.copied[cudaMemcpyKind(kind).name] += nbytes
         source = self._span(src, nbytes).copy() if self._is_device(src) else \
             np.frombuffer(ctypes.string_at(src, nbytes), np.uint8)
         if self._is_device(dst):

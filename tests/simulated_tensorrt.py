@@ -123,7 +123,7 @@ class SimulatedContext:
             vocab = engine.manifest["model"]["vocab_size"]
             out_shapes[LOGITS] = ((batch, rows, vocab), np.float32)
             if MEDUSA_LOGITS in engine.outputs:
-                out_shapes[MEDUSA_LOGITS] = ((batch, rows, engine.manifest["medusa"]["num_heads"], vocab), np.float32)
+                out_shapes[MEDUSA_LOGITS] = ((batch, 1, engine.manifest["medusa"]["num_heads"], vocab), np.float32)
         for name in engine.outputs:
             if name.startswith("present_"):  # same shape as its past; in place when aliased
                 shape, dtype = shapes["past_" + name[len("present_"):]], engine.dtype

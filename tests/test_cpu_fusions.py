@@ -316,28 +316,40 @@ def test_int4_codes_concatenate_exactly_whatever_their_widths():
     assert numpy_helper.to_array(packed).tolist() == np.concatenate(codes, axis=1).tolist()
 
 
-def test_heads_at_path_end_run_the_heads_where_greedy_acceptance_ends():
-    """cpu_verify_heads_at_path_end on a planted LM head and one Medusa head: for trees whose
-    accepted path ends at the root, mid-tree or at a leaf, the graph's head logits equal the head
-    at runtime.medusa.accept_greedy's last node, and the logits are untouched."""
-    from trtbuild.builder.passes.cpu_verify_heads_at_path_end import heads_at_path_end
-    from trtbuild.contract.step import step_arrays
-    from trtbuild.runtime.medusa import Tree, accept_greedy
-
-    vocab, s_max = 8, 32
-    rng = np.random.default_rng(7)
+def _planted_heads_model(vocab: int, s_max: int, rng):
+    """An LM head and one Medusa head reading ``hidden`` [B, R, HIDDEN] (the rows at logits_index),
+    with the step inputs heads_at_path_end reads."""
     w_lm, w_head = (rng.standard_normal((HIDDEN, vocab)).astype(np.float32) for _ in range(2))
     axes = numpy_helper.from_array(np.array([2], np.int64), "axes")
     nodes = [helper.make_node("MatMul", ["hidden", "w_lm"], ["logits"], name="/model/lm_head/MatMul"),
              helper.make_node("MatMul", ["hidden", "w_head"], ["head"], name="/medusa_head.0/out/MatMul"),
              helper.make_node("Unsqueeze", ["head", "axes"], ["medusa_logits"], name="/medusa_head.0/out/Unsqueeze")]
-    inputs = [_tensor("hidden", [1, "S", HIDDEN]),
-              helper.make_tensor_value_info("input_ids", TensorProto.INT32, [1, "S"]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT32, [1, "S"]),
-              helper.make_tensor_value_info("write_index", TensorProto.INT64, [1]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, [1, 1, "S", s_max])]
-    model = _model(nodes, inputs, [_tensor("logits", [1, "S", vocab]), _tensor("medusa_logits", [1, "S", 1, vocab])],
+    inputs = [_tensor("hidden", ["B", "R", HIDDEN]),
+              helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["B", "S"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT32, ["B", "S"]),
+              helper.make_tensor_value_info("write_index", TensorProto.INT64, ["B"]),
+              helper.make_tensor_value_info("kv_length", TensorProto.INT64, ["B"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, ["B", 1, "S", s_max]),
+              helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["B", "R"])]
+    model = _model(nodes, inputs, [_tensor("logits", ["B", "R", vocab]), _tensor("medusa_logits", ["B", "R", 1, vocab])],
                    [numpy_helper.from_array(w_lm, "w_lm"), numpy_helper.from_array(w_head, "w_head"), axes])
+    return model, w_lm, w_head
+
+
+STEP_FEEDS = ("input_ids", "position_ids", "write_index", "kv_length", "attention_mask", "logits_index")
+
+
+def test_heads_at_path_end_run_the_heads_where_greedy_acceptance_ends():
+    """heads_at_path_end on a planted LM head and one Medusa head: for trees whose accepted path
+    ends at the root, mid-tree or at a leaf, the graph's head logits equal the head at
+    runtime.medusa.accept_greedy's last node, and the logits are untouched."""
+    from trtbuild.builder.passes.heads_at_path_end import heads_at_path_end
+    from trtbuild.contract.step import step_arrays
+    from trtbuild.runtime.medusa import Tree, accept_greedy
+
+    vocab, s_max = 8, 32
+    rng = np.random.default_rng(7)
+    model, w_lm, w_head = _planted_heads_model(vocab, s_max, rng)
     rewritten, count = _pair(heads_at_path_end(model))
     assert count == 1
     tree = Tree(((0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0), (0, 0, 1), (2,)))
@@ -350,12 +362,35 @@ def test_heads_at_path_end_run_the_heads_where_greedy_acceptance_ends():
         tokens = [5] + [int((logits[tree.parents[n]].argmax() + path[-1] - right[len(path) - 1]) % vocab)
                         for n, path in enumerate(tree.choices, start=1)]
         arrays = step_arrays([tokens], [3 + trial % 16], s_max, trees=[tree]).as_dict()
-        feeds = {"hidden": hidden, **{k: arrays[k] for k in ("input_ids", "position_ids", "write_index",
-                                                              "attention_mask")}}
-        out = _run(rewritten, feeds)
+        out = _run(rewritten, {"hidden": hidden, **{k: arrays[k] for k in STEP_FEEDS}})
         end = accept_greedy(tree, tokens, logits).last_node
         ends.add(end)
         np.testing.assert_allclose(out["logits"][0], logits, rtol=1e-5, atol=1e-5)
         assert out["medusa_logits"].shape == (1, 1, 1, vocab)
         np.testing.assert_allclose(out["medusa_logits"][0, 0, 0], hidden[0, end] @ w_head, rtol=1e-5, atol=1e-5)
     assert len(ends) >= 4 and 0 in ends and max(tree.depths[list(ends)]) == 3  # root, mid-tree and leaf ends
+
+
+def test_heads_at_path_end_stop_at_a_plain_rows_only_token_and_at_the_one_row_of_a_prefill():
+    """A verification step's plain row (one token, the rest padding) ends at its token even where
+    its padding happens to be the argmax chain; a prefill (R = 1, the last token's row) ends at it."""
+    from trtbuild.builder.passes.heads_at_path_end import heads_at_path_end
+    from trtbuild.contract.step import step_arrays
+    from trtbuild.runtime.medusa import Tree
+
+    vocab, s_max = 8, 32
+    rng = np.random.default_rng(8)
+    model, w_lm, w_head = _planted_heads_model(vocab, s_max, rng)
+    rewritten = heads_at_path_end(model).model
+    tree = Tree(((0,), (0, 0)))
+    hidden = rng.standard_normal((2, tree.size, HIDDEN)).astype(np.float32)
+    logits = hidden @ w_lm  # [B, T, V]
+    chain = [int(logits[0, 0].argmax()), int(logits[0, 1].argmax())]  # the tree row: accepted to its leaf
+    arrays = step_arrays([[5, *chain], [4]], [3, 9], s_max, trees=[tree, None]).as_dict()
+    arrays["input_ids"][1, 1:] = [logits[1, 0].argmax(), logits[1, 1].argmax()]  # padding that would be accepted
+    out = _run(rewritten, {"hidden": hidden, **{k: arrays[k] for k in STEP_FEEDS}})
+    np.testing.assert_allclose(out["medusa_logits"][:, 0, 0], hidden[[0, 1], [2, 0]] @ w_head, rtol=1e-5, atol=1e-5)
+    prefill = step_arrays([[1, 2, 3, 4, 5]], [0], s_max).as_dict()  # logits at the last token only
+    last = hidden[:1, :1]
+    out = _run(rewritten, {"hidden": last, **{k: prefill[k] for k in STEP_FEEDS}})
+    np.testing.assert_allclose(out["medusa_logits"][0, 0, 0], last[0, 0] @ w_head, rtol=1e-5, atol=1e-5)

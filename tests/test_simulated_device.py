@@ -79,6 +79,28 @@ def test_medusa_verification_and_keep_path_match_plain_decoding(device, medusa_e
     assert outs == cpu_tokens(medusa_engine, PROMPTS[:4], medusa_tree_size=0)
 
 
+def test_a_verification_copies_to_the_host_only_what_the_core_reads(device, medusa_engine, monkeypatch):
+    """Per verification step, device → host: the logits of each row's tree nodes (the core accepts
+    from them) and the heads at one node a row (it drafts from those), nothing of the padding or
+    of the other nodes' heads (B·R·K·V was ≈ 1 GB a step at B = 8, R = 64, K = 4, V = 128k)."""
+    llm = gpu(medusa_engine, medusa_tree_size=63)
+    engine, vocab, heads = llm.engine, llm.engine.dir.vocab_size, llm.engine.dir.medusa["num_heads"]
+    step, verifications = engine.step, []
+
+    def counted(s):
+        before = device.copied["cudaMemcpyDeviceToHost"]
+        out = step(s)
+        if s.verifies:
+            verifications.append((device.copied["cudaMemcpyDeviceToHost"] - before, len(s.rids), s.seq_len))
+        return out
+
+    monkeypatch.setattr(engine, "step", counted)
+    llm.generate(PROMPTS[:4], GREEDY)
+    assert verifications and any(rows > 1 for _, rows, _ in verifications)
+    for copied, rows, seq in verifications:
+        assert copied == rows * seq * vocab * 4 + rows * heads * vocab * 4, (rows, seq)
+
+
 # -- planted bugs: the simulation must notice them ---------------------------------------------
 
 def keep_path_off_by_one(self, slot, start, nodes):

@@ -42,8 +42,7 @@ def _branch(model: onnx.ModelProto, tag: str, outputs: list[str]) -> onnx.GraphP
     for node in graph.node:
         for i, name in enumerate(node.output):
             node.output[i] = rename.get(name, name)
-        for i, name in enumerate(node.input):
-            node.input[i] = rename.get(name, name)
+        _rename_reads(node, rename)
     read = {name for node in graph.node for name in node.input}
     graph.initializer.extend(t for t in model.graph.initializer if t.name in read)
     for value in model.graph.output:
@@ -119,15 +118,27 @@ def _attribute(node: onnx.NodeProto, name: str):
     return next(helper.get_attribute_value(a) for a in node.attribute if a.name == name)
 
 
+def _rename_reads(node: onnx.NodeProto, rename: dict[str, str]) -> None:
+    """``node``'s inputs renamed, and those its subgraphs read from the outer scope (the
+    draft_heads If's heads read the step's logits: builder/passes/heads_at_path_end)."""
+    for i, name in enumerate(node.input):
+        node.input[i] = rename.get(name, name)
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            inner = {name for n in graph.node for name in n.output}  # a subgraph's own values keep their names
+            for n in graph.node:
+                _rename_reads(n, {k: v for k, v in rename.items() if k not in inner})
+
+
 def _branch_model(step: onnx.ModelProto, branch: onnx.GraphProto, names) -> onnx.ModelProto:
     """``branch`` with the step's inputs and its outputs renamed to ``names``."""
     graph = onnx.GraphProto()
     graph.CopyFrom(branch)
     rename = {value.name: name for name, value in zip(names, graph.output)}
     for inner in graph.node:
-        for values in (inner.input, inner.output):
-            for i, value in enumerate(values):
-                values[i] = rename.get(value, value)
+        for i, value in enumerate(inner.output):
+            inner.output[i] = rename.get(value, value)
+        _rename_reads(inner, rename)
     for value in graph.output:
         value.name = rename[value.name]
     graph.input.extend(i for i in step.graph.input if i.name not in (PLAIN_DECODE, TREE_VERIFY)

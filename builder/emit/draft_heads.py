@@ -27,9 +27,9 @@ def heads_on_demand(decode: onnx.ModelProto) -> onnx.ModelProto:
     head_nodes = [n for i, n in enumerate(graph.node) if i in heads]
     rest = [n for i, n in enumerate(graph.node) if i not in heads]
     read_by_rest = {name for node in rest for name in node.input}
+    # The heads may read a step output (heads_at_path_end's acceptance reads the logits): the
+    # branch reads it from the outer scope, like every other value the rest computes.
     read_by_heads = {name for node in head_nodes for name in node.input}
-    if read_by_heads & set(outputs):
-        raise ValueError("the Medusa heads read a step output: they cannot move into a branch")
     value = next(o for o in graph.output if o.name == MEDUSA_LOGITS)
     dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
     if len(dims) != 4 or not dims[2] or not dims[3]:

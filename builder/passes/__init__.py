@@ -5,7 +5,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 G_LOGGER.severity = G_LOGGER.ERROR
 from .attach_medusa import attach_medusa
 from .base import CpuGraph, Pass, PassContext, PassError, PassResult
-from . import cpu_drop_row_gather, cpu_group_query_attention, cpu_pack_qkv, cpu_skip_norm, cpu_verify_heads_at_path_end
+from . import cpu_drop_row_gather, cpu_group_query_attention, cpu_pack_qkv, cpu_skip_norm, heads_at_path_end
 from .canonicalize import canonicalize
 from .fuse_attention import fuse_attention
 from .fuse_rmsnorm import fuse_rmsnorm
@@ -40,15 +40,14 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("split_pipeline_stages", split_pipeline_stages, per_rank=True),
     Pass("shard_tensor_parallel", shard_tensor_parallel, per_rank=True),
     Pass("attach_medusa", attach_medusa, requires=("canonicalize",), per_rank=True),
+    Pass("heads_at_path_end", model_pass("heads_at_path_end", heads_at_path_end.rewrite, heads_at_path_end.expected),
+         requires=("attach_medusa",), per_rank=True),
     Pass("plan_cuda_graphs", plan_cuda_graphs, per_rank=True),
     # The CPU stage, per rank: copies of the finished rank graph become the graphs ONNX Runtime
     # runs at plain decode steps and, with Medusa heads, at verifications of one row
     # (rankN.cpu.onnx; base.cpu_graphs_made says which a build makes).
     *_cpu_passes(CpuGraph.decode, "cpu_group_query_attention", cpu_group_query_attention.rewrite, "cpu_"),
     *_cpu_passes(CpuGraph.verify, "cpu_verify_attention", cpu_group_query_attention.rewrite_verify, "cpu_verify_"),
-    Pass("cpu_verify_heads_at_path_end", model_pass("cpu_verify_heads_at_path_end", cpu_verify_heads_at_path_end.rewrite,
-                                                    cpu_verify_heads_at_path_end.expected),
-         requires=("attach_medusa", "cpu_verify_attention"), per_rank=True, cpu=CpuGraph.verify),
 )
 
 __all__ = ["CpuGraph", "PIPELINE", "Pass", "PassContext", "PassError", "PassResult"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
@@ -98,9 +99,11 @@ class NumericsGate(Instrument):
         use_quantized = quantized and self.quantized_reference is not None
         reference = self.quantized_reference if use_quantized else self.reference
         not_yet = frozenset(name for name in reference if name not in self.produced)
+        reference = self._at_rows_of(outputs, reference, self.inputs)
         try:
             vs_torch = numerics.compare(outputs, reference, not_yet)
-            vs_previous = numerics.compare(outputs, self.previous) if self.previous is not None else None
+            vs_previous = (numerics.compare(outputs, self._at_rows_of(outputs, self.previous, self.inputs))
+                           if self.previous is not None else None)
         except numerics.DroppedOutput as exc:
             raise PassError(f"pass {p.name}: {exc}{after(ran)}") from None
         self.previous = outputs
@@ -109,7 +112,8 @@ class NumericsGate(Instrument):
         rtol = self.quantized_rtol if use_quantized else self.rtol
         record = {**self.label, "vs_torch": numerics.worst(vs_torch), "atol": self.atol, "rtol": rtol}
         if use_quantized:
-            record["vs_torch_float"] = numerics.worst(numerics.compare(outputs, self.reference, not_yet))
+            record["vs_torch_float"] = numerics.worst(numerics.compare(
+                outputs, self._at_rows_of(outputs, self.reference, self.inputs), not_yet))
         if vs_previous is not None:
             record["vs_previous"] = numerics.worst(vs_previous)
         if len(graphs) > 1:
@@ -160,8 +164,8 @@ class NumericsGate(Instrument):
         except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
             raise PassError(f"pass {p.name} left a {kind} graph ONNX Runtime cannot run: {first_line(exc)}{after(ran)}") from exc
         try:
-            vs_rank = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_reference))
-            vs_previous = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_previous))
+            vs_rank = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_reference, self.cpu_inputs))
+            vs_previous = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_previous, self.cpu_inputs))
         except numerics.DroppedOutput as exc:
             raise PassError(f"pass {p.name}: {exc}{after(ran)}") from None
         self.cpu_previous = outputs
@@ -179,14 +183,16 @@ class NumericsGate(Instrument):
                             f"(max_rel {stat.max_rel:.3g}) vs the rank graph exceeds atol {self.atol} / rtol "
                             f"{rtol}{after(ran)}")
 
-    def _at_rows_of(self, outputs: dict, reference: dict) -> dict:
-        """``reference`` where ``outputs`` has the heads at the greedy path's end only
-        (cpu_verify_heads_at_path_end): its heads at that node, which the check's tree makes
-        two deep."""
-        medusa = outputs.get(MEDUSA_LOGITS)
-        if medusa is None or self.path_end is None or medusa.shape[1] == reference[MEDUSA_LOGITS].shape[1]:
+    @staticmethod
+    def _at_rows_of(outputs: dict, reference: dict, inputs: dict) -> dict:
+        """``reference`` where ``outputs`` has the heads at each row's greedy path end only
+        (heads_at_path_end) and it has them at every logits row: its heads at that row, found
+        from its own logits on ``inputs``."""
+        medusa, heads = outputs.get(MEDUSA_LOGITS), reference.get(MEDUSA_LOGITS)
+        if medusa is None or heads is None or medusa.shape[1] == heads.shape[1]:
             return reference
-        return {**reference, MEDUSA_LOGITS: reference[MEDUSA_LOGITS][:, self.path_end:self.path_end + 1]}
+        ends = numerics.greedy_path_ends(inputs, reference["logits"])  # [B]
+        return {**reference, MEDUSA_LOGITS: heads[np.arange(len(ends)), ends][:, None]}  # [B, 1, K, V]
 
     def _runnable(self, model: onnx.ModelProto, name: str) -> onnx.ModelProto | Path:
         """``model``, or saved in the workdir, where its external weights resolve."""
