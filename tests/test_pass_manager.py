@@ -40,6 +40,14 @@ def test_disabling_a_required_pass_is_refused_before_anything_runs():
         PassManager(PIPELINE, disabled=frozenset({"canonicalize"}))
 
 
+def test_heads_at_path_end_cannot_be_disabled_alone():
+    """A Medusa engine's medusa_logits are [B, 1, K, V] only after heads_at_path_end; without it the
+    runtime would misread [B, R, K, V]. Disabling both (no heads) is fine."""
+    with pytest.raises(PassError, match="pass heads_at_path_end cannot be disabled while attach_medusa runs"):
+        PassManager(PIPELINE, disabled=frozenset({"heads_at_path_end"}))
+    PassManager(PIPELINE, disabled=frozenset({"heads_at_path_end", "attach_medusa"}))
+
+
 def test_requirement_must_run_earlier():
     passes = (Pass("b", identity, requires=("a",)), Pass("a", identity))
     with pytest.raises(PassError, match="pass b requires a to run before it"):

@@ -41,7 +41,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("shard_tensor_parallel", shard_tensor_parallel, per_rank=True),
     Pass("attach_medusa", attach_medusa, requires=("canonicalize",), per_rank=True),
     Pass("heads_at_path_end", model_pass("heads_at_path_end", heads_at_path_end.rewrite, heads_at_path_end.expected),
-         requires=("attach_medusa",), per_rank=True),
+         requires=("attach_medusa",), per_rank=True, runs_with="attach_medusa"),
     Pass("plan_cuda_graphs", plan_cuda_graphs, per_rank=True),
     # The CPU stage, per rank: copies of the finished rank graph become the graphs ONNX Runtime
     # runs at plain decode steps and, with Medusa heads, at verifications of one row

@@ -111,6 +111,9 @@ class Pass:
     requires: tuple[str, ...] = ()  # passes that must be enabled and run earlier
     per_rank: bool = False          # runs on each rank's graph (the first such pass is the 1 → N split)
     cpu: CpuGraph | None = None     # the CPU graph it makes (per rank, after every other pass)
+    # A pass whose output the engine contract depends on once this other pass runs (heads_at_path_end:
+    # medusa_logits [B, 1, K, V] once attach_medusa adds the heads): disabled alone, it is refused.
+    runs_with: str | None = None
 
 
 class PassError(UserError):

@@ -64,6 +64,10 @@ class PassManager:
         seen: set[str] = set()
         split = cpu = None
         cpu_done: set[CpuGraph] = set()  # CPU graphs whose passes are over
+        for p in self.passes:
+            if p.runs_with and p.name in self.disabled and p.runs_with not in self.disabled:
+                raise PassError(f"pass {p.name} cannot be disabled while {p.runs_with} runs: the engine's outputs "
+                                f"depend on it; disable both or neither")
         for p in self.enabled:
             for need in p.requires:
                 if need in self.disabled:
