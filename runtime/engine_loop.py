@@ -54,6 +54,7 @@ class Subscriber(Protocol):
 
 @dataclass(frozen=True)
 class Sink:
+    """Where one request's outputs go: its reader, and the request's index there."""
     subscriber: Subscriber
     index: int = 0
 
@@ -105,10 +106,11 @@ class EngineLoop:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the LLM is closed")
-            rids = [rid for rid, _, _ in jobs]
-            taken = next((rid for i, rid in enumerate(rids) if rid in self._open or rid in rids[:i]), None)
-            if taken is not None:
-                raise ValueError(f"request id {taken!r} is already in use")
+            seen: set[str] = set()
+            for rid, _, _ in jobs:
+                if rid in self._open or rid in seen:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                seen.add(rid)
             for rid, request, sink in jobs:
                 self._open[rid] = sink
                 self._inbox.append(_Arrival(Request(rid=rid, prompt=request.tokens, params=request.params), now))
@@ -203,8 +205,8 @@ class EngineLoop:
         with self._lock:
             sinks = {rid: self._open.get(rid) for rid in pieces}
             for completion in completions:
-                if self._open.pop(completion.rid, None) not in (None, _DROPPED):
-                    self._subscribed -= 1
+                sink = self._open.pop(completion.rid, None)
+                self._subscribed -= sink is not None and sink is not _DROPPED
         for rid, mine in pieces.items():
             sink = sinks[rid]
             if sink is not None:
@@ -219,7 +221,7 @@ class EngineLoop:
         the next step that runs."""
         self.outputs.finish([])  # the failed step's half-made pieces
         with self._lock:
-            failed = {rid: sink for rid, sink in self._open.items() if sink not in (None, _DROPPED)}
+            failed = {rid: sink for rid, sink in self._open.items() if sink is not None and sink is not _DROPPED}
             queued = {a.request.rid for a in self._inbox} & failed.keys()
             self._inbox = [a for a in self._inbox if a.request.rid not in queued]
             for rid in failed:

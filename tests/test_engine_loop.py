@@ -145,6 +145,9 @@ def test_the_engine_loop_takes_only_requests_its_input_processor_checked(llm):
     other = InputProcessor(llm.tokenizer, llm.engine_dir)   # same rules, not this LLM's
     with pytest.raises(TypeError, match="ValidRequests made by this LLM's input processor"):
         llm.loop.submit([("foreign", other.process([5, 6], GREEDY), None)])
+    valid = llm.inputs.process([5, 6], GREEDY)
+    with pytest.raises(ValueError, match="request id 'twice' is already in use"):
+        llm.loop.submit([("twice", valid, None), ("twice", valid, None)])  # all or none
     assert not llm.has_work()
 
 
