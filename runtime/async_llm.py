@@ -15,13 +15,17 @@ import asyncio
 import threading
 from typing import AsyncIterator
 
-from .engine_loop import EngineFailure, Sink
+from .engine_loop import Sink
 from .input_processor import ValidRequest
 from .llm import LLM
 from .outputs import Delta
 from .sampling import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineFailure", "RequestGroup"]
+
+
+class EngineFailure(RuntimeError):
+    """A step failed (or the LLM was closed) while the group's requests were open."""
 
 
 class _StepFailed:
@@ -83,7 +87,7 @@ class RequestGroup:
             raise StopAsyncIteration
         index, item = await self.queue.get()
         if isinstance(item, _StepFailed):
-            raise EngineFailure.of(item.error)
+            raise EngineFailure(f"generation failed: {type(item.error).__name__}: {item.error}") from item.error
         if isinstance(item, BaseException):
             raise item
         if item.finished:

@@ -32,16 +32,6 @@ from .outputs import Completion, Delta
 from .scheduler import Request
 
 
-class EngineFailure(RuntimeError):
-    """A step failed (or the LLM was closed) while the request was open."""
-
-    @classmethod
-    def of(cls, error: BaseException) -> "EngineFailure":
-        failure = cls(f"generation failed: {type(error).__name__}: {error}")
-        failure.__cause__ = error
-        return failure
-
-
 class Subscriber(Protocol):
     """A front end's reader of one or more requests' outputs (called on the stepping thread)."""
 

@@ -170,8 +170,8 @@ class LLM:
 
     def generate(self, prompts: list[str] | str | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Completion]:
-        """Completions in prompt order. Every request is validated before any runs; raises
-        EngineFailure if a step fails meanwhile."""
+        """Completions in prompt order. Every request is validated before any runs; a step that
+        fails meanwhile raises its error here."""
         single = isinstance(prompts, str)
         prompts = [prompts] if single else list(prompts)
         params_list = params if isinstance(params, list) else [params or self.default_params()] * len(prompts)

@@ -1,11 +1,12 @@
 """What ``LLM.generate`` and ``LLM.stream`` read their own requests' outputs from: subscribers
-(runtime/engine_loop.py) that the stepping thread fills and the caller's thread blocks on."""
+(runtime/engine_loop.py) that the stepping thread fills and the caller's thread blocks on. A
+failed step's error is raised to the caller as it was raised (a tensor-parallel RankFailure
+stays one, for the CLI to name the rank)."""
 from __future__ import annotations
 
 import queue
 import threading
 
-from .engine_loop import EngineFailure
 from .outputs import Completion, Delta
 
 
@@ -34,7 +35,7 @@ class CompletionWaiter:
     def wait(self) -> list[Completion]:
         self._event.wait()
         if self._error is not None:
-            raise EngineFailure.of(self._error)
+            raise self._error
         return self.done
 
 
@@ -53,5 +54,5 @@ class DeltaQueue:
     def get(self) -> list[Delta]:
         item = self._queue.get()
         if isinstance(item, Exception):
-            raise EngineFailure.of(item)
+            raise item
         return item
