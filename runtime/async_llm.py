@@ -1,35 +1,65 @@
 """``AsyncLLM``: async streaming over one ``LLM`` (what the server builds on), a thin front like
-``LLM`` itself: requests are validated by LLM's input processor, stepped by its engine core,
-and their deltas made by its output processor (streamed text holds back what could begin a
-stop string, so the pieces join to the completion's text).
+``LLM`` itself: requests are checked by LLM's input processor (or arrive checked, as the server's
+do), stepped by its engine loop, and their deltas made by its output processor (streamed text
+holds back what could begin a stop string, so the pieces join to the completion's text).
 
-A driver task runs engine steps in a worker thread while any request lives and puts each
-request's delta of a step (the pieces of a multi-step greedy run joined) straight into the queue
-of the group it was submitted in: a server request's choices are one group, read as one stream,
-so a token passes one queue between the engine and the response.
-Submitting never waits for a running step (LLM.submit takes the request into an inbox), a group
-that is left early (a client disconnects, a task is cancelled) aborts what is still running, and
-a failing step ends every open group with that error instead of leaving it hanging.
-"""
+A ``RequestGroup`` is the requests submitted together (a server request's choices) and their
+reader: the engine loop's thread hands it each request's delta of a step (a greedy run's pieces
+joined) through the event loop's mailbox, one wake-up of the event loop per step for all its
+groups, so a token passes one queue between the engine and the response. Submitting never waits
+for a running step, a group that is left early (a client disconnects, a task is cancelled)
+aborts what still runs, and a failing step ends every open group with that error."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import AsyncIterator
 
+from .engine_loop import Sink
+from .input_processor import ValidRequest
 from .llm import LLM
 from .outputs import Delta
 from .sampling import SamplingParams
 
+__all__ = ["AsyncLLM", "EngineFailure", "RequestGroup"]
+
 
 class EngineFailure(RuntimeError):
-    """The step loop failed; every request in flight ends with this."""
+    """A step failed (or the LLM was closed) while the group's requests were open."""
 
 
 class _StepFailed:
-    """What the driver queues when a step fails: each group raises its own EngineFailure from it."""
+    """What a failed step queues: the group raises its EngineFailure from it."""
 
     def __init__(self, error: Exception):
         self.error = error
+
+
+class _Mailbox:
+    """Items from the stepping thread to one event loop: one ``call_soon_threadsafe`` (a wake-up)
+    for what a step posts, not one per item."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, tuple]] = []
+
+    def post(self, queue: asyncio.Queue, item: tuple) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:  # a delivery is already scheduled
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed: nobody reads these
+            with self._lock:
+                self._items.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 class RequestGroup:
@@ -37,8 +67,8 @@ class RequestGroup:
     make them (the index: the request's place in the submission); it ends when each has sent
     its finished delta. ``close()`` (or leaving ``async with``) aborts those still running."""
 
-    def __init__(self, owner: "AsyncLLM", rids: list[str]):
-        self.rids, self._owner = rids, owner
+    def __init__(self, llm: LLM, rids: list[str], mailbox: _Mailbox):
+        self.rids, self._llm, self._mailbox = rids, llm, mailbox
         # (index, Delta); (-1, an exception interrupt() raises); or (-1, _StepFailed)
         self.queue: asyncio.Queue = asyncio.Queue()
         self._open = set(range(len(rids)))
@@ -71,7 +101,17 @@ class RequestGroup:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._owner._release(self, [self.rids[i] for i in self._open])
+            for index in self._open:
+                self._llm.abort(self.rids[index])  # the slot is freed at the next step
+
+    # -- the engine loop's side (its thread): a Subscriber -------------------------------------
+    def put(self, index: int, pieces: list[Delta]) -> None:
+        # One delta per request per step: a greedy run's tokens reach the stream (and a server's
+        # client) as one piece, not as many wake-ups, events and writes.
+        self._mailbox.post(self.queue, (index, Delta.joined(pieces)))
+
+    def fail(self, error: Exception) -> None:
+        self._mailbox.post(self.queue, (-1, _StepFailed(error)))
 
     async def __aenter__(self) -> "RequestGroup":
         return self
@@ -83,23 +123,20 @@ class RequestGroup:
 class AsyncLLM:
     def __init__(self, llm: LLM):
         self.llm = llm
-        self._routes: dict[str, tuple[RequestGroup, int]] = {}   # rid → its group and index there
-        self._driver: asyncio.Task | None = None
+        self._mailbox: _Mailbox | None = None
 
-    def submit(self, jobs: list[tuple[str | list[int], SamplingParams]], rids: list[str]) -> RequestGroup:
-        """Submits every job now (each validated by LLM.submit; if one is refused, those before it
-        are aborted and the ValueError raised), and starts stepping."""
+    def submit(self, jobs: list[ValidRequest | tuple[str | list[int], SamplingParams]], rids: list[str]) -> RequestGroup:
+        """Submits every job now, all or none: a ``(prompt, params)`` pair is checked here (an
+        InputRefused, a ValueError, if one cannot run), a ValidRequest (the server's) is not."""
         loop = asyncio.get_running_loop()  # first: called outside a loop, it raises having submitted nothing
-        group = RequestGroup(self, rids)
-        try:
-            for index, ((prompt, params), rid) in enumerate(zip(jobs, rids, strict=True)):
-                self.llm.submit(prompt, params, rid=rid)
-                self._routes[rid] = (group, index)
-        except BaseException:
-            self._release(group, self._routes_of(group))
-            raise
-        if self._driver is None or self._driver.done():
-            self._driver = loop.create_task(self._drive())
+        if len(jobs) != len(rids):
+            raise ValueError(f"{len(jobs)} jobs for {len(rids)} request ids")
+        requests = [job if isinstance(job, ValidRequest) else self.llm.inputs.process(*job) for job in jobs]
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = _Mailbox(loop)
+        group = RequestGroup(self.llm, rids, self._mailbox)
+        self.llm.loop.submit([(rid, request, Sink(group, index))
+                              for index, (rid, request) in enumerate(zip(rids, requests))])
         return group
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -109,30 +146,3 @@ class AsyncLLM:
         async with self.submit([(prompt, params or self.llm.default_params())], [rid]) as group:
             async for _, delta in group:
                 yield delta
-
-    def _routes_of(self, group: RequestGroup) -> list[str]:
-        return [rid for rid in group.rids if self._routes.get(rid, (None,))[0] is group]
-
-    def _release(self, group: RequestGroup, unfinished: list[str]) -> None:
-        for rid in self._routes_of(group):
-            del self._routes[rid]
-        for rid in unfinished:
-            self.llm.abort(rid)  # the slot is freed at the next step
-
-    async def _drive(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self.llm.has_work():
-                deltas, _ = await loop.run_in_executor(None, self.llm.step)
-                pieces: dict[str, list[Delta]] = {}
-                for delta in deltas:
-                    pieces.setdefault(delta.rid, []).append(delta)
-                # One delta per request per step: a greedy run's tokens reach its stream (and a
-                # server's client) as one piece, not as many wake-ups, events and writes.
-                for rid, mine in pieces.items():
-                    route = self._routes.get(rid)
-                    if route is not None:
-                        route[0].queue.put_nowait((route[1], Delta.joined(mine)))
-        except Exception as exc:  # noqa: BLE001  (every stream must hear of it, not hang)
-            for group in {id(g): g for g, _ in self._routes.values()}.values():
-                group.queue.put_nowait((-1, _StepFailed(exc)))

@@ -2,8 +2,8 @@
 
 It knows requests only as the scheduler's ``Request`` plus their sampling state; text is the
 output processor's (runtime/output_processor.py), which sees every committed token through
-the ``on_token`` callback of ``step`` and may end a request there (a stop string). Threads,
-inboxes and callers are the fronts' (runtime/llm.py, runtime/async_llm.py)."""
+the ``on_token`` callback of ``step`` and may end a request there (a stop string). The thread,
+inbox and readers are the engine loop's (runtime/engine_loop.py), its only caller."""
 from __future__ import annotations
 
 import time

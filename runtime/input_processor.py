@@ -2,8 +2,12 @@
 ``AsyncLLM``, the server, the CLI), so each rule lives here once.
 
 Refusals are ``InputRefused`` (a ``ValueError``) with one line naming the field (or prompt) and
-what is valid; the server turns them into its OpenAI-shaped 400s."""
+what is valid; the server turns them into its OpenAI-shaped 400s. What passes comes out as a
+``ValidRequest``, the only kind of request the engine loop (runtime/engine_loop.py) takes, so a
+request is checked once, wherever it was checked (the server does it in a worker thread)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +30,23 @@ def checked_multi_step(value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"multi_step must be an integer ≥ 1 (got {value!r})")
     return value
+
+
+@dataclass(frozen=True)
+class CheckedPrompt:
+    """A prompt's token ids as ``InputProcessor.prompt`` checked them: each in the vocabulary, and
+    room left to generate."""
+    tokens: list[int]
+    checked_by: "InputProcessor" = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request ``InputProcessor.request`` checked against its engine dir. The engine loop takes
+    only these, made by its own LLM's processor, and checks nothing of them again."""
+    tokens: list[int]
+    params: SamplingParams
+    checked_by: "InputProcessor" = field(repr=False, compare=False)
 
 
 class InputProcessor:
@@ -63,26 +84,36 @@ class InputProcessor:
             raise InputRefused(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         return tokens
 
-    def check_prompt(self, tokens: list[int], where: str = "prompt") -> None:
-        """A prompt that leaves room to generate: non-empty and shorter than max_seq_len (cheap, so
-        the server also runs it on token-id lists before checking each id)."""
+    def prompt(self, prompt: str | list[int], where: str = "prompt") -> CheckedPrompt:
+        """The prompt's checked token ids: a token-id list's length is checked before its ids
+        (cheap first: a huge list is refused without a loop over it)."""
+        if isinstance(prompt, str):
+            tokens = self.tokens(prompt)
+            self._check_length(tokens, where)
+        else:
+            self._check_length(prompt := list(prompt), where)
+            tokens = self.tokens(prompt)
+        return CheckedPrompt(tokens, self)
+
+    def request(self, prompt: CheckedPrompt, params: SamplingParams, where: str = "prompt") -> ValidRequest:
+        """A request that can run: the prompt's tokens plus max_tokens fit max_seq_len."""
+        if prompt.checked_by is not self:
+            raise TypeError("a CheckedPrompt from another input processor (another engine dir's rules)")
+        limit = self.engine_dir.max_seq_len
+        if len(prompt.tokens) + params.max_tokens > limit:
+            raise InputRefused(f"{where}: {len(prompt.tokens)} tokens + max_tokens {params.max_tokens} exceeds "
+                               f"max_seq_len {limit}", "max_tokens", "context_length_exceeded")
+        return ValidRequest(prompt.tokens, params, self)
+
+    def process(self, prompt: str | list[int], params: SamplingParams, where: str = "prompt") -> ValidRequest:
+        """One request, checked whole."""
+        return self.request(self.prompt(prompt, where), params, where)
+
+    def _check_length(self, tokens: list, where: str) -> None:
+        """A prompt that leaves room to generate: non-empty and shorter than max_seq_len."""
         limit = self.engine_dir.max_seq_len
         if not tokens:
             raise InputRefused(f"{where}: empty", "prompt")
         if len(tokens) >= limit:
             raise InputRefused(f"{where}: {len(tokens)} tokens leave no room to generate within max_seq_len {limit}",
                                "prompt", "context_length_exceeded")
-
-    def check(self, tokens: list[int], params: SamplingParams, where: str = "prompt") -> None:
-        """A request that can run: a prompt that leaves room whose tokens plus max_tokens fit max_seq_len."""
-        self.check_prompt(tokens, where)
-        limit = self.engine_dir.max_seq_len
-        if len(tokens) + params.max_tokens > limit:
-            raise InputRefused(f"{where}: {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds "
-                               f"max_seq_len {limit}", "max_tokens", "context_length_exceeded")
-
-    def process(self, prompt: str | list[int], params: SamplingParams, where: str = "prompt") -> list[int]:
-        """The checked token ids of one request."""
-        tokens = self.tokens(prompt)
-        self.check(tokens, params, where)
-        return tokens

@@ -1,19 +1,18 @@
-"""``LLM``: generate text from an engine dir (Python API), a thin front over three parts:
+"""``LLM``: generate text from an engine dir (Python API), a thin front over four parts:
 
-- the input processor (runtime/input_processor.py): prompts to checked token ids;
+- the input processor (runtime/input_processor.py): prompts to checked requests;
 - the engine core (runtime/engine_core.py): schedule, run the engine, sample, commit;
-- the output processor (runtime/output_processor.py): text, stop strings, deltas, completions.
+- the output processor (runtime/output_processor.py): text, stop strings, deltas, completions;
+- the engine loop (runtime/engine_loop.py): the one owner of steps, a thread that runs them
+  while requests are open and hands each request's outputs to its own reader.
 
-``LLM`` adds what callers share: an inbox that submissions and aborts wait in (so a caller
-never blocks behind a running step), the lock a step holds, and delivery to the callers that
-wait (``generate``, ``stream``). Async streaming is runtime/async_llm.py."""
+``generate`` and ``stream`` submit checked requests with their own readers (runtime/waiters.py)
+and block on them, whoever else uses the LLM; async streaming is runtime/async_llm.py.
+``submit`` + ``step``/``run_until_done`` is the polling API, for one caller that drives and
+counts steps itself (tests, benchmarks): it gets the outputs of the requests it submitted so."""
 from __future__ import annotations
 
 import itertools
-import threading
-import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -24,14 +23,16 @@ from .detokenize import Detokenizer
 from .engine import Engine
 from .engine_core import EngineCore, RuntimeStats
 from .engine_dir import EngineDirError, load
+from .engine_loop import EngineLoop, Sink
 from .engines import make_engine
 from .input_processor import InputProcessor, checked_multi_step
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
-from .scheduler import Batching, Request, Scheduler
+from .scheduler import Batching, Scheduler
 from .speculation import SpeculationPolicy, policy_for
+from .waiters import CompletionWaiter, DeltaQueue
 
 __all__ = ["LLM", "RuntimeStats"]
 
@@ -39,12 +40,6 @@ __all__ = ["LLM", "RuntimeStats"]
 def default_prefix_blocks(engine_dir, block_size: int) -> int:
     """The prefix store's size unless the caller gives one: as many tokens as two full slots."""
     return 2 * engine_dir.max_seq_len // block_size
-
-
-@dataclass(frozen=True)
-class _Submitted:
-    request: Request
-    arrival_s: float
 
 
 class LLM:
@@ -94,17 +89,8 @@ class LLM:
             raise
         self.core = EngineCore(engine, scheduler, speculation, multi_step)
         self.outputs = OutputProcessor(Detokenizer(self.tokenizer, d.vocab_size), self.core.sampling)
+        self.loop = EngineLoop(self.core, self.outputs, self.inputs)
         self._ids = itertools.count()
-        self._lock = threading.Lock()          # held for a whole step, and by close()
-        self._closed = False
-        # Submissions and aborts wait here, under a lock held only for a moment, so a caller (an
-        # event loop) never blocks behind an engine step; the next step takes them in.
-        self._inbox_lock = threading.Lock()
-        self._inbox: deque[_Submitted] = deque()
-        self._aborts: set[str] = set()
-        self._rids: set[str] = set()           # every request not yet completed
-        self._collect: dict[str, Completion | None] = {}   # rid → completion, for callers that wait
-        self._streams: dict[str, deque[Delta]] = {}         # rid → deltas, for sync stream() callers
 
     # -- the parts, for callers that read them ---------------------------------------------------
     @property
@@ -140,11 +126,9 @@ class LLM:
 
     def close(self) -> None:
         """Releases the engine (device memory; a tensor-parallel engine's rank processes) once
-        any running step has ended; later steps raise."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self.engine.close()
+        any running step has ended, ends the loop thread, and fails open requests; later
+        submits and steps raise."""
+        self.loop.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -161,134 +145,75 @@ class LLM:
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> str:
-        """Queues one request without waiting for a running step; raises ValueError (and changes
-        nothing) if it cannot run. The next step admits it."""
-        tokens = self.inputs.process(prompt, params, "prompt")
-        return self._enqueue(tokens, params, rid or self.new_rid())
+        """Queues one request for the polling API (its outputs come back from ``step`` and
+        ``run_until_done``) without waiting for a running step; raises ValueError (and changes
+        nothing) if it cannot run."""
+        rid = rid or self.new_rid()
+        self.loop.submit([(rid, self.inputs.process(prompt, params), None)])
+        return rid
 
     def new_rid(self) -> str:
         """A request id no other request of this LLM has been given."""
         return f"req-{next(self._ids)}"
 
-    def _enqueue(self, tokens: list[int], params: SamplingParams, rid: str) -> str:
-        submitted = _Submitted(Request(rid=rid, prompt=tokens, params=params), time.perf_counter())
-        with self._inbox_lock:
-            if rid in self._rids:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self._rids.add(rid)
-            self._inbox.append(submitted)
-        return rid
-
     def abort(self, rid: str) -> None:
-        """Ends a request at the next step (its KV slot is freed then); its completion, if anyone
-        waits for it, has finish_reason "abort". Unknown or finished ids are ignored."""
-        with self._inbox_lock:
-            if rid in self._rids:
-                self._aborts.add(rid)
+        """Ends a request at the next step (its KV slot is freed then); its completion has
+        finish_reason "abort". Unknown or finished ids are ignored."""
+        self.loop.abort(rid)
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.core.has_work()
-
-    @property
-    def inbox_size(self) -> int:
-        return len(self._inbox)
+        return self.loop.has_work()
 
     def queue_depth(self) -> int:
         """Requests waiting for a KV slot, including those submitted since the last step."""
-        return len(self._inbox) + len(self.scheduler.waiting)
+        return self.loop.queue_depth()
 
     def generate(self, prompts: list[str] | str | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Completion]:
-        """Completions in prompt order. Every request is validated before any runs."""
+        """Completions in prompt order. Every request is validated before any runs; a step that
+        fails meanwhile raises its error here."""
         single = isinstance(prompts, str)
         prompts = [prompts] if single else list(prompts)
         params_list = params if isinstance(params, list) else [params or self.default_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        token_lists = [self.inputs.process(p, q, f"prompt {i}") for i, (p, q) in enumerate(zip(prompts, params_list))]
-        rids = [self.new_rid() for _ in prompts]
-        for rid in rids:
-            self._collect[rid] = None
-        for rid, tokens, p in zip(rids, token_lists, params_list):
-            self._enqueue(tokens, p, rid)
-        # Steps run every request in flight; completions of other callers' requests stay theirs.
-        while any(self._collect[rid] is None for rid in rids):
-            self.step()
-        return [self._collect.pop(rid) for rid in rids]
+        requests = [self.inputs.process(p, q, f"prompt {i}") for i, (p, q) in enumerate(zip(prompts, params_list))]
+        rids = [self.new_rid() for _ in requests]
+        waiter = CompletionWaiter(len(requests))
+        self.loop.submit([(rid, request, Sink(waiter, i)) for i, (rid, request) in enumerate(zip(rids, requests))])
+        try:
+            return waiter.wait()
+        finally:  # interrupted (or failed): what still runs is aborted
+            for rid, completion in zip(rids, waiter.done):
+                if completion is None:
+                    self.abort(rid)
 
     def run_until_done(self) -> list[Completion]:
-        """Steps until nothing is queued or running; the completions that finished meanwhile
-        (but those a generate() call waits for)."""
+        """Steps until nothing is queued or running: the completions of polled requests
+        (``submit``) that finished meanwhile."""
         completions = []
         while self.has_work():
-            _, finished = self.step()
-            completions += finished
+            completions += self.step()[1]
         return completions
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[Delta]:
-        """Yields text pieces of one request as they are produced (other queued requests run too;
-        their pieces go to their own callers). Leaving the loop early aborts the request."""
-        rid = self.new_rid()
-        mine = self._streams[rid] = deque()
+        """Yields text pieces of one request as they are produced (one a token; other requests
+        run too, their pieces go to their own readers). Leaving the loop early aborts it."""
+        rid, mine = self.new_rid(), DeltaQueue()
+        self.loop.submit([(rid, self.inputs.process(prompt, params or self.default_params()), Sink(mine))])
         finished = False
         try:
-            self.submit(prompt, params or self.default_params(), rid=rid)
             while not finished:
-                while not mine:
-                    self.step()
-                delta = mine.popleft()
-                finished = delta.finished
-                yield delta
+                for delta in mine.get():
+                    finished = delta.finished
+                    yield delta
         finally:
-            self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
 
-    # -- the step loop ------------------------------------------------------------------------------
     def step(self) -> tuple[list[Delta], list[Completion]]:
-        """One engine-core step (cache ops, one engine step or a greedy run of ``multi_step``,
-        sampling, commit, detokenization): its deltas, and the completions no generate() call
-        waits for."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the LLM is closed")
-            self._take_inbox()
-            finished = self.core.step(self.outputs.on_token, self._interrupts_run)
-            deltas, completions = self.outputs.finish(finished)
-            self._deliver(deltas, completions)
-            # Filtered under the lock: a generate() in another thread may collect its rid right after.
-            unclaimed = [c for c in completions if c.rid not in self._collect]
-        return deltas, unclaimed
-
-    def _interrupts_run(self) -> bool:
-        """A greedy run ends after its current step for a request that could take a free slot,
-        or an abort."""
-        return bool((self._inbox and self.scheduler.slots.free) or self._aborts)
-
-    def _take_inbox(self) -> None:
-        """Admits what was submitted since the last step, then applies aborts."""
-        if not self._inbox and not self._aborts:  # most steps; one arriving now waits for the next
-            return
-        with self._inbox_lock:
-            arrived, self._inbox = list(self._inbox), deque()
-            aborts, self._aborts = self._aborts, set()
-        for submitted in arrived:
-            self.core.add(submitted.request)
-            self.outputs.add(submitted.request.rid, submitted.arrival_s)
-        for rid in aborts:
-            self.core.abort(rid)
-
-    def _deliver(self, deltas: list[Delta], completions: list[Completion]) -> None:
-        """Completions to waiting generate() callers, deltas to sync stream() callers."""
-        if completions:
-            with self._inbox_lock:
-                self._rids -= {c.rid for c in completions}
-            for completion in completions:
-                if completion.rid in self._collect:
-                    self._collect[completion.rid] = completion
-        if self._streams:
-            for delta in deltas:
-                stream = self._streams.get(delta.rid)
-                if stream is not None:
-                    stream.append(delta)
-
+        """The polling API's step: one engine-core step (cache ops, one engine step or a greedy
+        run of ``multi_step``, sampling, commit, detokenization), then the deltas and
+        completions of ``submit``'s requests made since the last call. Requests of
+        ``generate``/``stream``/``AsyncLLM`` go to their own readers, never here."""
+        return self.loop.step()

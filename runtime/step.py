@@ -78,10 +78,6 @@ class Step:
     def seq_len(self) -> int:
         return max(len(t) for t in self.tokens)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
 
 @dataclass
 class Plan:

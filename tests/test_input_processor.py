@@ -62,7 +62,8 @@ def test_the_server_refuses_with_the_input_processors_message(processor, prompt,
 def test_the_server_and_the_processor_give_the_same_tokens(processor):
     prepared = _server_inputs(processor).completion(json.dumps({"model": "tiny", "prompt": "def f(x):",
                                                                 "max_tokens": 4}).encode())
-    ((tokens, params),) = prepared.jobs
+    (job,) = prepared.jobs
+    tokens, params = job.tokens, job.params
     assert tokens == processor.tokens("def f(x):") == processor.tokenizer.encode("def f(x):").ids  # encode_batch: same ids
     assert params.max_tokens == 4
 

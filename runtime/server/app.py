@@ -24,7 +24,7 @@ from .protocol import ApiError, chunk_body, completion_body, usage
 
 OPEN_ROUTES = ("/health",)                    # no API key needed
 DISCONNECT_POLL_S = 0.05
-PREPARE_WORKERS = 2   # bodies parsed, rendered and tokenized at once; engine steps use the default executor
+PREPARE_WORKERS = 2   # bodies parsed, rendered and tokenized at once; engine steps run in the LLM's engine loop thread
 
 
 @dataclass
@@ -224,7 +224,7 @@ async def _until_done_or_disconnect(state: ServerState, request: Request, comple
 
 def _logprobs(entries, prepared: Prepared) -> dict | None:
     """A choice's (or a chunk's) ``logprobs`` for these entries; None when not asked for."""
-    params = prepared.jobs[0][1]   # every job of a request asks for the same logprobs
+    params = prepared.jobs[0].params   # every job of a request asks for the same logprobs
     if not params.logprobs:
         return None
     return chat_logprobs(entries) if prepared.chat else completion_logprobs(entries, params.top_logprobs > 0)

@@ -1,12 +1,13 @@
 """A request body → the engine requests it asks for. Runs in a worker thread, never on the event
 loop: parsing, chat-template rendering and tokenization are CPU work that grows with the body.
 The cheap checks come first (model, fields, sizes, counts, stop ids) so an oversized or
-impossible request is refused before anything is tokenized."""
+impossible request is refused before anything is tokenized. What comes out is checked once and
+for all: ``ValidRequest``s, which the engine takes without checking them again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..input_processor import InputProcessor, InputRefused
+from ..input_processor import CheckedPrompt, InputProcessor, InputRefused, ValidRequest
 from ..sampling import SamplingParams
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse
@@ -31,7 +32,7 @@ class Limits:
 @dataclass(frozen=True)
 class Prepared:
     body: SamplingRequest
-    jobs: list[tuple[list[int], SamplingParams]]   # one per prompt × n, in choice order
+    jobs: list[ValidRequest]   # one per prompt × n, in choice order
     prompt_tokens: int
     chat: bool
 
@@ -55,8 +56,6 @@ class Inputs:
                 raise ApiError(400, f"{where}: {len(prompt)} characters; this server takes at most "
                                     f"{self.limits.max_prompt_chars} (--max-prompt-chars)", param="prompt",
                                code="prompt_too_long")
-            if isinstance(prompt, list):
-                _refusing(self.processor.check_prompt, prompt, where)   # its length, before each id is checked
         return self._prepared(body, [self._tokens(p, where) for where, p in zip(wheres, prompts)], chat=False)
 
     def chat(self, raw: bytes) -> Prepared:
@@ -96,19 +95,17 @@ class Inputs:
             raise ApiError(400, f"{requests} requests (prompts × n) can never fit a queue of {self.limits.max_queue} "
                                 f"(--max-queue); send fewer at once", param=param, code="too_many_requests_in_one")
 
-    def _tokens(self, prompt: str | list[int], where: str) -> list[int]:
-        tokens = _refusing(self.processor.tokens, prompt)
-        _refusing(self.processor.check_prompt, tokens, where)
-        return tokens
+    def _tokens(self, prompt: str | list[int], where: str) -> CheckedPrompt:
+        return _refusing(self.processor.prompt, prompt, where)
 
     # -- sampling ---------------------------------------------------------------------------------
-    def _prepared(self, body: SamplingRequest, prompts: list[list[int]], chat: bool) -> Prepared:
-        jobs = [(tokens, self._params(body, tokens, i, chat)) for tokens in prompts for i in range(body.n)]
-        return Prepared(body, jobs, sum(len(tokens) for tokens in prompts), chat)
+    def _prepared(self, body: SamplingRequest, prompts: list[CheckedPrompt], chat: bool) -> Prepared:
+        jobs = [self._request(body, prompt, i, chat) for prompt in prompts for i in range(body.n)]
+        return Prepared(body, jobs, sum(len(prompt.tokens) for prompt in prompts), chat)
 
-    def _params(self, body: SamplingRequest, tokens: list[int], index: int, chat: bool) -> SamplingParams:
+    def _request(self, body: SamplingRequest, prompt: CheckedPrompt, index: int, chat: bool) -> ValidRequest:
         # the prompt leaves room (checked when tokenized), so the chat default is ≥ 1
-        room = self.processor.engine_dir.max_seq_len - len(tokens)
+        room = self.processor.engine_dir.max_seq_len - len(prompt.tokens)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = requested or (min(self.processor.default_params().max_tokens, room) if chat else 16)
         # completions: logprobs=N asks for the sampled tokens' and N alternatives; chat: logprobs + top_logprobs=N
@@ -121,8 +118,7 @@ class Inputs:
                                     logprobs=logprobs, top_logprobs=alternatives if logprobs else 0)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        _refusing(self.processor.check, tokens, params)
-        return params
+        return _refusing(self.processor.request, prompt, params)
 
 
 def _refusing(check, *args):

@@ -1,0 +1,183 @@
+"""The engine loop owns stepping (runtime/engine_loop.py): every front end reads its own requests'
+outputs however many use one LLM, a failing step reaches every open request, close() ends the
+loop thread, and a server request is checked once. The bundled model's engine dir, CPU."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from trtbuild.runtime.async_llm import AsyncLLM, EngineFailure
+from trtbuild.runtime.input_processor import InputProcessor
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n        self.",
+           "    for i in range(len(", "# Copyright", "def __repr__(self):\n        return '<%s %r>' % (",
+           "from collections import", "x"]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+LOOP_THREAD = "trtbuild-engine-loop"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine):
+    with LLM(tiny_engine, backend="onnxruntime", threads=2) as llm:
+        yield llm
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == LOOP_THREAD]
+
+
+def _until_no_loop_thread(seconds: float = 30) -> list[threading.Thread]:
+    deadline = time.monotonic() + seconds
+    while _loop_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _loop_threads()
+
+
+async def _completion(engine: AsyncLLM, prompt: str, params: SamplingParams = GREEDY):
+    deltas = [delta async for delta in engine.stream(prompt, params)]
+    assert "".join(d.text for d in deltas) == deltas[-1].completion.text
+    return deltas[-1].completion.token_ids
+
+
+def test_generate_threads_and_two_async_llms_on_one_engine_each_get_their_own_tokens(llm):
+    """generate() from two threads and streams of two AsyncLLMs at once: each request's tokens
+    equal its solo run's (a caller that stepped the LLM used to take the async streams' deltas,
+    and their ``async for`` waited forever)."""
+    solo = {p: llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS}
+    results: dict[int, list] = {}
+
+    def call(index: int, prompts: list[str]) -> None:
+        results[index] = [c.token_ids for c in llm.generate(prompts, GREEDY)]
+
+    threads = [threading.Thread(target=call, args=(i, PROMPTS[2 * i:2 * i + 2]), daemon=True) for i in range(2)]
+
+    async def streams():
+        first, second = AsyncLLM(llm), AsyncLLM(llm)
+        for thread in threads:
+            thread.start()
+        engines = [first, second, first, second]
+        return await asyncio.wait_for(asyncio.gather(*(_completion(e, p) for e, p in zip(engines, PROMPTS[4:]))),
+                                      timeout=90)
+
+    streamed = asyncio.run(streams())
+    for thread in threads:
+        thread.join(timeout=90)
+    assert results == {0: [solo[p] for p in PROMPTS[:2]], 1: [solo[p] for p in PROMPTS[2:4]]}
+    assert streamed == [solo[p] for p in PROMPTS[4:]]
+    assert _until_no_loop_thread() == [] and not llm.has_work()  # idle: no thread is held
+
+
+def test_one_failing_step_ends_every_open_request_sync_and_async(tiny_engine):
+    """The engine raises once, in a step that runs every open request: generate() and stream()
+    in other threads raise that error, an async group an EngineFailure naming it, none hangs, and
+    the LLM serves on (a caller used to hear only of failures in the steps it ran itself)."""
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
+    engine_step, all_in = llm.engine.step, threading.Event()
+
+    def fails_once(step):
+        all_in.wait(timeout=60)  # every request below is open when the step fails
+        llm.engine.step = engine_step
+        raise RuntimeError("device lost")
+
+    llm.engine.step = fails_once
+    checked, process = [], llm.inputs.process
+    llm.inputs.process = lambda *args: checked.append(args) or process(*args)   # each request, just before its submit
+    errors: dict[str, str] = {}
+
+    def run(name: str, call) -> None:
+        try:
+            call()
+        except RuntimeError as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+
+    async def grouped():
+        group = AsyncLLM(llm).submit([(PROMPTS[3], GREEDY), (PROMPTS[4], GREEDY)], ["a-0", "a-1"])
+        threads = [threading.Thread(target=run, args=("generate", lambda: llm.generate(PROMPTS[:2], GREEDY)),
+                                    daemon=True),
+                   threading.Thread(target=run, args=("stream", lambda: list(llm.stream(PROMPTS[2], GREEDY))),
+                                    daemon=True)]
+        for thread in threads:
+            thread.start()
+        while len(checked) < 5:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.0)  # their submits, a moment after their checks
+        all_in.set()
+        await asyncio.wait_for(run_async(group), timeout=60)
+        for thread in threads:
+            thread.join(timeout=60)
+
+    async def run_async(group) -> None:
+        try:
+            await anext(group)
+        except EngineFailure as exc:
+            errors["async"] = f"{type(exc).__name__}: {exc}"
+
+    asyncio.run(grouped())
+    assert errors == {"generate": "RuntimeError: device lost", "stream": "RuntimeError: device lost",
+                      "async": "EngineFailure: generation failed: RuntimeError: device lost"}
+    assert _until_no_loop_thread() == []
+    solo = LLM(tiny_engine, backend="onnxruntime")
+    assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == \
+        [solo.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:2]]
+    assert not llm.scheduler.requests and llm.scheduler.slots.num_active == 0  # the failed ones left the core
+    llm.close()
+
+
+def test_close_ends_the_loop_thread_and_open_streams_and_later_submits_raise(tiny_engine):
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=600, ignore_eos=True))
+    assert not next(stream).finished and len(_loop_threads()) == 1
+    llm.close()
+    assert _loop_threads() == []  # close() joined it
+    with pytest.raises(RuntimeError, match="the LLM is closed"):
+        list(stream)
+    with pytest.raises(RuntimeError, match="the LLM is closed"):
+        llm.submit(PROMPTS[1], GREEDY)
+    with pytest.raises(RuntimeError, match="the LLM is closed"):
+        llm.generate([PROMPTS[1]], GREEDY)
+
+
+def test_the_engine_loop_takes_only_requests_its_input_processor_checked(llm):
+    with pytest.raises(TypeError, match="ValidRequests made by this LLM's input processor"):
+        llm.loop.submit([("raw", ([5, 6], GREEDY), None)])
+    other = InputProcessor(llm.tokenizer, llm.engine_dir)   # same rules, not this LLM's
+    with pytest.raises(TypeError, match="ValidRequests made by this LLM's input processor"):
+        llm.loop.submit([("foreign", other.process([5, 6], GREEDY), None)])
+    valid = llm.inputs.process([5, 6], GREEDY)
+    with pytest.raises(ValueError, match="request id 'twice' is already in use"):
+        llm.loop.submit([("twice", valid, None), ("twice", valid, None)])  # all or none
+    assert not llm.has_work()
+
+
+def test_a_server_request_is_checked_once(llm, monkeypatch):
+    """The server checks a body's prompts in a worker thread; the engine takes what it made
+    without checking each token id again (it did, on the event loop)."""
+    from trtbuild.runtime.server.app import create_app
+    from trtbuild.runtime.server.inputs import Limits
+
+    checks = []
+    tokens = InputProcessor.tokens
+    monkeypatch.setattr(InputProcessor, "tokens", lambda self, prompt: checks.append(prompt) or tokens(self, prompt))
+    app = create_app(AsyncLLM(llm), "tiny", Limits(max_body_bytes=1 << 20, max_prompt_chars=100_000, max_queue=8,
+                                                   body_timeout=5.0))
+    prompt = llm.tokens(PROMPTS[0])
+    expected = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].text
+    checks.clear()
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "n": 2, "temperature": 0,
+                                                               "max_tokens": 5, "ignore_eos": True})
+
+    response = asyncio.run(asyncio.wait_for(post(), timeout=60))
+    assert response.status_code == 200, response.text
+    assert [c["text"] for c in response.json()["choices"]] == [expected, expected]
+    assert checks == [prompt]  # once for the body, not again per choice at submission
