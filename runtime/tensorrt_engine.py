@@ -69,8 +69,14 @@ class TensorRTEngine:
     def greedy_run(self, step: Step) -> GreedyRun:
         return StepwiseGreedyRun(self, step)  # each step a CUDA-graph launch already
 
+    def on_device(self) -> None:
+        """CUDA's current device is per host thread, and the LLM's engine loop steps on a thread of its
+        own: every call that touches device memory first makes this engine's device current (cheap)."""
+        self.ok(self.cudart.cudaSetDevice(self.device))
+
     def step(self, step: Step) -> StepOutput:
         cudart, _ok = self.cudart, self.ok
+        self.on_device()
         rows = len(step.rids)
         # Plain decode pads to a CUDA-graph bucket; dummy rows write the last position of free or
         # prefilling slots, which no prompt reaches. A verification writes S positions, which a
@@ -147,15 +153,19 @@ class TensorRTEngine:
             _ok(cudart.cudaGraphDestroy(graph))
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.on_device()
         self.kv.copy_slot(src, dst, length)
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
+        self.on_device()
         self.kv.keep_path(slot, start, nodes)
 
     def save_block(self, slot: int, index: int, block: int) -> None:
+        self.on_device()
         self.kv.save_block(slot, index, block)
 
     def load_block(self, block: int, slot: int, index: int) -> None:
+        self.on_device()
         self.kv.load_block(block, slot, index)
 
     def close(self) -> None:

@@ -60,6 +60,7 @@ class TensorRTStage(CacheOpsOfEngine):
         if (hidden_states is None) != (self.hidden_in is None):
             raise ValueError(f"stage_step: hidden_states {'missing' if hidden_states is None else 'given'} for a "
                              f"stage that {'reads' if self.hidden_in is not None else 'does not read'} them")
+        self.engine.on_device()
         e = self.engine
         arrays = step_arrays(step, e.dir.max_seq_len)
         batch, seq = arrays.position_ids.shape

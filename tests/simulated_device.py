@@ -21,6 +21,7 @@ import bisect
 import ctypes
 import enum
 import sys
+import threading
 import types
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ import numpy as np
 
 DEVICE_BASE = 1 << 50  # far above any host address on x86-64/aarch64 (≤ 2^48)
 GUARD = 1 << 20        # gap between allocations
+
+
+STREAM_WORK = frozenset({"cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaGraphLaunch", "cudaStreamSynchronize"})
 
 
 class cudaError_t(enum.IntEnum):  # noqa: N801  (cuda-python's names)
@@ -86,6 +90,10 @@ class SimulatedDevice:
     buffers: dict[int, np.ndarray] = field(default_factory=dict)
     calls: Counter = field(default_factory=Counter)
     copied: Counter = field(default_factory=Counter)  # bytes moved, by cudaMemcpyKind name
+    # CUDA's current device is per host thread: with this on, stream work from a thread that never
+    # called cudaSetDevice is refused (on a multi-GPU host it would silently run on device 0).
+    per_thread_device: bool = False
+    device_threads: set = field(default_factory=set)
     last_fault: str = ""
     next_address: int = DEVICE_BASE
     graphs: list = field(default_factory=list)        # captured graphs not yet destroyed
@@ -140,6 +148,13 @@ class SimulatedDevice:
         """cuda-python's convention: a tuple (error, *results)."""
         self.calls[name] += 1
         try:
+            if name == "cudaSetDevice":
+                self.device_threads.add(threading.get_ident())
+            elif (self.per_thread_device and name in STREAM_WORK
+                  and threading.get_ident() not in self.device_threads):
+                raise DeviceFault(cudaError_t.cudaErrorInvalidValue,
+                                  f"{name} from thread {threading.current_thread().name!r}, which never called "
+                                  "cudaSetDevice (the current device is per host thread)")
             out = fn()
         except DeviceFault as fault:
             self.last_fault = f"{fault.code.name}: {fault}"

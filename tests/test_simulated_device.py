@@ -21,7 +21,8 @@ SHARED = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.Argu
 
 @pytest.fixture
 def device(monkeypatch, tiny_engine, medusa_engine):
-    device = SimulatedDevice(compute_capability="sm89")
+    # generate() steps on the LLM's engine-loop thread, not the one that made the engine
+    device = SimulatedDevice(compute_capability="sm89", per_thread_device=True)
     device.install(monkeypatch, [tiny_engine, medusa_engine])
     return device
 
