@@ -32,6 +32,7 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .scheduler import Batching, Request, Scheduler
 from .speculation import SpeculationPolicy, policy_for
+from .structured import CompiledConstraint, ConstraintCompiler
 
 __all__ = ["LLM", "RuntimeStats"]
 
@@ -45,6 +46,7 @@ def default_prefix_blocks(engine_dir, block_size: int) -> int:
 class _Submitted:
     request: Request
     arrival_s: float
+    constraint: CompiledConstraint | None = None
 
 
 class LLM:
@@ -81,6 +83,7 @@ class LLM:
         except CheckpointError as exc:
             raise EngineDirError(str(exc)) from None
         self.inputs = InputProcessor(self.tokenizer, d)
+        self.constraints = ConstraintCompiler(self.tokenizer, d.vocab_size, d.eos_token_ids())
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
@@ -164,14 +167,20 @@ class LLM:
         """Queues one request without waiting for a running step; raises ValueError (and changes
         nothing) if it cannot run. The next step admits it."""
         tokens = self.inputs.process(prompt, params, "prompt")
-        return self._enqueue(tokens, params, rid or self.new_rid())
+        return self._enqueue(tokens, params, rid or self.new_rid(), self.compile(params))
+
+    def compile(self, params: SamplingParams) -> CompiledConstraint | None:
+        """The request's constraint compiled (cached; raises ConstraintError, a ValueError, if it
+        cannot be), in the caller's thread: never in a step."""
+        return self.constraints.compile(params.constraint) if params.constraint is not None else None
 
     def new_rid(self) -> str:
         """A request id no other request of this LLM has been given."""
         return f"req-{next(self._ids)}"
 
-    def _enqueue(self, tokens: list[int], params: SamplingParams, rid: str) -> str:
-        submitted = _Submitted(Request(rid=rid, prompt=tokens, params=params), time.perf_counter())
+    def _enqueue(self, tokens: list[int], params: SamplingParams, rid: str,
+                 constraint: CompiledConstraint | None = None) -> str:
+        submitted = _Submitted(Request(rid=rid, prompt=tokens, params=params), time.perf_counter(), constraint)
         with self._inbox_lock:
             if rid in self._rids:
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -206,11 +215,12 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
         token_lists = [self.inputs.process(p, q, f"prompt {i}") for i, (p, q) in enumerate(zip(prompts, params_list))]
+        constraints = [self.compile(q) for q in params_list]
         rids = [self.new_rid() for _ in prompts]
         for rid in rids:
             self._collect[rid] = None
-        for rid, tokens, p in zip(rids, token_lists, params_list):
-            self._enqueue(tokens, p, rid)
+        for rid, tokens, p, constraint in zip(rids, token_lists, params_list, constraints):
+            self._enqueue(tokens, p, rid, constraint)
         # Steps run every request in flight; completions of other callers' requests stay theirs.
         while any(self._collect[rid] is None for rid in rids):
             self.step()
@@ -273,7 +283,7 @@ class LLM:
             arrived, self._inbox = list(self._inbox), deque()
             aborts, self._aborts = self._aborts, set()
         for submitted in arrived:
-            self.core.add(submitted.request)
+            self.core.add(submitted.request, submitted.constraint)
             self.outputs.add(submitted.request.rid, submitted.arrival_s)
         for rid in aborts:
             self.core.abort(rid)

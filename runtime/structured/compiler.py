@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ...common.errors import first_line
 from .constraint import Constraint, ConstraintError
+from .matcher import GrammarMatcher
 
 CACHE_SIZE = 64  # compiled constraints kept (one matcher each: the grammar plus its lexer cache)
 
@@ -24,6 +25,10 @@ class CompiledConstraint:
     constraint: Constraint
     template: object          # llguidance.LLMatcher
     vocab_size: int
+
+    def matcher(self) -> GrammarMatcher:
+        """A new request's grammar state (what the engine core asks every compiled constraint for)."""
+        return GrammarMatcher(self)
 
 
 class ConstraintCompiler:

@@ -10,14 +10,21 @@ from dataclasses import dataclass
 from typing import Union
 
 
+# JSON on one line with json.dumps's separators: a grammar that allows any whitespace lets a model
+# (the bundled one, and small real ones) spend its tokens on blanks and hit max_tokens mid-object.
+# A schema's own "x-guidance" options still override these.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class ConstraintError(ValueError):
     """A constraint that cannot be compiled (bad schema, regex, grammar; or over the engine's limits)."""
 
 
 @dataclass(frozen=True)
 class JsonSchema:
-    """JSON text that validates against ``schema`` (a dict or its JSON text; kept as canonical
-    JSON text so equal schemas share one compiled grammar)."""
+    """JSON text that validates against ``schema`` (a dict or its JSON text; kept as compact
+    JSON text so equal schemas share one compiled grammar). Key order is kept: properties come
+    out in the schema's order."""
     schema: str
 
     def __post_init__(self):
@@ -29,14 +36,14 @@ class JsonSchema:
                 raise ConstraintError(f"json schema: not JSON ({exc.msg} at character {exc.pos})") from None
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError(f"json schema: must be a JSON object, got {type(schema).__name__}")
-        object.__setattr__(self, "schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        object.__setattr__(self, "schema", json.dumps(schema, separators=(",", ":")))
 
     kind = "json schema"
 
     def grammar(self) -> str:
         from llguidance import LLMatcher
 
-        return LLMatcher.grammar_from_json_schema(self.schema)
+        return LLMatcher.grammar_from_json_schema(self.schema, defaults=JSON_LAYOUT)
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ class JsonObject:
     def grammar(self) -> str:
         from llguidance import LLMatcher
 
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
 
 
 @dataclass(frozen=True)
