@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 from ..input_processor import InputProcessor, InputRefused
 from ..sampling import SamplingParams
+from ..structured import Constraint
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse
+from .structured_outputs import COMPILE_TIMEOUT_S, requested
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class Limits:
     max_prompt_chars: int
     max_queue: int
     body_timeout: float   # seconds per MB a body may take to arrive (--body-timeout)
+    compile_timeout: float = COMPILE_TIMEOUT_S   # seconds a constraint may take to compile (--compile-timeout)
 
     def body_deadline(self, declared: int | None) -> float:
         """Seconds to read a body of ``declared`` bytes (None: chunked, so up to --max-body-bytes),
@@ -34,6 +37,7 @@ class Prepared:
     jobs: list[tuple[list[int], SamplingParams]]   # one per prompt × n, in choice order
     prompt_tokens: int
     chat: bool
+    constraint: tuple[Constraint, str] | None = None   # every job's, and the field that asked for it
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,13 @@ class Inputs:
 
     # -- sampling ---------------------------------------------------------------------------------
     def _prepared(self, body: SamplingRequest, prompts: list[list[int]], chat: bool) -> Prepared:
-        jobs = [(tokens, self._params(body, tokens, i, chat)) for tokens in prompts for i in range(body.n)]
-        return Prepared(body, jobs, sum(len(tokens) for tokens in prompts), chat)
+        constraint = requested(body.response_format, body.structured_outputs)
+        jobs = [(tokens, self._params(body, tokens, i, chat, constraint[0] if constraint else None))
+                for tokens in prompts for i in range(body.n)]
+        return Prepared(body, jobs, sum(len(tokens) for tokens in prompts), chat, constraint)
 
-    def _params(self, body: SamplingRequest, tokens: list[int], index: int, chat: bool) -> SamplingParams:
+    def _params(self, body: SamplingRequest, tokens: list[int], index: int, chat: bool,
+                constraint: Constraint | None) -> SamplingParams:
         # the prompt leaves room (checked when tokenized), so the chat default is ≥ 1
         room = self.processor.engine_dir.max_seq_len - len(tokens)
         requested = body.max_completion_tokens or body.max_tokens
@@ -118,7 +125,8 @@ class Inputs:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                     seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
                                     stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
-                                    logprobs=logprobs, top_logprobs=alternatives if logprobs else 0)
+                                    logprobs=logprobs, top_logprobs=alternatives if logprobs else 0,
+                                    constraint=constraint)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         _refusing(self.processor.check, tokens, params)
