@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.structured import (Choice, ConstraintCompiler, ConstraintError, Grammar, GrammarMatcher,
+from trtbuild.runtime.structured import (Choice, ConstraintCompiler, ConstraintError, Grammar,
                                          JsonObject, JsonSchema, Regex, TreeWalk)
 
 from conftest import TINY_CODE
@@ -78,7 +78,7 @@ def test_compiler_refuses_bad_constraints_naming_the_kind(compiler, constraint, 
 
 
 def test_matcher_masks_and_ends(compiler, tokenizer):
-    matcher = GrammarMatcher(compiler.compile(Choice(("ab", "cd"))))
+    matcher = compiler.compile(Choice(("ab", "cd"))).matcher()
     allowed = matcher.allowed()
     assert allowed.shape == (4096,) and not allowed[0]          # eos: not before a choice is complete
     assert {tokenizer.id_to_token(i) for i in np.flatnonzero(allowed)} >= {"a", "c"}
@@ -99,7 +99,7 @@ def test_tree_walk_accepts_the_masked_argmax_and_rolls_back(compiler, tokenizer)
     logits[0, letter], logits[0, seven] = 5.0, 3.0     # root: raw argmax "a", masked "7" (node 2)
     logits[2, five] = 4.0                               # after "7": "5", but node 2 has no children
     assert accept_greedy(tree, tokens, logits) == Accepted((1,), (letter,))
-    matcher = GrammarMatcher(compiler.compile(Regex("[0-9]+")))
+    matcher = compiler.compile(Regex("[0-9]+")).matcher()
     walk = TreeWalk(matcher, tree, tokens, logits)
     path = accept_greedy(tree, tokens, walk)
     assert path == Accepted((2,), (seven,))

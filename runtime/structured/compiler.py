@@ -28,7 +28,7 @@ class CompiledConstraint:
 
     def matcher(self) -> GrammarMatcher:
         """A new request's grammar state (what the engine core asks every compiled constraint for)."""
-        return GrammarMatcher(self)
+        return GrammarMatcher(self.template, self.vocab_size)
 
 
 class ConstraintCompiler:

@@ -6,18 +6,14 @@ engine core masks the row it samples from (``masked``), advances with every comm
 with the grammar's state following the path (``TreeWalk``), rolled back afterwards."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from .compiler import CompiledConstraint
 
 
 class GrammarMatcher:
-    def __init__(self, compiled: "CompiledConstraint"):
-        self.matcher = compiled.template.deep_copy()
-        self.vocab_size = compiled.vocab_size
+    def __init__(self, template, vocab_size: int):
+        """``template``: a compiled constraint's pristine llguidance.LLMatcher, copied here."""
+        self.matcher = template.deep_copy()
+        self.vocab_size = vocab_size
         self.bitmask = np.zeros((self.vocab_size + 31) // 32, np.int32)  # [ceil(V / 32)], bit i: token i allowed
 
     def allowed(self) -> np.ndarray:
