@@ -89,6 +89,14 @@ def test_matcher_masks_and_ends(compiler, tokenizer):
     assert matcher.advance(tokenizer.token_to_id("d"))          # the grammar has ended
 
 
+@pytest.mark.parametrize("text", ['root ::= "yes" | "no"', 'start: "yes" | "no"'], ids=["gbnf", "lark"])
+def test_grammars_in_either_syntax(compiler, tokenizer, text):
+    matcher = compiler.compile(Grammar(text)).matcher()
+    assert not matcher.advance(tokenizer.token_to_id("n"))
+    assert not matcher.allowed()[tokenizer.token_to_id("y")]
+    assert matcher.advance(tokenizer.token_to_id("o"))
+
+
 def test_tree_walk_accepts_the_masked_argmax_and_rolls_back(compiler, tokenizer):
     """Greedy acceptance through the walk stops at the first token the grammar refuses: the raw
     argmax at the root is a letter, the digits-only grammar takes the best digit instead."""
@@ -209,3 +217,4 @@ def test_real_model_json_matches_its_schema(smollm2_engine):
     mixed = llm.generate([prompt, prompt], [greedy, SamplingParams(max_tokens=16, ignore_eos=True)])
     assert mixed[0].token_ids == alone.token_ids and _valid(JsonSchema(person), alone.text)
     assert mixed[1].token_ids == llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+
