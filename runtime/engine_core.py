@@ -16,6 +16,7 @@ from .sampling import Sampler
 from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
 from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 from .speculation import SpeculationPolicy
+from .structured import CompiledConstraint, GrammarMatcher, TreeWalk
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Sampling:
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     decode_steps: int = 0        # engine steps that produced tokens after the first
     accepted_tokens: int = 0     # Medusa guesses accepted
+    matcher: GrammarMatcher | None = None  # a constrained request's grammar state
 
 
 class EngineCore:
@@ -48,10 +50,17 @@ class EngineCore:
         self.multi_step = multi_step
         self.stats = RuntimeStats()
         self.sampling: dict[str, Sampling] = {}
+        self.constrained: set[str] = set()  # rids with a matcher: none, and no step does mask work
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, constraint: CompiledConstraint | None = None) -> None:
+        """``constraint``: the request's ``params.constraint`` compiled (runtime/structured/)."""
+        if (constraint is None) != (request.params.constraint is None):
+            raise ValueError(f"request {request.rid}: its constraint must come compiled, and only with params.constraint")
         self.scheduler.add(request)
-        self.sampling[request.rid] = Sampling(Sampler(request.params))
+        self.sampling[request.rid] = Sampling(Sampler(request.params),
+                                              matcher=constraint.matcher() if constraint is not None else None)
+        if constraint is not None:
+            self.constrained.add(request.rid)
 
     def abort(self, rid: str) -> None:
         if rid in self.sampling:
@@ -66,6 +75,8 @@ class EngineCore:
         ``interrupted()``: whether a greedy run should end after its current step (a request
         is waiting for a free slot, or an abort)."""
         start = time.perf_counter()
+        if self.constrained:
+            on_token = self._grammar_sink(on_token)
         plan = self.scheduler.schedule()
         self._apply(plan)
         step, run = plan.step, 0
@@ -88,8 +99,21 @@ class EngineCore:
             if self.speculation is not None and step.kind == StepKind.decode:
                 self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start)
         finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
+        if self.constrained:
+            self.constrained.difference_update(r.rid for r, _ in finished)
         self.stats.loop_s += time.perf_counter() - start
         return finished
+
+    def _grammar_sink(self, on_token: TokenSink) -> TokenSink:
+        """``on_token`` after advancing the request's grammar: a token that ends the grammar
+        finishes the request ("stop") before the output processor sees it."""
+        def sink(request: Request, token: int) -> bool:
+            matcher = self.sampling[request.rid].matcher
+            if matcher is not None and matcher.advance(token) and request.finish_reason != "stop":
+                self.scheduler.finish(request.rid, "stop")
+                request.finish_reason = "stop"  # a complete output at the last allowed token is still a stop
+            return on_token(request, token)
+        return sink
 
     def _decode_plan(self, step: Step) -> tuple[int, bool]:
         """(greedy runs up to how many steps, whether the step's Medusa heads are wanted): a
@@ -125,10 +149,13 @@ class EngineCore:
             state = self.sampling[rid]
             sampler, params = state.sampler, state.sampler.params
             node = 0
+            walk = None
             if tree is not None:
                 tokens, logits = list(step.tokens[row]), out.logits[row, :tree.size]
-                path = (accept_greedy(tree, tokens, logits) if params.greedy
-                        else accept_typical(tree, tokens, logits, params.temperature))
+                # A constrained row walks masked rows; the grammar follows its path (then rolls back).
+                walk = TreeWalk(state.matcher, tree, tokens, logits) if state.matcher is not None else logits
+                path = (accept_greedy(tree, tokens, walk) if params.greedy
+                        else accept_typical(tree, tokens, walk, params.temperature))
                 accepted[rid], node = path, path.last_node
                 policy.record(tree, path)
                 state.accepted_tokens += len(path.nodes)
@@ -143,6 +170,10 @@ class EngineCore:
                 if argmax is None:
                     argmax = out.logits[:, 0].argmax(-1).tolist()  # [B]
                 token, logprob = argmax[row], None
+            elif state.matcher is not None:  # the masked row; logprobs stay the model's
+                masked = walk.finish(path.nodes) if tree is not None else state.matcher.masked(out.logits[row, node])
+                token = sampler.sample(masked)[0]
+                logprob = sampler.logprob(out.logits[row, node], token) if params.logprobs else None
             else:
                 token, logprob = sampler.sample(out.logits[row, node])
             if logprob is not None:

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from .engine_core import EngineCore
 from .input_processor import InputProcessor, ValidRequest
+from .structured import CompiledConstraint
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
 from .scheduler import Request
@@ -67,6 +68,7 @@ _DROPPED = Sink(_Dropped())
 class _Arrival:
     request: Request
     arrival_s: float
+    constraint: CompiledConstraint | None = None
 
 
 class EngineLoop:
@@ -103,7 +105,8 @@ class EngineLoop:
                 seen.add(rid)
             for rid, request, sink in jobs:
                 self._open[rid] = sink
-                self._inbox.append(_Arrival(Request(rid=rid, prompt=request.tokens, params=request.params), now))
+                self._inbox.append(_Arrival(Request(rid=rid, prompt=request.tokens, params=request.params), now,
+                                            request.constraint))
                 self._subscribed += sink is not None
             if self._subscribed and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="trtbuild-engine-loop", daemon=True)
@@ -183,7 +186,7 @@ class EngineLoop:
             arrived, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
         for arrival in arrived:
-            self.core.add(arrival.request)
+            self.core.add(arrival.request, arrival.constraint)
             self.outputs.add(arrival.request.rid, arrival.arrival_s)
         for rid in aborts:
             self.core.abort(rid)

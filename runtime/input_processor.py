@@ -13,6 +13,7 @@ import numpy as np
 
 from .engine_dir import EngineDir
 from .sampling import SamplingParams
+from .structured import CompiledConstraint, ConstraintCompiler
 
 
 class InputRefused(ValueError):
@@ -47,13 +48,16 @@ class ValidRequest:
     tokens: list[int]
     params: SamplingParams
     checked_by: "InputProcessor" = field(repr=False, compare=False)
+    constraint: CompiledConstraint | None = field(default=None, repr=False, compare=False)  # params.constraint's
 
 
 class InputProcessor:
     """Turns a prompt into checked token ids and checks a request fits the engine dir."""
 
-    def __init__(self, tokenizer, engine_dir: EngineDir):
-        self.tokenizer, self.engine_dir = tokenizer, engine_dir
+    def __init__(self, tokenizer, engine_dir: EngineDir, constraints: ConstraintCompiler | None = None):
+        """``constraints``: compiles a request's ``params.constraint`` (cached) when it is checked;
+        without one, constrained requests are refused."""
+        self.tokenizer, self.engine_dir, self.constraints = tokenizer, engine_dir, constraints
 
     def default_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the engine dir's runtime defaults (the spec's runtime section;
@@ -95,15 +99,24 @@ class InputProcessor:
             tokens = self.tokens(prompt)
         return CheckedPrompt(tokens, self)
 
-    def request(self, prompt: CheckedPrompt, params: SamplingParams, where: str = "prompt") -> ValidRequest:
-        """A request that can run: the prompt's tokens plus max_tokens fit max_seq_len."""
+    def request(self, prompt: CheckedPrompt, params: SamplingParams, where: str = "prompt",
+                compiled: CompiledConstraint | None = None) -> ValidRequest:
+        """A request that can run: the prompt's tokens plus max_tokens fit max_seq_len, and its
+        ``params.constraint`` compiled (``compiled``: already compiled by the caller, e.g. the
+        server under its deadline; else compiled here, cached)."""
         if prompt.checked_by is not self:
             raise TypeError("a CheckedPrompt from another input processor (another engine dir's rules)")
         limit = self.engine_dir.max_seq_len
         if len(prompt.tokens) + params.max_tokens > limit:
             raise InputRefused(f"{where}: {len(prompt.tokens)} tokens + max_tokens {params.max_tokens} exceeds "
                                f"max_seq_len {limit}", "max_tokens", "context_length_exceeded")
-        return ValidRequest(prompt.tokens, params, self)
+        if (compiled is not None) and (compiled.constraint != params.constraint):
+            raise TypeError("the compiled constraint given is not the request's params.constraint")
+        if params.constraint is not None and compiled is None:
+            if self.constraints is None:
+                raise InputRefused("constraint: this input processor compiles no constraints", "constraint")
+            compiled = self.constraints.compile(params.constraint)  # ConstraintError (a ValueError) if it cannot
+        return ValidRequest(prompt.tokens, params, self, compiled)
 
     def process(self, prompt: str | list[int], params: SamplingParams, where: str = "prompt") -> ValidRequest:
         """One request, checked whole."""

@@ -32,6 +32,7 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .scheduler import Batching, Scheduler
 from .speculation import SpeculationPolicy, policy_for
+from .structured import ConstraintCompiler
 from .waiters import CompletionWaiter, DeltaQueue
 
 __all__ = ["LLM", "RuntimeStats"]
@@ -75,7 +76,9 @@ class LLM:
             self.tokenizer = tokenizer_from(path.read_bytes(), str(path))
         except CheckpointError as exc:
             raise EngineDirError(str(exc)) from None
-        self.inputs = InputProcessor(self.tokenizer, d)
+        # Constraints compile (cached) where a request is checked: the caller's thread, never a step.
+        self.constraints = ConstraintCompiler(self.tokenizer, d.vocab_size, d.eos_token_ids())
+        self.inputs = InputProcessor(self.tokenizer, d, self.constraints)
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..contract.manifest import DEFAULT_MAX_TOKENS
+from .structured.constraint import CONSTRAINT_TYPES, Constraint
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0          # with logprobs: also the N likeliest tokens at each position
     speculative: bool = True       # Medusa engines: verify the heads' guesses for this request
+    constraint: Constraint | None = None  # structured output: the text must match it (runtime/structured/)
 
     def __post_init__(self):
         problems = []
@@ -38,6 +40,9 @@ class SamplingParams:
             problems.append(f"top_logprobs must be an integer in [0, 20] (got {self.top_logprobs!r})")
         if any(not s for s in self.stop):
             problems.append("stop strings must be non-empty")
+        if self.constraint is not None and not isinstance(self.constraint, CONSTRAINT_TYPES):
+            problems.append(f"constraint must be one of {', '.join(t.__name__ for t in CONSTRAINT_TYPES)} "
+                            f"(got {type(self.constraint).__name__})")
         if problems:
             raise ValueError("; ".join(problems))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -49,9 +54,10 @@ class SamplingParams:
 
     @property
     def takes_argmax(self) -> bool:
-        """Greedy without logprobs: the token is the logits' argmax, which a batch takes at once
-        (and a multi-step run feeds back without the host seeing the logits)."""
-        return self.greedy and not self.logprobs
+        """Greedy without logprobs or a constraint: the token is the logits' argmax, which a
+        batch takes at once (and a multi-step run feeds back without the host seeing the
+        logits; a constrained row needs its mask every token)."""
+        return self.greedy and not self.logprobs and self.constraint is None
 
 
 @dataclass

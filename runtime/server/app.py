@@ -21,10 +21,12 @@ from .inputs import Inputs, Limits, Prepared
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .protocol import ApiError, chunk_body, completion_body, usage
+from .structured_outputs import compiled
 
 OPEN_ROUTES = ("/health",)                    # no API key needed
 DISCONNECT_POLL_S = 0.05
 PREPARE_WORKERS = 2   # bodies parsed, rendered and tokenized at once; engine steps run in the LLM's engine loop thread
+COMPILE_WORKERS = 2   # constraints compiled at once: their own threads, so one over its deadline holds up no body
 
 
 @dataclass
@@ -36,6 +38,7 @@ class ServerState:
     admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(PREPARE_WORKERS, "trtbuild-inputs"))
+    compilers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(COMPILE_WORKERS, "trtbuild-compile"))
     draining: bool = False
     inflight: int = 0
     stopping: asyncio.Event = field(default_factory=asyncio.Event)   # the grace period is over
@@ -141,6 +144,9 @@ async def _body(request: Request, limits: Limits) -> bytes:
 async def _serve(state: ServerState, request: Request, prepare):
     raw = await _body(request, state.limits)
     prepared: Prepared = await asyncio.get_running_loop().run_in_executor(state.workers, prepare, raw)
+    if prepared.constraint is not None:  # compiled in threads of its own under a deadline, never on the loop
+        prepared = prepared.compiled(state.llm.inputs, await compiled(
+            state.llm.constraints.compile, *prepared.constraint, state.compilers, state.limits.compile_timeout))
     state.admission.admit(len(prepared.jobs))   # no await between this check and the submission
     chat, body = prepared.chat, prepared.body
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"   # unique across restarts, as OpenAI's are

@@ -80,12 +80,15 @@ class _DrainingServer:
 @click.option("--body-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
               help="Seconds per MB of its declared Content-Length (of --max-body-bytes when chunked; at least one "
                    "MB's worth) a request body may take to arrive; a slower one gets 408 and the connection closes.")
+@click.option("--compile-timeout", type=click.FloatRange(min=0.001), default=10.0, show_default=True,
+              help="Seconds a request's response_format / structured_outputs constraint may take to compile (in a "
+                   "worker thread); a slower one gets 400.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MULTI_STEP
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
           grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, body_timeout: float,
-          backend: str, threads: int, multi_step: int | None):
+          compile_timeout: float, backend: str, threads: int, multi_step: int | None):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -115,7 +118,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
         sys.exit(2)
     name = model_name or Path(engine_dir).resolve().name
     limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars, max_queue=max_queue,
-                    body_timeout=body_timeout)
+                    body_timeout=body_timeout, compile_timeout=compile_timeout)
     app = create_app(AsyncLLM(llm), name, limits, api_key=api_key)
     # The drain serves the grace period; uvicorn's own graceful wait only closes what is left.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1, lifespan="off",
@@ -128,4 +131,5 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
         server.run()
     finally:
         app.state.trtbuild.workers.shutdown(wait=False, cancel_futures=True)
+        app.state.trtbuild.compilers.shutdown(wait=False, cancel_futures=True)
         llm.close()

@@ -5,12 +5,14 @@ impossible request is refused before anything is tokenized. What comes out is ch
 for all: ``ValidRequest``s, which the engine takes without checking them again."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..input_processor import CheckedPrompt, InputProcessor, InputRefused, ValidRequest
 from ..sampling import SamplingParams
+from ..structured import CompiledConstraint, Constraint
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse
+from .structured_outputs import COMPILE_TIMEOUT_S, requested
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class Limits:
     max_prompt_chars: int
     max_queue: int
     body_timeout: float   # seconds per MB a body may take to arrive (--body-timeout)
+    compile_timeout: float = COMPILE_TIMEOUT_S   # seconds a constraint may take to compile (--compile-timeout)
 
     def body_deadline(self, declared: int | None) -> float:
         """Seconds to read a body of ``declared`` bytes (None: chunked, so up to --max-body-bytes),
@@ -35,6 +38,15 @@ class Prepared:
     jobs: list[ValidRequest]   # one per prompt × n, in choice order
     prompt_tokens: int
     chat: bool
+    constraint: tuple[Constraint, str] | None = None   # every job's, and the field that asked for it
+    # With a constraint, the jobs wait here (checked but for it) until the server has compiled it
+    # under its deadline, in threads of its own (runtime/server/app.py): see ``compiled``.
+    pending: tuple[tuple[CheckedPrompt, SamplingParams], ...] = ()
+
+    def compiled(self, processor: InputProcessor, constraint: CompiledConstraint) -> "Prepared":
+        """The pending jobs as requests, with their constraint compiled (cheap: a length check each)."""
+        jobs = [_refusing(processor.request, prompt, params, "prompt", constraint) for prompt, params in self.pending]
+        return replace(self, jobs=jobs, pending=())
 
 
 @dataclass(frozen=True)
@@ -100,10 +112,16 @@ class Inputs:
 
     # -- sampling ---------------------------------------------------------------------------------
     def _prepared(self, body: SamplingRequest, prompts: list[CheckedPrompt], chat: bool) -> Prepared:
-        jobs = [self._request(body, prompt, i, chat) for prompt in prompts for i in range(body.n)]
-        return Prepared(body, jobs, sum(len(prompt.tokens) for prompt in prompts), chat)
+        constraint = requested(body.response_format, body.structured_outputs)
+        pending = [(prompt, self._params(body, prompt, i, chat, constraint[0] if constraint else None))
+                   for prompt in prompts for i in range(body.n)]
+        tokens = sum(len(prompt.tokens) for prompt in prompts)
+        if constraint is not None:
+            return Prepared(body, [], tokens, chat, constraint, tuple(pending))
+        return Prepared(body, [_refusing(self.processor.request, *job) for job in pending], tokens, chat)
 
-    def _request(self, body: SamplingRequest, prompt: CheckedPrompt, index: int, chat: bool) -> ValidRequest:
+    def _params(self, body: SamplingRequest, prompt: CheckedPrompt, index: int, chat: bool,
+                constraint: Constraint | None) -> SamplingParams:
         # the prompt leaves room (checked when tokenized), so the chat default is ≥ 1
         room = self.processor.engine_dir.max_seq_len - len(prompt.tokens)
         requested = body.max_completion_tokens or body.max_tokens
@@ -115,10 +133,11 @@ class Inputs:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                     seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
                                     stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
-                                    logprobs=logprobs, top_logprobs=alternatives if logprobs else 0)
+                                    logprobs=logprobs, top_logprobs=alternatives if logprobs else 0,
+                                    constraint=constraint)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        return _refusing(self.processor.request, prompt, params)
+        return params
 
 
 def _refusing(check, *args):

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .structured_fields import ResponseFormat, StructuredOutputs
+
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -19,7 +21,7 @@ MAX_SEED = 2**63 - 1
 UNSUPPORTED = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": (None, {}),
     "best_of": (None, 1), "suffix": (None, ""), "echo": (None, False),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
@@ -62,6 +64,8 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None        # json_object / json_schema (structured_outputs.py)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,69 @@
+"""One request's grammar state: the mask it puts on a logits row, advanced token by token.
+
+A copy of the compiled constraint's pristine matcher (runtime/structured/compiler.py). The
+engine core masks the row it samples from (``masked``), advances with every committed token
+(``advance``: True once the grammar has ended), and lets a Medusa acceptance walk the tree
+with the grammar's state following the path (``TreeWalk``), rolled back afterwards."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class GrammarMatcher:
+    def __init__(self, template, vocab_size: int):
+        """``template``: a compiled constraint's pristine llguidance.LLMatcher, copied here."""
+        self.matcher = template.deep_copy()
+        self.vocab_size = vocab_size
+        self.bitmask = np.zeros((self.vocab_size + 31) // 32, np.int32)  # [ceil(V / 32)], bit i: token i allowed
+
+    def allowed(self) -> np.ndarray:
+        """[V] bool: the tokens the grammar allows next."""
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
+        return np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
+
+    def masked(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of the row [V] with the tokens the grammar refuses at -inf."""
+        return np.where(self.allowed(), logits, -np.inf).astype(logits.dtype, copy=False)
+
+    def advance(self, token: int) -> bool:
+        """Takes a committed token; True when the grammar has ended (no token but eos may follow),
+        or when the token was refused (a matcher in error takes nothing more either)."""
+        self.matcher.consume_token(token)
+        return self.matcher.is_stopped()
+
+    def rollback(self, tokens: int) -> None:
+        if tokens:
+            self.matcher.rollback(tokens)
+
+
+class TreeWalk:
+    """A Medusa tree's logits [T, V] as an acceptance walk reads them (runtime/medusa.py's
+    ``accept_greedy`` / ``accept_typical``: root first, then one child at a time along the path
+    it takes): node n's row comes masked by the grammar's state after the path to n, so the
+    walk takes the masked argmax (or a typical token) and stops at the first token the grammar
+    refuses. ``finish`` gives the masked row at the accepted path's end and rolls the matcher
+    back to the root: the commit advances it through what was accepted."""
+
+    def __init__(self, matcher: GrammarMatcher, tree, tokens: list[int], logits: np.ndarray):
+        self.matcher, self.tree, self.tokens, self.logits = matcher, tree, tokens, logits
+        self.path: list[int] = []   # nodes the matcher has taken, root excluded
+
+    def __getitem__(self, node: int) -> np.ndarray:
+        self._reach(node)
+        return self.matcher.masked(self.logits[node])
+
+    def _reach(self, node: int) -> None:
+        if node != (self.path[-1] if self.path else 0):
+            if self.tree.parents[node] != (self.path[-1] if self.path else 0):
+                raise ValueError(f"tree walk: node {node} does not continue the path {self.path}")
+            self.matcher.advance(self.tokens[node])
+            self.path.append(node)
+
+    def finish(self, nodes: tuple[int, ...]) -> np.ndarray:
+        """The masked row [V] after the accepted ``nodes``; the matcher is back at the root."""
+        for node in nodes[len(self.path):]:
+            self._reach(node)
+        row = self.matcher.masked(self.logits[nodes[-1] if nodes else 0])
+        self.matcher.rollback(len(self.path))
+        self.path = []
+        return row
