@@ -51,15 +51,17 @@ class NcclCommunicator:
     CUDA device."""
 
     def __init__(self, rank: int, size: int, group):
+        import torch
         import torch.distributed as dist
 
         self.lib = lib = _library()
         unique = _UniqueId()
         if rank == 0:
             _check(lib, lib.ncclGetUniqueId(ctypes.byref(unique)), "ncclGetUniqueId")
-        box = [bytes(unique.internal) if rank == 0 else None]
-        dist.broadcast_object_list(box, group=group, group_src=0)  # over the CPU (gloo) group its ranks joined
-        ctypes.memmove(unique.internal, box[0], NCCL_UNIQUE_ID_BYTES)
+        # The id's bytes as a tensor over the CPU (gloo) group its ranks joined: no pickle.
+        carried = torch.frombuffer(bytearray(unique.internal), dtype=torch.uint8)
+        dist.broadcast(carried, group=group, group_src=0)
+        ctypes.memmove(unique.internal, carried.numpy().ctypes.data, NCCL_UNIQUE_ID_BYTES)
         self.comm = ctypes.c_void_p()
         _check(lib, lib.ncclCommInitRank(ctypes.byref(self.comm), size, unique, rank), "ncclCommInitRank")
 
@@ -70,6 +72,7 @@ class NcclCommunicator:
         return new(self.comm, None, None)
 
     def close(self) -> None:
+        """Frees the communicator (every rank, rank 0 included, once its contexts are gone)."""
         if self.comm:
             self.lib.ncclCommDestroy(self.comm)
             self.comm = ctypes.c_void_p()
