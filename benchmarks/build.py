@@ -51,7 +51,7 @@ print(sum(p.numel() for p in model.parameters()))
 
 def run_build(spec: Path, out: Path) -> dict:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out),
                            "--json", "--log-level", "error"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"build of {spec} failed:\n{proc.stderr}")

@@ -186,7 +186,7 @@ def build(row: Row, checkpoint: Path, work: Path) -> dict:
     spec_path.write_text(yaml.safe_dump(spec))
     out = work / f"{row.name}-engine"
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec_path), "-o", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "trtbuild.cli", "build", str(spec_path), "-o", str(out),
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = TreeSampler(proc.pid)
     log = []
@@ -208,7 +208,7 @@ def build(row: Row, checkpoint: Path, work: Path) -> dict:
 
 def generate(out: str) -> str:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", out, "--prompt", "def main():",
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", out, "--prompt", "def main():",
                            "--max-tokens", "8", "--backend", "onnxruntime"], capture_output=True, text=True)
     last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else str(proc.returncode)
     if proc.returncode != 0 or "[8 tokens" not in proc.stdout + proc.stderr:

@@ -22,7 +22,7 @@ TokenizerStream, as ours do): fp32; int4 block 128 at accuracy level 1
 each int4 model on the bundled held-out text (4096 tokens) shows whether activations were
 quantized. Compare within one run: figures move ±20 % between runs on a shared 2-core machine.
 
-With llama-cpp-python installed, llama.cpp at batch 1 (its Python API decodes one sequence) on an
+With llama-cpp-python installed, llama.cpp at batch 1 and 8 (its C API: benchmarks/llama_cpp_decode.py) on an
 f16 GGUF of the same checkpoint (benchmarks/gguf_export.py), each token detokenized, in the same
 rotation.
 
@@ -80,7 +80,7 @@ def build(out: Path, quantization: dict | None, workdir: Path, spec: Path = REPO
         spec_fields["quantization"] = quantization
     path = workdir / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(spec_fields))
-    done = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out),
+    done = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(path), "-o", str(out),
                            "--log-level", "error", "--json"], check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 
@@ -191,29 +191,19 @@ def genai_measure(path: Path, seed: int, vocab: int) -> dict:
 
 # -- llama.cpp (llama-cpp-python) --------------------------------------------------------------
 
-def llama_cpp_run(llm, seed: int, vocab: int) -> tuple[float, float]:
-    """Batch 1 only (its Python API decodes one sequence): as trtbuild_run, each token also
-    detokenized."""
-    prompt = prompts(1, seed, vocab)[0]
-    llm.reset()
-    start = time.perf_counter()
-    tokens = llm.generate(prompt, temp=0.0, top_k=1, reset=True)
-    llm.detokenize([next(tokens)])
-    prefill, steps = time.perf_counter() - start, []
-    for _ in range(NEW_TOKENS - 1):
-        begin = time.perf_counter()
-        llm.detokenize([next(tokens)])
-        steps.append(time.perf_counter() - begin)
-    tokens.close()
-    return 1 / statistics.median(steps), prefill
-
-
 def llama_cpp_measure(path: Path, threads: int, seed: int, vocab: int) -> dict:
-    from llama_cpp import Llama
+    """Batch 1 and 8 through llama.cpp's C API (benchmarks/llama_cpp_decode.py), a context each."""
+    from llama_cpp_decode import LlamaCpp
 
-    llm = Llama(str(path), n_ctx=PROMPT_LEN + NEW_TOKENS, n_threads=threads, n_threads_batch=threads, verbose=False)
-    llama_cpp_run(llm, 99, vocab)  # warm-up
-    return {"1": llama_cpp_run(llm, seed, vocab), "8": None}
+    figures = {}
+    for batch in (1, 8):
+        llm = LlamaCpp(path, threads, batch, PROMPT_LEN, NEW_TOKENS)
+        try:
+            llm.run(prompts(batch, 99, vocab), NEW_TOKENS)  # warm-up
+            figures[str(batch)] = llm.run(prompts(batch, seed, vocab), NEW_TOKENS)
+        finally:
+            llm.close()
+    return figures
 
 
 def measure(engines: dict[str, tuple[str, Path]], blocks: list[list[str]], threads: int, repeats: int,
@@ -233,8 +223,7 @@ def measure(engines: dict[str, tuple[str, Path]], blocks: list[list[str]], threa
                                      check=True, capture_output=True, text=True).stdout
                 figures = json.loads(out.strip().splitlines()[-1])
                 for batch in (1, 8):
-                    if figures[str(batch)] is not None:  # llama.cpp: batch 1 only
-                        samples[name][batch].append(figures[str(batch)][0])
+                    samples[name][batch].append(figures[str(batch)][0])
                 samples[name]["prefill_ms"].append(figures["1"][1] * 1e3)
     return samples
 

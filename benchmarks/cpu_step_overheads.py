@@ -194,7 +194,7 @@ def main() -> None:
         engine, genai = args.engine_dir, args.genai_dir
         if engine is None:
             engine = Path(tmp) / "tiny-code"
-            subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
+            subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
                             "-o", str(engine), "--log-level", "error"], check=True, capture_output=True)
         if genai is None and not args.no_genai:
             try:

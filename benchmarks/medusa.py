@@ -40,7 +40,7 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 
 def build_engine(out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build",
+    subprocess.run([sys.executable, "-m", "trtbuild.cli", "build",
                     str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out), "--log-level", "error"],
                    check=True, capture_output=True)
 
@@ -51,6 +51,18 @@ def heldout_prompts(tokenizer, count: int, length: int = 32) -> list[list[int]]:
     return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
+def _heads_in_every_step_engine(*args, **kwargs):
+    """The CPU engine as before the decode graph held the Medusa heads behind draft_heads: every
+    plain decode step, a greedy run's included, computes them (a comparison, not a runtime mode)."""
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+
+    class HeadsInEveryStep(OnnxRuntimeEngine):
+        def _filled(self, step, draft):
+            return super()._filled(step, draft=True)
+
+    return HeadsInEveryStep(*args, **kwargs)
+
+
 def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: int | None, threads: int,
         skip_idle_heads: bool = True) -> dict:
     """One mode's timed generation. The LLM is closed before returning: every mode of every round
@@ -59,13 +71,11 @@ def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: i
     decode graph held them behind draft_heads), the engine otherwise the same."""
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM, default_prefix_blocks
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
     from trtbuild.runtime.sampling import SamplingParams
 
     d = load(engine)
     blocks = default_prefix_blocks(d, 16)  # LLM's default prefix store, in its default blocks of 16
-    own = None if skip_idle_heads else OnnxRuntimeEngine(d, threads=threads, prefix_blocks=blocks, block_size=16,
-                                                        skip_idle_heads=False)
+    own = None if skip_idle_heads else _heads_in_every_step_engine(d, threads=threads, prefix_blocks=blocks, block_size=16)
     llm = LLM(engine, backend="onnxruntime", threads=threads, medusa_tree_size=size, prefix_cache_blocks=blocks,
               engine=own)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)

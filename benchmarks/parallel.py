@@ -44,7 +44,7 @@ def build(tp: int, pp: int, root: Path) -> tuple[Path, dict, float]:
     path, out = root / f"tp{tp}pp{pp}.yaml", root / f"tp{tp}pp{pp}"
     path.write_text(yaml.safe_dump(spec))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(path), "-o", str(out),
                            "--json", "--log-level", "error"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"build {tp}×{pp} failed:\n{proc.stderr}")

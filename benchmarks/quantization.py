@@ -115,7 +115,7 @@ def main() -> None:
                             "max_seq_len: 1024}\n" + quant)
             out = tmp / name
             start = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out),
+            subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out),
                             "--log-level", "error"], check=True, capture_output=True)
             build_s = time.perf_counter() - start
             result = evaluate(out, heldout, 512, args.max_tokens, reference=REPO / "models" / "tiny-code")

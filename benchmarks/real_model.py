@@ -20,8 +20,8 @@ Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are mad
 2. Speed: benchmarks/cpu_decode.py's measurement (a process per engine, rounds with rotation,
    64-token random prompts, 128 greedy new tokens, decode tok/s at batch 1 and 8, batch-1 prefill)
    for trtbuild float32, int4 RTN g64 and the same with int8 activations, onnxruntime-genai float32
-   and int4 (its defaults) built from the dequantized dir, llama.cpp F32/Q8_0/Q4_1 (batch 1 only:
-   cpu_decode's llama.cpp row decodes one sequence).
+   and int4 (its defaults) built from the dequantized dir, llama.cpp F32/Q8_0/Q4_1 (batch 1 and 8
+   through its C API, benchmarks/llama_cpp_decode.py).
 3. Build: seconds per stage and peak RSS per process (`trtbuild build --json`) for the float32,
    float16 and int4 RTN g64 builds from the GGUF file, and float32 from the dequantized dir.
 """

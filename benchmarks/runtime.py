@@ -29,7 +29,7 @@ from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 
 def build_engine(out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
+    subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
                     "-o", str(out), "--log-level", "error"], check=True, capture_output=True)
 
 

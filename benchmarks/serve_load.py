@@ -82,7 +82,7 @@ def on_cpus(cpus: set[int] | None):
 
 
 def start_server(engine_dir: Path, log: Path, cpus: set[int] | None, threads: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "trtbuild.builder.cli", "serve", str(engine_dir), "--port", "0",
+    command = [sys.executable, "-m", "trtbuild.cli", "serve", str(engine_dir), "--port", "0",
                "--model-name", MODEL_NAME, "--backend", "onnxruntime", "--max-queue", "256",
                "--threads", str(threads)]
     with open(log, "w") as sink:

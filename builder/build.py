@@ -299,13 +299,13 @@ def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -
     itself when small, else its first layers), and the weight quantization the spec asks for."""
     with sample_peak("export") as peak:
         weights = _weight_map(spec)
-        exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype.torch,
+        exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype,
                                spec.arch.vocab_size)
         checked, reference, model, inputs, heads = exported, None, None, None, None
         if check is not None:
             if not check.whole:
                 (workdir / "check").mkdir()
-                checked = export_step(spec, workdir / "check", weights, check.layers, check.dtype.torch,
+                checked = export_step(spec, workdir / "check", weights, check.layers, check.dtype,
                                       check.vocab_rows)
             inputs = numerics.seeded_inputs(spec, check)
             heads = load_heads(spec.medusa.heads) if spec.medusa is not None else None

@@ -1,10 +1,10 @@
-"""The ``trtbuild`` command line. Runtime commands register lazily so ``build`` never imports them."""
+"""The builder's commands of the ``trtbuild`` CLI (``build``, ``inspect``, ``plan``, ``medusa``;
+trtbuild.cli.main gathers them with the runtime's)."""
 from __future__ import annotations
 
 import json
 import signal
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import click
@@ -12,58 +12,7 @@ import click
 from .errors import UserError
 
 
-def _version() -> str:
-    try:
-        return metadata.version("trtbuild")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-# Runtime commands: imported only when invoked, so `trtbuild build` never loads the runtime.
-LAZY_COMMANDS = {"run": "trtbuild.runtime.cli:run", "bench": "trtbuild.runtime.cli:bench",
-                 "eval": "trtbuild.runtime.cli:evaluate", "serve": "trtbuild.runtime.server.cli:serve"}
-
-
-class _Group(click.Group):
-    """Prints UserError as one line and exits 2; lets --log-level debug show tracebacks."""
-
-    def list_commands(self, ctx):
-        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
-
-    def get_command(self, ctx, name):
-        if name in LAZY_COMMANDS:
-            import importlib
-
-            module, attr = LAZY_COMMANDS[name].split(":")
-            return getattr(importlib.import_module(module), attr)
-        return super().get_command(ctx, name)
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except UserError as exc:
-            click.echo(f"error: {exc}", err=True)
-            if ctx.meta.get("trtbuild.debug"):
-                raise
-            ctx.exit(2)
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(_version(), prog_name="trtbuild")
-def main() -> None:
-    """trtbuild: ahead-of-time TensorRT engines for Llama-family LLMs.
-
-    \b
-    Example:
-      trtbuild build specs/tiny-code.yaml -o build/tiny-code
-      trtbuild inspect build/tiny-code
-      trtbuild run build/tiny-code --prompt "def fibonacci(n):"
-      trtbuild bench build/tiny-code --workload skewed
-      trtbuild plan specs/llama-3-8b.yaml --gpu H100-SXM
-    """
-
-
-@main.command()
+@click.command()
 @click.argument("spec", type=click.Path(path_type=Path))
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
               help="Engine dir to write (default: build/<spec name>). Replaced atomically if it exists.")
@@ -133,7 +82,7 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
                f"({human_bytes(summary.dir_bytes)})")
 
 
-@main.command()
+@click.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--rank", type=int, default=None, help="Only this rank's passes.")
 @click.option("--pass", "pass_name", default=None, metavar="NAME", help="Only this pass, with its op-count changes.")
@@ -163,7 +112,7 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
         sys.exit(1)
 
 
-@main.command()
+@click.command()
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--gpu", default="H100-SXM", show_default=True, help="GPU from the table (trtbuild plan --list-gpus).")
 @click.option("--gpus", type=click.IntRange(min=1), default=None, help="GPUs available (default: the tensor parallelism).")
@@ -232,7 +181,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
         raise UserError(f"{source}: neither a spec file, a checkpoint dir, a .gguf file nor a known model "
                         f"({', '.join(known_names())})")
     precision = precision or (QUANTIZATION_PRECISION.get(spec.quantization.mode) if spec else None) \
-        or ({"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value] if spec else "fp16")
+        or (spec.model.dtype.short if spec else "fp16")
     tp = tp or (spec.parallel.tensor if spec else 1)
     refusal = tensor_parallel_refusal(arch, tp)
     if refusal is not None:
@@ -275,7 +224,7 @@ def _stand_in_arch(checkpoint: Path):
     return arch
 
 
-@main.group()
+@click.group()
 def medusa() -> None:
     """Medusa speculative-decoding heads: train them for a checkpoint."""
 
@@ -323,7 +272,4 @@ def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, ste
     click.echo(f"\n{report.train_tokens} training tokens, {report.eval_tokens} held-out, final loss "
                f"{report.final_loss:.3f}, {report.seconds:.0f} s; heads written to {out}")
 
-
-if __name__ == "__main__":
-    main()
 

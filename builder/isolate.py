@@ -8,28 +8,20 @@ forked) so they start without the parent's memory.
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
-import signal
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
+from ..common.processes import die_with_parent
+
 T = TypeVar("T")
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies, even by SIGKILL (no orphaned
-    half-gigabyte export worker, and the resource tracker sees its pipes close)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the parent's cleanup below still ends the children
-        pass
 
 
 @contextmanager
 def _pool(workers: int) -> Iterator[ProcessPoolExecutor]:
-    """Spawned children that die with this process. Interrupted (SIGTERM, Ctrl-C), the parent
+    """Spawned children that die with this process (no orphaned half-gigabyte export worker, and
+    the resource tracker sees its pipes close). Interrupted (SIGTERM, Ctrl-C), the parent
     does not wait for them to finish their work: it leaves, and they die with it."""
     pool = ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn"),
                                initializer=die_with_parent)

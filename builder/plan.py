@@ -300,8 +300,8 @@ def spec_build_plan(spec) -> BuildPlan:
     """The build plan of a validated spec: its precision (quantization, else dtype) and its ranks
     (T × P: a pipeline stage holds ≈ 1/P of the weights, by layer count)."""
     precision = QUANTIZATION_PRECISION.get(spec.quantization.mode) or \
-        {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value]
+        spec.model.dtype.short
     counts = param_counts(spec.arch)
-    dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[spec.model.dtype.value]
+    dtype = spec.model.dtype.short
     return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
                      cpu_graphs=spec.build.cpu_graphs, export_bytes=weight_bytes(counts, dtype))

@@ -16,12 +16,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 # Strict ints and booleans: `max_batch_size: true` or `"8"` is a mistake to name, not a 1 or an 8.
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from ..contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
 from ..contract.onnxruntime import CpuActivations
 from ..contract.pipeline import RankPosition, balanced_layers, rank_positions, stage_layers
+from ..contract.dtypes import NUMPY_DTYPES
 from ..contract.tensor_parallel import kv_heads_per_rank
 from ..contract.gpu_targets import RTX_TARGETS, TENSORRT_TARGETS  # noqa: F401  (RTX_TARGETS: API)
 from .spec_errors import FieldError
@@ -37,7 +39,22 @@ class DType(str, Enum):
     @property
     def torch(self):
         import torch
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.value]
+        return getattr(torch, self.value)  # torch names its dtypes as the spec does
+
+    @property
+    def numpy(self) -> np.dtype:
+        return NUMPY_DTYPES[self.value]
+
+    @property
+    def onnx(self) -> int:
+        """The ONNX TensorProto element type."""
+        from onnx.helper import np_dtype_to_tensor_dtype
+        return np_dtype_to_tensor_dtype(self.numpy)
+
+    @property
+    def short(self) -> str:
+        """The precision's short name in plans and GPU tables (fp32, fp16, bf16)."""
+        return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.value]
 
 
 class Backend(str, Enum):

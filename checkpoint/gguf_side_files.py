@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.errors import first_line
 from .errors import CheckpointError
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFile, read_gguf
@@ -77,8 +78,7 @@ def gguf_tokenizer(gguf: GGUFFile):
     try:
         backend, _ = convert_gguf_tokenizer(gguf.metadata["general.architecture"], tokenizer)
     except Exception as exc:  # noqa: BLE001  (transformers refuses a tokenizer kind, or bad merges)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{gguf.path}: transformers cannot build its tokenizer: {first}") from None
+        raise CheckpointError(f"{gguf.path}: transformers cannot build its tokenizer: {first_line(exc)}") from None
     return backend
 
 

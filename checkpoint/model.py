@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..common.errors import first_line
 from .errors import CheckpointError
 from .gguf_config import is_gguf
 from .source import hf_config, open_weights
@@ -37,9 +38,8 @@ def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = No
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001  (a config transformers refuses)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = checkpoint if gguf else f"{checkpoint}/config.json"
-        raise CheckpointError(f"{where}: transformers cannot read it: {first}") from None
+        raise CheckpointError(f"{where}: transformers cannot read it: {first_line(exc)}") from None
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2/3) must match the count
@@ -54,10 +54,10 @@ def meta_model(checkpoint: Path, dtype: torch.dtype, num_layers: int | None = No
     return model.eval()
 
 
-def checkpoint_key(model: nn.Module, name: str) -> str:
-    """The checkpoint's key for a parameter of the CausalLM: the same name, except a tied
+def checkpoint_key(name: str, tie_word_embeddings: bool) -> str:
+    """The checkpoint's key for parameter ``name`` of the CausalLM: the same name, except a tied
     ``lm_head.weight``, which the checkpoint stores only as the embedding."""
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+    if name == "lm_head.weight" and tie_word_embeddings:
         return "model.embed_tokens.weight"
     return name
 
@@ -70,7 +70,7 @@ def assign_weights(model: nn.Module, weights: WeightMap, prefix: str, dtype: tor
     dot = f"{prefix}." if prefix else ""
     state, read = {}, {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        key = checkpoint_key(model, dot + name)
+        key = checkpoint_key(dot + name, model.config.tie_word_embeddings)
         tensor = read[key] if key in read else read.setdefault(key, weights.for_shape(key, tuple(param.shape), dtype))
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {key} has shape {tuple(tensor.shape)}; config.json implies "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..common.errors import first_line
 from .errors import CheckpointError
 from .files import checkpoint_file
 from .gguf_config import is_gguf
@@ -18,8 +19,7 @@ def tokenizer_from(data: bytes, where: str):
     try:
         return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(f"{where}: not a loadable tokenizer ({first})") from None
+        raise CheckpointError(f"{where}: not a loadable tokenizer ({first_line(exc)})") from None
 
 
 def check_vocabulary(tokenizer, vocab_size: int, where: str) -> None:

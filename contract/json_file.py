@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.errors import first_line
+
 # Far deeper than any manifest or config.json, far shallower than the depth at which Python's
 # parser raises RecursionError (about 1000).
 MAX_NESTING = 64
@@ -58,7 +60,7 @@ def parse_json(raw: bytes, where: str, max_nesting: int = MAX_NESTING):
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except ValueError as exc:  # an integer longer than Python's int_max_str_digits
-        raise ValueError(f"{where}: not valid JSON ({str(exc).splitlines()[0]})") from None
+        raise ValueError(f"{where}: not valid JSON ({first_line(exc)})") from None
 
 
 def read_json_object(path: Path) -> dict:

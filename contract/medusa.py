@@ -1,4 +1,5 @@
-"""Medusa acceptance arithmetic shared by the build (default tree, plan) and the runtime policy."""
+"""Medusa trees, well formed or not, and acceptance arithmetic, shared by the build (the spec's tree,
+the default tree, plan) and the runtime (the manifest's tree, the policy)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -6,6 +7,31 @@ from typing import Callable, Sequence
 # Speculate only for an expected ≥ 10 % more tokens per second than plain decoding (step
 # timings are noisy): the runtime policy and `trtbuild plan` apply the same rule.
 MIN_GAIN = 1.10
+
+
+def tree_problem(choices: Sequence[tuple[int, ...]], num_heads: int | None = None,
+                 parents_first: bool = False) -> str | None:
+    """None if ``choices`` (paths of top-k ranks, one per head) form a tree, else what is wrong
+    with the first bad path: empty, a negative rank, deeper than ``num_heads`` (where given), twice,
+    its parent missing, or (``parents_first``: the order the runtime relies on, every prefix a
+    tree) its parent later in the list."""
+    every = set(choices)
+    seen: set[tuple[int, ...]] = {()}
+    for path in choices:
+        if not path:
+            return "an empty path; each choice is a non-empty list of ranks ≥ 0 like [0, 1]"
+        if any(rank < 0 for rank in path):
+            return f"{list(path)} has a negative rank; each choice is a non-empty list of ranks ≥ 0"
+        if num_heads is not None and len(path) > num_heads:
+            return f"{list(path)} is {len(path)} deep but there are num_heads={num_heads} heads"
+        if path in seen:
+            return f"{list(path)} appears twice"
+        if len(path) > 1 and path[:-1] not in every:
+            return f"{list(path)} has no parent {list(path[:-1])} in the tree"
+        if parents_first and path[:-1] not in seen:
+            return f"{list(path)} comes before its parent {list(path[:-1])}"
+        seen.add(path)
+    return None
 
 
 def rank_probability(row: list[float], rank: int) -> float:

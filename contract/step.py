@@ -14,6 +14,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from .dtypes import CPU_DTYPES, NUMPY_DTYPES
+
 INPUT_NAMES = ("input_ids", "position_ids", "write_index", "kv_length", "attention_mask", "logits_index")
 LOGITS, MEDUSA_LOGITS = "logits", "medusa_logits"
 # Each input's element kind ("float": the model's dtype) and dims: B batch, S new tokens,
@@ -28,7 +30,7 @@ STEP_INPUTS: dict[str, tuple[str, tuple[str | int, ...]]] = {
     "logits_index": ("int64", ("B", "R")),
     "past": ("float", ("B", "H_kv", "S_max", "D")),
 }
-CACHE_DTYPES = {"float32": np.float32, "float16": np.float16}  # what ONNX Runtime runs on CPU
+CACHE_DTYPES = {name: NUMPY_DTYPES[name] for name in CPU_DTYPES}  # what ONNX Runtime runs on CPU
 
 # rankN.cpu.onnx (the CPU step model) takes the step's inputs plus PLAIN_DECODE, a bool scalar:
 # true runs the CPU decode graph (plain decode steps, one token a row), false the rank graph or,

@@ -1,4 +1,4 @@
-"""Runtime commands of the ``trtbuild`` CLI (registered lazily by trtbuild.builder.cli)."""
+"""Runtime commands of the ``trtbuild`` CLI (gathered by trtbuild.cli.main)."""
 from __future__ import annotations
 
 import json
@@ -68,7 +68,7 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
     \b
     Example:
       trtbuild run build/tiny-code --prompt "def fibonacci(n):" --max-tokens 48 --stream
-      torchrun --standalone --nproc-per-node 2 -m trtbuild.builder.cli run build/tiny-tp2 --prompt "def f(x):"
+      torchrun --standalone --nproc-per-node 2 -m trtbuild.cli run build/tiny-tp2 --prompt "def f(x):"
     """
     from .tensor_parallel import RankFailure
 

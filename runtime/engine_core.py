@@ -13,8 +13,8 @@ from typing import Callable
 from .engine import Engine, StepOutput
 from .medusa import Accepted, accept_greedy, accept_typical
 from .sampling import Sampler
-from .scheduler import (CopySlot, Draft, KeepPath, LoadBlock, Phase, Plan, Request, SaveBlock, Scheduler, Step,
-                        StepKind, TokenSink)
+from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
+from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 from .speculation import SpeculationPolicy
 
 

@@ -13,6 +13,8 @@ from functools import cached_property
 
 import numpy as np
 
+from ..contract.medusa import tree_problem
+
 # Typical acceptance (Medusa paper, §2.3.1): accept a guess whose probability under the base
 # model exceeds min(epsilon, delta * exp(-entropy)); Medusa's defaults.
 TYPICAL_EPSILON = 0.09
@@ -24,15 +26,9 @@ class Tree:
     choices: tuple[tuple[int, ...], ...]
 
     def __post_init__(self):
-        seen: set[tuple[int, ...]] = {()}
-        for path in self.choices:
-            if not path or any(r < 0 for r in path):
-                raise ValueError(f"tree choice {list(path)}: a non-empty path of ranks ≥ 0")
-            if path in seen:
-                raise ValueError(f"tree choice {list(path)} appears twice")
-            if path[:-1] not in seen:
-                raise ValueError(f"tree choice {list(path)} comes before its parent {list(path[:-1])}")
-            seen.add(path)
+        problem = tree_problem(self.choices, parents_first=True)
+        if problem is not None:
+            raise ValueError(f"tree choice {problem}")
 
     @property
     def size(self) -> int:

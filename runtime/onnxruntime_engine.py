@@ -27,7 +27,7 @@ from .backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import HostPools, PoolShape
-from .scheduler import Step, StepKind
+from .step import Step, StepKind
 
 
 # The Ifs' conditions; bindings point at these arrays, so they live as long as the module.
@@ -48,13 +48,12 @@ class OnnxRuntimeEngine:
 
     def __init__(self, engine_dir: EngineDir, threads: int = 0, prefix_blocks: int = 0, block_size: int = 16,
                  rank: int = 0, collective: CollectiveFn | None = None, spinning: Spinning = Spinning.always,
-                 use_decode_graph: bool = True, skip_idle_heads: bool = True):
+                 use_decode_graph: bool = True):
         """``collective``: how this rank joins the others (a tensor-parallel engine dir's rank
         graphs hold DistCollective nodes; ONNX Runtime runs the pieces between them).
-        ``spinning``, ``use_decode_graph`` (False: every step on the rank graph) and
-        ``skip_idle_heads`` (False: a greedy run's steps compute the Medusa heads too) are for
-        comparisons (benchmarks/cpu_decode.py, benchmarks/medusa.py); the defaults are the fast
-        configuration."""
+        ``spinning``: whether ONNX Runtime's threads spin between runs (a server's sleep);
+        ``use_decode_graph`` False runs every step on the rank graph, as on a dir built without the
+        CPU decode graph (benchmarks/cpu_decode.py, tests)."""
         if engine_dir.dtype not in CACHE_DTYPES:
             raise ValueError(f"the onnxruntime backend runs float32 and float16 engine dirs; this one is "
                              f"{engine_dir.dtype}: use --backend tensorrt on a GPU")
@@ -77,7 +76,6 @@ class OnnxRuntimeEngine:
             names = {i.name for i in self.session.get_inputs()}
             self.verifies_on_cpu_graph = TREE_VERIFY in names
             self.drafts_on_demand = DRAFT_HEADS in names  # a greedy run's steps skip the heads
-        self.skip_idle_heads = skip_idle_heads
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size, rank))
         self.has_medusa = MEDUSA_LOGITS in outputs
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused binding
@@ -88,7 +86,7 @@ class OnnxRuntimeEngine:
             return StepOutput(logits=values[LOGITS], medusa=values[MEDUSA_LOGITS] if self.has_medusa else None)
         _, seq, _ = step_shape(step.tokens, trees=step.trees)
         if step.kind == StepKind.decode and seq == 1:  # the steady state: one token a row, step after step
-            draft = step.draft_heads or not self.skip_idle_heads
+            draft = step.draft_heads
             bound = self._filled(step, draft=draft)
             self.session.run_with_iobinding(bound.binding)
             skipped = self.drafts_on_demand and not draft  # the heads' logits are zeros: none to give
@@ -126,7 +124,7 @@ class OnnxRuntimeEngine:
         if self.segments is not None:
             return StepwiseGreedyRun(self, step)
         # Nobody drafts from a run's steps: their heads are skipped where the model can.
-        return _BoundGreedyRun(self.session, self._filled(step, draft=not self.skip_idle_heads),
+        return _BoundGreedyRun(self.session, self._filled(step, draft=False),
                                feeds_itself=self.decode is not None)
 
     def _filled(self, step: Step, draft: bool) -> _Bound:

@@ -29,7 +29,7 @@ from ..contract.pipeline import HIDDEN_STATES_OUT
 from ..contract.step import LOGITS, MEDUSA_LOGITS, step_shape
 from .engine import CacheOpsOfEngine, StepOutput
 from .engine_dir import EngineDir
-from .scheduler import Step
+from .step import Step
 
 
 def micro_batches(step: Step, count: int) -> list[Step]:

@@ -14,7 +14,7 @@ from ..plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
 from .engine_dir import EngineDir
 from .pipeline_parallel import StageRunner, stage_groups
 from .rank_protocol import Stop, receive
-from .scheduler import CopySlot, KeepPath, LoadBlock, SaveBlock, Step
+from .step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step
 from .stage_transport import HostTransport
 
 

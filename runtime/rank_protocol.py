@@ -18,7 +18,7 @@ from enum import IntEnum
 import numpy as np
 
 from .medusa import Tree
-from .scheduler import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
+from .step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
 
 MAGIC = 0x7472_7462_726B  # "trtbrk"
 VERSION = 1

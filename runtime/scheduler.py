@@ -17,6 +17,7 @@ from .medusa import Accepted, Tree
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .slots import Move, SlotTable
+from .step import CacheOp, CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 
 NOTHING_ACCEPTED = Accepted((), ())  # a plain row's "path": no guesses
 
@@ -29,11 +30,6 @@ class Phase(Enum):
     prefilling = "prefilling"
     decoding = "decoding"
     finished = "finished"
-
-
-class StepKind(Enum):
-    prefill = "prefill"
-    decode = "decode"
 
 
 class Batching(Enum):
@@ -69,81 +65,6 @@ class Draft:
     """A tree of guessed tokens following the request's last token (``tokens[i]`` is node i + 1)."""
     tree: Tree
     tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class KeepPath:
-    """After a verification: move the K/V at slot positions ``start + nodes[i]`` to ``start + 1 + i``
-    (the accepted path, written in tree order, becomes contiguous after the root at ``start``)."""
-    slot: int
-    start: int
-    nodes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CopySlot:
-    """Copy slot positions [0, length) of slot ``src`` into slot ``dst``: what the moved request
-    has cached, not the whole [H_kv, S_max, D] slot (which for long S_max is most of it empty)."""
-    src: int
-    dst: int
-    length: int
-
-
-@dataclass(frozen=True)
-class SaveBlock:
-    """Store slot positions [index*bs, (index+1)*bs) into prefix block ``block``."""
-    slot: int
-    index: int
-    block: int
-
-
-@dataclass(frozen=True)
-class LoadBlock:
-    """Copy prefix block ``block`` into slot positions [index*bs, (index+1)*bs)."""
-    block: int
-    slot: int
-    index: int
-
-
-CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath
-
-
-@dataclass(frozen=True)
-class Step:
-    kind: StepKind
-    first_slot: int            # rows bind slots [first_slot, first_slot + len(rids))
-    rids: tuple[str, ...]
-    tokens: tuple[tuple[int, ...], ...]   # new tokens per row
-    starts: tuple[int, ...]               # write_index per row (= tokens already cached)
-    samples: tuple[bool, ...]             # whether a row's logits yield a token this step
-    trees: tuple[Tree | None, ...] = ()   # per row, the Medusa tree its tokens form (verification)
-    # Whether a plain decode step computes the Medusa heads' logits: False where nobody drafts
-    # from them (the engine core decides), and an engine that can skip them does.
-    draft_heads: bool = True
-
-    @property
-    def row_trees(self) -> tuple[Tree | None, ...]:
-        """Each row's tree, None for rows that decode plainly."""
-        return self.trees or (None,) * len(self.rids)
-
-    @property
-    def verifies(self) -> bool:
-        """A verification step: logits at every position (R = S), tree masks per row."""
-        return any(tree is not None for tree in self.trees)
-
-    @property
-    def seq_len(self) -> int:
-        return max(len(t) for t in self.tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-
-@dataclass
-class Plan:
-    ops: list[CacheOp]
-    step: Step | None
 
 
 class Scheduler:

@@ -305,7 +305,7 @@ def calibrate(engine, tree: Tree, max_batch: int, run_steps: int = 1, repeats: i
     the greedy path's end on the CPU verification graph), which is what makes them cost.
     Each shape runs twice to warm up, then ``repeats`` times back to back (as a serving loop
     repeats a shape); their median counts, and decode steps and runs refine it as they run."""
-    from .scheduler import Step, StepKind
+    from .step import Step, StepKind
 
     batches = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch), max_batch})
     sizes = sorted({*(n for n in (0, 1, 2, 4, 8, 16, 32, 64, 128) if n < tree.size), tree.size - 1})

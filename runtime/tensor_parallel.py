@@ -18,7 +18,6 @@ started rank's stderr goes to a file rank 0 reads back), and stops every rank it
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import socket
@@ -29,11 +28,12 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from ..common.processes import die_with_parent
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from .engine_dir import EngineDir, load
 from .rank_engines import RankEngine, rank_engine, run_message, serve_rank
 from .rank_protocol import Message, Stop, broadcast
-from .scheduler import CopySlot, KeepPath, LoadBlock, SaveBlock
+from .step import CopySlot, KeepPath, LoadBlock, SaveBlock
 
 # A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
 # bundled model takes milliseconds; a first step of a large one, seconds).
@@ -48,14 +48,6 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the process that started it dies (even by SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _last_line(exc: BaseException) -> str:
     """The last line of the exception's traceback: ``Type: message``."""
     return traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[-1]
@@ -66,7 +58,7 @@ def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix
     """A rank process started by rank 0 on this machine (``python -m trtbuild.runtime.tensor_parallel``)."""
     import torch.distributed as dist
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to rank 0, which stops us
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..contract.dtypes import HOST_DTYPES
 from ..contract.step import LOGITS, MEDUSA_LOGITS
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from .engine_dir import EngineDir
 from .kv_pools import DevicePools, PoolShape, device_alloc
 from .tensorrt_runtime import cuda_check, cuda_runtime, load_flavor
-from .scheduler import Step, StepKind
-
-_ELEMENT = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+from .step import Step, StepKind
 
 
 class TensorRTEngine:
@@ -47,7 +46,7 @@ class TensorRTEngine:
                 raise RuntimeError(f"TensorRT refused the NCCL communicator for rank {rank}")
             self.contexts[kind] = context
         d = engine_dir
-        self.element = np.dtype(_ELEMENT[d.dtype])
+        self.element = HOST_DTYPES[d.dtype]
         self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
         self.tensors = d.rank_tensors(rank)  # a pipeline stage has some of the step's inputs and outputs
         # A Medusa verification scores the whole tree: S and R up to its size (heads: on the last stage).

@@ -17,7 +17,7 @@ from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from ..contract.step import LOGITS, MEDUSA_LOGITS, step_shape
 from .engine import CacheOpsOfEngine, step_arrays
 from .kv_pools import device_alloc
-from .scheduler import Step
+from .step import Step
 from .stage_transport import DeviceArray
 from .tensorrt_engine import TensorRTEngine
 

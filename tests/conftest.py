@@ -128,7 +128,7 @@ def tiny_engine(tmp_path_factory) -> Path:
     import sys
 
     out = tmp_path_factory.mktemp("engines") / "tiny-code"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
                            "-o", str(out), "--dump-after", "fuse_attention"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "engine rank0" in proc.stderr and "rank0" in proc.stdout  # progress and the summary table
@@ -142,7 +142,7 @@ def medusa_engine(tmp_path_factory) -> Path:
     import sys
 
     out = tmp_path_factory.mktemp("engines") / "tiny-code-medusa"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build",
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build",
                            str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -162,7 +162,7 @@ def _build_smollm2(tmp_path_factory, gguf: Path, name: str, **parallel) -> Path:
     if parallel:
         spec["parallel"] = parallel
     (work / "spec.yaml").write_text(yaml.safe_dump(spec))
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(work / "spec.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(work / "spec.yaml"),
                            "-o", str(work / name)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return work / name

@@ -30,7 +30,7 @@ class Served:
 
 @contextmanager
 def served(engine_dir: Path, log: Path, *args: str, api_key: str | None = None, model: str = "tiny"):
-    command = [sys.executable, "-m", "trtbuild.builder.cli", "serve", str(engine_dir), "--port", "0",
+    command = [sys.executable, "-m", "trtbuild.cli", "serve", str(engine_dir), "--port", "0",
                "--model-name", model, "--backend", "onnxruntime", *args]
     if api_key:
         command += ["--api-key", api_key]

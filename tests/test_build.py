@@ -111,7 +111,7 @@ def test_rank_graph_and_cpu_decode_graph_generate_the_same_greedy_tokens_as_tran
 
 
 def test_inspect_shows_the_pass_table(tiny_engine):
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(tiny_engine)],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(tiny_engine)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "all hashes verify" in proc.stdout
@@ -119,10 +119,10 @@ def test_inspect_shows_the_pass_table(tiny_engine):
     cpu_rows = [line.split() for line in proc.stdout.splitlines() if " cpu_" in line]
     assert [(row[1], row[4]) for row in cpu_rows] == [("cpu_group_query_attention", "6"), ("cpu_pack_qkv", "6"),
                                                       ("cpu_drop_row_gather", "1"), ("cpu_skip_norm", "12")]
-    node = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(tiny_engine),
+    node = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(tiny_engine),
                            "--node", "/model/layers.0/self_attn/Attention"], capture_output=True, text=True)
     assert "created by fuse_attention" in node.stdout
-    cpu = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(tiny_engine), "--node",
+    cpu = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(tiny_engine), "--node",
                           "/model/layers.0/self_attn/Attention/cpu_decode"], capture_output=True, text=True)
     assert "(CPU decode graph): GroupQueryAttention, created by cpu_group_query_attention" in cpu.stdout, cpu.stderr
 
@@ -163,7 +163,7 @@ def test_same_spec_and_checkpoint_give_identical_onnx(checkpoints, tmp_path):
 def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path):
     spec_path = write_spec(tmp_path / "spec.yaml", checkpoints["llama"], passes={"atol": 1e-12, "rtol": 1e-12})
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec_path), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec_path), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "broke numerics" in proc.stderr and "Traceback" not in proc.stderr
@@ -172,7 +172,7 @@ def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path):
 
 def test_cli_json_summary_is_the_only_stdout(checkpoints, tmp_path):
     spec_path = write_spec(tmp_path / "spec.yaml", checkpoints["llama"])
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec_path), "-o",
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec_path), "-o",
                            str(tmp_path / "out"), "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)

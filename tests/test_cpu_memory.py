@@ -82,7 +82,7 @@ def test_onnx_runtime_holds_a_float16_weight_as_float32(tmp_path):
 def test_trtbuild_run_refuses_in_one_line_with_exit_2(tiny_engine, monkeypatch):
     from click.testing import CliRunner
 
-    from trtbuild.builder.cli import main
+    from trtbuild.cli.main import main
 
     monkeypatch.setattr(memory, "machine_bytes", lambda: 1 << 20)
     result = CliRunner().invoke(main, ["run", str(tiny_engine), "--prompt", "def f():", "--max-tokens", "4"])
@@ -95,7 +95,7 @@ def test_the_server_runs_onnx_runtime_threads_sleeping(tiny_engine, monkeypatch)
     (benchmarks/serve_load.py: half the server's tokens/s at 8 in flight); offline LLM keeps spinning."""
     from click.testing import CliRunner
 
-    from trtbuild.builder.cli import main
+    from trtbuild.cli.main import main
     from trtbuild.contract.onnxruntime import Spinning
     from trtbuild.runtime import llm as llm_module
 

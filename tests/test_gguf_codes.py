@@ -128,7 +128,7 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
     from onnx import numpy_helper
 
     from trtbuild.builder.build import BuildOptions, build
-    from trtbuild.builder.cli import main
+    from trtbuild.cli.main import main
     from trtbuild.builder.passes.quantize_weights import module_of
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.runtime.llm import LLM

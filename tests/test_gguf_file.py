@@ -211,7 +211,7 @@ def test_build_refuses_a_hostile_gguf_with_exit_2_and_writes_nothing(tmp_path, c
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"model: {{checkpoint: {path}, dtype: float32}}\n")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr[-800:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -101,7 +101,7 @@ def test_calibration_and_eval_read_a_gguf_checkpoint(smollm2_gguf, tmp_path):
     ids = Tokenizer.from_str(gguf_side_files(smollm2_gguf)["tokenizer.json"].decode()).encode(text.read_text()).ids
     batches = calibration_batches(smollm2_gguf, (text,), samples=2, seq_len=64)
     assert batches.tolist() == [ids[:64], ids[64:128]]
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "eval", str(smollm2_gguf), "--data", str(text),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "eval", str(smollm2_gguf), "--data", str(text),
                            "--context", "128", "--max-tokens", "256", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)

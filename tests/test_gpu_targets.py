@@ -158,7 +158,7 @@ def test_build_cli_refuses_sm90_without_a_gpu_before_any_work(tmp_path):
     spec.write_text(yaml.safe_dump({"model": {"checkpoint": str(TINY_CODE)},
                                     "build": {"backend": "tensorrt-rtx", "targets": ["sm90"],
                                               "max_seq_len": 512}}))
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o",
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o",
                            str(tmp_path / "out")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -199,7 +199,7 @@ def test_build_refuses_a_hostile_checkpoint_with_exit_2_and_writes_nothing(tmp_p
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"model: {{checkpoint: {checkpoint}, dtype: float32}}\nbuild: {{max_seq_len: 1024}}\n")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr[-800:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -1,14 +1,20 @@
-"""No import circles among trtbuild's modules: builder, runtime, contract and plugins each read
-top-down (a module's imports never lead back to it), builder and runtime never import each
-other, and contract (the engine-dir format) and checkpoint (reading a user's checkpoint) import neither. Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (a
-type that names its user back is a circle too, one the interpreter just does not run into)."""
+"""No import circles among trtbuild's modules: every package reads top-down (a module's imports
+never lead back to it); the CLI (cli/) sits above the builder and the runtime and imports both;
+builder and runtime never import each other nor the CLI; and the packages both of them share
+(contract/, the engine-dir format; checkpoint/, reading a user's checkpoint; plugins/; the small
+shared packages) import none of the three; common/ (helpers every package uses) imports no other
+trtbuild package. Every import counts: those inside functions, and those
+under ``if TYPE_CHECKING:`` (a type that names its user back is a circle too, one the interpreter
+just does not run into)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("builder", "runtime", "contract", "plugins", "checkpoint")
+# The packages below the builder and the runtime that both may import.
+SHARED = ("contract", "checkpoint", "plugins", "medusa_math", "onnxruntime_cpu", "common")
+PACKAGES = ("cli", "builder", "runtime", *SHARED)
 
 
 def _module(path: Path) -> str:
@@ -46,7 +52,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    paths = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
+    paths = [p for package in PACKAGES if (REPO / package).is_dir() for p in sorted((REPO / package).rglob("*.py"))]
     modules = {_module(p) for p in paths}
     graph = {_module(p): _imports(p, modules) for p in paths}
     # Importing a.b.c runs a/__init__ and a/b/__init__ first.
@@ -110,8 +116,29 @@ def test_the_checker_finds_a_planted_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_contract_and_checkpoint_import_neither_builder_nor_runtime():
+def test_the_shared_packages_import_neither_builder_nor_runtime_nor_the_cli():
     graph = import_graph()
     reaching = sorted((m, t) for m, targets in graph.items() for t in targets
-                      if m.split(".")[0] in ("contract", "checkpoint") and t.split(".")[0] in ("builder", "runtime"))
+                      if m.split(".")[0] in SHARED and t.split(".")[0] in ("builder", "runtime", "cli"))
     assert reaching == []
+
+
+def test_only_the_cli_imports_the_cli():
+    graph = import_graph()
+    reaching = sorted((m, t) for m, targets in graph.items() for t in targets
+                      if m.split(".")[0] != "cli" and t.split(".")[0] == "cli")
+    assert reaching == []
+
+
+def test_the_cli_imports_the_builder_and_the_runtime_normally():
+    """Not by string (importlib), which this graph could not see."""
+    graph = import_graph()
+    reached = {t.split(".")[0] for m, targets in graph.items() if m.split(".")[0] == "cli" for t in targets}
+    assert {"builder", "runtime"} <= reached
+
+
+def test_common_imports_no_other_trtbuild_package():
+    graph = import_graph()
+    reaching = sorted((m, t) for m, targets in graph.items() for t in targets
+                      if m.split(".")[0] == "common" and t.split(".")[0] != "common")
+    assert graph.keys() >= {"common.errors", "common.processes"} and reaching == []

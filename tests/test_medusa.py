@@ -74,7 +74,7 @@ def test_heads_reference_matches_torch_medusa_block(tmp_path):
 def test_medusa_train_cli_end_to_end(tmp_path):
     data = tmp_path / "train.txt"
     data.write_text((TINY_CODE / "heldout.txt").read_text()[:40_000])
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "medusa", "train", str(TINY_CODE),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "medusa", "train", str(TINY_CODE),
                            "--data", str(data), "--heads", "2", "-o", str(tmp_path / "heads"), "--steps", "20",
                            "--sequences", "24", "--seq-len", "64"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -82,7 +82,7 @@ def test_medusa_train_cli_end_to_end(tmp_path):
     assert "self-distill" in proc.stderr and "step 20/20" in proc.stderr  # progress
     heads = load_heads(tmp_path / "heads")
     assert heads.num_heads == 2 and heads.vocab_size == 4096 and len(heads.topk_accuracy[0]) == 10
-    bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "medusa", "train", str(TINY_CODE),
+    bad = subprocess.run([sys.executable, "-m", "trtbuild.cli", "medusa", "train", str(TINY_CODE),
                           "--data", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "x")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("missing.txt: not a file")
@@ -101,7 +101,7 @@ def test_engine_dir_records_heads_and_tree(medusa_engine):
     records = [json.loads(line) for line in (medusa_engine / "passes.jsonl").read_text().splitlines()]
     attach = next(r for r in records if r["pass"] == "attach_medusa")
     assert attach["medusa_heads"] == 4 and attach["numerics"]["ok"]  # vs torch + the heads' numpy reference
-    shown = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(medusa_engine)],
+    shown = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(medusa_engine)],
                            capture_output=True, text=True).stdout
     assert "medusa       4 heads × 1 block(s); tree of 63 guesses (verification S = 64)" in shown
 
@@ -133,7 +133,7 @@ def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa
     the heads' four vocabulary projections; a single plain step computes them for the next tree."""
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.scheduler import Step, StepKind
+    from trtbuild.runtime.step import Step, StepKind
 
     engine = OnnxRuntimeEngine(load(medusa_engine), threads=2)
     assert engine.drafts_on_demand
@@ -155,7 +155,7 @@ def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa
 def test_the_core_asks_for_heads_only_where_it_will_draft(medusa_engine, prompts):
     """Plain single steps (sampled rows decode step by step) compute the heads only when the
     policy will verify a tree next: never with speculation off, before each tree with it on."""
-    from trtbuild.runtime.scheduler import StepKind
+    from trtbuild.runtime.step import StepKind
 
     for size in (0, 8):
         llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)

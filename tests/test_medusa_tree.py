@@ -2,16 +2,19 @@
 exact asserts, no engine."""
 from __future__ import annotations
 
+import re
 
 import numpy as np
 import pytest
 
-from trtbuild.builder.medusa.tree import check_tree, default_tree, ordered, rank_accuracy
+from trtbuild.builder.medusa.tree import default_tree, ordered, rank_accuracy
+from trtbuild.contract.medusa import tree_problem
 from trtbuild.runtime.engine import step_arrays
 from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy, accept_typical
 from trtbuild.runtime.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import Draft, KeepPath, Phase, Request, Scheduler, StepKind
+from trtbuild.runtime.scheduler import Draft, Phase, Request, Scheduler
+from trtbuild.runtime.step import KeepPath, StepKind
 from trtbuild.runtime.speculation import EXPLORE_AFTER, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
 
 TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
@@ -42,13 +45,14 @@ def test_tree_structure():
 
 
 @pytest.mark.parametrize("choices, message", [
-    (((0, 0),), "before its parent"),
+    (((0, 0), (0,)), "tree choice [0, 0] comes before its parent [0]"),
+    (((0, 0),), "tree choice [0, 0] has no parent [0] in the tree"),
     (((0,), (0,)), "twice"),
     (((),), "non-empty"),
     (((0,), (-1,)), "ranks ≥ 0"),
 ])
 def test_tree_refuses_malformed_choices(choices, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Tree(choices)
 
 
@@ -263,5 +267,11 @@ def test_default_tree_is_grown_likeliest_first():
     (((0, 0, 0, 0, 0),), "num_heads=4"),
     (((0,), (-2,)), "negative"),
 ])
-def test_check_tree_messages(tree, message):
-    assert message in check_tree(tree, 4)
+def test_tree_problem_messages(tree, message):
+    assert message in tree_problem(tree, 4)
+
+
+def test_the_build_takes_a_tree_in_any_order_the_runtime_parents_first():
+    tree = ((0, 0), (0,))
+    assert tree_problem(tree, 4) is None and "comes before its parent" in tree_problem(tree, 4, parents_first=True)
+    assert tree_problem(((0,), (0, 0)), 4, parents_first=True) is None

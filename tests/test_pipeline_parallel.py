@@ -48,7 +48,7 @@ def test_stage_caches_keep_their_global_layer_names():
 
 def test_micro_batches_split_rows_into_contiguous_slot_runs():
     from trtbuild.runtime.pipeline_parallel import micro_batches
-    from trtbuild.runtime.scheduler import Step, StepKind
+    from trtbuild.runtime.step import Step, StepKind
 
     step = Step(kind=StepKind.decode, first_slot=2, rids=("a", "b", "c", "d", "e"),
                 tokens=((1,), (2,), (3,), (4,), (5,)), starts=(7, 8, 9, 10, 11), samples=(True,) * 5)
@@ -198,7 +198,7 @@ def test_stage_builds_pass_the_numerics_gate_and_log_the_grid(pp_engines):
             assert [r["matches"] for r in shard] == [21, 21, 22, 22]
             assert [r["all_gather"] for r in shard] == [0, 0, 1, 1]
             assert all(r["numerics"]["ok"] and r["numerics"]["ranks_together"] == 4 for r in shard)
-        proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(engine)],
+        proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(engine)],
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         grid = f"ranks        {tensor * pipeline} = 2 pipeline stages × {tensor} tensor rank"
@@ -308,7 +308,7 @@ def test_two_torchrun_nodes_generate_the_same_tokens(pp_engines):
         port = sock.getsockname()[1]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", "pp-test",
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "trtbuild.builder.cli", "run",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "trtbuild.cli", "run",
                                str(pp_engines[1, 2]), "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--json"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
     try:

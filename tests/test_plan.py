@@ -89,25 +89,25 @@ def test_recommendations_name_their_figures(tmp_path):
 
 def test_cli_plan_json_and_errors(tmp_path):
     ckpt = config_dir(tmp_path, "llama-3-8b", LLAMA_3_8B)
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", str(ckpt), "--gpu", "h100", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", str(ckpt), "--gpu", "h100", "--json"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(proc.stdout)
     for key in ("weight_bytes", "kv_bytes_per_token", "min_gpus", "decode_floor_ms"):
         assert key in figures
     assert figures["min_gpus"]["int4"] == 1 and figures["weight_bytes"]["fp16"] == 16_060_522_496
-    text = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", str(REPO / "specs" / "tiny-code.yaml")],
+    text = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", str(REPO / "specs" / "tiny-code.yaml")],
                           capture_output=True, text=True)
     assert text.returncode == 0 and "recommendations" in text.stdout
-    bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", str(ckpt), "--gpu", "V100"],
+    bad = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", str(ckpt), "--gpu", "V100"],
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: --gpu: unknown GPU 'V100'; valid: A100-40GB, A100-80GB, H100-SXM")
     spec = tmp_path / "nockpt.yaml"
     spec.write_text(f"model: {{checkpoint: {tmp_path / 'missing'}}}\n")
-    bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", str(spec)], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", str(spec)], capture_output=True, text=True)
     assert bad.returncode == 2 and "model.checkpoint" in bad.stderr and "does not exist" in bad.stderr
-    unknown = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-9-1t"], capture_output=True,
+    unknown = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", "llama-9-1t"], capture_output=True,
                              text=True)
     assert unknown.returncode == 2 and unknown.stderr.strip() == (
         "error: llama-9-1t: neither a spec file, a checkpoint dir, a .gguf file nor a known model (llama-3-70b, "
@@ -115,7 +115,7 @@ def test_cli_plan_json_and_errors(tmp_path):
 
 
 def plan_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", *map(str, args)],
                           capture_output=True, text=True)
 
 
@@ -202,7 +202,7 @@ def test_medusa_prediction_follows_the_roofline(tmp_path):
     assert (n, round(tokens, 3)) == (4, 2.376) and speedup == pytest.approx(2.376, rel=0.01)
     # at batch 1024 a step is compute-bound: 5× the tokens cost ~5× the time, so it steps aside
     assert plan.medusa_choice(1024) == (0, 1.0, 1.0)
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan",
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan",
                            str(REPO / "specs" / "tiny-code-medusa.yaml"), "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(proc.stdout)

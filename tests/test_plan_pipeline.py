@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from trtbuild.builder.cli import main
+from trtbuild.cli.main import main
 from trtbuild.builder.gpus import GB, find_gpu, network_table
 from trtbuild.builder.known_models import known_arch
 from trtbuild.builder.plan import Plan, param_counts, workload_for

@@ -11,7 +11,7 @@ import pytest
 from trtbuild.runtime.medusa import Tree
 from trtbuild.runtime.rank_protocol import (HEADER_WORDS, MAGIC, MAX_PAYLOAD_WORDS, VERSION, MessageKind,
                                             RankProtocolError, Stop, decode, encode)
-from trtbuild.runtime.scheduler import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
+from trtbuild.runtime.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
 
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
 

@@ -77,7 +77,7 @@ def test_the_engine_dir_carries_the_files_chat_template_and_eos(smollm2_engine, 
 def test_trtbuild_run_prints_transformers_greedy_text(smollm2_engine, reference):
     tokenizer, _ = reference
     prompt = PROMPTS[0]
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(smollm2_engine), "--prompt", prompt,
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", str(smollm2_engine), "--prompt", prompt,
                            "--max-tokens", str(NEW_TOKENS), "--temperature", "0", "--backend", "onnxruntime"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

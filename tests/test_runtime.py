@@ -285,15 +285,15 @@ def test_engine_dir_is_verified_before_use(tiny_engine, tmp_path):
 
 
 def test_cli_run_and_bench(tiny_engine):
-    run = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(tiny_engine), "--prompt",
+    run = subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", str(tiny_engine), "--prompt",
                           "def fibonacci(n):", "--max-tokens", "12", "--backend", "onnxruntime"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("def fibonacci(n):") and "backend onnxruntime" in run.stderr
-    bad = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(tiny_engine), "--prompt", "x",
+    bad = subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", str(tiny_engine), "--prompt", "x",
                           "--max-tokens", "4096"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: prompt 0:") and "Traceback" not in bad.stderr
-    bench = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "bench", str(tiny_engine), "--workload",
+    bench = subprocess.run([sys.executable, "-m", "trtbuild.cli", "bench", str(tiny_engine), "--workload",
                             "uniform", "--json", "--backend", "onnxruntime"], capture_output=True, text=True)
     assert bench.returncode == 0, bench.stderr
     figures = json.loads(bench.stdout)
@@ -304,7 +304,7 @@ def test_cli_multi_step_gives_the_same_tokens_and_refuses_zero(tiny_engine):
     from trtbuild.builder.spec import RuntimeSection
 
     def cli(*extra):
-        return subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "run", str(tiny_engine), "--prompt",
+        return subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", str(tiny_engine), "--prompt",
                                "import os\n", "--max-tokens", "20", "--backend", "onnxruntime", "--json", *extra],
                               capture_output=True, text=True)
 

@@ -7,7 +7,8 @@ import pytest
 
 from trtbuild.runtime.prefix_cache import PrefixCache
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import Batching, CopySlot, LoadBlock, Phase, Request, SaveBlock, Scheduler, StepKind
+from trtbuild.runtime.scheduler import Batching, Phase, Request, Scheduler
+from trtbuild.runtime.step import CopySlot, LoadBlock, SaveBlock, StepKind
 
 
 def req(rid: str, n: int, max_tokens: int, first: int = 0) -> Request:

@@ -8,7 +8,8 @@ import pytest
 
 from trtbuild.runtime.prefix_cache import PrefixCache
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import CopySlot, LoadBlock, Request, SaveBlock, Scheduler
+from trtbuild.runtime.scheduler import Request, Scheduler
+from trtbuild.runtime.step import CopySlot, LoadBlock, SaveBlock
 
 
 class TokenCache:

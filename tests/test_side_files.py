@@ -116,7 +116,7 @@ def test_cli_refuses_a_tokenizer_past_the_vocabulary_before_any_work(tmp_path):
             shutil.copyfile(path, checkpoint / path.name)
     _tokenizer_with_added_tokens(checkpoint, 1)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build",
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build",
                            str(write_spec(tmp_path / "spec.yaml", checkpoint)), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr

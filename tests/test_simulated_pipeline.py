@@ -29,7 +29,7 @@ def pp2_engine(tmp_path_factory):
     """specs/tiny-code-pp2.yaml: two stages of three layers, T = 1 (no collectives in a stage)."""
     out = tmp_path_factory.mktemp("engines") / "tiny-pp2"
     spec = REPO / "specs" / "tiny-code-pp2.yaml"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -89,7 +89,7 @@ def test_medusa_heads_on_the_last_stage_verify_on_the_simulated_device(monkeypat
     spec["speculative"]["medusa"]["heads"] = str(REPO / "models" / "tiny-code" / "medusa")
     spec["parallel"] = {"pipeline": 2}
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(tmp_path / "spec.yaml"), "-o",
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(tmp_path / "spec.yaml"), "-o",
                            str(tmp_path / "medusa-pp2")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     engine = tmp_path / "medusa-pp2"

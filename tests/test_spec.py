@@ -155,7 +155,7 @@ def test_cli_reports_spec_error_with_exit_code_2(tmp_path):
     path = tmp_path / "tp.yaml"
     path.write_text(yaml.safe_dump(spec_dict(parallel={"tensor": 3})))
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(path), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(path), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: parallel.tensor: 3 does not divide num_attention_heads=8; valid: 1, 2, 4, 8"

@@ -258,7 +258,7 @@ def test_build_refuses_a_rank_engine_larger_than_ram_in_one_line(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     spec = write_spec(tmp_path / "spec.yaml", tmp_path / "ckpt", model={"dtype": "float16"})
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(tmp_path / "out")],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "needs ≈" in proc.stderr and "--ignore-memory-check" in proc.stderr
@@ -269,7 +269,7 @@ def test_plan_prints_the_build_side_of_a_70b_tp8_build():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "plan", "llama-3-70b", "--tp", "8", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", "llama-3-70b", "--tp", "8", "--json"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     side = json.loads(proc.stdout)["build"]
@@ -341,19 +341,19 @@ def test_a_gpu_only_dir_holds_the_engines_alone_and_the_cpu_runtime_says_why(tmp
     checkpoint = make_checkpoint(tmp_path / "llama", "llama")
     spec = write_spec(tmp_path / "spec.yaml", checkpoint, build={"cpu_graphs": False})
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(spec), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "left out the ONNX graphs" in proc.stderr
     assert not list(out.glob("*.onnx*")) and (out / "rank0.engine").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["cpu_graphs"] is False and manifest["ranks"][0]["onnx"] is None
-    shown = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "inspect", str(out)],
+    shown = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(out)],
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert "CPU graphs left out" in shown.stdout
     for command in (["run", str(out), "--prompt", "def f"], ["eval", str(out), "--data", str(spec)]):
-        refused = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", *command], capture_output=True, text=True)
+        refused = subprocess.run([sys.executable, "-m", "trtbuild.cli", *command], capture_output=True, text=True)
         assert refused.returncode == 2, refused.stderr
         assert refused.stderr.count("\n") == 1 and "build.cpu_graphs: false" in refused.stderr
     with pytest.raises(EngineDirError, match="cpu_graphs: false"):

@@ -282,7 +282,7 @@ def test_torchrun_launches_the_ranks(tp_engines):
     """Across machines torchrun starts the ranks; here on one machine with --nproc-per-node 2."""
     expected, _ = _greedy(tp_engines[1], ["def fibonacci(n):"], 16)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--standalone", "-m", "trtbuild.builder.cli", "run",
+                           "--standalone", "-m", "trtbuild.cli", "run",
                            str(tp_engines[2]), "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--json"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -39,7 +39,7 @@ def build_for_this_gpu(tmp_path_factory, spec_name: str, parallel: dict | None =
         spec["parallel"] = parallel
     folder = tmp_path_factory.mktemp("gpu")
     (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
-    subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(folder / "spec.yaml"), "-o",
+    subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(folder / "spec.yaml"), "-o",
                     str(folder / "engine")], check=True)
     return folder / "engine"
 

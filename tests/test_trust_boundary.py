@@ -182,7 +182,7 @@ def test_tampered_engine_dir_is_refused_in_one_line(tiny_engine, tmp_path, case)
     for command in (["run", str(d), "--prompt", "def f(x):", "--max-tokens", "4", "--backend", "onnxruntime"],
                     ["eval", str(d), "--data", str(TINY_CODE / "heldout.txt"), "--max-tokens", "600"],
                     ["inspect", str(d)]):
-        proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", *command], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", *command], capture_output=True, text=True)
         assert proc.returncode != 0, (case, command, proc.stdout[-500:])
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and message in last and "Traceback" not in proc.stderr, (case, command, proc.stderr[-800:])
@@ -202,7 +202,7 @@ def test_an_invalid_runtime_setting_in_a_manifest_is_refused_in_one_line(tiny_en
     _write(d, m)
     for command in (["run", str(d), "--prompt", "def f(x):", "--max-tokens", "4", "--backend", "onnxruntime"],
                     ["eval", str(d), "--data", str(TINY_CODE / "heldout.txt"), "--max-tokens", "600"]):
-        proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", *command], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", *command], capture_output=True, text=True)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (command, proc.stderr[-800:])
         assert proc.stderr.strip().splitlines()[-1] == (f"error: {d / 'manifest.json'}: spec.{section}.{field} "
                                                         f"{value!r} {valid}"), proc.stderr
@@ -225,7 +225,7 @@ def test_build_never_replaces_a_directory_it_did_not_write(tmp_path):
     (web_app / "src").mkdir(parents=True)
     (web_app / "manifest.json").write_text('{"name": "my web app", "icons": []}')
     (web_app / "README.md").write_text("mine")
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
                            "-o", str(web_app)], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(f"error: -o {web_app}: exists and is not an engine dir")
     assert sorted(p.name for p in web_app.iterdir()) == ["README.md", "manifest.json", "src"]
@@ -276,7 +276,7 @@ def test_no_checkpoint_entry_point_unpickles(tmp_path, entry):
         spec = tmp_path / "spec.yaml"
         spec.write_text(f"model: {{checkpoint: {ckpt}, dtype: float32}}\nbuild: {{max_seq_len: 1024}}\n")
         commands["build"] = ["build", str(spec), "-o", str(tmp_path / "out")]
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", *commands[entry]], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", *commands[entry]], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr[-800:]
     assert "holds only pickle weights (pytorch_model.bin)" in proc.stderr.strip().splitlines()[-1]
     assert not marker.exists() and "Traceback" not in proc.stderr
@@ -301,7 +301,7 @@ def test_killed_builds_leave_no_orphans_and_the_next_build_works(tmp_path):
     import time
 
     out = tmp_path / "engine"
-    command = [sys.executable, "-m", "trtbuild.builder.cli", "build", str(REPO / "specs" / "tiny-code.yaml"), "-o", str(out)]
+    command = [sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code.yaml"), "-o", str(out)]
     for sig, after_s in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 4.0)):
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 120  # on a loaded machine the export worker starts late

@@ -10,12 +10,10 @@ from importlib import metadata
 from pathlib import Path
 
 import onnx
+from onnx.helper import tensor_dtype_to_np_dtype
 
 from ...contract.manifest import SCHEMA_VERSION, sha256_file
 
-_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-           onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT32: "int32",
-           onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
 
 
 def file_table(root: Path) -> dict[str, dict]:
@@ -32,7 +30,7 @@ def io_table(model: onnx.ModelProto) -> list[dict]:
             tensor = value.type.tensor_type
             shape = [d.dim_param if d.dim_param else d.dim_value for d in tensor.shape.dim]
             row = {"name": value.name, "direction": direction,
-                   "dtype": _DTYPES.get(tensor.elem_type, onnx.TensorProto.DataType.Name(tensor.elem_type).lower()),
+                   "dtype": tensor_dtype_to_np_dtype(tensor.elem_type).name,  # float32, bfloat16, int64, bool
                    "shape": shape}
             if value.name.startswith("present_"):
                 row["aliases"] = value.name.replace("present_", "past_", 1)

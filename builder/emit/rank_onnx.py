@@ -20,11 +20,6 @@ import onnx
 INLINE_BELOW = 1024  # bytes
 
 
-def external_locations(model: onnx.ModelProto) -> set[str]:
-    """The external-data files the graph's initializers name."""
-    return {_info(t)["location"] for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
-
-
 def save_graph(model: onnx.ModelProto, path: Path, weights_dir: Path | None,
                adoptable: frozenset[str] = frozenset()) -> None:
     """``weights_dir``: where the external-data files the graph's tensors name lie; ``adoptable``:

@@ -24,7 +24,7 @@ import torch
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from ...contract.step import INPUT_NAMES, STEP_INPUTS, io_cache_names
-from ..spec import Spec
+from ..spec import DType, Spec
 from .skeleton import meta_model, checkpoint_key
 from .step_model import LlamaStep
 from ...checkpoint.weight_map import WeightMap
@@ -70,13 +70,13 @@ def _dynamic_shapes(spec: Spec, num_layers: int) -> tuple:
             tuple(of(STEP_INPUTS["past"]) for _ in range(2 * num_layers)))
 
 
-def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, dtype: torch.dtype,
+def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, dtype: DType,
                 vocab_rows: int) -> ExportedStep:
     """Exports the step of the checkpoint's first ``num_layers`` decoder layers and ``vocab_rows``
     vocabulary rows (all of them for the engine; fewer for the numerics check of a large model)
     in ``dtype`` to ``workdir/step.onnx``, its weights streamed from ``weights`` into ``step.onnx.data``."""
     arch = spec.arch.model_copy(update={"num_layers": num_layers, "vocab_size": vocab_rows})
-    model = meta_model(spec.model.checkpoint, dtype, num_layers, vocab_rows)
+    model = meta_model(spec.model.checkpoint, dtype.torch, num_layers, vocab_rows)
     step = LlamaStep(model, arch, spec.build.max_seq_len).eval()
     # The rotary tables are computed, not stored: keep their values, trace them as meta.
     tables = {"cos_table": step.cos_table, "sin_table": step.sin_table}
@@ -84,7 +84,7 @@ def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, 
     sources = _checkpoint_keys(step, model)
     # Sizes of 2+ keep torch.export from specialising a dynamic dim to 1.
     seq = min(3, spec.max_step_tokens) if spec.max_step_tokens > 1 else 1
-    args = example_inputs(spec, num_layers, dtype, {"B": 2, "S": seq, "R": 2})
+    args = example_inputs(spec, num_layers, dtype.torch, {"B": 2, "S": seq, "R": 2})
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             _quiet_logger("torch.onnx"), _quiet_logger("onnxscript"), _quiet_logger("onnx_ir"):
         warnings.simplefilter("ignore")
@@ -113,7 +113,7 @@ def _checkpoint_keys(step: LlamaStep, model: torch.nn.Module) -> dict[str, str]:
     hf_names = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         hf_names.setdefault(id(param), name)
-    return {name: checkpoint_key(model, hf_names[id(param)])
+    return {name: checkpoint_key(hf_names[id(param)], model.config.tie_word_embeddings)
             for name, param in step.named_parameters(remove_duplicate=False)}
 
 

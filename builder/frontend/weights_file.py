@@ -14,9 +14,8 @@ import onnx
 import torch
 
 from ...checkpoint.weight_map import WeightMap
+from ..spec import DType
 
-ONNX_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
-               torch.bfloat16: onnx.TensorProto.BFLOAT16}
 ALIGN = 64  # bytes: each tensor starts aligned, so a memory map of it is aligned for any dtype
 
 
@@ -55,16 +54,17 @@ def fold_weight_transposes(graph: onnx.GraphProto, weights: set[str]) -> dict[st
 
 
 def write_weights(graph: onnx.GraphProto, graph_weights: dict[str, GraphWeight], transposed: dict[str, str],
-                  weights: WeightMap, dtype: torch.dtype, data_path: Path) -> int:
+                  weights: WeightMap, dtype: DType, data_path: Path) -> int:
     """Streams every weight the graph reads into ``data_path`` (in order of first use, so the same
     graph gives the same bytes) and declares it as an external initializer; returns the bytes written."""
     order = list(dict.fromkeys(name for node in graph.node for name in node.input
                                if name in graph_weights or name in transposed))
     offset = written = 0
+    onnx_type = dtype.onnx
     with open(data_path, "wb") as out:
         for name in order:
             weight = graph_weights[transposed.get(name, name)]
-            tensor = _values(weight, weights, dtype)
+            tensor = _values(weight, weights, dtype.torch)
             if tuple(tensor.shape) != weight.shape:
                 raise ValueError(f"checkpoint tensor {weight.key} has shape {tuple(tensor.shape)}; "
                                  f"the graph expects {weight.shape}")
@@ -75,7 +75,7 @@ def write_weights(graph: onnx.GraphProto, graph_weights: dict[str, GraphWeight],
             out.write(b"\0" * pad)
             offset += pad
             out.write(memoryview(data).cast("B"))
-            initializer = onnx.TensorProto(name=name, data_type=ONNX_DTYPES[dtype], dims=list(tensor.shape))
+            initializer = onnx.TensorProto(name=name, data_type=onnx_type, dims=list(tensor.shape))
             initializer.data_location = onnx.TensorProto.EXTERNAL
             for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(data.nbytes))):
                 entry = initializer.external_data.add()

@@ -1,11 +1,12 @@
 """The spec's Medusa section against its heads dir: checked once at resolution, the tree fixed."""
 from __future__ import annotations
 
+from ...contract.medusa import tree_problem
 from ..errors import SpecError, UserError
 from ..frontend.checkpoint import ArchConfig
 from ..spec import MedusaSection, ResolvedMedusa
 from .heads import read_heads_config
-from .tree import check_tree, default_tree, ordered, rank_accuracy
+from .tree import default_tree, ordered, rank_accuracy
 
 
 def resolve_medusa(section: MedusaSection, arch: ArchConfig) -> ResolvedMedusa:
@@ -28,7 +29,7 @@ def resolve_medusa(section: MedusaSection, arch: ArchConfig) -> ResolvedMedusa:
     if section.tree == "default":
         choices = default_tree(accuracy, section.tree_nodes)
     else:
-        problem = check_tree(section.tree, section.num_heads)
+        problem = tree_problem(section.tree, section.num_heads)
         if problem:
             raise SpecError("speculative.medusa.tree", problem)
         if not section.tree:

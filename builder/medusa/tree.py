@@ -56,22 +56,3 @@ def ordered(tree: tuple[tuple[int, ...], ...], accuracy: list[list[float]]) -> t
     """A user's tree in likeliest-first order, parents before children (ties: shallower first)."""
     # Accuracies are ≤ 1, so a path is never likelier than its parent: the order is prefix-closed.
     return tuple(sorted(tree, key=lambda p: (-path_probability(p, accuracy), len(p), p)))
-
-
-def check_tree(tree: tuple[tuple[int, ...], ...], num_heads: int) -> str | None:
-    """None if ``tree`` is well formed for ``num_heads`` heads, else what is wrong."""
-    seen: set[tuple[int, ...]] = set()
-    for path in tree:
-        if not path:
-            return "an empty path; each choice is a non-empty list of ranks like [0, 1]"
-        if any(rank < 0 for rank in path):
-            return f"{list(path)} has a negative rank"
-        if len(path) > num_heads:
-            return f"{list(path)} is {len(path)} deep but there are num_heads={num_heads} heads"
-        if path in seen:
-            return f"{list(path)} appears twice"
-        seen.add(path)
-    for path in tree:
-        if len(path) > 1 and path[:-1] not in seen:
-            return f"{list(path)} has no parent {list(path[:-1])} in the tree"
-    return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-import ml_dtypes
 
 from ...contract.tensor_parallel import vocab_range
 from ...plugins.collectives import all_gather_last_axis
@@ -21,7 +20,6 @@ from .fusion import new_node
 
 
 LM_HEAD = "/model/lm_head/MatMul"
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 def _lm_head_matmul(graph: gs.Graph) -> gs.Node:
@@ -39,7 +37,7 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     lm_head = _lm_head_matmul(graph)
     hidden = lm_head.inputs[0]  # [B, R, D] after the final norm
     logits = next(o for o in graph.outputs if o.name == "logits")
-    dtype = np.dtype(_NUMPY_DTYPES[ctx.spec.model.dtype.value])
+    dtype = ctx.spec.model.dtype.numpy
     per_head = []
     for k in range(heads.num_heads):  # one checkpoint tensor read at a time (each becomes a constant)
         h = hidden

@@ -23,6 +23,7 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
+from ...common.errors import first_line
 from ...contract import onnxruntime as ort_config
 from ...contract.onnxruntime import CpuActivations
 from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
@@ -92,8 +93,7 @@ class NumericsGate(Instrument):
             single = self._runnable(models[0], "numerics.onnx") if len(models) == 1 else None
             outputs = self.run(models, single)
         except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise PassError(f"pass {p.name} left a graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
+            raise PassError(f"pass {p.name} left a graph ONNX Runtime cannot run: {first_line(exc)}{after(ran)}") from exc
         quantized = any(node.op == "DequantizeLinear" for node in graphs[0].nodes)
         use_quantized = quantized and self.quantized_reference is not None
         reference = self.quantized_reference if use_quantized else self.reference
@@ -158,8 +158,7 @@ class NumericsGate(Instrument):
             outputs = numerics.run_onnx(self._runnable(model, "numerics_cpu.onnx"), self.cpu_inputs,
                                         activations=self.activations)
         except Exception as exc:  # noqa: BLE001  (ONNX Runtime refusing the graph is the pass's failure)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise PassError(f"pass {p.name} left a {kind} graph ONNX Runtime cannot run: {first}{after(ran)}") from exc
+            raise PassError(f"pass {p.name} left a {kind} graph ONNX Runtime cannot run: {first_line(exc)}{after(ran)}") from exc
         try:
             vs_rank = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_reference))
             vs_previous = numerics.compare(outputs, self._at_rows_of(outputs, self.cpu_previous))

@@ -20,14 +20,12 @@ each stage over its tensor ranks.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, cache_layer
 from .base import PassContext, PassError, PassResult
 
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 def _node(graph: gs.Graph, name: str) -> gs.Node:
@@ -86,7 +84,7 @@ def split_pipeline_stages(graph: gs.Graph, ctx: PassContext) -> PassResult:
     if ctx.pipeline == 1 or ctx.arch is None:
         return PassResult(graph=graph, modified=False, stats={"pipeline": ctx.pipeline})
     arch, layers, stage = ctx.arch, ctx.layers, ctx.stage
-    dtype = _NUMPY_DTYPES[ctx.spec.model.dtype.value]
+    dtype = ctx.spec.model.dtype.numpy
     cuts = 0
     if not ctx.first_stage:
         stream = _residual_in(graph, layers.start)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ...checkpoint.model import checkpoint_key
 from ...checkpoint.weight_map import WeightMap
 from ..spec import Spec, linear_names
 from .algorithms import QuantizedLinear, awq_shared, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
@@ -28,11 +29,10 @@ def selected_layers(spec: Spec) -> list[str]:
     return [n for n in linear_names(spec.arch) if not any(p in n for p in spec.quantization.exclude)]
 
 
-def checkpoint_key(spec: Spec, name: str) -> str:
-    """The checkpoint tensor of a linear (or ``embed_tokens``); a tied lm_head is the embedding."""
-    if name == "embed_tokens" or (name == "lm_head" and spec.arch.tie_word_embeddings):
-        return "model.embed_tokens.weight"
-    return "lm_head.weight" if name == "lm_head" else f"model.{name}.weight"
+def linear_key(spec: Spec, name: str) -> str:
+    """The checkpoint tensor of a linear (or ``embed_tokens``)."""
+    parameter = "lm_head.weight" if name == "lm_head" else f"model.{name}.weight"
+    return checkpoint_key(parameter, spec.arch.tie_word_embeddings)
 
 
 def quantize_checkpoint(weights: WeightMap, spec: Spec, out: Path, progress=print) -> dict[str, dict]:
@@ -43,7 +43,7 @@ def quantize_checkpoint(weights: WeightMap, spec: Spec, out: Path, progress=prin
     dtype = spec.model.dtype.torch
     writer = QuantizedWriter(out)
     report: dict[str, dict] = {}
-    weight_of = lambda name: weights.tensor(checkpoint_key(spec, name), dtype).float()  # noqa: E731 [out, in]
+    weight_of = lambda name: weights.tensor(linear_key(spec, name), dtype).float()  # noqa: E731 [out, in]
     done = 0
     for block, stats in _blocks(weights, spec, names, progress):
         members = [n for n in names if block_of(n) == block]
@@ -51,7 +51,7 @@ def quantize_checkpoint(weights: WeightMap, spec: Spec, out: Path, progress=prin
         shared = _shared_scale_layers(members, stats, weight_of, spec)
         for name in members:
             group = q.group_size if q.bits == 4 else None
-            result, source = kept_codes(weights, checkpoint_key(spec, name), q, q.bits, group)
+            result, source = kept_codes(weights, linear_key(spec, name), q, q.bits, group)
             if result is None and q.mode in ("int8_weight_only", "int4_weight_only") and q.algorithm == "rtn":
                 result = _rtn_by_rows(weights, spec, name, q.bits, group)
             elif result is None:
@@ -113,7 +113,7 @@ def _row_chunks(rows: int) -> Iterator[tuple[int, int]]:
 def _rtn_by_rows(weights: WeightMap, spec: Spec, name: str, bits: int, group: int | None) -> QuantizedLinear:
     """RTN a block of rows at a time: each row's scales and codes depend on that row only, so
     this equals ``rtn`` of the whole weight, holding one block of it as float."""
-    key, dtype = checkpoint_key(spec, name), spec.model.dtype.torch
+    key, dtype = linear_key(spec, name), spec.model.dtype.torch
     parts = [rtn(weights.rows(key, start, stop, dtype).float(), bits, group)
              for start, stop in _row_chunks(weights.entry(key).shape[0])]
     return QuantizedLinear(codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
@@ -151,7 +151,7 @@ def _shared_scale_layers(names, stats, weight_of, spec: Spec) -> dict[str, Quant
 def _errors(weights: WeightMap, spec: Spec, name: str, result: QuantizedLinear, x: torch.Tensor | None) -> dict:
     """Relative errors of the weight and (on calibration rows x) of the layer's output, summed
     over blocks of output rows so no more than a block of the weight is float at once."""
-    key, dtype = checkpoint_key(spec, name), spec.model.dtype.torch
+    key, dtype = linear_key(spec, name), spec.model.dtype.torch
     sums = torch.zeros(4, dtype=torch.float64)  # ‖ΔW‖², ‖W‖², ‖Δy‖², ‖y‖²
     x_quantized = result.fake_quantize_input(x) if x is not None else None
     for start, stop in _row_chunks(weights.entry(key).shape[0]):

@@ -1,0 +1,1 @@
+"""The ``trtbuild`` command line, above the builder and the runtime: it imports both."""
