@@ -139,3 +139,42 @@ def test_closing_a_rank_engine_frees_its_communicator(nccl_over_fabric, tiny_eng
     assert communicator.capsule() is not None
     RankEngine(OnnxRuntimeEngine(load(tiny_engine), threads=1), communicator).close()
     assert nccl_over_fabric.leaks() == []
+
+
+def _stage_runners_over_fabric(pp2_engine, fabric: NcclFabric, micro_batches: int, step):
+    """Both stages of ``pp2_engine`` as StageRunners (runtime/pipeline_parallel.py, ONNX Runtime
+    stages) over the fabric, one thread each, running ``step``; rank 0's StepOutput, which ranks
+    were blocked at the timeout, and what each raised."""
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.pipeline_parallel import StageRunner
+    from trtbuild.runtime.rank_engines import TorchCollectives
+
+    engine_dir = load(pp2_engine)  # T = 1: the stages' collective is never called
+    runners = [StageRunner(OnnxRuntimeEngine(engine_dir, threads=1, rank=rank, collective=TorchCollectives()),
+                           engine_dir, rank, micro_batches, FabricTransport(fabric, rank)) for rank in range(2)]
+    outputs = [None, None]
+
+    def program(rank):
+        outputs[rank] = runners[rank].step(step)
+
+    blocked, raised = _run_ranks(fabric, [program, program])
+    return outputs[0], blocked, raised
+
+
+@pytest.mark.slow
+def test_stage_runner_prefill_over_nccl_buffers_gives_the_one_rank_tokens(pp2_engine, tiny_engine):
+    """The real StageRunner on the stand-in: two micro-batches whose hidden states [B, S, D] and
+    logits [B, 1, V] are each far over a 1 KiB buffer, so a send waits for its receive. The old
+    order (every micro-batch sent before rank 0 posted a receive) deadlocks here."""
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.step import Step, StepKind
+
+    step = Step(StepKind.prefill, 0, ("a", "b", "c", "d"), ((1, 2, 3, 4, 5), (6, 7, 8), (9, 10, 11, 12), (13,)),
+                (0, 0, 0, 0), (True, True, True, True))
+    fabric = NcclFabric(buffer_bytes=1024)
+    output, blocked, raised = _stage_runners_over_fabric(pp2_engine, fabric, 2, step)
+    assert blocked == [False, False] and raised == [None, None]
+    expected = OnnxRuntimeEngine(load(tiny_engine), threads=1).step(step).logits  # [B, 1, V]
+    assert output.logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
