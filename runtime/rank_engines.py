@@ -117,7 +117,7 @@ def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks:
         device = int(os.environ.get("LOCAL_RANK", rank)) % max(1, count)
         cudart.cudaSetDevice(device)
         tensor = engine_dir.tensor_parallel
-        communicator = NcclCommunicator(rank % tensor, tensor, group) if tensor > 1 else None
+        communicator = NcclCommunicator.over_group(rank % tensor, tensor, group) if tensor > 1 else None
         try:
             engine = TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size, rank=rank,
                                     device=device, communicator=communicator.capsule() if communicator else None)

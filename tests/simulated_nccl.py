@@ -18,6 +18,7 @@ import ctypes
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -36,6 +37,9 @@ class Op:
     send: bool
     group: int = 0          # ops of one batch (ncclGroupStart/End) run together
     done: bool = False
+    collective: tuple[int, int] | None = None  # (communicator, its n-th collective): ranks' ops that meet
+    size: int = 0                               # ranks of that communicator
+    combine: Callable | None = None             # every rank's input (rank order) → every rank's output
 
     def wait(self, fabric: "NcclFabric") -> None:
         fabric.wait(self)
@@ -47,6 +51,7 @@ class Communicator:
     rank: int
     size: int
     destroyed: bool = False
+    issued: int = 0  # collectives issued on it by its rank
 
 
 @dataclass
@@ -91,6 +96,18 @@ class NcclFabric:
             self._progress()
         return ops
 
+    def collective(self, communicator: "Communicator", x: np.ndarray, combine: Callable) -> np.ndarray:
+        """This rank's output of a collective over ``communicator`` (``combine``: every rank's
+        input in rank order → every rank's output). Issued on the rank's stream after its earlier
+        ops; runs once every rank of the communicator has its matching (n-th) collective running.
+        A rank's stream is keyed by its rank in the communicator: the stand-in's collectives run
+        over one communicator of the world (tensor parallelism without stages)."""
+        op = Op(communicator.rank, -1, np.array(x), False, collective=(communicator.unique, communicator.issued),
+                size=communicator.size, combine=combine)
+        communicator.issued += 1
+        self.wait(self.batch([op])[0])
+        return op.buffer
+
     def wait(self, op: Op) -> None:
         with self.cond:
             while not op.done:
@@ -124,6 +141,8 @@ class NcclFabric:
 
     def _step(self, rank: int, op: Op) -> bool:
         """Whether ``op`` (running) completed now."""
+        if op.collective is not None:
+            return self._meet(op)
         if op.send and op.buffer.nbytes <= self.buffer_bytes:
             self.buffered[(rank, op.peer)].append(op.buffer)
             self._finish(op)
@@ -140,6 +159,17 @@ class NcclFabric:
             return False
         self._land(op, sender.buffer)
         self._finish(sender)
+        return True
+
+    def _meet(self, op: Op) -> bool:
+        """A collective completes when every rank of its communicator runs its matching op."""
+        peers = sorted((o for r in list(self.streams) for o in self._running(r) if o.collective == op.collective),
+                       key=lambda o: o.rank)
+        if len(peers) < op.size:
+            return False
+        for peer, out in zip(peers, op.combine([p.buffer for p in peers])):
+            peer.buffer = np.asarray(out)
+            self._finish(peer)
         return True
 
     def _earlier_receive(self, op: Op) -> bool:
@@ -200,6 +230,12 @@ class FabricLibrary:
         self.handles[handle] = communicator
         comm_ref._obj.value = handle
         return 0
+
+    def communicator(self, capsule) -> Communicator:
+        """The communicator a capsule of its handle (``NcclCommunicator.capsule()``) holds."""
+        pointer = ctypes.pythonapi.PyCapsule_GetPointer
+        pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        return self.handles[pointer(capsule, None)]
 
     def ncclCommDestroy(self, comm) -> int:
         communicator = self.handles.pop(comm.value if isinstance(comm, ctypes.c_void_p) else int(comm), None)

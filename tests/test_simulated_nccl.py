@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -12,12 +13,14 @@ import pytest
 
 from simulated_nccl import Aborted, FabricTransport, NcclFabric
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0          # a deadlock of bare messages shows within this
+ENGINE_TIMEOUT_S = 120.0  # ranks running ONNX Runtime steps on a loaded machine
 
 
-def _run_ranks(fabric: NcclFabric, programs) -> tuple[list[bool], list]:
-    """Each program(rank) on its own thread; after TIMEOUT_S the fabric is aborted. Returns which
-    ranks were still blocked at the timeout, and what each raised (None: returned)."""
+def _run_ranks(fabric: NcclFabric, programs, timeout: float = TIMEOUT_S) -> tuple[list[bool], list]:
+    """Each program(rank) on its own thread; if any is still running ``timeout`` seconds on, the
+    fabric is aborted (a deadlock: its waits raise Aborted). Returns which ranks were still
+    blocked at the timeout, and what each raised (None: returned)."""
     raised = [None] * len(programs)
 
     def run(rank):
@@ -29,12 +32,14 @@ def _run_ranks(fabric: NcclFabric, programs) -> tuple[list[bool], list]:
     threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(len(programs))]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + timeout
     for thread in threads:
-        thread.join(TIMEOUT_S)
+        thread.join(max(0.0, deadline - time.monotonic()))
     blocked = [thread.is_alive() for thread in threads]
-    fabric.abort()
-    for thread in threads:
-        thread.join(TIMEOUT_S)
+    if any(blocked):
+        fabric.abort()
+        for thread in threads:
+            thread.join(TIMEOUT_S)
     return blocked, raised
 
 
@@ -125,7 +130,7 @@ def nccl_over_fabric(monkeypatch):
 def test_a_communicator_never_freed_is_reported(nccl_over_fabric):
     from trtbuild.runtime.nccl import NcclCommunicator
 
-    NcclCommunicator(0, 1, None)  # the planted bug: dropped without close()
+    NcclCommunicator.over_group(0, 1, None)  # the planted bug: dropped without close()
     assert nccl_over_fabric.leaks() == ["communicator 1 rank 0 of 1 was never destroyed"]
 
 
@@ -135,7 +140,7 @@ def test_closing_a_rank_engine_frees_its_communicator(nccl_over_fabric, tiny_eng
     from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
     from trtbuild.runtime.rank_engines import RankEngine
 
-    communicator = NcclCommunicator(0, 1, None)
+    communicator = NcclCommunicator.over_group(0, 1, None)
     assert communicator.capsule() is not None
     RankEngine(OnnxRuntimeEngine(load(tiny_engine), threads=1), communicator).close()
     assert nccl_over_fabric.leaks() == []
@@ -158,7 +163,7 @@ def _stage_runners_over_fabric(pp2_engine, fabric: NcclFabric, micro_batches: in
     def program(rank):
         outputs[rank] = runners[rank].step(step)
 
-    blocked, raised = _run_ranks(fabric, [program, program])
+    blocked, raised = _run_ranks(fabric, [program, program], ENGINE_TIMEOUT_S)
     return outputs[0], blocked, raised
 
 
@@ -178,3 +183,51 @@ def test_stage_runner_prefill_over_nccl_buffers_gives_the_one_rank_tokens(pp2_en
     assert blocked == [False, False] and raised == [None, None]
     expected = OnnxRuntimeEngine(load(tiny_engine), threads=1).step(step).logits  # [B, 1, V]
     assert output.logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.slow
+def test_tensor_ranks_on_the_simulated_device_all_reduce_over_nccl(monkeypatch, tp2_engine, tiny_engine):
+    """The TP all-reduce path on the simulated device: each rank's TensorRTEngine gets its NCCL
+    communicator (runtime/nccl.py over the stand-in, created collectively) through
+    set_communicator, and its DistCollective layers meet the other rank's over it. Greedy tokens
+    of a prefill and decode steps (captured and replayed) equal the one-rank engine's; closing the
+    communicators leaves no leak."""
+    from simulated_device import SimulatedDevice
+    from trtbuild.runtime import nccl
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.step import Step, StepKind
+    from trtbuild.runtime.tensorrt_engine import TensorRTEngine
+
+    device = SimulatedDevice(compute_capability="sm89")
+    device.install(monkeypatch, [tp2_engine])
+    monkeypatch.setattr(nccl, "_library", lambda: device.nccl)
+    fabric, unique, communicators = device.nccl.fabric, nccl.draw_unique_id(), [None, None]
+
+    def join(rank):  # ncclCommInitRank returns once both ranks called it
+        communicators[rank] = nccl.NcclCommunicator(rank, 2, unique)
+
+    assert _run_ranks(fabric, [join, join], ENGINE_TIMEOUT_S) == ([False, False], [None, None])
+    engine_dir = load(tp2_engine)
+    ranks = [TensorRTEngine(engine_dir, rank=rank, communicator=communicators[rank].capsule()) for rank in range(2)]
+    one_rank = OnnxRuntimeEngine(load(tiny_engine), threads=1)
+    prompts = ((1, 2, 3, 4, 5), (6, 7, 8))
+    step = Step(StepKind.prefill, 0, ("a", "b"), prompts, (0, 0), (True, True))
+    tokens = {"tp2": [], "tp1": []}
+    for index in range(4):
+        outputs = [None, None]
+
+        def run(rank):
+            outputs[rank] = ranks[rank].step(step).logits.argmax(-1)[:, -1].tolist()  # [B]
+
+        assert _run_ranks(fabric, [run, run], ENGINE_TIMEOUT_S) == ([False, False], [None, None])
+        assert outputs[0] == outputs[1]  # every tensor rank ends with the same logits
+        tokens["tp2"].append(outputs[0])
+        tokens["tp1"].append(one_rank.step(step).logits.argmax(-1)[:, -1].tolist())
+        step = Step(StepKind.decode, 0, ("a", "b"), tuple((t,) for t in outputs[0]),
+                    tuple(len(p) + index for p in prompts), (True, True))
+    assert tokens["tp2"] == tokens["tp1"]
+    for engine, communicator in zip(ranks, communicators):
+        engine.close()
+        communicator.close()
+    assert fabric.leaks() == []
