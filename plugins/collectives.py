@@ -47,12 +47,6 @@ class Collective:
             return [np.concatenate(inputs, axis=0)] * len(inputs)
         raise ValueError(f"{OP}: collective_operation {self.operation!r} is not implemented on CPU")
 
-    def output_shape(self, shape: list) -> list:
-        """Shape inference: all_reduce keeps the shape; all_gather multiplies axis 0 by nb_rank."""
-        if self.operation == ALL_GATHER and shape and isinstance(shape[0], int):
-            return [shape[0] * self.world, *shape[1:]]
-        return list(shape)
-
 
 def all_reduce(graph: gs.Graph, x: gs.Variable, world: int, name: str) -> gs.Variable:
     """Sum of ``x`` over the ranks, same shape."""

@@ -45,23 +45,37 @@ def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
         raise RuntimeError(f"NCCL {what} failed: {lib.ncclGetErrorString(result).decode()}")
 
 
-class NcclCommunicator:
-    """This rank's communicator among the ``size`` ranks of ``group`` (a torch.distributed gloo
-    group; None: every rank), where it is ``rank`` (its rank within the group), on the current
-    CUDA device."""
+def draw_unique_id() -> bytes:
+    """A new communicator's id (``ncclGetUniqueId``), drawn by its first rank."""
+    lib, unique = _library(), _UniqueId()
+    _check(lib, lib.ncclGetUniqueId(ctypes.byref(unique)), "ncclGetUniqueId")
+    return bytes(unique.internal)
 
-    def __init__(self, rank: int, size: int, group):
+
+class NcclCommunicator:
+    """This rank's communicator among ``size`` ranks, where it is ``rank``, on the current CUDA
+    device; ``unique`` is the id the first rank drew (every rank passes the same)."""
+
+    def __init__(self, rank: int, size: int, unique: bytes):
+        if len(unique) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id is {NCCL_UNIQUE_ID_BYTES} bytes, not {len(unique)}")
+        self.lib = lib = _library()
+        carried = _UniqueId()
+        ctypes.memmove(carried.internal, unique, NCCL_UNIQUE_ID_BYTES)
+        self.comm = ctypes.c_void_p()
+        _check(lib, lib.ncclCommInitRank(ctypes.byref(self.comm), size, carried, rank), "ncclCommInitRank")
+
+    @classmethod
+    def over_group(cls, rank: int, size: int, group) -> "NcclCommunicator":
+        """Among the ``size`` ranks of ``group`` (a torch.distributed gloo group; None: every
+        rank): its first rank draws the id, the group carries it to the others as a tensor (no
+        pickle)."""
+        import torch
         import torch.distributed as dist
 
-        self.lib = lib = _library()
-        unique = _UniqueId()
-        if rank == 0:
-            _check(lib, lib.ncclGetUniqueId(ctypes.byref(unique)), "ncclGetUniqueId")
-        box = [bytes(unique.internal) if rank == 0 else None]
-        dist.broadcast_object_list(box, group=group, group_src=0)  # over the CPU (gloo) group its ranks joined
-        ctypes.memmove(unique.internal, box[0], NCCL_UNIQUE_ID_BYTES)
-        self.comm = ctypes.c_void_p()
-        _check(lib, lib.ncclCommInitRank(ctypes.byref(self.comm), size, unique, rank), "ncclCommInitRank")
+        carried = torch.frombuffer(bytearray(draw_unique_id() if rank == 0 else NCCL_UNIQUE_ID_BYTES), dtype=torch.uint8)
+        dist.broadcast(carried, group=group, group_src=0)
+        return cls(rank, size, carried.numpy().tobytes())
 
     def capsule(self) -> object:
         """What ``IExecutionContext.set_communicator`` takes: a capsule of the ncclComm_t."""
@@ -70,6 +84,7 @@ class NcclCommunicator:
         return new(self.comm, None, None)
 
     def close(self) -> None:
+        """Frees the communicator (every rank, rank 0 included, once its contexts are gone)."""
         if self.comm:
             self.lib.ncclCommDestroy(self.comm)
             self.comm = ctypes.c_void_p()

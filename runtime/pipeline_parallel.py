@@ -13,7 +13,9 @@ logits) to rank 0, whose step returns them.
 
 A step's rows split into micro-batches (up to ``micro_batches``, whole rows, each binding its
 own slots): a stage sends micro-batch m on (without waiting for it to be received) and starts
-on m + 1 while the next stage works on m, so the stages overlap. With one micro-batch the
+on m + 1 while the next stage works on m, so the stages overlap. Rank 0 sends each micro-batch
+in one batch (``batch_isend_irecv``) with its receives of that micro-batch's logits, so no send
+waits behind a receive not yet posted (NCCL blocks a send over its buffer until its receive runs). With one micro-batch the
 stages run one after another and each rank idles (P − 1) / P of a step.
 """
 from __future__ import annotations
@@ -77,44 +79,57 @@ class StageRunner(CacheOpsOfEngine):
     def step(self, step: Step) -> StepOutput | None:
         """This stage's part of ``step``, micro-batch by micro-batch; on rank 0 the logits the last
         stage sent back, the micro-batches' rows in order."""
-        pending, shapes = [], []  # sends in flight (each keeps its buffer until done); each part's (B, S, R)
-        for part in micro_batches(step, self.micro_batches):
-            shapes.append(step_shape(part.tokens, trees=part.trees))  # stage_step builds the arrays
+        parts = micro_batches(step, self.micro_batches)
+        shapes = [step_shape(part.tokens, trees=part.trees) for part in parts]  # each part's (B, S, R)
+        receiving, pending = [], []  # rank 0's posted receives of logits; sends in flight (each keeps its buffer)
+        for part, (b, _, r) in zip(parts, shapes):
             hidden = None
             if not self.first:
                 hidden = self.engine.stage_input(part)  # [B, S, D]
                 self._recv_into(hidden, self.rank - self.tensor)
             outputs = self.engine.stage_step(part, hidden)
-            if not self.last:
+            if self.rank == 0 and not self.last:
+                # One batch of this micro-batch's send and its logits receives: NCCL runs a batch's
+                # ops together, so the last stage's logits (over NCCL's buffer they wait for their
+                # receive) never wait behind rank 0's next send on the same pair.
+                wanted = [(b, r, self.vocab_size)] + ([(b, 1, self.medusa_heads, self.vocab_size)]
+                                                      if self.medusa_heads else [])
+                sending, posted = self.transport.send_and_receive(outputs[HIDDEN_STATES_OUT], self.rank + self.tensor,
+                                                                  wanted, np.float32, (self.pipeline - 1) * self.tensor)
+                pending.append(self._count(sending, outputs[HIDDEN_STATES_OUT]))
+                receiving += posted
+            elif not self.last:
                 pending.append(self._send(outputs[HIDDEN_STATES_OUT], self.rank + self.tensor))
             elif self.tensor_rank == 0:
                 pending.append(self._send(outputs[LOGITS], 0))
                 if self.medusa_heads:
                     pending.append(self._send(outputs[MEDUSA_LOGITS], 0))
-        result = self._gather_logits(shapes) if self.rank == 0 else None
+        result = self._gather_logits(shapes, receiving) if self.rank == 0 else None
         for sending in pending:
             sending.wait()
         return result
 
-    def _gather_logits(self, shapes: list[tuple[int, int, int]]) -> StepOutput:
+    def _gather_logits(self, shapes: list[tuple[int, int, int]], receiving: list) -> StepOutput:
         """Rank 0: each micro-batch's logits from the last stage, into one [B, R, V] (a micro-batch
         with fewer rows R, as a verification step of shorter trees, fills its first R)."""
-        source = (self.pipeline - 1) * self.tensor
         rows, batch = max(r for _, _, r in shapes), sum(b for b, _, _ in shapes)
         logits = np.zeros((batch, rows, self.vocab_size), np.float32)                    # [B, R, V]
         medusa = (np.zeros((batch, 1, self.medusa_heads, self.vocab_size), np.float32)  # [B, 1, K, V]
                   if self.medusa_heads else None)
+        received = iter(receiving)
         start = 0
         for b, _, r in shapes:
-            logits[start:start + b, :r] = self._recv_host((b, r, self.vocab_size), source)
+            logits[start:start + b, :r] = self._wait(next(received))
             if medusa is not None:
-                medusa[start:start + b] = self._recv_host((b, 1, self.medusa_heads, self.vocab_size), source)
+                medusa[start:start + b] = self._wait(next(received))   # [b, 1, K, V]
             start += b
         return StepOutput(logits=logits, medusa=medusa)
 
     def _send(self, value, dst: int):
         """Starts sending ``value``; the returned sending keeps its buffer until it is done."""
-        sending = self.transport.send(value, dst)
+        return self._count(self.transport.send(value, dst), value)
+
+    def _count(self, sending, value):
         self.sent_bytes += value.nbytes
         self.sends += 1
         return sending
@@ -124,9 +139,9 @@ class StageRunner(CacheOpsOfEngine):
         self.transport.recv_into(value, src)
         self.wait_seconds += time.perf_counter() - start
 
-    def _recv_host(self, shape: tuple[int, ...], src: int) -> np.ndarray:
+    def _wait(self, receiving) -> np.ndarray:
         start = time.perf_counter()
-        out = self.transport.recv_host(shape, np.float32, src)
+        out = receiving.wait()
         self.wait_seconds += time.perf_counter() - start
         return out
 

@@ -1,7 +1,8 @@
 """How pipeline stages hand values to each other: torch.distributed point-to-point, three ways.
 
 A stage engine says where a hand-off lands (``stage_input``) and returns what its step wrote
-(``stage_step``); a transport moves those buffers between ranks and brings rank 0 the logits:
+(``stage_step``); a transport moves those buffers between ranks and brings rank 0 the logits
+(rank 0's ``send_and_receive``: each micro-batch's send and its logits receives in one batch):
 
 - ``HostTransport``: numpy arrays over the default (gloo) group. ONNX Runtime ranks.
 - ``NcclTransport``: TensorRT ranks where torch has CUDA and NCCL, **the path real GPUs take**.
@@ -46,6 +47,17 @@ class HostSending:
         self.work.wait()
 
 
+class HostReceiving:
+    """A receive posted into ``buffer``; ``wait`` gives it, viewed as ``shape`` of ``dtype``."""
+
+    def __init__(self, work, buffer: np.ndarray, shape: tuple[int, ...], dtype):
+        self.work, self.buffer, self.shape, self.dtype = work, buffer, shape, dtype
+
+    def wait(self) -> np.ndarray:
+        self.work.wait()
+        return self.buffer.view(self.dtype).reshape(self.shape)
+
+
 class HostTransport:
     """numpy arrays over the default process group (gloo)."""
 
@@ -62,10 +74,19 @@ class HostTransport:
 
         dist.recv(torch.from_numpy(array), src=src)  # shares the array's memory
 
-    def recv_host(self, shape: tuple[int, ...], dtype, src: int) -> np.ndarray:
-        out = np.empty(shape, dtype)
-        self.recv_into(out, src)
-        return out
+    def send_and_receive(self, array: np.ndarray, dst: int, shapes: list[tuple[int, ...]], dtype,
+                         src: int) -> tuple[HostSending, list[HostReceiving]]:
+        """Sends ``array`` to ``dst`` and posts receives of ``shapes`` from ``src``, one batch
+        (``batch_isend_irecv``); each receiving's ``wait`` gives its array."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        buffers = [np.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize, np.uint8) for shape in shapes]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst)] +
+                                       [dist.P2POp(dist.irecv, torch.from_numpy(b), src) for b in buffers])
+        return HostSending(works[0], tensor), [HostReceiving(work, buffer, shape, dtype)
+                                               for work, buffer, shape in zip(works[1:], buffers, shapes)]
 
 
 class HostStagedTransport:
@@ -78,12 +99,15 @@ class HostStagedTransport:
         self.cudart, self.stream, self.ok = cudart, stream, ok
         self.host = HostTransport()
 
-    def send(self, array: DeviceArray, dst: int) -> HostSending:
+    def _staged(self, array: DeviceArray) -> np.ndarray:
         staged = np.empty(array.nbytes, np.uint8)
         self.ok(self.cudart.cudaMemcpyAsync(staged.ctypes.data, array.address, array.nbytes,
                                             self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         self.ok(self.cudart.cudaStreamSynchronize(self.stream))
-        return self.host.send(staged, dst)
+        return staged
+
+    def send(self, array: DeviceArray, dst: int) -> HostSending:
+        return self.host.send(self._staged(array), dst)
 
     def recv_into(self, array: DeviceArray, src: int) -> None:
         staged = np.empty(array.nbytes, np.uint8)
@@ -92,10 +116,9 @@ class HostStagedTransport:
         self.ok(self.cudart.cudaMemcpyAsync(array.address, staged.ctypes.data, array.nbytes,
                                             self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
 
-    def recv_host(self, shape: tuple[int, ...], dtype, src: int) -> np.ndarray:
-        staged = np.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize, np.uint8)
-        self.host.recv_into(staged, src)
-        return staged.view(dtype).reshape(shape)
+    def send_and_receive(self, array: DeviceArray, dst: int, shapes: list[tuple[int, ...]], dtype,
+                         src: int) -> tuple[HostSending, list[HostReceiving]]:
+        return self.host.send_and_receive(self._staged(array), dst, shapes, dtype, src)
 
 
 class _CudaBytes:
@@ -156,14 +179,31 @@ class NcclTransport:
         with torch.cuda.stream(self.stream):
             dist.recv(torch_bytes(array, self.device), src=src, group=self.group)  # the stream waits, not the host
 
-    def recv_host(self, shape: tuple[int, ...], dtype, src: int) -> np.ndarray:
+    def send_and_receive(self, array: DeviceArray, dst: int, shapes: list[tuple[int, ...]], dtype,
+                         src: int) -> tuple[DeviceSending, list["DeviceReceiving"]]:
+        """One NCCL batch: the send of ``array`` and receives of ``shapes`` (to host on ``wait``)."""
         import torch
         import torch.distributed as dist
 
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.recv(buffer, src=src, group=self.group)
-        return buffer.cpu().numpy().view(dtype).reshape(shape)  # .cpu() waits for the receive
+        tensor = torch_bytes(array, self.device)
+        buffers = [torch.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=torch.uint8, device=self.device)
+                   for shape in shapes]
+        with torch.cuda.stream(self.stream):
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst, group=self.group)] +
+                                           [dist.P2POp(dist.irecv, b, src, group=self.group) for b in buffers])
+        return DeviceSending(works[0], tensor, self.stream), [DeviceReceiving(work, buffer, shape, dtype)
+                                                              for work, buffer, shape in zip(works[1:], buffers, shapes)]
+
+
+class DeviceReceiving:
+    """An NCCL receive posted into a device ``buffer``; ``wait`` brings it to the host."""
+
+    def __init__(self, work, buffer, shape: tuple[int, ...], dtype):
+        self.work, self.buffer, self.shape, self.dtype = work, buffer, shape, dtype
+
+    def wait(self) -> np.ndarray:
+        self.work.wait()  # torch's current stream waits for the receive; .cpu() waits for the stream
+        return self.buffer.cpu().numpy().view(self.dtype).reshape(self.shape)
 
 
 def nccl_usable() -> bool:

@@ -2,14 +2,15 @@
 
 Rank 0 owns everything above the engine protocol (scheduler, sampler, prefix-cache index,
 Medusa policy). ``TensorParallelEngine`` is one more Engine: each call (a step, or a cache
-operation) is broadcast to the other ranks as a command, then every rank runs it on its own
-engine over its own KV shard; the rank graphs' collectives (all-reduce after o_proj and
+operation) is broadcast to the other ranks as a typed message (runtime/rank_protocol.py: int64
+tensors, no pickle), then every rank runs it on its own engine over its own KV shard
+(runtime/rank_engines.py); the rank graphs' collectives (all-reduce after o_proj and
 down_proj, all-gather of the logits rows) run over the same process group. Every rank ends
 with the whole logits; rank 0 returns them.
 
 Processes: on one machine the engine starts ranks 1..N-1 itself (spawned, gloo on
 127.0.0.1); under ``torchrun`` (across machines) the launcher starts them and each non-zero
-rank serves commands until rank 0 stops. Every rank loads its engine, then all meet at a
+rank serves messages until rank 0 stops; every rank frees its engine and NCCL communicator. Every rank loads its engine, then all meet at a
 barrier, so a rank that cannot load fails the constructor. A rank that dies or fails ends the
 group: rank 0 raises ``RankFailure`` naming the rank and the last line of its traceback (a
 started rank's stderr goes to a file rank 0 reads back), and stops every rank it started.
@@ -23,20 +24,16 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
-
 from ..common.processes import die_with_parent
-from ..plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
 from .engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from .engine_dir import EngineDir, load
-from .pipeline_parallel import StageRunner, stage_groups
-from .stage_transport import HostTransport
+from .rank_engines import RankEngine, rank_engine, run_message, serve_rank
+from .rank_protocol import Message, Stop, broadcast
+from .step import CopySlot, KeepPath, LoadBlock, SaveBlock
 
 # A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
 # bundled model takes milliseconds; a first step of a large one, seconds).
@@ -47,121 +44,13 @@ class RankFailure(RuntimeError):
     """Another rank died or failed; the message names it."""
 
 
-@dataclass(frozen=True)
-class Command:
-    method: str        # an Engine method: step, copy_slot, keep_path, save_block, load_block, or stop
-    args: tuple
-
-
-class TorchCollectives:
-    """The rank graphs' DistCollective over torch.distributed (gloo on CPU), among the ranks of
-    ``group`` (a pipeline stage's; None: every rank). Counts what it does: ``calls``, ``bytes``
-    sent by this rank and ``seconds`` waited (benchmarks/parallel.py)."""
-
-    def __init__(self, group=None):
-        self.group = group
-        self.calls, self.bytes, self.seconds = 0, 0, 0.0
-
-    def __call__(self, collective: Collective, x: np.ndarray) -> np.ndarray:
-        import torch
-        import torch.distributed as dist
-
-        start = time.perf_counter()
-        tensor = torch.from_numpy(np.ascontiguousarray(x))
-        if collective.operation == ALL_REDUCE:
-            dist.all_reduce(tensor, group=self.group)
-            out = tensor.numpy()
-        elif collective.operation == ALL_GATHER:
-            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(parts, tensor, group=self.group)
-            out = torch.cat(parts, dim=0).numpy()
-        else:
-            raise ValueError(f"collective {collective.operation!r} is not implemented")
-        self.calls += 1
-        self.bytes += x.nbytes
-        self.seconds += time.perf_counter() - start
-        return out
-
-
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def _rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
-                 backend: str, micro_batches: int):
-    """This rank's engine once the process group is up: with pipeline stages, run as its stage
-    (runtime/pipeline_parallel.py, a step in up to ``micro_batches``) with its collectives over
-    the stage's group and its hand-offs through a transport (runtime/stage_transport.py)."""
-    groups = stage_groups(engine_dir)  # every rank creates every stage's group
-    local = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend,
-                          groups[rank // engine_dir.tensor_parallel])
-    if engine_dir.pipeline_parallel == 1:
-        return local
-    if backend == "tensorrt":
-        from .tensorrt_stage import TensorRTStage
-
-        return StageRunner(TensorRTStage(local), engine_dir, rank, micro_batches, _device_transport(local))
-    return StageRunner(local, engine_dir, rank, micro_batches, HostTransport())
-
-
-def _device_transport(engine):
-    """How a TensorRT stage hands device buffers on: over NCCL where torch has CUDA (real GPUs),
-    else staged through host memory over gloo (a CPU build of torch; the simulated device).
-    Every rank of a job runs the same torch, so all take the same path; each creates the NCCL
-    group (every rank, in the same order)."""
-    import torch.distributed as dist
-
-    from .stage_transport import HostStagedTransport, NcclTransport, nccl_usable
-
-    if nccl_usable():
-        import torch
-
-        torch.cuda.set_device(engine.device)
-        return NcclTransport(dist.new_group(backend="nccl"), engine.device, engine.stream)
-    return HostStagedTransport(engine.cudart, engine.stream, engine.ok)
-
-
-def _local_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: int, block_size: int,
-                  backend: str = "onnxruntime", group=None):
-    """This rank's engine: its rankN.onnx in ONNX Runtime (collectives over gloo among ``group``,
-    its stage's ranks or all), or on a GPU its rankN.engine in TensorRT (one GPU per rank:
-    LOCAL_RANK under torchrun) with, where the stage has tensor ranks, an NCCL communicator among
-    the ranks of ``group``."""
-    if backend == "tensorrt":
-        from .nccl import NcclCommunicator
-        from .tensorrt_engine import TensorRTEngine
-        from .tensorrt_runtime import cuda_runtime
-
-        cudart = cuda_runtime()
-        count = cudart.cudaGetDeviceCount()[1]
-        device = int(os.environ.get("LOCAL_RANK", rank)) % max(1, count)
-        cudart.cudaSetDevice(device)
-        tensor = engine_dir.tensor_parallel
-        communicator = NcclCommunicator(rank % tensor, tensor, group).capsule() if tensor > 1 else None
-        return TensorRTEngine(engine_dir, prefix_blocks=prefix_blocks, block_size=block_size, rank=rank,
-                              device=device, communicator=communicator)
-    from .onnxruntime_engine import OnnxRuntimeEngine
-
-    return OnnxRuntimeEngine(engine_dir, threads=threads, prefix_blocks=prefix_blocks, block_size=block_size,
-                             rank=rank, collective=TorchCollectives(group))
 
 
 def _last_line(exc: BaseException) -> str:
     """The last line of the exception's traceback: ``Type: message``."""
     return traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[-1]
-
-
-def serve_rank(engine: object) -> None:
-    """A non-zero rank: run rank 0's commands on this rank's engine until told to stop."""
-    import torch.distributed as dist
-
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        command: Command = box[0]
-        if command.method == "stop":
-            return
-        getattr(engine, command.method)(*command.args)
 
 
 def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix_blocks: int, block_size: int,
@@ -174,10 +63,10 @@ def _worker(path: str, rank: int, world: int, address: str, threads: int, prefix
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     try:
-        engine = _rank_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend,
-                              micro_batches)
+        local = rank_engine(load(Path(path), verify_hashes=verify), rank, threads, prefix_blocks, block_size, backend,
+                            micro_batches)
         dist.barrier()  # every rank loaded: rank 0's constructor returns
-        serve_rank(engine)
+        serve_rank(rank, local)
     except Exception as exc:  # noqa: BLE001  (reported by rank 0 as this rank's failure)
         traceback.print_exc()
         print(f"trtbuild rank {rank}: {_last_line(exc)}", file=sys.stderr, flush=True)
@@ -207,6 +96,7 @@ class TensorParallelEngine:
         self.name = (f"{backend} (tensor parallel {self.world})" if pipeline == 1 else
                      f"{backend} ({pipeline} pipeline stages × {engine_dir.tensor_parallel} tensor ranks)")
         self.local = None  # rank 0's own engine, once loaded
+        self.own: RankEngine | None = None  # that engine with its NCCL communicator: closing frees both
         self.processes: dict[int, subprocess.Popen] = {}
         self.stderr: dict[int, object] = {}  # rank → the file its stderr goes to
         self.closed = False
@@ -218,10 +108,10 @@ class TensorParallelEngine:
                 raise ValueError(f"{engine_dir.path} has {self.world} ranks; torchrun started "
                                  f"{dist.get_world_size()} processes: use --nproc-per-node/--nnodes for {self.world}")
             rank = dist.get_rank()
-            if rank != 0:  # this process serves rank 0's commands, then the program ends
-                engine = _rank_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend, micro_batches)
+            if rank != 0:  # this process serves rank 0's messages, then the program ends
+                local = rank_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend, micro_batches)
                 dist.barrier()
-                serve_rank(engine)
+                serve_rank(rank, local)
                 dist.destroy_process_group()
                 raise SystemExit(0)
         else:
@@ -239,19 +129,19 @@ class TensorParallelEngine:
             if not launched_by_torchrun():
                 dist.init_process_group("gloo", init_method=address, rank=0, world_size=self.world,
                                         timeout=timedelta(seconds=TIMEOUT_S))
-            self.local = _rank_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend, micro_batches)
+            self.own = rank_engine(engine_dir, 0, threads, prefix_blocks, block_size, backend, micro_batches)
+            self.local = self.own.engine
             dist.barrier()  # every rank loaded its engine
         except Exception as exc:  # noqa: BLE001  (no rank may outlive a failed constructor)
             raise self._failure(exc, "the engine was not loaded") from None
 
-    def _everywhere(self, method: str, *args):
-        import torch.distributed as dist
-
+    def _everywhere(self, message: Message):
+        """``message`` to every rank (runtime/rank_protocol.py), then run on rank 0's own engine."""
         if self.closed:
             raise RankFailure("the tensor-parallel engine is closed")
         try:
-            dist.broadcast_object_list([Command(method, args)], src=0)
-            return getattr(self.local, method)(*args)
+            broadcast(message)
+            return run_message(self.local, message)
         except RankFailure:
             raise
         except Exception as exc:  # noqa: BLE001  (named by rank, every rank stopped)
@@ -293,22 +183,22 @@ class TensorParallelEngine:
         return lines[-1].removeprefix(f"trtbuild rank {rank}: ") if lines else ""
 
     def step(self, step) -> StepOutput:
-        return self._everywhere("step", step)
+        return self._everywhere(step)
 
     def greedy_run(self, step) -> GreedyRun:
         return StepwiseGreedyRun(self, step)  # every rank takes each step
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        self._everywhere("copy_slot", src, dst, length)
+        self._everywhere(CopySlot(src, dst, length))
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
-        self._everywhere("keep_path", slot, start, nodes)
+        self._everywhere(KeepPath(slot, start, tuple(nodes)))
 
     def save_block(self, slot: int, index: int, block: int) -> None:
-        self._everywhere("save_block", slot, index, block)
+        self._everywhere(SaveBlock(slot, index, block))
 
     def load_block(self, block: int, slot: int, index: int) -> None:
-        self._everywhere("load_block", block, slot, index)
+        self._everywhere(LoadBlock(block, slot, index))
 
     def close(self, graceful: bool = True) -> None:
         import torch.distributed as dist
@@ -318,7 +208,7 @@ class TensorParallelEngine:
         self.closed = True
         if graceful and dist.is_initialized():
             try:
-                dist.broadcast_object_list([Command("stop", ())], src=0)
+                broadcast(Stop())
             except Exception:  # noqa: BLE001  (a rank already gone: nothing to stop)
                 pass
         for process in self.processes.values():
@@ -329,8 +219,8 @@ class TensorParallelEngine:
                 process.wait(timeout=5)
         for file in self.stderr.values():
             file.close()
-        if self.local is not None:  # rank 0's engine: its device memory on a GPU
-            self.local.close()
+        if self.own is not None:  # rank 0's engine (its device memory on a GPU) and communicator
+            self.own.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -149,6 +149,32 @@ def medusa_engine(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def pp2_engine(tmp_path_factory) -> Path:
+    """specs/tiny-code-pp2.yaml: two stages of three layers, T = 1 (no collectives in a stage)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-pp2"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code-pp2.yaml"),
+                           "-o", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def tp2_engine(tmp_path_factory) -> Path:
+    """specs/tiny-code-tp2.yaml: two tensor ranks (DistCollective all-reduces between them)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-tp2"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code-tp2.yaml"),
+                           "-o", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 def _build_smollm2(tmp_path_factory, gguf: Path, name: str, **parallel) -> Path:
     """specs/smollm2-135m.yaml built through the CLI, its checkpoint the fetched file."""
     import subprocess

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from simulated_nccl import FabricLibrary, NcclFabric
+
 DEVICE_BASE = 1 << 50  # far above any host address on x86-64/aarch64 (≤ 2^48)
 GUARD = 1 << 20        # gap between allocations
 
@@ -98,6 +100,8 @@ class SimulatedDevice:
     next_address: int = DEVICE_BASE
     graphs: list = field(default_factory=list)        # captured graphs not yet destroyed
     graph_execs: list = field(default_factory=list)   # instantiated graphs not yet destroyed
+    # libnccl's calls (runtime/nccl.py) over an NCCL stand-in shared by the ranks (threads) here
+    nccl: FabricLibrary = field(default_factory=lambda: NcclFabric().library())
 
     # -- memory ----------------------------------------------------------------------------
     def _span(self, address: int, nbytes: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from trtbuild.contract import onnxruntime as ort_config
 from trtbuild.contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from trtbuild.contract.step import CACHE_DTYPES, INPUT_NAMES, LOGITS, MEDUSA_LOGITS
 from trtbuild.plugins import fp4
+from trtbuild.plugins.segments import SegmentedRank
 
 INPUT_DTYPES = {"input_ids": np.int32, "position_ids": np.int32, "write_index": np.int64, "kv_length": np.int64,
                 "attention_mask": np.bool_, "logits_index": np.int64}
@@ -34,13 +35,18 @@ class SimulatedEngine:
     """One rank's engine: its ONNX graph, its manifest's optimization profiles."""
 
     def __init__(self, device, engine_dir: Path, manifest: dict, rank: int):
-        if manifest["tensor_parallel"] > 1:
-            raise NotImplementedError("the simulated device runs ranks without collectives (tensor_parallel 1)")
         self.device, self.manifest = device, manifest
         path = engine_dir / manifest["ranks"][rank]["onnx"]
-        self.session = ort_config.session(fp4.ort_source(path))
-        self.outputs = [o.name for o in self.session.get_outputs()]
-        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.session, self.segments = None, None
+        if manifest["tensor_parallel"] > 1:  # DistCollective: ONNX Runtime runs the pieces between them
+            model = fp4.cpu_model(path)
+            self.segments = SegmentedRank(model, path.parent, threads=1)
+            self.outputs = [o.name for o in model.graph.output]
+            self.inputs = [i.name for i in model.graph.input]
+        else:
+            self.session = ort_config.session(fp4.ort_source(path))
+            self.outputs = [o.name for o in self.session.get_outputs()]
+            self.inputs = [i.name for i in self.session.get_inputs()]
         self.dtype = CACHE_DTYPES[manifest["spec"]["model"]["dtype"]]
         self.hidden_size = manifest["model"]["hidden_size"]
         self.contexts: list[SimulatedContext] = []
@@ -111,12 +117,10 @@ class SimulatedContext:
     def _run(self, bound: dict) -> None:
         device, engine = self.engine.device, self.engine
         shapes, addresses = bound["shapes"], bound["addresses"]
-        binding = engine.session.io_binding()
-        views = {}
+        inputs = {}
         for name in engine.inputs:
             dtype = engine.dtype if name.startswith("past_") or name == HIDDEN_STATES else INPUT_DTYPES[name]
-            views[name] = device.view(addresses[name], shapes[name], dtype)
-            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(views[name]))
+            inputs[name] = device.view(addresses[name], shapes[name], dtype)
         out_shapes = {HIDDEN_STATES_OUT: ((*shapes["position_ids"], engine.hidden_size), engine.dtype)}
         if "logits_index" in shapes:  # the last pipeline stage (or the whole model)
             batch, rows = shapes["logits_index"]
@@ -124,15 +128,40 @@ class SimulatedContext:
             out_shapes[LOGITS] = ((batch, rows, vocab), np.float32)
             if MEDUSA_LOGITS in engine.outputs:
                 out_shapes[MEDUSA_LOGITS] = ((batch, 1, engine.manifest["medusa"]["num_heads"], vocab), np.float32)
+        outputs = {}
         for name in engine.outputs:
             if name.startswith("present_"):  # same shape as its past; in place when aliased
                 shape, dtype = shapes["past_" + name[len("present_"):]], engine.dtype
             else:
                 shape, dtype = out_shapes[name]
-            view = device.view(addresses[name], shape, dtype)
-            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(view))
-        engine.session.run_with_iobinding(binding)
+            outputs[name] = device.view(addresses[name], shape, dtype)
+        if engine.segments is None:
+            binding = engine.session.io_binding()
+            for name, view in inputs.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(view))
+            for name, view in outputs.items():
+                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(view))
+            engine.session.run_with_iobinding(binding)
+        else:
+            self._run_segments(inputs, outputs)
         self.executions += 1
+
+    def _run_segments(self, inputs: dict, outputs: dict) -> None:
+        """A tensor-parallel rank: its graph's pieces, each DistCollective (all-reduce, all-gather) over the
+        NCCL communicator set on this context (the device's NCCL stand-in, tests/simulated_nccl.py)."""
+        if self.communicator is None:
+            raise RuntimeError("a tensor-parallel rank ran without an NCCL communicator (set_communicator)")
+        nccl = self.engine.device.nccl
+        communicator = nccl.communicator(self.communicator)
+        values = {name: np.array(view) for name, view in inputs.items()}  # copies: outputs may alias the pasts
+        for segment, session in zip(self.engine.segments.segments, self.engine.segments.sessions):
+            if session is not None:
+                values.update(ort_config.run(session, values))
+            if segment.collective is not None:
+                values[segment.collective.output] = nccl.fabric.collective(
+                    communicator, values[segment.collective.input], segment.collective.reference)
+        for name, view in outputs.items():
+            view[...] = values[name]
 
 
 def tensorrt_module(device, module_name: str, version: str, engine_dirs: list[Path]) -> types.ModuleType:

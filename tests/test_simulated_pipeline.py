@@ -25,17 +25,6 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def pp2_engine(tmp_path_factory):
-    """specs/tiny-code-pp2.yaml: two stages of three layers, T = 1 (no collectives in a stage)."""
-    out = tmp_path_factory.mktemp("engines") / "tiny-pp2"
-    spec = REPO / "specs" / "tiny-code-pp2.yaml"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-@pytest.fixture(scope="module")
 def cpu_tokens(pp2_engine):
     with LLM(pp2_engine, backend="onnxruntime", prefix_cache=True) as llm:
         return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]

@@ -1,0 +1,233 @@
+"""The NCCL stand-in (tests/simulated_nccl.py) and the rank code over it: issue-order matching,
+the buffer limit that makes a wrong send/receive order deadlock, and the leak detector that
+catches a communicator never freed (runtime/nccl.py, runtime/rank_engines.py)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+from simulated_nccl import Aborted, FabricTransport, NcclFabric
+
+TIMEOUT_S = 5.0          # a deadlock of bare messages shows within this
+ENGINE_TIMEOUT_S = 120.0  # ranks running ONNX Runtime steps on a loaded machine
+
+
+def _run_ranks(fabric: NcclFabric, programs, timeout: float = TIMEOUT_S) -> tuple[list[bool], list]:
+    """Each program(rank) on its own thread; if any is still running ``timeout`` seconds on, the
+    fabric is aborted (a deadlock: its waits raise Aborted). Returns which ranks were still
+    blocked at the timeout, and what each raised (None: returned)."""
+    raised = [None] * len(programs)
+
+    def run(rank):
+        try:
+            programs[rank](rank)
+        except Exception as exc:  # noqa: BLE001  (reported to the test)
+            raised[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(len(programs))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    blocked = [thread.is_alive() for thread in threads]
+    if any(blocked):
+        fabric.abort()
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+    return blocked, raised
+
+
+def test_sends_between_a_pair_match_receives_in_issue_order():
+    fabric = NcclFabric(buffer_bytes=64)
+    first, second = np.zeros(4, np.int64), np.zeros(4, np.int64)
+    fabric.isend(0, np.arange(4), 1)
+    fabric.isend(0, np.arange(4) + 10, 1)
+    fabric.wait(fabric.irecv(1, first, 0))
+    fabric.wait(fabric.irecv(1, second, 0))
+    assert first.tolist() == [0, 1, 2, 3] and second.tolist() == [10, 11, 12, 13]
+
+
+def test_a_send_over_the_buffer_waits_for_its_receive_and_holds_its_stream():
+    fabric = NcclFabric(buffer_bytes=16)
+    big = fabric.isend(0, np.ones(8, np.int64), 1)  # 64 bytes > 16
+    later = fabric.isend(0, np.ones(1, np.int64), 1)
+    assert not big.done and not later.done          # the rank's stream waits behind the big send
+    out = np.zeros(8, np.int64)
+    fabric.wait(fabric.irecv(1, out, 0))
+    assert big.done and later.done and out.tolist() == [1] * 8
+
+
+def _stage_pattern(receives_first: bool):
+    """Two stages, two micro-batches of hand-off and logits (each over the buffer): rank 0 sends
+    the hidden states on and receives the logits; rank 1 the other way round. The old StageRunner
+    sent every micro-batch before posting a receive; the new one batches each send with its
+    micro-batch's receives (batch_isend_irecv)."""
+    hidden, logits = np.ones(64, np.float32), np.ones(64, np.float32)
+
+    def rank0(rank):
+        transport = FabricTransport(fabric, rank)
+        if receives_first:  # what StageRunner does: each send batched with its micro-batch's receives
+            sends, posted = zip(*(transport.send_and_receive(hidden, 1, [logits.shape], np.float32, 1)
+                                  for _ in range(2)))
+            posted = [receiving for each in posted for receiving in each]
+        else:
+            sends = [transport.send(hidden, 1) for _ in range(2)]
+            posted = [transport.irecv_host(logits.shape, np.float32, 1) for _ in range(2)]
+        for receiving in posted:
+            receiving.wait()
+        for sending in sends:
+            sending.wait()
+
+    def rank1(rank):
+        transport = FabricTransport(fabric, rank)
+        sends = []
+        for _ in range(2):
+            transport.recv_into(np.empty_like(hidden), 0)
+            sends.append(transport.send(logits, 0))
+        for sending in sends:
+            sending.wait()
+
+    fabric = NcclFabric(buffer_bytes=128)
+    return fabric, [rank0, rank1]
+
+
+def test_sending_every_micro_batch_before_posting_receives_deadlocks():
+    """The planted bug: the old order (all sends, then the receives) with messages over NCCL's buffer."""
+    blocked, raised = _run_ranks(*_stage_pattern(receives_first=False))
+    assert blocked == [True, True]
+    assert all(isinstance(exc, Aborted) for exc in raised)
+
+
+def test_each_send_batched_with_its_receives_completes():
+    blocked, raised = _run_ranks(*_stage_pattern(receives_first=True))
+    assert blocked == [False, False] and raised == [None, None]
+
+
+@pytest.fixture
+def nccl_over_fabric(monkeypatch):
+    """runtime/nccl.py over a fabric, with a gloo group of one rank to carry the unique id."""
+    import torch.distributed as dist
+
+    from trtbuild.runtime import nccl
+
+    fabric = NcclFabric()
+    monkeypatch.setattr(nccl, "_library", fabric.library)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield fabric
+    dist.destroy_process_group()
+
+
+def test_a_communicator_never_freed_is_reported(nccl_over_fabric):
+    from trtbuild.runtime.nccl import NcclCommunicator
+
+    NcclCommunicator.over_group(0, 1, None)  # the planted bug: dropped without close()
+    assert nccl_over_fabric.leaks() == ["communicator 1 rank 0 of 1 was never destroyed"]
+
+
+def test_closing_a_rank_engine_frees_its_communicator(nccl_over_fabric, tiny_engine):
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.nccl import NcclCommunicator
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.rank_engines import RankEngine
+
+    communicator = NcclCommunicator.over_group(0, 1, None)
+    assert communicator.capsule() is not None
+    RankEngine(OnnxRuntimeEngine(load(tiny_engine), threads=1), communicator).close()
+    assert nccl_over_fabric.leaks() == []
+
+
+def _stage_runners_over_fabric(pp2_engine, fabric: NcclFabric, micro_batches: int, step):
+    """Both stages of ``pp2_engine`` as StageRunners (runtime/pipeline_parallel.py, ONNX Runtime
+    stages) over the fabric, one thread each, running ``step``; rank 0's StepOutput, which ranks
+    were blocked at the timeout, and what each raised."""
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.pipeline_parallel import StageRunner
+    from trtbuild.runtime.rank_engines import TorchCollectives
+
+    engine_dir = load(pp2_engine)  # T = 1: the stages' collective is never called
+    runners = [StageRunner(OnnxRuntimeEngine(engine_dir, threads=1, rank=rank, collective=TorchCollectives()),
+                           engine_dir, rank, micro_batches, FabricTransport(fabric, rank)) for rank in range(2)]
+    outputs = [None, None]
+
+    def program(rank):
+        outputs[rank] = runners[rank].step(step)
+
+    blocked, raised = _run_ranks(fabric, [program, program], ENGINE_TIMEOUT_S)
+    return outputs[0], blocked, raised
+
+
+@pytest.mark.slow
+def test_stage_runner_prefill_over_nccl_buffers_gives_the_one_rank_tokens(pp2_engine, tiny_engine):
+    """The real StageRunner on the stand-in: two micro-batches whose hidden states [B, S, D] and
+    logits [B, 1, V] are each far over a 1 KiB buffer, so a send waits for its receive. The old
+    order (every micro-batch sent before rank 0 posted a receive) deadlocks here."""
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.step import Step, StepKind
+
+    step = Step(StepKind.prefill, 0, ("a", "b", "c", "d"), ((1, 2, 3, 4, 5), (6, 7, 8), (9, 10, 11, 12), (13,)),
+                (0, 0, 0, 0), (True, True, True, True))
+    fabric = NcclFabric(buffer_bytes=1024)
+    output, blocked, raised = _stage_runners_over_fabric(pp2_engine, fabric, 2, step)
+    assert blocked == [False, False] and raised == [None, None]
+    expected = OnnxRuntimeEngine(load(tiny_engine), threads=1).step(step).logits  # [B, 1, V]
+    assert output.logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.slow
+def test_tensor_ranks_on_the_simulated_device_all_reduce_over_nccl(monkeypatch, tp2_engine, tiny_engine):
+    """The TP all-reduce path on the simulated device: each rank's TensorRTEngine gets its NCCL
+    communicator (runtime/nccl.py over the stand-in, created collectively) through
+    set_communicator, and its DistCollective layers meet the other rank's over it. Greedy tokens
+    of a prefill and decode steps (captured and replayed) equal the one-rank engine's; closing the
+    communicators leaves no leak."""
+    from simulated_device import SimulatedDevice
+    from trtbuild.runtime import nccl
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.step import Step, StepKind
+    from trtbuild.runtime.tensorrt_engine import TensorRTEngine
+
+    device = SimulatedDevice(compute_capability="sm89")
+    device.install(monkeypatch, [tp2_engine])
+    monkeypatch.setattr(nccl, "_library", lambda: device.nccl)
+    fabric, unique, communicators = device.nccl.fabric, nccl.draw_unique_id(), [None, None]
+
+    def join(rank):  # ncclCommInitRank returns once both ranks called it
+        communicators[rank] = nccl.NcclCommunicator(rank, 2, unique)
+
+    assert _run_ranks(fabric, [join, join], ENGINE_TIMEOUT_S) == ([False, False], [None, None])
+    engine_dir = load(tp2_engine)
+    ranks = [TensorRTEngine(engine_dir, rank=rank, communicator=communicators[rank].capsule()) for rank in range(2)]
+    one_rank = OnnxRuntimeEngine(load(tiny_engine), threads=1)
+    prompts = ((1, 2, 3, 4, 5), (6, 7, 8))
+    step = Step(StepKind.prefill, 0, ("a", "b"), prompts, (0, 0), (True, True))
+    tokens = {"tp2": [], "tp1": []}
+    for index in range(4):
+        outputs = [None, None]
+
+        def run(rank):
+            outputs[rank] = ranks[rank].step(step).logits.argmax(-1)[:, -1].tolist()  # [B]
+
+        assert _run_ranks(fabric, [run, run], ENGINE_TIMEOUT_S) == ([False, False], [None, None])
+        assert outputs[0] == outputs[1]  # every tensor rank ends with the same logits
+        tokens["tp2"].append(outputs[0])
+        tokens["tp1"].append(one_rank.step(step).logits.argmax(-1)[:, -1].tolist())
+        step = Step(StepKind.decode, 0, ("a", "b"), tuple((t,) for t in outputs[0]),
+                    tuple(len(p) + index for p in prompts), (True, True))
+    assert tokens["tp2"] == tokens["tp1"]
+    for engine, communicator in zip(ranks, communicators):
+        engine.close()
+        communicator.close()
+    assert fabric.leaks() == []
