@@ -5,6 +5,12 @@ projection (like lm_head) and the stacked rows are all-gathered. The heads read 
 [B, R, D], so they too run only on the rows that need logits. Head k is
 ``h = x + SiLU(x W_j + b_j)`` per residual block, then ``h W_out`` [B, R, V]; the heads are
 stacked on axis 2 into ``medusa_logits`` [B, R, K, V] (float32, like ``logits``).
+
+Heads whose vocabulary projections all are the LM head's own weight (``trtbuild medusa train
+--freeze-out``) share that weight: their hidden states are stacked [B, R, K, D] and go through one
+MatMul with the LM head's constant. On a real vocabulary each projection is as large as a sizeable
+part of the model (49152 × 576 fp32 = 113 MB for SmolLM2-135M), and a CPU step's time is mostly
+reading weights, so K copies would cost a verification K such reads where one does.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import ml_dtypes
 from ...contract.tensor_parallel import vocab_range
 from ...plugins.collectives import all_gather_last_axis
 from ..medusa.heads import load_heads
+from . import weights
 from .base import PassContext, PassError, PassResult
 from .fusion import new_node
 
@@ -40,6 +47,8 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     hidden = lm_head.inputs[0]  # [B, R, D] after the final norm
     logits = next(o for o in graph.outputs if o.name == "logits")
     dtype = np.dtype(_NUMPY_DTYPES[ctx.spec.model.dtype.value])
+    columns = vocab_range(ctx.tensor_rank, ctx.tensor_size, heads.vocab_size)  # vocab-parallel like lm_head
+    shared = _shared_lm_head(lm_head, heads, columns, dtype, ctx.weights_dir)
     per_head = []
     for k in range(heads.num_heads):  # one checkpoint tensor read at a time (each becomes a constant)
         h = hidden
@@ -56,19 +65,25 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
                             new_node("Add", f"{scope}/Residual", [h, act], outputs=[res])]
             h = res
         scope = f"/medusa_head.{k}/out"
-        columns = vocab_range(ctx.tensor_rank, ctx.tensor_size, heads.vocab_size)  # vocab-parallel like lm_head
-        w_out = gs.Constant(f"medusa_head.{k}.{heads.num_layers}.weight",
-                            np.ascontiguousarray(heads.out(k, columns.start, columns.stop).T, dtype))
-        head_logits = gs.Variable(f"{scope}/MatMul_out", dtype=dtype)
+        if shared is None:
+            w_out = gs.Constant(f"medusa_head.{k}.{heads.num_layers}.weight",
+                                np.ascontiguousarray(heads.out(k, columns.start, columns.stop).T, dtype))
+            head_out = gs.Variable(f"{scope}/MatMul_out", dtype=dtype)  # [B, R, V']
+            graph.nodes.append(new_node("MatMul", f"{scope}/MatMul", [h, w_out], outputs=[head_out]))
+        else:
+            head_out = h  # [B, R, D], projected below with the others
         expanded = gs.Variable(f"{scope}/Unsqueeze_out", dtype=dtype)
         axes = gs.Constant(f"medusa_head.{k}.unsqueeze_axes", np.array([2], np.int64))
-        graph.nodes += [new_node("MatMul", f"{scope}/MatMul", [h, w_out], outputs=[head_logits]),
-                        new_node("Unsqueeze", f"{scope}/Unsqueeze", [head_logits, axes], outputs=[expanded])]
+        graph.nodes.append(new_node("Unsqueeze", f"{scope}/Unsqueeze", [head_out, axes], outputs=[expanded]))
         per_head.append(expanded)
     batch, rows, vocab = logits.shape
     shape = [batch, rows, heads.num_heads, vocab]
-    stacked = gs.Variable("/medusa/Concat_out", dtype=dtype)
+    stacked = gs.Variable("/medusa/Concat_out", dtype=dtype)  # [B, R, K, V'], or [B, R, K, D] to project
     graph.nodes.append(new_node("Concat", "/medusa/Concat", per_head, {"axis": 2}, outputs=[stacked]))
+    if shared is not None:
+        projected = gs.Variable("/medusa/MatMul_out", dtype=dtype)  # [B, R, K, V']
+        graph.nodes.append(new_node("MatMul", "/medusa/MatMul", [stacked, shared], outputs=[projected]))
+        stacked = projected
     if ctx.tensor_size > 1:
         stacked = all_gather_last_axis(graph, stacked, ctx.tensor_size, "/medusa/AllGather", dims=4)  # [B, R, K, V/N]
     output = gs.Variable("medusa_logits", dtype=np.float32, shape=shape)
@@ -79,4 +94,19 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
     graph.outputs.insert(1, output)
     return PassResult(graph=graph, modified=True, stats={
         "medusa_heads": heads.num_heads, "medusa_layers": heads.num_layers, "medusa_params": heads.params,
-        "tree_size": medusa.tree_size})
+        "shares_lm_head": shared is not None, "tree_size": medusa.tree_size})
+
+
+def _shared_lm_head(lm_head: gs.Node, heads, columns: range, dtype: np.dtype, weights_dir) -> gs.Constant | None:
+    """The LM head's weight [D, V'] where every head's projection (this rank's vocabulary slice)
+    equals it exactly, else None (a quantized LM head is not a plain constant: never shared)."""
+    weight = lm_head.inputs[1]
+    if not isinstance(weight, gs.Constant) or weight.dtype != dtype:
+        return None
+    values = weights.read(weight, weights_dir)  # memory-mapped
+    if values.shape != (heads.hidden_size, len(columns)):
+        return None
+    for k in range(heads.num_heads):
+        if not np.array_equal(heads.out(k, columns.start, columns.stop).astype(dtype), values.T):
+            return None
+    return weight
