@@ -97,16 +97,26 @@ def attach_medusa(graph: gs.Graph, ctx: PassContext) -> PassResult:
         "shares_lm_head": shared is not None, "tree_size": medusa.tree_size})
 
 
-def _shared_lm_head(lm_head: gs.Node, heads, columns: range, dtype: np.dtype, weights_dir) -> gs.Constant | None:
-    """The LM head's weight [D, V'] where every head's projection (this rank's vocabulary slice)
-    equals it exactly, else None (a quantized LM head is not a plain constant: never shared)."""
+def _shared_lm_head(lm_head: gs.Node, heads, columns: range, dtype: np.dtype, weights_dir) -> gs.Tensor | None:
+    """What the LM head multiplies by, [D, V'], where every head's projection (this rank's vocabulary
+    slice) equals it exactly, else None. That is a constant [D, V'], or with tied embeddings the
+    Transpose of the embedding's [V', D] (ONNX Runtime folds it once); a quantized LM head is
+    neither: never shared."""
     weight = lm_head.inputs[1]
-    if not isinstance(weight, gs.Constant) or weight.dtype != dtype:
+    if isinstance(weight, gs.Constant):
+        source, transposed = weight, True
+    elif (len(weight.inputs) == 1 and weight.inputs[0].op == "Transpose"
+          and list(weight.inputs[0].attrs.get("perm", [1, 0])) == [1, 0]
+          and isinstance(weight.inputs[0].inputs[0], gs.Constant)):
+        source, transposed = weight.inputs[0].inputs[0], False
+    else:
         return None
-    values = weights.read(weight, weights_dir)  # memory-mapped
-    if values.shape != (heads.hidden_size, len(columns)):
+    if source.dtype != dtype:
+        return None
+    values = weights.read(source, weights_dir)  # memory-mapped; [D, V'] or, transposed, [V', D]
+    if values.shape != ((heads.hidden_size, len(columns)) if transposed else (len(columns), heads.hidden_size)):
         return None
     for k in range(heads.num_heads):
-        if not np.array_equal(heads.out(k, columns.start, columns.stop).astype(dtype), values.T):
+        if not np.array_equal(heads.out(k, columns.start, columns.stop).astype(dtype), values.T if transposed else values):
             return None
     return weight
