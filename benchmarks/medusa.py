@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""Medusa benchmark on the bundled model (ONNX Runtime backend, CPU, greedy).
+"""Medusa benchmark on the bundled model or the real one (ONNX Runtime backend, CPU, greedy).
 
-    python benchmarks/medusa.py [--engine-dir DIR] [--prompts 8] [--tokens 128] [--repeat 3] [--fixed N ...] [--json]
+    python benchmarks/medusa.py [--model tiny-code|smollm2] [--engine-dir DIR] [--prompts 8] [--tokens 128]
+                                [--repeat 3] [--fixed N ...] [--json]
 
-Builds specs/tiny-code-medusa.yaml into a temporary dir unless --engine-dir is given. Prompts
-are 32-token windows of the held-out text (models/tiny-code/heldout.txt); every request
-generates --tokens tokens (ignore_eos). Side by side on the same engine dir:
+Builds the model's Medusa spec into a temporary dir unless --engine-dir is given. --model
+tiny-code (the default): specs/tiny-code-medusa.yaml, prompts are 32-token windows of the
+held-out text (models/tiny-code/heldout.txt). --model smollm2: specs/smollm2-135m-medusa.yaml
+(SmolLM2-135M-Instruct with self-distilled heads, docs/benchmarks.md), prompts are instructions
+made from held-out stdlib modules' docstrings rendered with the engine dir's chat template
+(benchmarks/chat_instructions.py). Every request generates --tokens tokens (ignore_eos). Side by
+side on the same engine dir:
   * plain decoding (speculation off: multi-step greedy runs, whose steps skip the heads as on an
     engine dir without them), and the same with the heads computed in every step (what plain
     decoding on a Medusa dir cost before the decode graph held them behind draft_heads),
@@ -39,13 +44,12 @@ REPO = Path(__file__).resolve().parents[1]
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 
-def build_engine(out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "trtbuild.cli", "build",
-                    str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out), "--log-level", "error"],
-                   check=True, capture_output=True)
+def build_engine(spec: Path, out: Path) -> None:
+    subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out),
+                    "--log-level", "error"], check=True, capture_output=True)
 
 
-def heldout_prompts(tokenizer, count: int, length: int = 32) -> list[list[int]]:
+def heldout_prompts(engine: Path, tokenizer, count: int, length: int = 32) -> list[list[int]]:
     ids = tokenizer.encode((REPO / "models" / "tiny-code" / "heldout.txt").read_text()).ids
     stride = (len(ids) - length) // count
     return [ids[i * stride:i * stride + length] for i in range(count)]
@@ -61,6 +65,22 @@ def _heads_in_every_step_engine(*args, **kwargs):
             return super()._filled(step, draft=True)
 
     return HeadsInEveryStep(*args, **kwargs)
+
+
+def chat_prompts(engine: Path, tokenizer, count: int) -> list[list[int]]:
+    """``count`` held-out instructions, spread over the modules, in the engine dir's chat template."""
+    from chat_instructions import instructions, rendered
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.server.chat import chat_template
+
+    texts = instructions("heldout")
+    picked = [texts[i * len(texts) // count] for i in range(count)]
+    return [tokenizer.encode(p, add_special_tokens=False).ids for p in rendered(chat_template(load(engine)), picked)]
+
+
+# --model: the spec built when no --engine-dir is given, and the prompts that suit the model.
+MODELS = {"tiny-code": (REPO / "specs" / "tiny-code-medusa.yaml", heldout_prompts),
+          "smollm2": (REPO / "specs" / "smollm2-135m-medusa.yaml", chat_prompts)}
 
 
 def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: int | None, threads: int,
@@ -104,6 +124,8 @@ def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny-code",
+                        help="the Medusa spec built without --engine-dir, and the prompts asked")
     parser.add_argument("--engine-dir", type=Path, default=None)
     parser.add_argument("--prompts", type=int, default=8, help="requests at batch 1 (3x as many at batch 8)")
     parser.add_argument("--tokens", type=int, default=128)
@@ -118,18 +140,19 @@ def main() -> None:
 
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
+        spec, make_prompts = MODELS[args.model]
         engine = args.engine_dir
         if engine is None:
-            engine = Path(tmp) / "tiny-code-medusa"
-            say("building specs/tiny-code-medusa.yaml ...")
-            build_engine(engine)
+            engine = Path(tmp) / spec.stem
+            say(f"building specs/{spec.name} ...")
+            build_engine(spec, engine)
         tokenizer = Tokenizer.from_file(str(engine / "tokenizer.json"))
         tree_nodes = len(json.loads((engine / "manifest.json").read_text())["medusa"]["tree"])
         rows, results, curve = [], {}, None
         modes = (("plain", 0), ("plain, heads in every step", 0), (f"default tree ({tree_nodes} nodes)", tree_nodes),
                  *((f"tree prefix ({n} nodes)", n) for n in args.fixed), ("adaptive", None))
         for batch, count in ((1, args.prompts), (8, 3 * args.prompts)):
-            prompts = heldout_prompts(tokenizer, count)
+            prompts = make_prompts(engine, tokenizer, count)
             # Rounds: every mode once per round, back to back, so a slow spell of this shared
             # machine hits the modes of a round alike; ratios pair each mode with plain's run of
             # the same round, and the median round ratio is reported.

@@ -244,9 +244,12 @@ def medusa() -> None:
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True,
               help="Train on the model's own greedy continuations of data prompts (what greedy verification accepts).")
+@click.option("--train-out/--freeze-out", default=True, show_default=True,
+              help="Train each head's vocabulary projection, or keep it the base LM head's (a third less work "
+                   "per step: what a real vocabulary on a CPU needs).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, steps: int, sequences: int,
-                 seq_len: int, batch: int, lr: float, self_distill: bool, seed: int):
+                 seq_len: int, batch: int, lr: float, self_distill: bool, train_out: bool, seed: int):
     """Train Medusa-1 heads on a frozen CHECKPOINT; writes the public Medusa layout.
 
     OUT gets medusa_lm_head.safetensors and config.json (medusa_num_heads,
@@ -264,7 +267,7 @@ def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, ste
     if not (is_gguf(checkpoint) or (checkpoint / "config.json").is_file()):
         raise UserError(f"{checkpoint}: neither a checkpoint dir (no config.json) nor a .gguf file")
     options = TrainOptions(heads=heads, layers=layers, seq_len=seq_len, sequences=sequences, steps=steps,
-                           batch=batch, lr=lr, self_distill=self_distill, seed=seed)
+                           batch=batch, lr=lr, self_distill=self_distill, train_out=train_out, seed=seed)
     report = train_heads(checkpoint, list(data), out, options, progress=lambda m: click.echo(m, err=True))
     rows = [[f"head {k} (t+{k + 2})", f"{acc[0]:.3f}", f"{acc[4]:.3f}", f"{acc[9]:.3f}"]
             for k, acc in enumerate(report.heads.topk_accuracy)]

@@ -72,7 +72,8 @@ def smollm2_gguf() -> Path:
 
 # Fixtures that build engine dirs: every test that uses one (directly or through another
 # fixture) is slow, so `-m "not slow"` stays well under a minute.
-ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines", "pp_engines", "smollm2_engine", "smollm2_tp3_engine"}
+ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines", "pp_engines", "smollm2_engine", "smollm2_tp3_engine",
+                   "smollm2_medusa_engine"}
 
 
 def pytest_collection_modifyitems(items):
@@ -175,16 +176,20 @@ def tp2_engine(tmp_path_factory) -> Path:
     return out
 
 
-def _build_smollm2(tmp_path_factory, gguf: Path, name: str, **parallel) -> Path:
-    """specs/smollm2-135m.yaml built through the CLI, its checkpoint the fetched file."""
+def _build_smollm2(tmp_path_factory, gguf: Path, name: str, spec_file: str = "smollm2-135m.yaml",
+                   medusa_heads: Path | None = None, **parallel) -> Path:
+    """specs/``spec_file`` built through the CLI, its checkpoint the fetched file (and its Medusa
+    heads ``medusa_heads``)."""
     import subprocess
     import sys
 
     import yaml
 
     work = tmp_path_factory.mktemp(name)
-    spec = yaml.safe_load((REPO / "specs" / "smollm2-135m.yaml").read_text())
+    spec = yaml.safe_load((REPO / "specs" / spec_file).read_text())
     spec["model"]["checkpoint"] = str(gguf)
+    if medusa_heads is not None:
+        spec["speculative"]["medusa"]["heads"] = str(medusa_heads)
     if parallel:
         spec["parallel"] = parallel
     (work / "spec.yaml").write_text(yaml.safe_dump(spec))
@@ -204,3 +209,27 @@ def smollm2_engine(smollm2_gguf, tmp_path_factory) -> Path:
 def smollm2_tp3_engine(smollm2_gguf, tmp_path_factory) -> Path:
     """The same at tensor parallelism 3 (9 query and 3 KV heads divide by 3, not by 2)."""
     return _build_smollm2(tmp_path_factory, smollm2_gguf, "smollm2-tp3", tensor=3)
+
+
+@pytest.fixture(scope="session")
+def smollm2_medusa_heads(smollm2_gguf, tmp_path_factory) -> Path:
+    """Heads for the real model as specs/smollm2-135m-medusa.yaml's comment makes them (self-distilled,
+    LM head kept), on a few sequences of the bundled held-out text: trained to run, not to guess well."""
+    import subprocess
+    import sys
+
+    work = tmp_path_factory.mktemp("smollm2-medusa-heads")
+    (work / "data.txt").write_text((TINY_CODE / "heldout.txt").read_text()[:20_000])
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "medusa", "train", str(smollm2_gguf),
+                           "--data", str(work / "data.txt"), "--heads", "3", "--seq-len", "40", "--sequences", "8",
+                           "--steps", "2", "--batch", "2", "--freeze-out", "-o", str(work / "heads")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return work / "heads"
+
+
+@pytest.fixture(scope="session")
+def smollm2_medusa_engine(smollm2_gguf, smollm2_medusa_heads, tmp_path_factory) -> Path:
+    """specs/smollm2-135m-medusa.yaml with the heads above."""
+    return _build_smollm2(tmp_path_factory, smollm2_gguf, "smollm2-medusa", spec_file="smollm2-135m-medusa.yaml",
+                          medusa_heads=smollm2_medusa_heads)

@@ -38,6 +38,9 @@ class TrainOptions:
     batch: int = 4               # sequences per step
     lr: float = 1e-3
     self_distill: bool = True
+    # False: each head's vocabulary projection stays the base LM head's (only the residual blocks
+    # learn): a third less work per step, which is what a real vocabulary on a CPU needs.
+    train_out: bool = True
     prompt_len: int = 32         # data tokens each self-distilled sequence starts from
     eval_fraction: float = 0.05
     seed: int = 0
@@ -101,6 +104,8 @@ def train_heads(checkpoint: Path, data: list[Path], out: Path, options: TrainOpt
 
     lm_head = model.lm_head.weight.detach().float()
     heads = nn.ModuleList(_Head(lm_head.shape[1], options.layers, lm_head) for _ in range(options.heads))
+    for head in heads:
+        head.out.weight.requires_grad_(options.train_out)
     loss = _fit(heads, train_hidden, train_ids, options, progress)
     accuracy = _accuracy(heads, eval_hidden, eval_ids)
     trained = MedusaHeads.from_arrays(
@@ -112,7 +117,8 @@ def train_heads(checkpoint: Path, data: list[Path], out: Path, options: TrainOpt
                               "trtbuild": {"self_distill": options.self_distill,
                                            "train_tokens": int(train_ids.numel()),
                                            "eval_tokens": int(eval_ids.numel()),
-                                           "steps": options.steps, "seed": options.seed}})
+                                           "steps": options.steps, "seed": options.seed,
+                                           "train_out": options.train_out}})
     return TrainReport(heads=trained, train_tokens=int(train_ids.numel()), eval_tokens=int(eval_ids.numel()),
                        seconds=time.perf_counter() - start, final_loss=loss)
 
@@ -169,7 +175,7 @@ def _head_loss(head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, k: int)
 
 
 def _fit(heads: nn.ModuleList, hidden: torch.Tensor, ids: torch.Tensor, options: TrainOptions, progress) -> float:
-    opt = torch.optim.AdamW(heads.parameters(), lr=options.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=options.lr, weight_decay=0.0)
     rng = np.random.default_rng(options.seed)
     warmup = max(1, options.steps // 20)
     t0, last = time.perf_counter(), float("nan")
