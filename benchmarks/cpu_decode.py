@@ -106,7 +106,7 @@ def trtbuild_run(llm, batch: int, seed: int) -> tuple[float, float]:
     """(decode tok/s, prefill s): the median over decode steps of the tokens a step made / its
     time (an LLM step makes each row one token, or up to --multi-step of them in a greedy run;
     the median shrugs off a step a neighbour process delayed)."""
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     rids = {llm.submit(p, params) for p in prompts(batch, seed, llm.engine_dir.vocab_size)}
@@ -284,13 +284,13 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
     the same steps summed by op type instead."""
     import onnxruntime as ort
 
-    from trtbuild.contract import onnxruntime as ort_config
-    from trtbuild.contract.onnxruntime import Spinning
+    from trtbuild.onnxruntime_cpu import session as ort_config
+    from trtbuild.onnxruntime_cpu.session import Spinning
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.backends.onnxruntime.step_graph import cpu_graph
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     options = BREAKDOWN[config]
     spinning, use_decode_graph = Spinning(options.get("spinning", "always")), options.get("use_decode_graph", True)

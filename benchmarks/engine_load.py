@@ -45,7 +45,7 @@ def median_ms(load, repeats: int) -> float:
 
 def measure(engine: Path, repeats: int, threads: int) -> dict[str, float]:
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
 
     return {"verify + engine": median_ms(lambda: OnnxRuntimeEngine(load(engine), threads=threads), repeats),
             "engine": median_ms(lambda: OnnxRuntimeEngine(load(engine, verify_hashes=False), threads=threads), repeats),

@@ -58,7 +58,7 @@ def heldout_prompts(engine: Path, tokenizer, count: int, length: int = 32) -> li
 def _heads_in_every_step_engine(*args, **kwargs):
     """The CPU engine as before the decode graph held the Medusa heads behind draft_heads: every
     plain decode step, a greedy run's included, computes them (a comparison, not a runtime mode)."""
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
 
     class HeadsInEveryStep(OnnxRuntimeEngine):
         def _filled(self, step, draft):
@@ -91,7 +91,7 @@ def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: i
     decode graph held them behind draft_heads), the engine otherwise the same."""
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM, default_prefix_blocks
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     d = load(engine)
     blocks = default_prefix_blocks(d, 16)  # LLM's default prefix store, in its default blocks of 16

@@ -54,9 +54,9 @@ def build(tp: int, pp: int, root: Path) -> tuple[Path, dict, float]:
 def generate(engine: Path, batch: int, tokens: int, micro_batches: int = 1) -> dict:
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.pipeline_parallel import StageRunner
-    from trtbuild.runtime.sampling import SamplingParams
-    from trtbuild.runtime.tensor_parallel import TensorParallelEngine
+    from trtbuild.runtime.parallel.pipeline_parallel import StageRunner
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.parallel.tensor_parallel import TensorParallelEngine
 
     d = load(engine)
     ranks = (TensorParallelEngine(d, micro_batches=micro_batches) if d.world_size > 1 else None)

@@ -6,7 +6,7 @@
 Builds tiny-code unquantized, per weight-only mode/algorithm, W8A8 SmoothQuant (alpha 0.5) and
 FP8 (E4M3 per-tensor weights and activations, sm89+ targets; ONNX Runtime runs its Q/DQ pairs
 literally, i.e. simulated FP8 at the engine's scales) and NVFP4 weights (sm120; ONNX Runtime runs
-the FP4 weights folded to float by plugins/fp4.py, i.e. simulated), then measures, in this run:
+the FP4 weights folded to float by onnxruntime_cpu/fp4.py, i.e. simulated), then measures, in this run:
 held-out perplexity (trtbuild eval: the rank ONNX in ONNX Runtime, windows of 512 tokens) and
 its change vs unquantized, greedy (top-1) agreement with the unquantized checkpoint, weight
 bytes (float tensors counted at 16 bit, integer codes as stored) vs fp16, build time, and ONNX
@@ -78,7 +78,7 @@ def weight_bytes(onnx_path: Path) -> int:
 
 def tokens_per_s(engine: Path, batch: int) -> float:
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     llm = LLM(engine, backend="onnxruntime", threads=2, prefix_cache=False)
     text = (REPO / "models" / "tiny-code" / "heldout.txt").read_text()

@@ -45,7 +45,7 @@ kind, checkpoint, spec_json, out = sys.argv[1:5]
 if kind == "quantize":
     from trtbuild.checkpoint.weight_map import WeightMap
     from trtbuild.builder.quant.quantize import quantize_checkpoint
-    from trtbuild.builder.resolve import spec_from_dict
+    from trtbuild.builder.spec.resolve import spec_from_dict
     spec = spec_from_dict(json.loads(spec_json))
     quantize_checkpoint(WeightMap.from_checkpoint(Path(checkpoint)), spec, Path(out), progress=lambda m: None)
 elif kind == "whole model":

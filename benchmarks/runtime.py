@@ -83,8 +83,8 @@ def main() -> None:
 
     from trtbuild.runtime import bench
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
-    from trtbuild.runtime.scheduler import Batching
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.core.scheduler import Batching
 
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = args.engine_dir or Path(tmp) / "tiny-code"

@@ -205,7 +205,7 @@ def engine_totals(base: str) -> tuple[float, float]:
 def offline_level(llm, prompts: list[str], max_tokens: list[int], concurrency: int) -> dict:
     """The same prompts through ``LLM`` in process, at most ``concurrency`` in flight (refilled as
     each finishes, as guidellm's concurrent profile does)."""
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     pending = list(zip(prompts, max_tokens))
     in_flight, tokens = set(), 0
@@ -300,7 +300,7 @@ def main() -> None:
                          "python3 -m venv .loadgen-venv && .loadgen-venv/bin/pip install guidellm")
 
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     rows, threads = [], len(engine_cpus or ())  # ONNX Runtime threads on both sides (0: its choice)
     if engine_cpus is not None:

@@ -30,7 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 from trtbuild.runtime.llm import LLM  # noqa: E402
-from trtbuild.runtime.sampling import SamplingParams  # noqa: E402
+from trtbuild.runtime.core.sampling import SamplingParams  # noqa: E402
 from trtbuild.runtime.server.chat import chat_template  # noqa: E402
 from trtbuild.runtime.structured import ConstraintCompiler, JsonObject, JsonSchema, Regex  # noqa: E402
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import numerics
 from .emit.engine_dir import check_destination, staged
 from ..contract.pipeline import balanced_layers, stage_layers
-from ..contract.tensor_parallel import kv_heads
+from .sharding import kv_heads
 from .emit.manifest import graph_metadata, io_table, tool_versions, write_manifest
 from ..contract.gpu_targets import describe
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
@@ -33,11 +33,11 @@ from .passes import weights
 from .passes.manager import PassManager
 from .passes.numerics_gate import NumericsGate
 from .passes.structure_check import StructureCheck
-from .plan import spec_build_plan
-from .plan_build import disk_refusal, machine_ram_bytes, memory_refusal
-from .spec_checks import tensor_parallel_ok
+from .plan.estimate import spec_build_plan
+from .plan.build_cost import disk_refusal, machine_ram_bytes, memory_refusal
+from .spec.checks import tensor_parallel_ok
 from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes, sample_peak
-from .spec import Spec
+from .spec.model import Spec
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from importlib import metadata
 
 import click
 
-from ..builder.cli import build, inspect, medusa, plan
+from .build_commands import build, inspect, medusa, plan
 from ..builder.errors import UserError
-from ..runtime.cli import bench, evaluate, run
-from ..runtime.server.cli import serve
+from .run_commands import bench, evaluate, run
+from .serve_command import serve
 
 
 def _version() -> str:

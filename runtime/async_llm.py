@@ -19,7 +19,7 @@ from .engine_loop import Sink
 from .input_processor import ValidRequest
 from .llm import LLM
 from .outputs import Delta
-from .sampling import SamplingParams
+from .core.sampling import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineFailure", "RequestGroup"]
 

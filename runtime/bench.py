@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .llm import LLM
-from .sampling import SamplingParams
+from .core.sampling import SamplingParams
 
 PRESETS = ("skewed", "uniform", "shared-prefix")
 

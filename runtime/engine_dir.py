@@ -7,7 +7,7 @@ from pathlib import Path
 from ..contract.json_file import read_json_object
 from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError, check_engine_dir,
                                  eos_token_ids, has_cpu_graphs, read_manifest)
-from ..contract.onnxruntime import CpuActivations
+from ..onnxruntime_cpu.session import CpuActivations
 
 
 class EngineDirError(ValueError):

@@ -25,12 +25,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from .engine_core import EngineCore
+from .core.engine_core import EngineCore
 from .input_processor import InputProcessor, ValidRequest
 from .structured import CompiledConstraint
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
-from .scheduler import Request
+from .core.scheduler import Request
 
 
 class Subscriber(Protocol):

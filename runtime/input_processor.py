@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine_dir import EngineDir
-from .sampling import SamplingParams
+from .core.sampling import SamplingParams
 from .structured import CompiledConstraint, ConstraintCompiler
 
 

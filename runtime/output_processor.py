@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, replace
 
 from .detokenize import ByteStream, Detokenizer, IncrementalDecoder
-from .engine_core import Sampling
+from .core.engine_core import Sampling
 from .outputs import Completion, Delta, TokenLogprob
-from .scheduler import Request
+from .core.scheduler import Request
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

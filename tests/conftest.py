@@ -220,7 +220,7 @@ def smollm2_medusa_heads(smollm2_gguf, tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("smollm2-medusa-heads")
     (work / "data.txt").write_text((TINY_CODE / "heldout.txt").read_text()[:20_000])
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.builder.cli", "medusa", "train", str(smollm2_gguf),
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "medusa", "train", str(smollm2_gguf),
                            "--data", str(work / "data.txt"), "--heads", "3", "--seq-len", "40", "--sequences", "8",
                            "--steps", "2", "--batch", "2", "--freeze-out", "-o", str(work / "heads")],
                           capture_output=True, text=True)

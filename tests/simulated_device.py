@@ -100,7 +100,7 @@ class SimulatedDevice:
     next_address: int = DEVICE_BASE
     graphs: list = field(default_factory=list)        # captured graphs not yet destroyed
     graph_execs: list = field(default_factory=list)   # instantiated graphs not yet destroyed
-    # libnccl's calls (runtime/nccl.py) over an NCCL stand-in shared by the ranks (threads) here
+    # libnccl's calls (runtime/parallel/nccl.py) over an NCCL stand-in shared by the ranks (threads) here
     nccl: FabricLibrary = field(default_factory=lambda: NcclFabric().library())
 
     # -- memory ----------------------------------------------------------------------------
@@ -286,7 +286,7 @@ class SimulatedDevice:
             monkeypatch.setitem(sys.modules, name, module)
 
 
-# Rank processes that rank 0 starts (runtime/tensor_parallel.py) are fresh interpreters: with
+# Rank processes that rank 0 starts (runtime/parallel/tensor_parallel.py) are fresh interpreters: with
 # tests/simulated_site on PYTHONPATH and this variable set (a JSON list of engine dirs), its
 # sitecustomize.py installs a simulated device of their own in each (``install_in_rank_processes``).
 RANK_PROCESSES_ENV = "TRTBUILD_SIMULATED_DEVICE_DIRS"

@@ -183,7 +183,7 @@ class NcclFabric:
         op.buffer[:] = data
         self._finish(op)
 
-    # -- the libnccl calls runtime/nccl.py makes -------------------------------------------------
+    # -- the libnccl calls runtime/parallel/nccl.py makes -------------------------------------------------
     def library(self) -> "FabricLibrary":
         return FabricLibrary(self)
 
@@ -210,7 +210,7 @@ class NcclFabric:
 
 
 class FabricLibrary:
-    """The ctypes-facing calls of libnccl (runtime/nccl.py) over a fabric: handles are ints."""
+    """The ctypes-facing calls of libnccl (runtime/parallel/nccl.py) over a fabric: handles are ints."""
 
     def __init__(self, fabric: NcclFabric):
         self.fabric = fabric
@@ -263,7 +263,7 @@ class FabricSending:
 
 
 class FabricTransport:
-    """A pipeline stage transport (runtime/stage_transport.py's interface) of host arrays over the
+    """A pipeline stage transport (runtime/parallel/transport.py's interface) of host arrays over the
     fabric, for rank ``rank``: what NcclTransport does, with NCCL's ordering and buffer limit."""
 
     def __init__(self, fabric: NcclFabric, rank: int):

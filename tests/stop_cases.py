@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 
 PROMPT = "class Stack:\n    def __init__(self):\n        self."
 MAX_TOKENS = 40

@@ -13,9 +13,9 @@ from trtbuild.builder.emit.cpu_step_model import decode_branch
 from trtbuild.contract.manifest import check_engine_dir
 from trtbuild.contract.step import DECODE_READS, io_cache_names
 from trtbuild.builder.progress import Progress, Verbosity
-from trtbuild.builder.resolve import load_spec
+from trtbuild.builder.spec.resolve import load_spec
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 
 from conftest import TINY_CODE, write_spec
 from ort_greedy import greedy, transformers_greedy

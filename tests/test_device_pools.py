@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from trtbuild.runtime.kv_pools import DevicePools
+from trtbuild.runtime.core.kv_pools import DevicePools
 
 from conftest import REPO
 from simulated_device import SimulatedDevice

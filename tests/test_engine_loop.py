@@ -13,7 +13,7 @@ import pytest
 from trtbuild.runtime.async_llm import AsyncLLM, EngineFailure
 from trtbuild.runtime.input_processor import InputProcessor
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

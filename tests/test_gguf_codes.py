@@ -17,8 +17,8 @@ from safetensors.numpy import load_file
 
 from trtbuild.builder.quant.gguf_codes import kept_codes
 from trtbuild.builder.quant.quantize import load_quantized, quantize_checkpoint
-from trtbuild.builder.resolve import spec_from_dict
-from trtbuild.builder.spec import QuantizationSection
+from trtbuild.builder.spec.resolve import spec_from_dict
+from trtbuild.builder.spec.model import QuantizationSection
 from trtbuild.checkpoint.gguf_blocks import block_codes
 from trtbuild.checkpoint.gguf_weights import GGUFWeightMap
 
@@ -132,7 +132,7 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
     from trtbuild.builder.passes.quantize_weights import module_of
     from trtbuild.builder.progress import Progress, Verbosity
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     from test_quantization import prompt_ids
 

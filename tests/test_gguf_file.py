@@ -192,7 +192,7 @@ def test_metadata_or_tensors_outside_the_llama_family_are_refused(tmp_path, kvs,
 
 def test_a_spec_naming_a_hostile_gguf_is_refused_at_model_checkpoint(tmp_path):
     from trtbuild.builder.errors import SpecError
-    from trtbuild.builder.resolve import spec_from_dict
+    from trtbuild.builder.spec.resolve import spec_from_dict
 
     path = tmp_path / "hostile.gguf"
     path.write_bytes(HOSTILE["huge array"][0])

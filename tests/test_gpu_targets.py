@@ -12,8 +12,8 @@ from trtbuild.builder.emit.tensorrt import Flavor, check_targets
 from trtbuild.builder.errors import SpecError
 from trtbuild.contract.gpu_targets import built_for, rtx_serves
 from trtbuild.runtime.engine_dir import EngineDir, EngineDirError
-from trtbuild.runtime.engines import resolve_backend
-from trtbuild.runtime.tensorrt_runtime import load_flavor, tensorrt_available
+from trtbuild.runtime.backends.choose import resolve_backend
+from trtbuild.runtime.backends.tensorrt.library import load_flavor, tensorrt_available
 
 from simulated_device import SimulatedDevice
 
@@ -127,7 +127,7 @@ def test_no_gpu_means_the_cpu_backend(monkeypatch):
 
 
 def spec_with(tmp_path, **build):
-    from trtbuild.builder.resolve import spec_from_dict
+    from trtbuild.builder.spec.resolve import spec_from_dict
 
     from conftest import TINY_CODE
 

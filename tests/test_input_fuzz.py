@@ -12,8 +12,8 @@ import yaml
 from conftest import REPO, TINY_CODE
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.frontend.checkpoint import arch_config
-from trtbuild.builder.plan import Plan, find_gpu, param_counts, workload_for
-from trtbuild.builder.resolve import spec_from_dict
+from trtbuild.builder.plan.estimate import Plan, find_gpu, param_counts, workload_for
+from trtbuild.builder.spec.resolve import spec_from_dict
 
 VALUES = [None, True, False, 0, -1, 1, 2, 3, 7, 2**40, 0.5, 1.5, -2.0, float("nan"), "", "x", "float16", "sm89",
           "int4_weight_only", "gptq", [], [1], ["sm89", "sm120"], [[0], [0, 1]], {}, {"a": 1}]
@@ -114,7 +114,7 @@ def test_config_nonsense_is_named(tmp_path, fields, message):
     ("build: {targets: 89}\nmodel: {checkpoint: x}\n", "build.targets: a list of compute capabilities like [sm89], got 89"),
 ])
 def test_spec_documents_refused_with_the_key(tmp_path, text, message):
-    from trtbuild.builder.resolve import load_spec
+    from trtbuild.builder.spec.resolve import load_spec
 
     path = tmp_path / "spec.yaml"
     path.write_text(text)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY_CODE
 from trtbuild.runtime.input_processor import InputProcessor, InputRefused
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.server.chat import DEFAULT_TEMPLATE, ChatTemplate
 from trtbuild.runtime.server.inputs import Inputs, Limits
 from trtbuild.runtime.server.protocol import ApiError

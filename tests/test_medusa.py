@@ -13,7 +13,7 @@ import pytest
 from trtbuild.builder.medusa.heads import MedusaHeads, load_heads, save_heads
 from trtbuild.builder.errors import UserError
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 
 from conftest import TINY_CODE
 
@@ -132,8 +132,8 @@ def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa
     """Nobody drafts from a greedy run's steps (speculation stepped aside, or off), so they skip
     the heads' four vocabulary projections; a single plain step computes them for the next tree."""
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.step import Step, StepKind
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.core.step import Step, StepKind
 
     engine = OnnxRuntimeEngine(load(medusa_engine), threads=2)
     assert engine.drafts_on_demand
@@ -155,7 +155,7 @@ def test_a_multi_step_run_skips_the_heads_and_a_single_step_computes_them(medusa
 def test_the_core_asks_for_heads_only_where_it_will_draft(medusa_engine, prompts):
     """Plain single steps (sampled rows decode step by step) compute the heads only when the
     policy will verify a tree next: never with speculation off, before each tree with it on."""
-    from trtbuild.runtime.step import StepKind
+    from trtbuild.runtime.core.step import StepKind
 
     for size in (0, 8):
         llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)
@@ -184,9 +184,9 @@ def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
     greedy acceptance ends at (max_abs 1e-4; trees whose path is accepted 0 to 3 deep), and the
     tree's K/V written to the same cache positions (max_abs 1e-5), for trees of 2 to 64 nodes."""
     from trtbuild.builder.emit.cpu_step_model import verify_branch
-    from trtbuild.contract import onnxruntime as ort_config
+    from trtbuild.onnxruntime_cpu import session as ort_config
     from trtbuild.contract.step import step_arrays
-    from trtbuild.runtime.medusa import Tree, accept_greedy
+    from trtbuild.runtime.speculation.medusa import Tree, accept_greedy
 
     manifest = json.loads((medusa_engine / "manifest.json").read_text())
     tree = Tree(tuple(tuple(path) for path in manifest["medusa"]["tree"]))

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from trtbuild.builder.medusa.tree import default_tree, ordered, rank_accuracy
-from trtbuild.contract.medusa import tree_problem
-from trtbuild.runtime.engine import step_arrays
-from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy, accept_typical
-from trtbuild.runtime.kv_pools import HostPools, PoolShape
-from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import Draft, Phase, Request, Scheduler
-from trtbuild.runtime.step import KeepPath, StepKind
-from trtbuild.runtime.speculation import EXPLORE_AFTER, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
+from trtbuild.medusa_math.acceptance import tree_problem
+from trtbuild.runtime.backends.engine import step_arrays
+from trtbuild.runtime.speculation.medusa import Accepted, Tree, accept_greedy, accept_typical
+from trtbuild.runtime.core.kv_pools import HostPools, PoolShape
+from trtbuild.runtime.core.sampling import SamplingParams
+from trtbuild.runtime.core.scheduler import Draft, Phase, Request, Scheduler
+from trtbuild.runtime.core.step import KeepPath, StepKind
+from trtbuild.runtime.speculation.policy import EXPLORE_AFTER, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
 
 TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
 
@@ -58,7 +58,7 @@ def test_tree_refuses_malformed_choices(choices, message):
 
 @pytest.mark.parametrize("k", [1, 2, 5, 16, 17, 40])
 def test_top_k_ranks_like_a_full_sort_ties_by_lower_index(k):
-    from trtbuild.runtime.medusa import ARGMAX_TOP_K, _top_k
+    from trtbuild.runtime.speculation.medusa import ARGMAX_TOP_K, _top_k
 
     rng = np.random.default_rng(k)
     tied = rng.integers(0, 5, 4096).astype(np.float32)  # many ties: exact order where k argmaxes rank them

@@ -15,7 +15,7 @@ import yaml
 from safetensors import safe_open
 
 from conftest import REPO, TINY_CODE
-from trtbuild.builder.resolve import spec_from_dict
+from trtbuild.builder.spec.resolve import spec_from_dict
 from trtbuild.contract.manifest import ManifestError, check_rank_grid
 from trtbuild.contract.pipeline import (HIDDEN_STATES, HIDDEN_STATES_OUT, balanced_layers, cache_layer,
                                        stage_cache_names, stage_layers)
@@ -47,8 +47,8 @@ def test_stage_caches_keep_their_global_layer_names():
 
 
 def test_micro_batches_split_rows_into_contiguous_slot_runs():
-    from trtbuild.runtime.pipeline_parallel import micro_batches
-    from trtbuild.runtime.step import Step, StepKind
+    from trtbuild.runtime.parallel.pipeline_parallel import micro_batches
+    from trtbuild.runtime.core.step import Step, StepKind
 
     step = Step(kind=StepKind.decode, first_slot=2, rids=("a", "b", "c", "d", "e"),
                 tokens=((1,), (2,), (3,), (4,), (5,)), starts=(7, 8, 9, 10, 11), samples=(True,) * 5)
@@ -94,7 +94,7 @@ def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", quantizati
            **parallel) -> Path:
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.builder.resolve import load_spec
+    from trtbuild.builder.spec.resolve import load_spec
 
     spec = yaml.safe_load((REPO / "specs" / base).read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)
@@ -250,7 +250,7 @@ def test_stage_greedy_tokens_equal_one_rank_and_transformers(pp_engines, tiny_en
 
     from ort_greedy import transformers_greedy
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     tokenizer = Tokenizer.from_file(str(TINY_CODE / "tokenizer.json"))
     shared = "import os\nimport sys\nimport json\nimport time\nfrom pathlib import Path\n" * 2  # 2 blocks
@@ -273,8 +273,8 @@ def test_a_killed_stage_fails_the_request_by_name(pp_engines):
     import time
 
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
-    from trtbuild.runtime.tensor_parallel import RankFailure
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.parallel.tensor_parallel import RankFailure
 
     llm = LLM(pp_engines[1, 4], backend="onnxruntime")
     workers = dict(llm.engine.processes)
@@ -323,7 +323,7 @@ def test_two_torchrun_nodes_generate_the_same_tokens(pp_engines):
 
 def _greedy(engine: Path, prompts=PROMPTS, max_tokens: int = 24, **kwargs):
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     with LLM(engine, backend="onnxruntime", **kwargs) as llm:
         return [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))], llm
@@ -372,7 +372,7 @@ def test_stages_with_the_truncated_check(tmp_path_factory):
     the built graph gets the structural check over its own layers."""
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.builder.resolve import load_spec
+    from trtbuild.builder.spec.resolve import load_spec
 
     spec = yaml.safe_load((REPO / "specs" / "tiny-code.yaml").read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)
@@ -399,9 +399,9 @@ def test_other_families_in_stages_match_transformers(family, tensor, checkpoints
     from ort_greedy import transformers_greedy
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.builder.resolve import load_spec
+    from trtbuild.builder.spec.resolve import load_spec
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoints[family], parallel={"tensor": tensor, "pipeline": 2}))
     summary = build(spec, BuildOptions(out=tmp_path / "out"), Progress(Verbosity.error))

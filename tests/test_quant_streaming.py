@@ -19,8 +19,8 @@ from trtbuild.builder.passes.quantize_weights import DATA_FILE, quantize_weights
 from trtbuild.builder.quant.algorithms import awq, awq_shared, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
 from trtbuild.builder.quant.calibrate import InputStats, calibration_batches, layer_by_layer
 from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint, selected_layers
-from trtbuild.builder.resolve import spec_from_dict
-from trtbuild.builder.spec import Spec
+from trtbuild.builder.spec.resolve import spec_from_dict
+from trtbuild.builder.spec.model import Spec
 from trtbuild.checkpoint.errors import CheckpointError
 from trtbuild.checkpoint.model import load_checkpoint_model
 

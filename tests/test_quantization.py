@@ -12,7 +12,7 @@ from trtbuild.builder.numerics import run_onnx
 from trtbuild.builder.passes import PassContext, PassError
 from trtbuild.builder.passes.quantize_weights import quantize_weights
 from trtbuild.builder.quant.algorithms import awq, fp8_per_tensor, rtn
-from trtbuild.builder.resolve import spec_from_dict
+from trtbuild.builder.spec.resolve import spec_from_dict
 
 from conftest import REPO, TINY_CODE
 
@@ -110,7 +110,7 @@ def test_nvfp4_blocks_of_16_with_fp8_scales_and_a_simulated_cpu_path():
     import ml_dtypes
 
     from trtbuild.builder.quant.algorithms import nvfp4
-    from trtbuild.plugins import fp4
+    from trtbuild.onnxruntime_cpu import fp4
 
     torch.manual_seed(2)
     w, x = torch.randn(16, 64), torch.randn(4, 64)
@@ -190,7 +190,7 @@ def dequantized_greedy(spec: Spec, prompt: list[int], steps: int, workdir) -> li
     {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64},
     {"mode": "w8a8", "smoothquant_alpha": 0.5},
     {"mode": "fp8"},  # E4M3 weights and activations: builds for sm89 with TensorRT-RTX, runs in ORT
-    {"mode": "nvfp4"},  # FP4 weights: builds for sm120; ORT runs it simulated (plugins/fp4.py)
+    {"mode": "nvfp4"},  # FP4 weights: builds for sm120; ORT runs it simulated (onnxruntime_cpu/fp4.py)
 ], ids=["int4-gptq-g64", "w8a8", "fp8", "nvfp4"])
 def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     from trtbuild.builder.build import BuildOptions, build
@@ -211,7 +211,7 @@ def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     assert result.agreement >= 0.9, result           # top-1 agreement with the float model
     assert result.perplexity <= base.perplexity * 1.05, (result, base)
     from trtbuild.runtime.llm import LLM               # the CPU runtime serves it too (NVFP4: simulated)
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
     prompt = prompt_ids("def f(x):\n    return")
     (completion,) = LLM(tmp_path / "out", backend="onnxruntime").generate([prompt], SamplingParams(max_tokens=8))
     assert completion.token_ids == dequantized_greedy(spec, prompt, 8, tmp_path / "quantized")
@@ -224,11 +224,11 @@ def test_int8_cpu_activations_reach_every_onnx_runtime_session(tmp_path):
 
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.contract.onnxruntime import CpuActivations
+    from trtbuild.onnxruntime_cpu.session import CpuActivations
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.evaluate import evaluate, score_engine, windows
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     spec = spec_from_dict({**spec_with(mode="int4_weight_only", cpu_activations="int8"),
                            "build": {"max_input_len": 64, "max_seq_len": 256, "targets": ["sm89"]}})

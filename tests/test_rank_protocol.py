@@ -1,4 +1,4 @@
-"""The rank protocol (runtime/rank_protocol.py): every message rank 0 sends survives encode →
+"""The rank protocol (runtime/parallel/protocol.py): every message rank 0 sends survives encode →
 decode exactly, and a malformed one is refused in one line naming the receiving rank."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trtbuild.runtime.medusa import Tree
-from trtbuild.runtime.rank_protocol import (HEADER_WORDS, MAGIC, MAX_PAYLOAD_WORDS, VERSION, MessageKind,
+from trtbuild.runtime.speculation.medusa import Tree
+from trtbuild.runtime.parallel.protocol import (HEADER_WORDS, MAGIC, MAX_PAYLOAD_WORDS, VERSION, MessageKind,
                                             RankProtocolError, Stop, decode, encode)
-from trtbuild.runtime.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
+from trtbuild.runtime.core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
 
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
 

@@ -47,7 +47,7 @@ def _expected(reference, prompt: str) -> list[int]:
 
 def _generate(engine, prompts: list[str]) -> list[list[int]]:
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     with LLM(engine, backend="onnxruntime") as llm:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))

@@ -12,7 +12,7 @@ import torch
 from trtbuild.builder.medusa.heads import load_heads
 from trtbuild.checkpoint.source import open_weights
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("smollm2")  # one worker builds the real model's engine dirs
 PROMPTS = ["<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n",

@@ -13,7 +13,7 @@ import pytest
 from trtbuild.runtime.engine_dir import EngineDirError, load
 from trtbuild.runtime.async_llm import AsyncLLM
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 
 from conftest import TINY_CODE
 from ort_greedy import transformers_greedy
@@ -119,7 +119,7 @@ def test_multi_step_streams_one_piece_per_token(llm, reference):
 
 
 def test_multi_step_on_the_rank_graph_matches_transformers(tiny_engine, reference):
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
 
     engine = OnnxRuntimeEngine(load(tiny_engine), threads=2, use_decode_graph=False)
     llm = LLM(tiny_engine, backend="onnxruntime", prefix_cache=False, engine=engine)
@@ -300,7 +300,7 @@ def test_cli_run_and_bench(tiny_engine):
 
 
 def test_cli_multi_step_gives_the_same_tokens_and_refuses_zero(tiny_engine):
-    from trtbuild.builder.spec import RuntimeSection
+    from trtbuild.builder.spec.model import RuntimeSection
 
     def cli(*extra):
         return subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", str(tiny_engine), "--prompt",

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from trtbuild.runtime.prefix_cache import PrefixCache
-from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import Batching, Phase, Request, Scheduler
-from trtbuild.runtime.step import CopySlot, LoadBlock, SaveBlock, StepKind
+from trtbuild.runtime.core.prefix_cache import PrefixCache
+from trtbuild.runtime.core.sampling import SamplingParams
+from trtbuild.runtime.core.scheduler import Batching, Phase, Request, Scheduler
+from trtbuild.runtime.core.step import CopySlot, LoadBlock, SaveBlock, StepKind
 
 
 def req(rid: str, n: int, max_tokens: int, first: int = 0) -> Request:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtbuild.runtime.prefix_cache import PrefixCache
-from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.scheduler import Request, Scheduler
-from trtbuild.runtime.step import CopySlot, LoadBlock, SaveBlock
+from trtbuild.runtime.core.prefix_cache import PrefixCache
+from trtbuild.runtime.core.sampling import SamplingParams
+from trtbuild.runtime.core.scheduler import Request, Scheduler
+from trtbuild.runtime.core.step import CopySlot, LoadBlock, SaveBlock
 
 
 class TokenCache:

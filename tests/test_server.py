@@ -53,7 +53,7 @@ def _running(server) -> float:
 
 
 def test_completion_text_equals_generate_streamed_or_not(client, reference):
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     expected = reference.generate(["def fibonacci(n):"], SamplingParams(max_tokens=24, ignore_eos=True))[0]
     plain = client.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=24, temperature=0,
@@ -276,7 +276,7 @@ def test_neutral_tool_and_logprob_fields_are_accepted(server):
 def test_requests_that_finished_before_the_client_left_count_as_finished(server, reference):
     """A non-streaming request of two prompts: one ends at its first token (a stop id), the
     other runs 900; the client leaves in between. One abort, one stop, not two aborts."""
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     quick, slow = "x = ", "def f(x):"
     stop_id = reference.generate([quick], SamplingParams(max_tokens=1))[0].token_ids[0]

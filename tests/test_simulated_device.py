@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from trtbuild.runtime.kv_pools import DevicePools
+from trtbuild.runtime.core.kv_pools import DevicePools
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.tensorrt_engine import TensorRTEngine
+from trtbuild.runtime.core.sampling import SamplingParams
+from trtbuild.runtime.backends.tensorrt.engine import TensorRTEngine
 
 from simulated_device import SimulatedDevice
 

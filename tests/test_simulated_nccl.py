@@ -1,6 +1,6 @@
 """The NCCL stand-in (tests/simulated_nccl.py) and the rank code over it: issue-order matching,
 the buffer limit that makes a wrong send/receive order deadlock, and the leak detector that
-catches a communicator never freed (runtime/nccl.py, runtime/rank_engines.py)."""
+catches a communicator never freed (runtime/parallel/nccl.py, runtime/parallel/rank_engines.py)."""
 from __future__ import annotations
 
 import socket
@@ -111,10 +111,10 @@ def test_each_send_batched_with_its_receives_completes():
 
 @pytest.fixture
 def nccl_over_fabric(monkeypatch):
-    """runtime/nccl.py over a fabric, with a gloo group of one rank to carry the unique id."""
+    """runtime/parallel/nccl.py over a fabric, with a gloo group of one rank to carry the unique id."""
     import torch.distributed as dist
 
-    from trtbuild.runtime import nccl
+    from trtbuild.runtime.parallel import nccl
 
     fabric = NcclFabric()
     monkeypatch.setattr(nccl, "_library", fabric.library)
@@ -128,7 +128,7 @@ def nccl_over_fabric(monkeypatch):
 
 
 def test_a_communicator_never_freed_is_reported(nccl_over_fabric):
-    from trtbuild.runtime.nccl import NcclCommunicator
+    from trtbuild.runtime.parallel.nccl import NcclCommunicator
 
     NcclCommunicator.over_group(0, 1, None)  # the planted bug: dropped without close()
     assert nccl_over_fabric.leaks() == ["communicator 1 rank 0 of 1 was never destroyed"]
@@ -136,9 +136,9 @@ def test_a_communicator_never_freed_is_reported(nccl_over_fabric):
 
 def test_closing_a_rank_engine_frees_its_communicator(nccl_over_fabric, tiny_engine):
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.nccl import NcclCommunicator
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.rank_engines import RankEngine
+    from trtbuild.runtime.parallel.nccl import NcclCommunicator
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.parallel.rank_engines import RankEngine
 
     communicator = NcclCommunicator.over_group(0, 1, None)
     assert communicator.capsule() is not None
@@ -147,13 +147,13 @@ def test_closing_a_rank_engine_frees_its_communicator(nccl_over_fabric, tiny_eng
 
 
 def _stage_runners_over_fabric(pp2_engine, fabric: NcclFabric, micro_batches: int, step):
-    """Both stages of ``pp2_engine`` as StageRunners (runtime/pipeline_parallel.py, ONNX Runtime
+    """Both stages of ``pp2_engine`` as StageRunners (runtime/parallel/pipeline_parallel.py, ONNX Runtime
     stages) over the fabric, one thread each, running ``step``; rank 0's StepOutput, which ranks
     were blocked at the timeout, and what each raised."""
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.pipeline_parallel import StageRunner
-    from trtbuild.runtime.rank_engines import TorchCollectives
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.parallel.pipeline_parallel import StageRunner
+    from trtbuild.runtime.parallel.rank_engines import TorchCollectives
 
     engine_dir = load(pp2_engine)  # T = 1: the stages' collective is never called
     runners = [StageRunner(OnnxRuntimeEngine(engine_dir, threads=1, rank=rank, collective=TorchCollectives()),
@@ -173,8 +173,8 @@ def test_stage_runner_prefill_over_nccl_buffers_gives_the_one_rank_tokens(pp2_en
     logits [B, 1, V] are each far over a 1 KiB buffer, so a send waits for its receive. The old
     order (every micro-batch sent before rank 0 posted a receive) deadlocks here."""
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.step import Step, StepKind
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.core.step import Step, StepKind
 
     step = Step(StepKind.prefill, 0, ("a", "b", "c", "d"), ((1, 2, 3, 4, 5), (6, 7, 8), (9, 10, 11, 12), (13,)),
                 (0, 0, 0, 0), (True, True, True, True))
@@ -188,16 +188,16 @@ def test_stage_runner_prefill_over_nccl_buffers_gives_the_one_rank_tokens(pp2_en
 @pytest.mark.slow
 def test_tensor_ranks_on_the_simulated_device_all_reduce_over_nccl(monkeypatch, tp2_engine, tiny_engine):
     """The TP all-reduce path on the simulated device: each rank's TensorRTEngine gets its NCCL
-    communicator (runtime/nccl.py over the stand-in, created collectively) through
+    communicator (runtime/parallel/nccl.py over the stand-in, created collectively) through
     set_communicator, and its DistCollective layers meet the other rank's over it. Greedy tokens
     of a prefill and decode steps (captured and replayed) equal the one-rank engine's; closing the
     communicators leaves no leak."""
     from simulated_device import SimulatedDevice
-    from trtbuild.runtime import nccl
+    from trtbuild.runtime.parallel import nccl
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.onnxruntime_engine import OnnxRuntimeEngine
-    from trtbuild.runtime.step import Step, StepKind
-    from trtbuild.runtime.tensorrt_engine import TensorRTEngine
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.core.step import Step, StepKind
+    from trtbuild.runtime.backends.tensorrt.engine import TensorRTEngine
 
     device = SimulatedDevice(compute_capability="sm89")
     device.install(monkeypatch, [tp2_engine])

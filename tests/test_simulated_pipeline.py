@@ -1,7 +1,7 @@
 """Pipeline stages on the TensorRT backend, on the simulated device (tests/simulated_device.py), not a
 GPU test: each rank process (rank 0 here, rank 1 started by it) runs TensorRTEngine's own code as a
-stage (runtime/tensorrt_stage.py) with its hand-off in simulated device memory, moved by the
-host-staged gloo transport (runtime/stage_transport.py; real GPUs take the NCCL one, whose test
+stage (runtime/backends/tensorrt/stage.py) with its hand-off in simulated device memory, moved by the
+host-staged gloo transport (runtime/parallel/transport.py; real GPUs take the NCCL one, whose test
 is tests/test_tensorrt_runtime.py::test_tensorrt_pipeline_stages_match_the_cpu_runtime). The
 tokens must be exactly the CPU runtime's."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import REPO
 from simulated_device import SimulatedDevice, install_in_rank_processes
 from trtbuild.runtime.engine_dir import EngineDir, EngineDirError
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import SamplingParams
 
 SHARED = "import os\nimport sys\nimport json\nimport time\nfrom pathlib import Path\n" * 2  # 2 prefix blocks
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "    def __init__(self, items):",
@@ -40,9 +40,9 @@ def device(monkeypatch, pp2_engine):
 
 def gpu_tokens(engine_dir) -> tuple[list[list[int]], dict]:
     """Greedy tokens of PROMPTS on the TensorRT backend (prefix cache on) and what rank 0 saw."""
-    from trtbuild.runtime.pipeline_parallel import StageRunner
-    from trtbuild.runtime.stage_transport import HostStagedTransport
-    from trtbuild.runtime.tensorrt_stage import TensorRTStage
+    from trtbuild.runtime.parallel.pipeline_parallel import StageRunner
+    from trtbuild.runtime.parallel.transport import HostStagedTransport
+    from trtbuild.runtime.backends.tensorrt.stage import TensorRTStage
 
     with LLM(engine_dir, backend="tensorrt", prefix_cache=True) as llm:
         stage = llm.engine.local
@@ -119,7 +119,7 @@ def hand_off_one_column_short(stage_step):
 @pytest.mark.slow
 @pytest.mark.parametrize("plant", [hand_off_from_the_next_slot, hand_off_one_column_short])
 def test_a_planted_hand_off_fault_changes_the_tokens(device, pp2_engine, cpu_tokens, monkeypatch, plant):
-    from trtbuild.runtime.tensorrt_stage import TensorRTStage
+    from trtbuild.runtime.backends.tensorrt.stage import TensorRTStage
 
     monkeypatch.setattr(TensorRTStage, "stage_step", plant(TensorRTStage.stage_step))
     assert gpu_tokens(pp2_engine)[0] != cpu_tokens

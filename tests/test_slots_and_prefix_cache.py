@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from trtbuild.runtime.prefix_cache import PrefixCache, block_hashes
-from trtbuild.runtime.slots import Move, SlotTable
+from trtbuild.runtime.core.prefix_cache import PrefixCache, block_hashes
+from trtbuild.runtime.core.slots import Move, SlotTable
 
 
 def test_admission_fills_slots_in_order_and_refuses_when_full():

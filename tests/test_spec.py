@@ -12,7 +12,7 @@ from pydantic import ValidationError
 import yaml
 
 from trtbuild.builder.errors import SpecError, UserError
-from trtbuild.builder.resolve import load_spec, spec_from_dict
+from trtbuild.builder.spec.resolve import load_spec, spec_from_dict
 
 from conftest import REPO, TINY_CODE
 

@@ -22,7 +22,7 @@ from trtbuild.builder.frontend.weights_file import fold_weight_transposes
 from trtbuild.builder.isolate import run_isolated
 from trtbuild.builder.passes import PIPELINE, PassResult
 from trtbuild.builder.progress import Progress, Verbosity
-from trtbuild.builder.resolve import load_spec
+from trtbuild.builder.spec.resolve import load_spec
 
 PROMPTS = [[5, 17, 300, 41], [9, 8, 7]]
 
@@ -59,7 +59,7 @@ def test_tied_embeddings_at_tp2_with_the_truncated_check(tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     checkpoint = make_checkpoint(tmp_path / "qwen2", "qwen2", layers=3)
     for path in checkpoint.glob("*.safetensors"):
@@ -106,7 +106,7 @@ def test_one_rank_with_the_truncated_check_and_the_cpu_stage(tmp_path):
     decode graph fuses each residual into the next norm, so its first and last layers differ by
     design) and the build generates transformers' greedy tokens; an int4 build was refused here."""
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     checkpoint = make_checkpoint(tmp_path / "llama", "llama", layers=4)
     spec = load_spec(write_spec(tmp_path / "spec.yaml", checkpoint, passes={"numerics_whole_max_mib": 0}))
@@ -178,7 +178,7 @@ print(rss_parts()[0] - before, float(read(kept[5], out)[17, 4000]))
 
 
 def test_memory_refusal_names_what_fits():
-    from trtbuild.builder.plan_build import BuildPlan, memory_refusal
+    from trtbuild.builder.plan.build_cost import BuildPlan, memory_refusal
 
     plan = BuildPlan(parameters=8_000_000_000, model_bytes=16e9, tp=1, cpu_graphs=True, export_bytes=16e9)
     assert memory_refusal(plan, 64 * 2**30, [1, 2, 4, 8]) is None  # 0.2 GB + 2 × 16 GB fits 64 GiB
@@ -187,7 +187,7 @@ def test_memory_refusal_names_what_fits():
 
 
 def test_disk_refusal_counts_the_exports_file_and_each_ranks_data():
-    from trtbuild.builder.plan_build import GIB, BuildPlan, disk_refusal
+    from trtbuild.builder.plan.build_cost import GIB, BuildPlan, disk_refusal
 
     fp16 = BuildPlan(parameters=8_000_000_000, model_bytes=16e9, tp=2, cpu_graphs=True, export_bytes=16e9)
     assert fp16.disk_peak_bytes == 32e9 + GIB  # the export's file + both ranks' data (the engines come after it goes)
@@ -249,7 +249,7 @@ def test_build_refuses_a_rank_engine_larger_than_ram_in_one_line(tmp_path):
     import sys
 
     from conftest import REPO
-    from trtbuild.builder.plan_build import machine_ram_bytes
+    from trtbuild.builder.plan.build_cost import machine_ram_bytes
 
     if machine_ram_bytes() > 300e9:
         pytest.skip("this machine has the RAM for a 70B rank engine at TP=1")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from trtbuild.runtime.medusa import Accepted, Tree, accept_greedy
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.speculation.medusa import Accepted, Tree, accept_greedy
+from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.structured import (Choice, ConstraintCompiler, ConstraintError, Grammar,
                                          JsonObject, JsonSchema, Regex, TreeWalk)
 

@@ -55,7 +55,7 @@ def test_response_format_round_trip(client):
 
 def test_structured_outputs_extension_equals_the_python_api(client, tiny_engine):
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
     from trtbuild.runtime.structured import Choice, JsonObject, Regex
 
     llm = LLM(tiny_engine, backend="onnxruntime")

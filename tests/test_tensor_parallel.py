@@ -18,9 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import REPO, TINY_CODE
 from trtbuild.builder.errors import SpecError
-from trtbuild.builder.resolve import spec_from_dict
-from trtbuild.contract.tensor_parallel import gather_caches, kv_heads, query_heads, shard_caches
-from trtbuild.plugins.segments import run_ranks, split
+from trtbuild.builder.spec.resolve import spec_from_dict
+from trtbuild.builder.sharding import gather_caches, kv_heads, query_heads, shard_caches
+from trtbuild.onnxruntime_cpu.segments import run_ranks, split
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "    def __init__(self, items):"]
 
@@ -103,7 +103,7 @@ def test_int4_group_may_not_straddle_ranks():
 def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", dump_after=frozenset(), **sections) -> Path:
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.builder.resolve import load_spec
+    from trtbuild.builder.spec.resolve import load_spec
 
     spec = yaml.safe_load((REPO / "specs" / base).read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)
@@ -127,7 +127,7 @@ def tp_engines(tmp_path_factory, tiny_engine):
 
 def _greedy(engine_dir, prompts=PROMPTS, max_tokens=24, **kwargs):
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     with LLM(engine_dir, backend="onnxruntime", **kwargs) as llm:
         return [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))], llm
@@ -185,8 +185,8 @@ def test_rank_weight_files_hold_their_slice(tp_engines):
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_request_by_name(tp_engines):
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
-    from trtbuild.runtime.tensor_parallel import RankFailure
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.parallel.tensor_parallel import RankFailure
 
     llm = LLM(tp_engines[2], backend="onnxruntime")
     worker = llm.engine.processes[1]
@@ -202,7 +202,7 @@ def test_a_killed_rank_fails_the_request_by_name(tp_engines):
 
 
 def _rank_processes() -> list[int]:
-    """Live processes this one started to serve ranks (python -m trtbuild.runtime.tensor_parallel)."""
+    """Live processes this one started to serve ranks (python -m trtbuild.runtime.parallel.tensor_parallel)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
@@ -210,7 +210,7 @@ def _rank_processes() -> list[int]:
         except OSError:  # not a process, or gone meanwhile
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == os.getpid() and state != "Z" and b"trtbuild.runtime.tensor_parallel" in cmdline:
+        if int(ppid) == os.getpid() and state != "Z" and b"trtbuild.runtime.parallel.tensor_parallel" in cmdline:
             found.append(int(entry.name))
     return found
 
@@ -222,7 +222,7 @@ def test_a_rank_that_cannot_load_fails_the_constructor_by_name_and_leaves_no_pro
     import shutil
 
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.tensor_parallel import RankFailure
+    from trtbuild.runtime.parallel.tensor_parallel import RankFailure
 
     engine = shutil.copytree(tp_engines[2], tmp_path / "tp2")
     weights = engine / f"rank{broken_rank}.onnx.data"
@@ -238,8 +238,8 @@ def test_a_rank_that_cannot_load_fails_the_constructor_by_name_and_leaves_no_pro
 @pytest.mark.slow
 def test_a_failing_rank_0_step_is_named_with_its_error(tp_engines):
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
-    from trtbuild.runtime.tensor_parallel import RankFailure
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.parallel.tensor_parallel import RankFailure
 
     llm = LLM(tp_engines[2], backend="onnxruntime")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from trtbuild.contract.gpu_targets import TENSORRT_ONLY
-from trtbuild.runtime.tensorrt_runtime import gpu_compute_capability, installed_flavors, tensorrt_available
+from trtbuild.runtime.backends.tensorrt.library import gpu_compute_capability, installed_flavors, tensorrt_available
 
 # Decided before the engine fixtures build anything: no GPU or no TensorRT, nothing to run.
 _UNAVAILABLE = tensorrt_available(None)
@@ -56,7 +56,7 @@ def gpu_medusa_engine(tmp_path_factory):
 
 def test_tensorrt_backend_matches_transformers(gpu_engine):
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     from conftest import TINY_CODE
     from ort_greedy import transformers_greedy
@@ -70,7 +70,7 @@ def test_tensorrt_backend_matches_transformers(gpu_engine):
 
 def test_tensorrt_medusa_matches_plain_decoding(gpu_medusa_engine):
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:"]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -83,9 +83,9 @@ def test_tensorrt_medusa_matches_plain_decoding(gpu_medusa_engine):
 
 def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path_factory, tiny_engine):
     """TP=2 on two GPUs (TensorRT, NCCL through set_communicator) gives the CPU runtime's tokens."""
-    from trtbuild.runtime.tensorrt_runtime import cuda_runtime
+    from trtbuild.runtime.backends.tensorrt.library import cuda_runtime
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     if cuda_runtime().cudaGetDeviceCount()[1] < 2:
         pytest.skip("needs two GPUs for two tensor-parallel ranks")
@@ -101,12 +101,12 @@ def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path_factory, tiny_engine
 @pytest.mark.parametrize("tensor, pipeline", [(1, 2), (2, 2)])
 def test_tensorrt_pipeline_stages_match_the_cpu_runtime(tmp_path_factory, tiny_engine, tensor, pipeline):
     """P stages × T tensor ranks on T·P GPUs: hidden states handed on over NCCL from device memory
-    (runtime/stage_transport.py NcclTransport), DistCollective over each stage's own communicator;
+    (runtime/parallel/transport.py NcclTransport), DistCollective over each stage's own communicator;
     the CPU runtime's tokens. tests/test_simulated_pipeline.py runs the same stage code in CI."""
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
-    from trtbuild.runtime.stage_transport import NcclTransport
-    from trtbuild.runtime.tensorrt_runtime import cuda_runtime
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.parallel.transport import NcclTransport
+    from trtbuild.runtime.backends.tensorrt.library import cuda_runtime
 
     if cuda_runtime().cudaGetDeviceCount()[1] < tensor * pipeline:
         pytest.skip(f"needs {tensor * pipeline} GPUs for {pipeline} stages × {tensor} tensor ranks")

@@ -326,7 +326,7 @@ def test_killed_builds_leave_no_orphans_and_the_next_build_works(tmp_path):
 def test_prompts_and_workloads_outside_the_vocabulary_are_refused(tiny_engine, tmp_path):
     from trtbuild.runtime.bench import load_workload
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.core.sampling import SamplingParams
 
     llm = LLM(tiny_engine, backend="onnxruntime")
     for prompt, message in (([5, -1], "token id -1 is outside the vocabulary [0, 4096)"),

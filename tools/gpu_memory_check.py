@@ -4,7 +4,7 @@ runs on every lent GPU): KV pools from cudaMalloc moved by ``copy_slot``, ``keep
 backend's numpy moves (HostPools) byte for byte after a random sequence of moves, and a
 stream capture → instantiate → launch of a move must do what the move does eagerly.
 
-A pipeline stage's hand-off (runtime/stage_transport.py NcclTransport) is checked too where torch has
+A pipeline stage's hand-off (runtime/parallel/transport.py NcclTransport) is checked too where torch has
 CUDA: a cudaMalloc'd region wrapped as a torch tensor shares its memory, and torch work issued with
 the engine's cuda-python stream as torch's current stream runs after what that stream holds (NCCL
 itself needs two GPUs: tests/test_tensorrt_runtime.py).
@@ -20,8 +20,8 @@ import sys
 
 import numpy as np
 
-from trtbuild.runtime.kv_pools import DevicePools, HostPools, PoolShape
-from trtbuild.runtime.tensorrt_runtime import cuda_check
+from trtbuild.runtime.core.kv_pools import DevicePools, HostPools, PoolShape
+from trtbuild.runtime.backends.tensorrt.library import cuda_check
 
 
 def _random_move(rng: random.Random, s: PoolShape):
@@ -84,7 +84,7 @@ def hand_off_checks(cudart, mib: int = 64) -> list[tuple[str, bool, str]]:
     """(check, passed, detail) for the NCCL transport's device side on GPU 0."""
     import torch
 
-    from trtbuild.runtime.stage_transport import DeviceArray, torch_bytes
+    from trtbuild.runtime.parallel.transport import DeviceArray, torch_bytes
 
     if not torch.cuda.is_available():
         return [("hand-off through torch", True, "skipped: this torch has no CUDA")]

@@ -16,7 +16,7 @@ from ...contract.gpu_targets import MODULES, RTX_TARGETS, built_for, sm, tensorr
 from ...contract.pipeline import HIDDEN_STATES
 from ..errors import SpecError, UserError
 from ..progress import ProcessPeak, sample_peak
-from ..spec import Backend, DType, Spec
+from ..spec.model import Backend, DType, Spec
 
 
 @dataclass(frozen=True)

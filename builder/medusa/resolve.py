@@ -1,10 +1,10 @@
 """The spec's Medusa section against its heads dir: checked once at resolution, the tree fixed."""
 from __future__ import annotations
 
-from ...contract.medusa import tree_problem
+from ...medusa_math.acceptance import tree_problem
 from ..errors import SpecError, UserError
 from ..frontend.checkpoint import ArchConfig
-from ..spec import MedusaSection, ResolvedMedusa
+from ..spec.model import MedusaSection, ResolvedMedusa
 from .heads import read_heads_config
 from .tree import default_tree, ordered, rank_accuracy
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 
-from ...contract.tensor_parallel import vocab_range
+from ..sharding import vocab_range
 from ...plugins.collectives import all_gather_last_axis
 from ..medusa.heads import load_heads
 from . import weights

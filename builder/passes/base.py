@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..frontend.checkpoint import ArchConfig
 
 if TYPE_CHECKING:  # the pass registry reads a Spec, it does not import one (spec.py validates pass names against it)
-    from ..spec import Spec
+    from ..spec.model import Spec
 
 METADATA = "trtbuild_metadata"  # gs.Graph attribute: what passes record in the model's metadata_props
 

@@ -17,7 +17,7 @@ heads:
     accepted[r] = no row r sees (r included) is incorrect
     end         = the deepest accepted row               (depth = position - row 0's position)
 
-which is runtime/medusa.py ``accept_greedy`` on a tree row (a node's children hold distinct
+which is runtime/speculation/medusa.py ``accept_greedy`` on a tree row (a node's children hold distinct
 tokens, so the accepted rows form one path). A row of one logits row (prefill, plain decode, a
 plain row's padding in a verification step is not real) ends at row 0: its heads are where they
 were. ``medusa_logits`` becomes [B, 1, K, V]: the heads at ``end``. The runtime reads them for a

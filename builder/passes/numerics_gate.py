@@ -25,14 +25,14 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ...common.errors import first_line
-from ...contract import onnxruntime as ort_config
-from ...contract.onnxruntime import CpuActivations
+from ...onnxruntime_cpu import session as ort_config
+from ...onnxruntime_cpu.session import CpuActivations
 from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from ...contract.step import MEDUSA_LOGITS
-from ...contract.tensor_parallel import gather_caches, shard_caches
-from ...plugins import fp4
+from ..sharding import gather_caches, shard_caches
+from ...onnxruntime_cpu import fp4
 from ...plugins.collectives import OP
-from ...plugins.segments import run_ranks
+from ...onnxruntime_cpu.segments import run_ranks
 from .. import numerics
 from .base import CpuGraph, PassError, after
 from .instruments import Instrument

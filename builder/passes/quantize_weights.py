@@ -8,12 +8,12 @@ with one per-tensor weight scale, and a float8 Q/DQ pair on x (static per-tensor
 calibration amax); TensorRT runs those as FP8 GEMMs on sm89+, ONNX Runtime literally (which is
 the simulated quantization `trtbuild eval` measures). NVFP4 (weight-only): FLOAT4E2M1 codes,
 block_size 16, whose scales are themselves DequantizeLinear(FP8 block scales, global scale);
-ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (plugins/fp4.py).
+ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (onnxruntime_cpu/fp4.py).
 
 ``ctx.quantized`` may be lazy (quant/store.py: layers memory-mapped from disk). With a weights
 dir, codes and scales are appended to an external-data file there as each layer is rewritten
 (``quantize_weights.data``), so the pass holds one layer's codes at a time; NVFP4's stay in the
-graph (plugins/fp4.py folds them for ONNX Runtime from in-memory values). Hand-built graphs
+graph (onnxruntime_cpu/fp4.py folds them for ONNX Runtime from in-memory values). Hand-built graphs
 without a weights dir get in-memory constants.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ...contract.tensor_parallel import kv_heads, query_heads, vocab_range
+from ..sharding import kv_heads, query_heads, vocab_range
 from ...plugins.collectives import all_gather_last_axis, all_reduce
 from . import weights
 from .base import PassContext, PassError, PassResult

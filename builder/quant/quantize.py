@@ -16,7 +16,7 @@ import torch
 
 from ...checkpoint.model import checkpoint_key
 from ...checkpoint.weight_map import WeightMap
-from ..spec import Spec, linear_names
+from ..spec.model import Spec, linear_names
 from .algorithms import QuantizedLinear, awq_shared, fp8_per_tensor, gptq, nvfp4, rtn, smoothquant
 from .gguf_codes import kept_codes
 from .calibrate import InputStats, block_of, calibration_batches, layer_by_layer

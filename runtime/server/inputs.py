@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..input_processor import CheckedPrompt, InputProcessor, InputRefused, ValidRequest
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from ..structured import CompiledConstraint, Constraint
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse

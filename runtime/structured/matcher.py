@@ -37,7 +37,7 @@ class GrammarMatcher:
 
 
 class TreeWalk:
-    """A Medusa tree's logits [T, V] as an acceptance walk reads them (runtime/medusa.py's
+    """A Medusa tree's logits [T, V] as an acceptance walk reads them (runtime/speculation/medusa.py's
     ``accept_greedy`` / ``accept_typical``: root first, then one child at a time along the path
     it takes): node n's row comes masked by the grammar's state after the path to n, so the
     walk takes the masked argmax (or a typical token) and stops at the first token the grammar

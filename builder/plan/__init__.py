@@ -1,0 +1,1 @@
+"""``trtbuild plan``: memory, build cost and speed estimates before building, and their text."""

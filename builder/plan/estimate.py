@@ -1,0 +1,307 @@
+"""``trtbuild plan``: memory and roofline figures for a model on a GPU, before building.
+
+Every figure is arithmetic on the checkpoint's config.json and the GPU table
+(builder/data/gpus.json); nothing is loaded or run. Conventions:
+- weights: embeddings (and an untied lm_head) stay 16-bit in every mode, as the quantization
+  passes exclude them; int8 and w8a8 add an fp16 scale per output channel, int4 one per group
+  of 128, fp4 (NVFP4) an fp8 scale per block of 16;
+- compute: int8 and int4 are weight-only (GEMMs in 16-bit after dequantization), w8a8 runs int8
+  GEMMs, fp8 and fp4 their own tensor cores where the GPU has them;
+- KV cache in the engine's dtype (16-bit; 32-bit for float32 specs);
+- decode reads every weight once per step (shared by the batch) and each sequence's KV at a
+  mean context of half of max_seq_len (a sequence grows to it); the floor time is the larger
+  of bytes / bandwidth and FLOPs / peak;
+- a rank fits when weights + its KV heads' cache + workspace ≤ 90 % of its memory; a GPU count
+  is considered only where the spec would accept it as parallel.tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...medusa_math.acceptance import best_tree_prefix, expected_accepted, path_probability
+from ..sharding import kv_heads_per_rank
+from ..frontend.checkpoint import ArchConfig
+from ..gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
+from .build_cost import BuildPlan
+from ..spec.checks import tensor_parallel_ok
+
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "w8a8", "int4", "fp4")
+# The spec's quantization modes as plan precisions.
+QUANTIZATION_PRECISION = {"int8_weight_only": "int8", "w8a8": "w8a8", "int4_weight_only": "int4", "fp8": "fp8",
+                          "nvfp4": "fp4"}
+INT4_GROUP = 128
+FP4_BLOCK = 16
+HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int   # input embedding table
+    head: int        # lm_head (0 when tied to the embedding)
+    linear: int      # q/k/v/o and MLP projections: what quantization shrinks
+    other: int       # norms and biases
+    linear_rows: int  # output channels over all linear layers (int8 scales)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.head + self.linear + self.other
+
+    @property
+    def matmul(self) -> int:
+        """Parameters a token multiplies through (the lm_head included, the embedding gather not)."""
+        return self.linear + (self.head or self.embedding)
+
+
+def param_counts(arch: ArchConfig) -> ParamCounts:
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
+    rows_per_layer = q + 2 * kv + h + 2 * arch.intermediate_size + h
+    other = arch.num_layers * (2 * h + (2 * hd if arch.qk_norm else 0) + ((q + 2 * kv) if arch.attention_bias else 0)) + h
+    embedding = arch.vocab_size * h
+    return ParamCounts(embedding=embedding, head=0 if arch.tie_word_embeddings else embedding,
+                       linear=arch.num_layers * per_layer, other=other, linear_rows=arch.num_layers * rows_per_layer)
+
+
+def weight_bytes(counts: ParamCounts, precision: str) -> float:
+    if precision == "fp32":
+        return 4.0 * counts.total
+    fixed = 2 * (counts.embedding + counts.head + counts.other)
+    linear = {"fp16": 2.0 * counts.linear, "bf16": 2.0 * counts.linear, "fp8": 1.0 * counts.linear,
+              "int8": counts.linear + 2.0 * counts.linear_rows,
+              "w8a8": counts.linear + 2.0 * counts.linear_rows,
+              "int4": 0.5 * counts.linear + 2.0 * counts.linear / INT4_GROUP,
+              "fp4": 0.5 * counts.linear + 1.0 * counts.linear / FP4_BLOCK}[precision]
+    return fixed + linear
+
+
+def kv_bytes_per_token(arch: ArchConfig, element_bytes: int) -> int:
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    max_batch: int
+    max_seq_len: int
+    max_input_len: int
+    kv_element_bytes: int
+    prefix_cache: bool
+
+
+TYPICAL_TREE = 8  # tokens per Medusa verification when no heads are given (the advice's example)
+
+@dataclass(frozen=True)
+class MedusaPlan:
+    """The spec's heads and tree, with the heads' per-rank accuracy (the runtime's prior)."""
+    num_heads: int
+    num_layers: int
+    choices: tuple[tuple[int, ...], ...]
+    rank_accuracy: list[list[float]]
+
+    def expected_accepted(self) -> list[float]:
+        """Expected accepted guesses with the first n choices, n = 0..N (paths' products of accuracy)."""
+        return expected_accepted([path_probability(path, self.rank_accuracy) for path in self.choices])
+
+
+@dataclass(frozen=True)
+class Plan:
+    arch: ArchConfig
+    gpu: Gpu
+    gpus: int
+    tp: int
+    precision: str
+    workload: Workload
+    counts: ParamCounts
+    medusa: MedusaPlan | None = None
+    backend: str | None = None        # the spec's build.backend (None: planning a bare checkpoint)
+    targets: tuple[str, ...] = ()     # the spec's build.targets
+
+    # -- memory ------------------------------------------------------------------------------
+    def weights(self, precision: str | None = None) -> float:
+        return weight_bytes(self.counts, precision or self.precision)
+
+    @property
+    def kv_per_token(self) -> int:
+        return kv_bytes_per_token(self.arch, self.workload.kv_element_bytes)
+
+    @property
+    def kv_total(self) -> float:
+        return self.kv_per_token * self.workload.max_batch * self.workload.max_seq_len
+
+    @property
+    def workspace(self) -> float:
+        w, a = self.workload, self.arch
+        tokens = w.max_batch * w.max_input_len
+        return tokens * (4 * a.hidden_size + 2 * a.intermediate_size) * 2 + w.max_batch * a.vocab_size * 4
+
+    def kv_share(self, tp: int) -> float:
+        """The share of the model's KV heads a rank holds: split, or replicated where N exceeds them."""
+        return kv_heads_per_rank(tp, self.arch.num_kv_heads) / self.arch.num_kv_heads
+
+    def per_rank(self, precision: str | None = None, tp: int | None = None) -> float:
+        tp = tp or self.tp
+        return self.weights(precision) / tp + self.kv_total * self.kv_share(tp) + self.workspace
+
+    def fits(self, precision: str | None = None, tp: int | None = None) -> bool:
+        return self.per_rank(precision, tp) <= HEADROOM * self.gpu.memory_bytes
+
+    def min_gpus(self, precision: str) -> int | None:
+        """Fewest GPUs (a tensor parallelism the spec accepts, up to 64) whose ranks fit."""
+        return next((n for n in range(1, 65) if tensor_parallel_ok(self.arch, n) and self.fits(precision, n)), None)
+
+    # -- roofline -------------------------------------------------------------------------------
+    @property
+    def prefill_flops_per_token(self) -> float:
+        """2 FLOPs per matmul parameter; attention adds attention_flops_per_context_token × context."""
+        return 2.0 * self.counts.matmul
+
+    @property
+    def attention_flops_per_context_token(self) -> float:
+        return 4.0 * self.arch.num_layers * self.arch.num_heads * self.arch.head_dim
+
+    @property
+    def mean_context(self) -> int:
+        return self.workload.max_seq_len // 2
+
+    def decode_bytes(self, batch: int) -> float:
+        """Bytes one decode step reads on one rank: its weights once, each sequence's KV heads."""
+        return self.weights() / self.tp + batch * self.mean_context * self.kv_per_token * self.kv_share(self.tp)
+
+    def decode_flops(self, batch: int) -> float:
+        per_token = self.prefill_flops_per_token + self.attention_flops_per_context_token * self.mean_context
+        return batch * per_token / self.tp
+
+    def decode_floor_s(self, batch: int) -> float:
+        peak = self.gpu.peak_flops(self.precision)
+        return max(self.decode_bytes(batch) / self.gpu.bandwidth, self.decode_flops(batch) / peak)
+
+    # -- tensor-parallel communication ---------------------------------------------------------
+    def allreduce_bytes(self, batch: int) -> int:
+        """Activations all-reduced per decode step: 2 per layer (after o_proj and down_proj) × batch
+        × hidden × activation bytes (the KV element size: the model dtype)."""
+        return 2 * self.arch.num_layers * batch * self.arch.hidden_size * self.workload.kv_element_bytes
+
+    def comm_s(self, batch: int, tp: int | None = None) -> float:
+        """Ring all-reduce floor: each rank sends and receives 2 (N − 1) / N of the bytes over the
+        GPU's interconnect (gpus.json; latency per collective not counted)."""
+        tp = tp or self.tp
+        if tp == 1:
+            return 0.0
+        link = self.gpu.interconnect["gbps"] * 1e9
+        return 2 * (tp - 1) / tp * self.allreduce_bytes(batch) / link
+
+    def weights_floor_s(self) -> float:
+        """Batch-1 decode floor: streaming this rank's weights once at peak bandwidth."""
+        return self.weights() / self.tp / self.gpu.bandwidth
+
+    def ridge_batch(self) -> int | None:
+        """Smallest decode batch whose step is compute-bound, or None if KV reads keep it memory-bound."""
+        peak, bw = self.gpu.peak_flops(self.precision), self.gpu.bandwidth
+        flops_per_seq = self.decode_flops(1) * self.tp
+        kv_per_seq = self.mean_context * self.kv_per_token
+        margin = flops_per_seq / peak - kv_per_seq / bw
+        if margin <= 0:
+            return None
+        return max(1, int(-(-(self.weights() / bw) // margin)))
+
+    def prefill_compute_bound_from(self) -> int:
+        """Tokens per step from which prefill is compute-bound (weights amortized over the chunk)."""
+        peak, bw = self.gpu.peak_flops(self.precision), self.gpu.bandwidth
+        return max(1, int(self.weights() / bw * peak / self.prefill_flops_per_token) + 1)
+
+    def prefill_s(self, tokens: int) -> float:
+        peak = self.gpu.peak_flops(self.precision)
+        flops = tokens * self.prefill_flops_per_token + self.attention_flops_per_context_token * tokens * tokens / 2
+        return max(flops / peak, self.weights() / self.gpu.bandwidth) / self.tp
+
+    # -- Medusa -------------------------------------------------------------------------------
+    def medusa_params(self) -> int:
+        m, a = self.medusa, self.arch
+        return m.num_heads * (m.num_layers * (a.hidden_size ** 2 + a.hidden_size) + a.hidden_size * a.vocab_size)
+
+    def verify_floor_s(self, batch: int, tokens: int) -> float:
+        """Roofline of a step scoring ``tokens`` per row with logits and head logits at each:
+        weights (and heads) read once, KV per sequence, FLOPs for batch × tokens."""
+        peak = self.gpu.peak_flops(self.precision)
+        heads = self.medusa_params() if self.medusa else 0
+        head_bytes = heads * self.weights() / max(1, self.counts.total)
+        read = (self.weights() + head_bytes + batch * self.mean_context * self.kv_per_token) / self.tp
+        per_token = (self.prefill_flops_per_token + 2.0 * heads
+                     + self.attention_flops_per_context_token * self.mean_context)
+        return max(read / self.gpu.bandwidth, batch * tokens * per_token / self.tp / peak)
+
+    def tree_cost(self, batch: int, tokens: int = TYPICAL_TREE) -> float:
+        """How many plain decode steps' time a verification of ``tokens`` per row costs."""
+        return self.verify_floor_s(batch, tokens) / self.verify_floor_s(batch, 1)
+
+    def medusa_choice(self, batch: int) -> tuple[int, float, float]:
+        """(tree choices, expected tokens per step, predicted decode speed-up) that maximise
+        tokens per second at ``batch`` — the runtime's rule, with roofline step times."""
+        expected = self.medusa.expected_accepted()
+        best, speedup = best_tree_prefix(expected, lambda tokens: self.verify_floor_s(batch, tokens))
+        return best, 1 + expected[best], speedup
+
+    def build_side(self) -> BuildPlan:
+        """RAM per process, engine-dir disk and time of building this plan (builder/plan/build_cost.py)."""
+        return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True,
+                         export_bytes=self.weights() if self.precision == "fp32" else 2.0 * self.counts.total)
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.arch.architecture, "gpu": self.gpu.name, "gpus": self.gpus, "tp": self.tp,
+            "precision": self.precision, "parameters": self.counts.total,
+            "weight_bytes": {p: round(self.weights(p)) for p in PRECISIONS},
+            "kv_bytes_per_token": self.kv_per_token, "kv_bytes_total": round(self.kv_total),
+            "workspace_bytes": round(self.workspace),
+            "per_rank_bytes": {p: round(self.per_rank(p)) for p in PRECISIONS},
+            "fits": {p: self.fits(p) for p in PRECISIONS},
+            "min_gpus": {p: self.min_gpus(p) for p in PRECISIONS},
+            "prefill_flops_per_token": self.prefill_flops_per_token,
+            "attention_flops_per_context_token": self.attention_flops_per_context_token,
+            "decode_bytes_per_token_batch1": round(self.decode_bytes(1)),
+            "weights_read_ms": round(self.weights_floor_s() * 1e3, 4),
+            "decode_floor_ms": round(self.decode_floor_s(1) * 1e3, 4),
+            "allreduce_bytes_per_decode_step_batch1": self.allreduce_bytes(1),
+            "allreduce_ms_batch1": round(self.comm_s(1) * 1e3, 4),
+            "allreduce_ms_max_batch": round(self.comm_s(self.workload.max_batch) * 1e3, 4),
+            "decode_floor_ms_max_batch": round(self.decode_floor_s(self.workload.max_batch) * 1e3, 4),
+            "ridge_batch": self.ridge_batch(),
+            "prefill_compute_bound_from_tokens": self.prefill_compute_bound_from(),
+            "workload": self.workload.__dict__,
+            "build": self.build_side().as_dict(),
+            "medusa": None if self.medusa is None else {
+                str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
+                                 (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))
+                for b in sorted({1, self.workload.max_batch})},
+        }
+
+
+def medusa_plan(spec) -> MedusaPlan:
+    m = spec.medusa
+    return MedusaPlan(num_heads=m.num_heads, num_layers=m.num_layers, choices=m.choices,
+                      rank_accuracy=m.rank_accuracy)
+
+
+def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = None,
+                 seq_len: int | None = None, precision: str = "fp16") -> Workload:
+    """The spec's limits, or for a bare checkpoint one sequence of its full context."""
+    kv_bytes = 4 if precision == "fp32" else 2
+    if spec is not None:
+        b = spec.build
+        return Workload(max_batch=batch or b.max_batch_size, max_seq_len=seq_len or b.max_seq_len,
+                        max_input_len=min(b.max_input_len, seq_len or b.max_seq_len), kv_element_bytes=kv_bytes,
+                        prefix_cache=spec.runtime.prefix_cache)
+    seq = seq_len or arch.max_position_embeddings
+    return Workload(max_batch=batch or 1, max_seq_len=seq, max_input_len=min(512, seq), kv_element_bytes=kv_bytes,
+                    prefix_cache=True)
+
+
+def spec_build_plan(spec) -> BuildPlan:
+    """The build plan of a validated spec: its precision (quantization, else dtype) and its ranks
+    (T × P: a pipeline stage holds ≈ 1/P of the weights, by layer count)."""
+    precision = QUANTIZATION_PRECISION.get(spec.quantization.mode) or \
+        spec.model.dtype.short
+    counts = param_counts(spec.arch)
+    dtype = spec.model.dtype.short
+    return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
+                     cpu_graphs=spec.build.cpu_graphs, export_bytes=weight_bytes(counts, dtype))

@@ -1,0 +1,178 @@
+"""GPU backend: the rank's TensorRT engine, driven with cuda-python.
+
+KV pools and step I/O live in device memory. Each step binds ``pool + first_slot * slot``
+as both ``past_*`` and ``present_*`` (the engine's KV-cache update writes in place).
+Decode steps are padded to the manifest's CUDA-graph batch buckets and replayed as CUDA
+graphs once captured: the bucket's addresses and shapes never change (decode binds slots
+from 0). Prefill uses the second optimization profile, eagerly. A rank of a pipeline stage binds
+only the tensors its engine has (the manifest's I/O table) and holds its stage's caches; its
+hand-off is runtime/backends/tensorrt/stage.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ....contract.dtypes import HOST_DTYPES
+from ....contract.step import LOGITS, MEDUSA_LOGITS
+from ..engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
+from ...engine_dir import EngineDir
+from ...core.kv_pools import DevicePools, PoolShape, device_alloc
+from .library import cuda_check, cuda_runtime, load_flavor
+from ...core.step import Step, StepKind
+
+
+class TensorRTEngine:
+    name = "tensorrt"  # the backend; the manifest names the flavour (tensorrt or tensorrt-rtx)
+
+    def __init__(self, engine_dir: EngineDir, prefix_blocks: int = 0, block_size: int = 16, rank: int = 0,
+                 device: int = 0, communicator: object | None = None):
+        """``communicator``: for a rank of a tensor-parallel engine, the NCCL communicator capsule
+        (runtime/parallel/nccl.py) its DistCollective layers run over."""
+        # The flavour the manifest names (tensorrt or tensorrt_rtx), checked against this GPU.
+        trt, cudart = load_flavor(engine_dir, device), cuda_runtime()
+        self.trt, self.cudart, self.dir, self.block_size, self.device = trt, cudart, engine_dir, block_size, device
+        self.ok = _ok = cuda_check(cudart)
+        _ok(cudart.cudaSetDevice(device))
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(engine_dir.rank_file(rank, "engine").read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"TensorRT could not deserialize {engine_dir.rank_file(rank, 'engine')}")
+        self.stream = _ok(cudart.cudaStreamCreate())
+        self.contexts = {}
+        for kind, profile in ((StepKind.decode, 0), (StepKind.prefill, 1)):
+            context = self.engine.create_execution_context()
+            context.set_optimization_profile_async(profile, self.stream)
+            if communicator is not None and not context.set_communicator(communicator):  # collective: all ranks
+                raise RuntimeError(f"TensorRT refused the NCCL communicator for rank {rank}")
+            self.contexts[kind] = context
+        d = engine_dir
+        self.element = HOST_DTYPES[d.dtype]
+        self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
+        self.tensors = d.rank_tensors(rank)  # a pipeline stage has some of the step's inputs and outputs
+        # A Medusa verification scores the whole tree: S and R up to its size (heads: on the last stage).
+        self.num_heads = d.medusa["num_heads"] if MEDUSA_LOGITS in self.tensors else 0
+        self.max_rows = rows = d.medusa["tree_size"] if d.medusa else 1
+        b, s, s_max = d.max_batch_size, max(d.max_input_len, rows), d.max_seq_len
+        self.max_seq = s  # the most new tokens a step has (S): a prefill chunk or a Medusa tree
+        sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
+                 "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
+        self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items() if name in self.tensors}
+        self.logits = device_alloc(cudart, _ok, b * rows * d.vocab_size * 4) if LOGITS in self.tensors else None
+        # The heads ran at one node a row (builder/passes/heads_at_path_end): [B, 1, K, V].
+        self.medusa = device_alloc(cudart, _ok, b * self.num_heads * d.vocab_size * 4) if self.num_heads else None
+        self.buckets = sorted(d.cuda_graph_batch_sizes)
+        self.graphs: dict[tuple[int, int], object] = {}  # (batch bucket, S) → CUDA graph
+
+    def _bucket(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def greedy_run(self, step: Step) -> GreedyRun:
+        return StepwiseGreedyRun(self, step)  # each step a CUDA-graph launch already
+
+    def on_device(self) -> None:
+        """CUDA's current device is per host thread, and the LLM's engine loop steps on a thread of its
+        own: every call that touches device memory first makes this engine's device current (cheap)."""
+        self.ok(self.cudart.cudaSetDevice(self.device))
+
+    def step(self, step: Step) -> StepOutput:
+        cudart, _ok = self.cudart, self.ok
+        self.on_device()
+        rows = len(step.rids)
+        # Plain decode pads to a CUDA-graph bucket; dummy rows write the last position of free or
+        # prefilling slots, which no prompt reaches. A verification writes S positions, which a
+        # long prompt still prefilling could own: it runs eagerly at its exact batch instead.
+        bucket = self._bucket(rows) if step.kind == StepKind.decode and not step.verifies else None
+        arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
+        logit_rows = arrays.logits_index.shape[1]
+        key = (bucket, step.seq_len)
+        self.upload(arrays)
+        context = self.contexts[step.kind]
+        if bucket is not None and key in self.graphs:
+            _ok(cudart.cudaGraphLaunch(self.graphs[key], self.stream))
+        else:
+            self._bind(context, arrays, step.first_slot)
+            if not context.execute_async_v3(self.stream):
+                raise RuntimeError("TensorRT execution failed")
+            if bucket is not None:
+                self.graphs[key] = self._capture(context)
+        # To the host: the step's own rows (not a bucket's padding), the heads at one node each.
+        logits = self._to_host(self.logits, (rows, logit_rows, self.dir.vocab_size))  # [B, R, V]
+        medusa = None if self.medusa is None else self._to_host(self.medusa, (rows, 1, self.num_heads,
+                                                                              self.dir.vocab_size))  # [B, 1, K, V]
+        _ok(cudart.cudaStreamSynchronize(self.stream))
+        return StepOutput(logits=logits, medusa=medusa)
+
+    def _to_host(self, address: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The first ``shape`` float32 elements at ``address``, copied on the stream (read after a sync)."""
+        out = np.empty(shape, np.float32)
+        self.ok(self.cudart.cudaMemcpyAsync(out.ctypes.data, address, out.nbytes,
+                                            self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        return out
+
+    def upload(self, arrays) -> None:
+        """The step's arrays that this engine reads, host → its input buffers, on its stream."""
+        for name, value in arrays.as_dict().items():
+            if name in self.inputs:
+                value = np.ascontiguousarray(value)
+                self.ok(self.cudart.cudaMemcpyAsync(self.inputs[name], value.ctypes.data, value.nbytes,
+                                                    self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+
+    def bind_inputs(self, context, arrays, first_slot: int) -> None:
+        """The step's inputs this engine has, and its caches at the slots from ``first_slot`` (in place)."""
+        for name, value in arrays.as_dict().items():
+            if name in self.inputs:
+                context.set_input_shape(name, value.shape)
+                context.set_tensor_address(name, self.inputs[name])
+        batch = arrays.position_ids.shape[0]
+        shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
+        for name in self.kv.pools:
+            address = self.kv.slot_address(name, first_slot)
+            context.set_input_shape(f"past_{name}", shape)
+            context.set_tensor_address(f"past_{name}", address)
+            context.set_tensor_address(f"present_{name}", address)
+
+    def _bind(self, context, arrays, first_slot: int) -> None:
+        self.bind_inputs(context, arrays, first_slot)
+        context.set_tensor_address(LOGITS, self.logits)
+        if self.medusa is not None:
+            context.set_tensor_address(MEDUSA_LOGITS, self.medusa)
+
+    def _capture(self, context):
+        """The step just run, recorded as an executable CUDA graph. The capture always ends (a
+        refused enqueue must not leave the stream capturing) and the captured graph is freed
+        once instantiated: the executable one keeps what it needs."""
+        cudart, _ok = self.cudart, self.ok
+        _ok(cudart.cudaStreamBeginCapture(self.stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
+        enqueued = context.execute_async_v3(self.stream)
+        graph = _ok(cudart.cudaStreamEndCapture(self.stream))
+        try:
+            if not enqueued:
+                raise RuntimeError("TensorRT execution failed while capturing a CUDA graph")
+            return _ok(cudart.cudaGraphInstantiate(graph, 0))
+        finally:
+            _ok(cudart.cudaGraphDestroy(graph))
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.on_device()
+        self.kv.copy_slot(src, dst, length)
+
+    def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
+        self.on_device()
+        self.kv.keep_path(slot, start, nodes)
+
+    def save_block(self, slot: int, index: int, block: int) -> None:
+        self.on_device()
+        self.kv.save_block(slot, index, block)
+
+    def load_block(self, block: int, slot: int, index: int) -> None:
+        self.on_device()
+        self.kv.load_block(block, slot, index)
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            self.cudart.cudaGraphExecDestroy(graph)
+        self.kv.close()
+        for ptr in [*self.inputs.values(), self.logits, self.medusa]:
+            if ptr is not None:
+                self.cudart.cudaFree(ptr)
+        self.cudart.cudaStreamDestroy(self.stream)

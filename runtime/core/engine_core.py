@@ -1,0 +1,238 @@
+"""The engine core: schedule, run the engine it is given, sample, commit.
+
+It knows requests only as the scheduler's ``Request`` plus their sampling state; text is the
+output processor's (runtime/output_processor.py), which sees every committed token through
+the ``on_token`` callback of ``step`` and may end a request there (a stop string). The thread,
+inbox and readers are the engine loop's (runtime/engine_loop.py), its only caller."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from ..backends.engine import Engine, StepOutput
+from ..speculation.medusa import Accepted, accept_greedy, accept_typical
+from .sampling import Sampler
+from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
+from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
+from ..speculation.policy import SpeculationPolicy
+from ..structured import CompiledConstraint, GrammarMatcher, TreeWalk
+
+
+@dataclass
+class RuntimeStats:
+    steps: int = 0
+    engine_s: float = 0.0       # inside Engine.step
+    loop_s: float = 0.0         # whole core steps, engine and detokenization included
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    greedy_runs: int = 0        # multi-step runs (their steps count in decode_steps)
+
+
+@dataclass
+class Sampling:
+    """A request's sampler and what sampling recorded: logprobs (cut to the request's tokens
+    when it completes) and the step counts a completion reports."""
+    sampler: Sampler
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    decode_steps: int = 0        # engine steps that produced tokens after the first
+    accepted_tokens: int = 0     # Medusa guesses accepted
+    matcher: GrammarMatcher | None = None  # a constrained request's grammar state
+
+
+class EngineCore:
+    """One step at a time: cache operations, one engine step (or a greedy run of ``multi_step``
+    steps), sampling (Medusa acceptance and drafting included), commit."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler, speculation: SpeculationPolicy | None, multi_step: int):
+        self.engine, self.scheduler, self.speculation = engine, scheduler, speculation
+        self.multi_step = multi_step
+        self.stats = RuntimeStats()
+        self.sampling: dict[str, Sampling] = {}
+        self.constrained: set[str] = set()  # rids with a matcher: none, and no step does mask work
+
+    def add(self, request: Request, constraint: CompiledConstraint | None = None) -> None:
+        """``constraint``: the request's ``params.constraint`` compiled (runtime/structured/)."""
+        if (constraint is None) != (request.params.constraint is None):
+            raise ValueError(f"request {request.rid}: its constraint must come compiled, and only with params.constraint")
+        self.scheduler.add(request)
+        self.sampling[request.rid] = Sampling(Sampler(request.params),
+                                              matcher=constraint.matcher() if constraint is not None else None)
+        if constraint is not None:
+            self.constrained.add(request.rid)
+
+    def abort(self, rid: str) -> None:
+        if rid in self.sampling:
+            self.scheduler.finish(rid, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self, on_token: TokenSink, interrupted: Callable[[], bool]) -> list[tuple[Request, Sampling]]:
+        """One scheduler step; every committed token goes to ``on_token`` in order. Returns the
+        requests that finished (and their sampling state), removed from the core.
+        ``interrupted()``: whether a greedy run should end after its current step (a request
+        is waiting for a free slot, or an abort)."""
+        start = time.perf_counter()
+        if self.constrained:
+            on_token = self._grammar_sink(on_token)
+        plan = self.scheduler.schedule()
+        self._apply(plan)
+        step, run = plan.step, 0
+        if step is not None:
+            limit, heads = self._decode_plan(step)
+            run = self.scheduler.run_length(step, limit)
+            if self.speculation is not None and step.kind == StepKind.decode and not heads:
+                step = replace(step, draft_heads=False)  # nobody drafts from this step's heads
+        if run > 1:
+            done = self._greedy_run(step, run, on_token, interrupted)
+            if self.speculation is not None:  # stepped aside: plain steps, in a run
+                self.speculation.times.observe_run(len(step.rids), done, time.perf_counter() - start)
+                self.speculation.stood_aside(len(step.rids), done)
+        elif step is not None:
+            engine_start = time.perf_counter()
+            out = self.engine.step(step)
+            seconds = time.perf_counter() - engine_start
+            self._count(step.kind, 1, seconds)
+            self._sample_and_commit(step, out, on_token)
+            if self.speculation is not None and step.kind == StepKind.decode:
+                self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start)
+        finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
+        if self.constrained:
+            self.constrained.difference_update(r.rid for r, _ in finished)
+        self.stats.loop_s += time.perf_counter() - start
+        return finished
+
+    def _grammar_sink(self, on_token: TokenSink) -> TokenSink:
+        """``on_token`` after advancing the request's grammar: a token that ends the grammar
+        finishes the request ("stop") before the output processor sees it."""
+        def sink(request: Request, token: int) -> bool:
+            matcher = self.sampling[request.rid].matcher
+            if matcher is not None and matcher.advance(token) and request.finish_reason != "stop":
+                self.scheduler.finish(request.rid, "stop")
+                request.finish_reason = "stop"  # a complete output at the last allowed token is still a stop
+            return on_token(request, token)
+        return sink
+
+    def _decode_plan(self, step: Step) -> tuple[int, bool]:
+        """(greedy runs up to how many steps, whether the step's Medusa heads are wanted): a
+        single step whose heads draft the next tree where Medusa would verify one for this
+        batch, else runs of ``multi_step``, whose steps (and a single one, where rows cannot run
+        on) nobody drafts from."""
+        if self.speculation is not None and step.kind == StepKind.decode and self.speculation.choose(len(step.rids)):
+            return 1, True
+        return self.multi_step, False
+
+    def _count(self, kind: StepKind, steps: int, seconds: float) -> None:
+        self.stats.engine_s += seconds
+        self.stats.steps += steps
+        if kind == StepKind.prefill:
+            self.stats.prefill_steps += steps
+        else:
+            self.stats.decode_steps += steps
+
+    def _sample_and_commit(self, step: Step, out: StepOutput, on_token: TokenSink) -> None:
+        """Accepts each verifying row's path, samples every row's next token, commits, and
+        drafts the next guesses from the heads' logits at each row's last accepted node."""
+        sampled: dict[str, int] = {}
+        accepted: dict[str, Accepted] = {}
+        heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
+        policy = self.speculation
+        if policy is not None and step.kind == StepKind.decode:
+            policy.count_step(len(step.rids), step.verifies, step.seq_len)
+        # Plain rows read logits row 0: those that take its argmax share one over the batch.
+        plain, argmax = not step.trees and out.logits.shape[1] == 1, None
+        for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
+            if not samples:
+                continue
+            state = self.sampling[rid]
+            sampler, params = state.sampler, state.sampler.params
+            node = 0
+            walk = None
+            if tree is not None:
+                tokens, logits = list(step.tokens[row]), out.logits[row, :tree.size]
+                # A constrained row walks masked rows; the grammar follows its path (then rolls back).
+                walk = TreeWalk(state.matcher, tree, tokens, logits) if state.matcher is not None else logits
+                path = (accept_greedy(tree, tokens, walk) if params.greedy
+                        else accept_typical(tree, tokens, walk, params.temperature))
+                accepted[rid], node = path, path.last_node
+                policy.record(tree, path)
+                state.accepted_tokens += len(path.nodes)
+                if params.logprobs:
+                    state.logprobs += [sampler.logprob(logits[tree.parents[n]], tokens[n]) for n in path.nodes]
+                if params.logprobs and params.top_logprobs:
+                    state.top_logprobs += [sampler.alternatives(logits[tree.parents[n]], params.top_logprobs)
+                                           for n in path.nodes]
+            if step.kind == StepKind.decode:
+                state.decode_steps += 1
+            if plain and sampler.takes_argmax:
+                if argmax is None:
+                    argmax = out.logits[:, 0].argmax(-1).tolist()  # [B]
+                token, logprob = argmax[row], None
+            elif state.matcher is not None:  # the masked row; logprobs stay the model's
+                masked = walk.finish(path.nodes) if tree is not None else state.matcher.masked(out.logits[row, node])
+                token = sampler.sample(masked)[0]
+                logprob = sampler.logprob(out.logits[row, node], token) if params.logprobs else None
+            else:
+                token, logprob = sampler.sample(out.logits[row, node])
+            if logprob is not None:
+                state.logprobs.append(logprob)
+                if params.top_logprobs:
+                    state.top_logprobs.append(sampler.alternatives(out.logits[row, node], params.top_logprobs))
+            sampled[rid] = token
+            if out.medusa is not None:
+                # The heads ran at the greedy path's end only: a sampled row whose typical
+                # acceptance ended elsewhere drafts nothing this step (its next step is plain).
+                greedy = params.greedy or tree is None  # a row without a tree ends at node 0
+                if node == (node if greedy else accept_greedy(tree, tokens, logits).last_node):
+                    heads_at[rid] = out.medusa[row, 0]
+        self.scheduler.commit(step, sampled, accepted, on_token)
+        if policy is not None and heads_at:
+            self._draft(policy, heads_at)
+
+    def _greedy_run(self, step: Step, steps: int, on_token: TokenSink, interrupted: Callable[[], bool]) -> int:
+        """Up to ``steps`` decode steps back to back (scheduler.run_length), each row fed its own
+        argmax; ends early after a step where a row may have stopped (a stop or eos id), or when
+        ``interrupted()``. Then commits the tokens, one at a time through ``on_token``. Returns
+        the steps run."""
+        engine_start = time.perf_counter()
+        run = self.engine.greedy_run(step)
+        stops = self.scheduler.stop_ids(step)
+        produced: list[list[int]] = []  # [n][B]
+        for _ in range(steps):
+            tokens = run.advance()
+            produced.append(tokens)
+            if (stops and not stops.isdisjoint(tokens)) or interrupted():
+                break
+        self._count(StepKind.decode, len(produced), time.perf_counter() - engine_start)
+        self.stats.greedy_runs += 1
+        taken = {rid: len(self.scheduler.requests[rid].output) for rid in step.rids}
+        self.scheduler.commit_run(step, produced, on_token)
+        for rid in step.rids:  # a row that ended took fewer of the run's tokens
+            self.sampling[rid].decode_steps += len(self.scheduler.requests[rid].output) - taken[rid]
+        return len(produced)
+
+    def _draft(self, policy: SpeculationPolicy, heads_at: dict) -> None:
+        decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
+        size = policy.choose(len(decoding))
+        if size == 0:
+            return
+        tree = policy.prefix(size)
+        for request in decoding:
+            medusa = heads_at.get(request.rid)
+            if medusa is not None and request.phase == Phase.decoding and request.params.speculative:
+                request.draft = Draft(tree, tuple(tree.candidates(request.last_token, medusa)[1:]))
+
+    def _apply(self, plan: Plan) -> None:
+        for op in plan.ops:
+            if isinstance(op, CopySlot):
+                if op.length:
+                    self.engine.copy_slot(op.src, op.dst, op.length)
+            elif isinstance(op, SaveBlock):
+                self.engine.save_block(op.slot, op.index, op.block)
+            elif isinstance(op, LoadBlock):
+                self.engine.load_block(op.block, op.slot, op.index)
+            elif isinstance(op, KeepPath):
+                self.engine.keep_path(op.slot, op.start, op.nodes)
+

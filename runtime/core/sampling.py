@@ -1,0 +1,117 @@
+"""Sampling parameters and the per-request sampler (numpy, on host logits)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...contract.manifest import DEFAULT_MAX_TOKENS
+from ..structured.constraint import CONSTRAINT_TYPES, Constraint
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling. The defaults are the spec's runtime section's (an engine dir's
+    own runtime values come from ``LLM.default_params()``)."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0       # 0: greedy
+    top_k: int = 0                 # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()     # stop strings; the output is cut before them
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0          # with logprobs: also the N likeliest tokens at each position
+    speculative: bool = True       # Medusa engines: verify the heads' guesses for this request
+    constraint: Constraint | None = None  # structured output: the text must match it (runtime/structured/)
+
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer ≥ 1 (got {self.max_tokens!r})")
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be ≥ 0 (got {self.temperature!r})")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an integer ≥ 0 (got {self.top_k!r})")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            problems.append(f"top_logprobs must be an integer in [0, 20] (got {self.top_logprobs!r})")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if self.constraint is not None and not isinstance(self.constraint, CONSTRAINT_TYPES):
+            problems.append(f"constraint must be one of {', '.join(t.__name__ for t in CONSTRAINT_TYPES)} "
+                            f"(got {type(self.constraint).__name__})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def takes_argmax(self) -> bool:
+        """Greedy without logprobs or a constraint: the token is the logits' argmax, which a
+        batch takes at once (and a multi-step run feeds back without the host seeing the
+        logits; a constrained row needs its mask every token)."""
+        return self.greedy and not self.logprobs and self.constraint is None
+
+
+@dataclass
+class Sampler:
+    """Draws one token from a row of logits; owns the request's RNG so seeds reproduce."""
+
+    params: SamplingParams
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)
+        self.takes_argmax = self.params.takes_argmax  # read every token: an attribute, not a property
+
+    def sample(self, logits: np.ndarray) -> tuple[int, float | None]:
+        """(token, its log-probability under the model's distribution if asked)."""
+        p = self.params
+        if self.takes_argmax:  # the argmax needs no float64 copy of the row
+            return int(logits.argmax()), None
+        logits = logits.astype(np.float64)  # [V]
+        if p.greedy:
+            token = int(np.argmax(logits))
+        else:
+            scaled = logits / p.temperature
+            if p.top_k and p.top_k < len(scaled):  # top_k ≥ V keeps every token
+                kth = np.partition(scaled, -p.top_k)[-p.top_k]
+                scaled = np.where(scaled < kth, -np.inf, scaled)
+            probs = _softmax(scaled)
+            if p.top_p < 1.0:
+                order = np.argsort(-probs, kind="stable")
+                cumulative = np.cumsum(probs[order])
+                keep = order[: int(np.searchsorted(cumulative, p.top_p) + 1)]
+                mask = np.zeros_like(probs, dtype=bool)
+                mask[keep] = True
+                probs = np.where(mask, probs, 0.0)
+                probs /= probs.sum()
+            token = int(self.rng.choice(len(probs), p=probs))
+        logprob = float(np.log(_softmax(logits)[token])) if p.logprobs else None
+        return token, logprob
+
+
+    @staticmethod
+    def logprob(logits: np.ndarray, token: int) -> float:
+        """log p(token) under the model's (untempered) distribution."""
+        return float(np.log(_softmax(logits.astype(np.float64))[token]))
+
+    @staticmethod
+    def alternatives(logits: np.ndarray, count: int) -> tuple[tuple[int, float], ...]:
+        """The ``count`` likeliest tokens and their log-probabilities (untempered), likeliest first."""
+        log_probs = np.log(_softmax(logits.astype(np.float64)))  # [V]
+        best = np.argpartition(-log_probs, count - 1)[:count]
+        best = best[np.argsort(-log_probs[best], kind="stable")]
+        return tuple((int(t), float(log_probs[t])) for t in best)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()

@@ -1,0 +1,1 @@
+"""Ranks: tensor- and pipeline-parallel engines, the transports between stages, NCCL."""

@@ -1,0 +1,220 @@
+"""What rank 0 tells the other ranks, as plain int64 tensors: no pickle on the rank path.
+
+Every call of the tensor-parallel engine (a Step, a cache operation, or stop) becomes one
+message: a fixed header [MAGIC, VERSION, kind, payload words] and a payload of int64 words,
+broadcast over torch.distributed as two tensors. ``encode``/``decode`` are pure functions;
+``decode`` checks every length and value against what follows, so a malformed, truncated,
+oversized or unknown message is refused in one line naming the receiving rank, never run.
+
+Step payload: kind, first_slot, rows, draft_heads, has_trees; per row (rid bytes, tokens,
+start, sample, tree choices or −1 for no tree); then every row's rid as UTF-8 bytes, its
+tokens, and its tree's choices (each: its length, then its ranks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from ..speculation.medusa import Tree
+from ..core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
+
+MAGIC = 0x7472_7462_726B  # "trtbrk"
+VERSION = 1
+HEADER_WORDS = 4
+# A Step of B rows × S tokens takes about B · (S + 6) words; this is far above any engine's.
+MAX_PAYLOAD_WORDS = 1 << 26
+STEP_KINDS = (StepKind.prefill, StepKind.decode)   # index = its code on the wire
+ROW_WORDS = 5                                      # rid bytes, tokens, start, sample, tree choices
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The last message: the other ranks stop serving."""
+
+
+Message = Step | CopySlot | KeepPath | SaveBlock | LoadBlock | Stop
+
+
+class MessageKind(IntEnum):
+    stop = 0
+    step = 1
+    copy_slot = 2
+    keep_path = 3
+    save_block = 4
+    load_block = 5
+
+
+class RankProtocolError(ValueError):
+    """A message this rank refuses; the text names the rank and what was wrong."""
+
+
+def encode(message: Message) -> tuple[np.ndarray, np.ndarray]:
+    """``message`` as (header [HEADER_WORDS], payload [N]) int64 arrays."""
+    if isinstance(message, Step):
+        kind, words = MessageKind.step, _step_words(message)
+    elif isinstance(message, CopySlot):
+        kind, words = MessageKind.copy_slot, [message.src, message.dst, message.length]
+    elif isinstance(message, KeepPath):
+        kind, words = MessageKind.keep_path, [message.slot, message.start, len(message.nodes), *message.nodes]
+    elif isinstance(message, SaveBlock):
+        kind, words = MessageKind.save_block, [message.slot, message.index, message.block]
+    elif isinstance(message, LoadBlock):
+        kind, words = MessageKind.load_block, [message.block, message.slot, message.index]
+    elif isinstance(message, Stop):
+        kind, words = MessageKind.stop, []
+    else:
+        raise TypeError(f"no rank message for {type(message).__name__}")
+    payload = np.asarray(words, np.int64)
+    return np.array([MAGIC, VERSION, kind, payload.size], np.int64), payload
+
+
+def _step_words(step: Step) -> list[int]:
+    trees = step.row_trees
+    words = [STEP_KINDS.index(step.kind), step.first_slot, len(step.rids), int(step.draft_heads), int(bool(step.trees))]
+    rids = [rid.encode() for rid in step.rids]
+    for rid, tokens, start, sample, tree in zip(rids, step.tokens, step.starts, step.samples, trees, strict=True):
+        words += [len(rid), len(tokens), start, int(sample), -1 if tree is None else len(tree.choices)]
+    for rid in rids:
+        words += list(rid)
+    for tokens in step.tokens:
+        words += tokens
+    for tree in trees:
+        for path in tree.choices if tree is not None else ():
+            words += [len(path), *path]
+    return words
+
+
+def payload_words(header: np.ndarray, rank: int) -> int:
+    """How many payload words follow ``header``, once it is checked."""
+    header = np.asarray(header)
+    if header.shape != (HEADER_WORDS,) or header.dtype != np.int64:
+        raise _refused(rank, f"header of shape {header.shape} {header.dtype}, not ({HEADER_WORDS},) int64")
+    magic, version, kind, length = (int(w) for w in header)
+    if magic != MAGIC:
+        raise _refused(rank, f"header magic {magic:#x}, not {MAGIC:#x}")
+    if version != VERSION:
+        raise _refused(rank, f"protocol version {version}; this rank speaks {VERSION}")
+    if kind not in MessageKind._value2member_map_:
+        raise _refused(rank, f"unknown message kind {kind} (known: {', '.join(f'{k.value} {k.name}' for k in MessageKind)})")
+    if not 0 <= length <= MAX_PAYLOAD_WORDS:
+        raise _refused(rank, f"payload of {length} words (0 to {MAX_PAYLOAD_WORDS})")
+    return length
+
+
+def decode(header: np.ndarray, payload: np.ndarray, rank: int) -> Message:
+    """The message ``header`` and ``payload`` encode, checked; ``rank``: the receiving rank (for the error)."""
+    length = payload_words(header, rank)
+    payload = np.asarray(payload)
+    if payload.dtype != np.int64 or payload.shape != (length,):
+        raise _refused(rank, f"payload of shape {payload.shape} {payload.dtype}; the header says ({length},) int64")
+    kind = MessageKind(int(header[2]))
+    words = _Words(payload.tolist(), rank, kind)
+    if kind == MessageKind.step:
+        message = _step(words)
+    elif kind == MessageKind.keep_path:
+        slot, start = words.count("slot"), words.count("start")
+        message = KeepPath(slot, start, tuple(words.count("node") for _ in range(words.count("nodes"))))
+    elif kind == MessageKind.stop:
+        message = Stop()
+    else:
+        a, b, c = (words.count(name) for name in _FIELDS[kind])
+        message = {MessageKind.copy_slot: CopySlot, MessageKind.save_block: SaveBlock,
+                   MessageKind.load_block: LoadBlock}[kind](a, b, c)
+    words.end()
+    return message
+
+
+_FIELDS = {MessageKind.copy_slot: ("src", "dst", "length"), MessageKind.save_block: ("slot", "index", "block"),
+           MessageKind.load_block: ("block", "slot", "index")}
+
+
+def _step(words: _Words) -> Step:
+    kind = words.choice("step kind", len(STEP_KINDS))
+    first_slot, rows = words.count("first_slot"), words.count("rows")
+    draft_heads, has_trees = words.choice("draft_heads", 2), words.choice("has_trees", 2)
+    table = [words.take(ROW_WORDS, "row table") for _ in range(rows)]
+    for row, (rid_bytes, tokens, start, sample, choices) in enumerate(table):
+        words.check(min(rid_bytes, tokens, start) >= 0 and sample in (0, 1) and choices >= -1,
+                    f"row {row}: rid bytes {rid_bytes}, tokens {tokens}, start {start}, sample {sample}, "
+                    f"tree choices {choices}")
+        words.check(has_trees or choices == -1, f"row {row} has a tree in a step without trees")
+    rids = []
+    for row, (rid_bytes, *_) in enumerate(table):
+        raw = words.take(rid_bytes, f"row {row}'s rid")
+        words.check(all(0 <= b < 256 for b in raw), f"row {row}'s rid holds a word that is not a byte")
+        try:
+            rids.append(bytes(raw).decode())
+        except UnicodeDecodeError:
+            raise _refused(words.rank, f"step: row {row}'s rid is not UTF-8") from None
+    tokens = tuple(tuple(words.take(row[1], "tokens")) for row in table)
+    trees = tuple(None if row[4] == -1 else _tree(words, row[4]) for row in table)
+    return Step(STEP_KINDS[kind], first_slot, tuple(rids), tokens, tuple(row[2] for row in table),
+                tuple(bool(row[3]) for row in table), trees if has_trees else (), bool(draft_heads))
+
+
+def _tree(words: _Words, choices: int) -> Tree:
+    paths = tuple(tuple(words.take(words.count("path length"), "tree path")) for _ in range(choices))
+    try:
+        return Tree(paths)
+    except ValueError as exc:
+        raise _refused(words.rank, f"step: {exc}") from None
+
+
+class _Words:
+    """A cursor over a payload that refuses reading past its end or leaving words unread."""
+
+    def __init__(self, words: list[int], rank: int, kind: MessageKind):
+        self.words, self.rank, self.kind, self.at = words, rank, kind, 0
+
+    def take(self, n: int, what: str) -> list[int]:
+        if self.at + n > len(self.words):
+            raise _refused(self.rank, f"{self.kind.name}: payload ends inside {what} (word {self.at} of {len(self.words)})")
+        self.at += n
+        return self.words[self.at - n:self.at]
+
+    def count(self, what: str) -> int:
+        value = self.take(1, what)[0]
+        self.check(value >= 0, f"{what} {value} is negative")
+        return value
+
+    def choice(self, what: str, options: int) -> int:
+        value = self.take(1, what)[0]
+        self.check(0 <= value < options, f"{what} {value} (0 to {options - 1})")
+        return value
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise _refused(self.rank, f"{self.kind.name}: {what}")
+
+    def end(self) -> None:
+        self.check(self.at == len(self.words), f"{len(self.words) - self.at} words after the message")
+
+
+def _refused(rank: int, what: str) -> RankProtocolError:
+    return RankProtocolError(f"rank {rank} refused a message from rank 0: {what}")
+
+
+def broadcast(message: Message, group=None) -> None:
+    """Rank 0: ``message`` to every rank of ``group`` (header, then payload if any)."""
+    import torch
+    import torch.distributed as dist
+
+    header, payload = encode(message)
+    dist.broadcast(torch.from_numpy(header), src=0, group=group)
+    if payload.size:
+        dist.broadcast(torch.from_numpy(payload), src=0, group=group)
+
+
+def receive(rank: int, group=None) -> Message:
+    """A non-zero rank: the next message rank 0 broadcasts, checked (RankProtocolError if malformed)."""
+    import torch
+    import torch.distributed as dist
+
+    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    payload = torch.empty(payload_words(header.numpy(), rank), dtype=torch.int64)
+    if payload.numel():
+        dist.broadcast(payload, src=0, group=group)
+    return decode(header.numpy(), payload.numpy(), rank)

@@ -1,0 +1,1 @@
+"""Medusa speculation: draft trees and the policy that picks one per batch."""
