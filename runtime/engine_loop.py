@@ -94,6 +94,9 @@ class EngineLoop:
         RuntimeError once closed."""
         if any(not isinstance(request, ValidRequest) or request.checked_by is not self._issuer for _, request, _ in jobs):
             raise TypeError("the engine loop takes ValidRequests made by this LLM's input processor (LLM.inputs)")
+        if any((request.constraint.constraint if request.constraint else None) != request.params.constraint
+               for _, request, _ in jobs):  # refused here: in a step it would fail every reader
+            raise TypeError("a ValidRequest's constraint must be its params.constraint, compiled (LLM.inputs.request)")
         now = time.perf_counter()
         with self._lock:
             if self._closed:
@@ -141,10 +144,12 @@ class EngineLoop:
             self._closed = True
             thread = self._thread
         with self._step_lock:
-            if not self._released:
-                self._released = True
-                self.core.engine.close()
-            self._fail_subscribed(RuntimeError("the LLM is closed"))
+            try:
+                if not self._released:
+                    self._released = True
+                    self.core.engine.close()
+            finally:  # a failing close (a rank already gone) must not leave callers waiting
+                self._fail_subscribed(RuntimeError("the LLM is closed"))
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
@@ -168,10 +173,12 @@ class EngineLoop:
         try:
             self._take_inbox()
             finished = self.core.step(self.outputs.on_token, self._interrupts_run)
+            # Inside the try: the core has already let go of what finished, so a failure while
+            # making or delivering its outputs must reach every reader too, or one would wait forever.
+            self._publish(*self.outputs.finish(finished))
         except Exception as exc:
             self._fail_subscribed(exc)
             raise
-        self._publish(*self.outputs.finish(finished))
 
     def _interrupts_run(self) -> bool:
         """A greedy run ends after its current step for a request that could take a free slot,
@@ -199,6 +206,7 @@ class EngineLoop:
             sinks = {rid: self._open.get(rid) for rid in pieces}
             for completion in completions:
                 sink = self._open.pop(completion.rid, None)
+                self._aborts.discard(completion.rid)  # a late abort must not hit a new request of that id
                 self._subscribed -= sink is not None and sink is not _DROPPED
         for rid, mine in pieces.items():
             sink = sinks[rid]

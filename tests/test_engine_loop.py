@@ -181,3 +181,62 @@ def test_a_server_request_is_checked_once(llm, monkeypatch):
     assert response.status_code == 200, response.text
     assert [c["text"] for c in response.json()["choices"]] == [expected, expected]
     assert checks == [prompt]  # once for the body, not again per choice at submission
+
+
+def test_a_failure_after_the_step_reaches_the_waiting_generate(tiny_engine):
+    """The core lets go of a finished request before its completion is made: a failure there (the
+    output processor, a reader's queue) must reach generate(), not leave it waiting forever."""
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
+    finish = llm.loop.outputs.finish
+
+    def failing(finished):
+        if finished:
+            raise RuntimeError("output processor broke")
+        return finish(finished)
+
+    llm.loop.outputs.finish = failing
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(_outcome(llm.generate, [PROMPTS[0]], GREEDY)))
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and "output processor broke" in repr(result[0])
+    llm.close()
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def test_a_late_abort_does_not_end_a_new_request_of_the_same_id(llm, monkeypatch):
+    """An abort that arrives while its request finishes in the running step is spent with it."""
+    step = llm.loop.core.step
+
+    def step_then_abort(*args):
+        finished = step(*args)
+        if any(r.rid == "job" for r, _ in finished):
+            llm.abort("job")   # arrives mid-step, as from another thread
+        return finished
+
+    monkeypatch.setattr(llm.loop.core, "step", step_then_abort)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.submit(PROMPTS[0], params, rid="job")
+    first = llm.run_until_done()
+    monkeypatch.setattr(llm.loop.core, "step", step)
+    llm.submit(PROMPTS[0], params, rid="job")
+    second = llm.run_until_done()
+    assert [c.finish_reason for c in first + second] == ["length", "length"]
+    assert second[0].token_ids == first[0].token_ids
+
+
+def test_a_request_whose_constraint_is_not_compiled_is_refused_at_submit(llm):
+    from dataclasses import replace
+
+    from trtbuild.runtime.structured import Regex
+
+    valid = llm.inputs.process([5, 6], GREEDY)
+    with pytest.raises(TypeError, match="constraint must be its params.constraint, compiled"):
+        llm.loop.submit([("bare", replace(valid, params=replace(GREEDY, constraint=Regex("a+"))), None)])
+    assert not llm.has_work()

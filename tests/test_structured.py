@@ -89,6 +89,15 @@ def test_matcher_masks_and_ends(compiler, tokenizer):
     assert matcher.advance(tokenizer.token_to_id("d"))          # the grammar has ended
 
 
+def test_a_refused_token_fails_the_matcher_and_never_ends_it(compiler, tokenizer):
+    """llguidance reports an errored matcher as stopped too; that must not read as a grammar
+    that ended (the engine core would finish the request as a successful "stop")."""
+    matcher = compiler.compile(Choice(("ab", "cd"))).matcher()
+    assert not matcher.failed
+    assert not matcher.advance(tokenizer.token_to_id("x"))     # refused: not an end
+    assert matcher.failed
+
+
 @pytest.mark.parametrize("text", ['root ::= "yes" | "no"', 'start: "yes" | "no"'], ids=["gbnf", "lark"])
 def test_grammars_in_either_syntax(compiler, tokenizer, text):
     matcher = compiler.compile(Grammar(text)).matcher()

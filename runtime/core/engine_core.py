@@ -106,12 +106,16 @@ class EngineCore:
 
     def _grammar_sink(self, on_token: TokenSink) -> TokenSink:
         """``on_token`` after advancing the request's grammar: a token that ends the grammar
-        finishes the request ("stop") before the output processor sees it."""
+        finishes the request ("stop") before the output processor sees it; a token the grammar
+        refused (its matcher failed) ends it as "abort", never as a successful stop."""
         def sink(request: Request, token: int) -> bool:
             matcher = self.sampling[request.rid].matcher
-            if matcher is not None and matcher.advance(token) and request.finish_reason != "stop":
-                self.scheduler.finish(request.rid, "stop")
-                request.finish_reason = "stop"  # a complete output at the last allowed token is still a stop
+            if matcher is not None:
+                ended = matcher.advance(token)
+                reason = "abort" if matcher.failed else "stop" if ended else None
+                if reason is not None and request.finish_reason != reason:
+                    self.scheduler.finish(request.rid, reason)
+                    request.finish_reason = reason  # overrides "length" at the same token
             return on_token(request, token)
         return sink
 
@@ -182,10 +186,11 @@ class EngineCore:
                     state.top_logprobs.append(sampler.alternatives(out.logits[row, node], params.top_logprobs))
             sampled[rid] = token
             if out.medusa is not None:
-                # The heads ran at the greedy path's end only: a sampled row whose typical
-                # acceptance ended elsewhere drafts nothing this step (its next step is plain).
-                greedy = params.greedy or tree is None  # a row without a tree ends at node 0
-                if node == (node if greedy else accept_greedy(tree, tokens, logits).last_node):
+                # The heads ran at the unmasked greedy path's end only: a sampled row whose typical
+                # acceptance ended elsewhere, or a constrained row whose masked path did, drafts
+                # nothing this step (its next step is plain). A row without a tree ends at node 0.
+                unmasked_greedy = tree is None or (params.greedy and state.matcher is None)
+                if tree is None or node == (node if unmasked_greedy else accept_greedy(tree, tokens, logits).last_node):
                     heads_at[rid] = out.medusa[row, 0]
         self.scheduler.commit(step, sampled, accepted, on_token)
         if policy is not None and heads_at:

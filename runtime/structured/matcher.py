@@ -26,10 +26,16 @@ class GrammarMatcher:
         return np.where(self.allowed(), logits, -np.inf).astype(logits.dtype, copy=False)
 
     def advance(self, token: int) -> bool:
-        """Takes a committed token; True when the grammar has ended (no token but eos may follow),
-        or when the token was refused (a matcher in error takes nothing more either)."""
+        """Takes a committed token; True when the grammar has ended (no token but eos may follow).
+        A token the grammar refused (sampled from a row it left empty, e.g. once llguidance's
+        limits stopped it) ends nothing: it puts the matcher in error (``failed``)."""
         self.matcher.consume_token(token)
-        return self.matcher.is_stopped()
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+    @property
+    def failed(self) -> bool:
+        """The grammar refused a committed token or hit its limits: the output no longer follows it."""
+        return self.matcher.is_error()
 
     def rollback(self, tokens: int) -> None:
         if tokens:
