@@ -26,8 +26,7 @@ from .passes import weights
 from .passes.manager import PassManager
 from .passes.numerics_gate import NumericsGate
 from .passes.structure_check import StructureCheck
-from .plan.estimate import spec_build_plan
-from .plan.build_cost import disk_refusal, machine_ram_bytes, memory_refusal
+from .plan.build_cost import disk_refusal, machine_ram_bytes, memory_refusal, spec_build_plan
 from .spec.checks import tensor_parallel_ok
 from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes
 from .spec.model import Spec
