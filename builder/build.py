@@ -3,40 +3,32 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import numerics
 from .emit.engine_dir import check_destination, staged
 from ..contract.pipeline import balanced_layers, stage_layers
-from .sharding import kv_heads
-from .emit.manifest import graph_metadata, io_table, tool_versions, write_manifest
+from .emit.manifest import graph_metadata, write_manifest
 from ..contract.gpu_targets import describe
-from .emit.tensorrt import EngineReport, build_engine_job, check_targets, optimization_profiles, resolve_flavor
+from .emit.tensorrt import EngineReport, build_engine_job, check_targets, resolve_flavor
 from .emit.rank_onnx import save_graph
-from .emit.cpu_step_model import save_cpu_step_model
-from ..checkpoint.errors import CheckpointError
 from .errors import UserError
-from ..checkpoint.source import open_weights
-from .frontend.export import export_step, load_graph
+from .export_stage import Exported, export_stage, weight_bytes
+from .frontend.export import load_graph
 from .frontend.side_files import check_side_files, checkpoint_side_files, side_file_record
-from .frontend.skeleton import truncated_model
-from .frontend.step_model import LlamaStep
-from ..checkpoint.weight_map import WeightMap
 from .isolate import map_isolated, run_isolated
-from .medusa.heads import MedusaHeads, load_heads
-from .quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
-from .passes import PIPELINE, CpuGraph, PassContext
+from .manifest_entries import cpu_entry, manifest_body, rank_entry
+from .quant.quantize import load_quantized
+from .passes import PIPELINE, PassContext
 from .passes.instruments import Instrument, to_onnx
 from .passes import weights
 from .passes.manager import PassManager
 from .passes.numerics_gate import NumericsGate
 from .passes.structure_check import StructureCheck
-from .plan.estimate import spec_build_plan
-from .plan.build_cost import disk_refusal, machine_ram_bytes, memory_refusal
+from .plan.build_cost import disk_refusal, machine_ram_bytes, memory_refusal, spec_build_plan
 from .spec.checks import tensor_parallel_ok
-from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes, sample_peak
+from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes
 from .spec.model import Spec
 
 
@@ -81,9 +73,9 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         manager_for = _manager_factory(disabled, options, tmp)
         workdir = tmp / ".export"
         workdir.mkdir()
-        check = numerics.check_plan(spec, _weight_bytes(spec))
+        check = numerics.check_plan(spec, weight_bytes(spec))
         with progress.stage("export (torch.export → ONNX)"):
-            exported = run_isolated(_export_stage, spec, workdir, check)
+            exported = run_isolated(export_stage, spec, workdir, check)
         child_peaks = [exported.peak]
         progress.say(f"  export process peak RSS {exported.peak.describe()}")
         progress.say(f"  {check.describe()}" if check is not None else "  numerics check off (passes.numerics: false)")
@@ -114,11 +106,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                 model = to_onnx(graph, provenance)
                 save_graph(model, tmp / f"rank{rank}.onnx", workdir, adoptable[rank])
             cuda_graph_plan = json.loads(graph_metadata(model).get("cuda_graph_batch_sizes", "[]"))
-            ranks.append(_rank_entry(spec, rank, model, tmp))
+            ranks.append(rank_entry(spec, rank, model, tmp))
             if run.cpu_graphs:
                 with progress.stage(f"write rank{rank}.cpu.onnx"):
                     cpu = {kind: to_onnx(graphs[rank], provenance) for kind, graphs in run.cpu_graphs.items()}
-                    ranks[-1].update(_cpu_entry(rank, cpu, model, tmp))
+                    ranks[-1].update(cpu_entry(rank, cpu, model, tmp))
             del model
         del run
         shutil.rmtree(workdir)
@@ -130,7 +122,7 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
             for name, data in side_files.items():
                 (tmp / name).write_bytes(data)
             (tmp / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            manifest = write_manifest(tmp, {**_manifest_body(spec, flavor, ranks, records, cuda_graph_plan),
+            manifest = write_manifest(tmp, {**manifest_body(spec, flavor, ranks, records, cuda_graph_plan),
                                             "side_files": side_file_record(side_files)})
     return BuildSummary(out=options.out, stages=progress.stages, engines=engines,
                         peak_rss_bytes=max([peak_rss_bytes(), *(p.peak for p in child_peaks)]),
@@ -186,7 +178,7 @@ def _check_memory(spec: Spec) -> None:
         raise UserError(refusal)
 
 
-def _numerics_gate(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", workdir: Path) -> NumericsGate:
+def _numerics_gate(spec: Spec, check: numerics.CheckPlan, exported: Exported, workdir: Path) -> NumericsGate:
     return NumericsGate(*exported.reference, spec.passes.atol, spec.passes.rtol,
                         workdir=workdir if check.whole else workdir / "check",
                         quantized_reference=exported.quantized_reference,
@@ -195,7 +187,7 @@ def _numerics_gate(spec: Spec, check: numerics.CheckPlan, exported: "_Exported",
                         tensor_size=spec.parallel.tensor)
 
 
-def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: "_Exported", gate: NumericsGate,
+def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: Exported, gate: NumericsGate,
                      context: PassContext, disabled: frozenset[str], workdir: Path) -> dict[tuple, dict]:
     """The same passes on the truncated graph, with the numerics gate: {(pass, rank): its numerics record}."""
     arch = spec.arch.model_copy(update={"num_layers": check.layers, "vocab_size": check.vocab_rows})
@@ -206,124 +198,6 @@ def _truncated_check(spec: Spec, check: numerics.CheckPlan, exported: "_Exported
     run = PassManager(PIPELINE, disabled=disabled, numerics=gate).run(load_graph(exported.check_path), check_ctx)
     shutil.rmtree(workdir / "check")
     return {(r["pass"], r["rank"]): r["numerics"] for r in run.records if "numerics" in r}
-
-
-def _rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
-    """What the runtime needs per rank: where it sits in the stage × tensor-rank grid, the decoder
-    layers (and so the KV-cache layers) it holds, its files, KV heads, I/O table and weight bytes."""
-    data = out / f"rank{rank}.onnx.data"
-    position = spec.ranks[rank]
-    heads = kv_heads(position.tensor_rank, spec.parallel.tensor, spec.arch.num_kv_heads)
-    return {"rank": rank, "stage": position.stage, "tensor_rank": position.tensor_rank,
-            "layers": [position.layers.start, position.layers.stop],
-            "engine": f"rank{rank}.engine", "onnx": f"rank{rank}.onnx",
-            "onnx_data": data.name if data.is_file() else None, "num_kv_heads": len(heads),
-            "kv_heads": [heads.start, heads.stop],
-            "weight_bytes": data.stat().st_size if data.is_file() else 0, "io": io_table(model)}
-
-
-def _cpu_entry(rank: int, cpu: dict, model, out: Path) -> dict:
-    """Writes rankN.cpu.onnx (the CPU step model: the rank graph and the CPU stage's graphs ``cpu``,
-    builder/emit/cpu_step_model.py) beside the rank graph ``model`` (as saved); its manifest keys."""
-    data = save_cpu_step_model(cpu[CpuGraph.decode], cpu.get(CpuGraph.verify), model, out / f"rank{rank}.cpu.onnx")
-    return {"cpu_onnx": f"rank{rank}.cpu.onnx", "cpu_onnx_data": data.name if data is not None else None}
-
-
-def _manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], cuda_graph_plan: list[int]) -> dict:
-    return {
-        "spec": spec.model_dump(mode="json"),
-        "spec_sha256": spec.sha256(),
-        "model": spec.arch.model_dump(),
-        "tensorrt": flavor.built_for(spec.build.targets),
-        "tools": tool_versions(),
-        "tensor_parallel": spec.parallel.tensor,
-        "pipeline_parallel": spec.parallel.pipeline,
-        "cpu_graphs": spec.build.cpu_graphs,
-        "ranks": ranks,
-        "limits": {"max_batch_size": spec.build.max_batch_size, "max_input_len": spec.build.max_input_len,
-                   "max_seq_len": spec.build.max_seq_len},
-        "profiles": [{"name": name, "shapes": {k: [list(s) for s in v] for k, v in shapes.items()
-                                               if k in ("input_ids", "logits_index")}}
-                     for name, shapes in zip(("decode", "prefill"), optimization_profiles(spec))],
-        "cuda_graph_batch_sizes": cuda_graph_plan,
-        "medusa": _medusa_manifest(spec),
-        "passes": list(dict.fromkeys(r["pass"] for r in records)),
-        "tokenizer": "tokenizer.json",
-    }
-
-
-def _medusa_manifest(spec: Spec) -> dict | None:
-    """What the runtime needs to speculate: head count, the tree (likeliest path first, so
-    every prefix is a tree) and the heads' measured accuracy (the runtime's prior)."""
-    medusa = spec.medusa
-    if medusa is None:
-        return None
-    accuracy = medusa.topk_accuracy
-    return {"num_heads": medusa.num_heads, "num_layers": medusa.num_layers,
-            "tree": [list(path) for path in medusa.choices], "tree_size": medusa.tree_size,
-            "topk_accuracy": [list(row) for row in accuracy] if accuracy else None,
-            # P(rank r of head k is right): the runtime's prior for choosing a tree size.
-            "rank_accuracy": [[round(p, 5) for p in row] for row in medusa.rank_accuracy],
-            "output": "medusa_logits"}
-
-
-@dataclass(frozen=True)
-class _Exported:
-    """What the export subprocess hands back: paths, the numerics check and its reference."""
-
-    path: Path
-    data_path: Path
-    output_names: list[str]
-    check_path: Path | None                  # the truncated graph the check runs (None: the built graph)
-    reference: tuple[dict, dict] | None      # seeded inputs, torch eager's outputs
-    peak: ProcessPeak
-    quantized_path: Path | None = None       # codes and scales per layer (safetensors)
-    quantized_reference: dict | None = None  # torch eager outputs with the dequantized weights
-
-
-def _weight_map(spec: Spec) -> WeightMap:
-    try:
-        return open_weights(spec.model.checkpoint)
-    except CheckpointError as exc:
-        raise UserError(str(exc)) from None
-
-
-def _weight_bytes(spec: Spec) -> int:
-    """The model's weight bytes in the spec's dtype, from the safetensors headers."""
-    return sum(entry.numel for entry in _weight_map(spec).entries.values()) * spec.model.dtype.torch.itemsize
-
-
-def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -> _Exported:
-    """Runs in a subprocess: the step's structure from a meta-device model with the weights
-    streamed from the checkpoint, the numerics check's graph and torch reference (the model
-    itself when small, else its first layers), and the weight quantization the spec asks for."""
-    with sample_peak("export") as peak:
-        weights = _weight_map(spec)
-        exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype,
-                               spec.arch.vocab_size)
-        checked, reference, model, inputs, heads = exported, None, None, None, None
-        if check is not None:
-            if not check.whole:
-                (workdir / "check").mkdir()
-                checked = export_step(spec, workdir / "check", weights, check.layers, check.dtype,
-                                      check.vocab_rows)
-            inputs = numerics.seeded_inputs(spec, check)
-            heads = load_heads(spec.medusa.heads) if spec.medusa is not None else None
-            model = truncated_model(spec.model.checkpoint, weights, check.dtype.torch, check.layers, check.vocab_rows)
-            reference = (inputs, _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads))
-        quantized_path, quantized_reference = None, None
-        if spec.quantization.bits:
-            quantized_path = workdir / "quantized"  # one file per layer (builder/quant/store.py)
-            say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731  (stdout may be JSON)
-            quantize_checkpoint(weights, spec, quantized_path, progress=say)
-            if model is not None:  # layers the truncated model lacks are skipped, unread
-                apply_dequantized(model, load_quantized(quantized_path)[0])
-                quantized_reference = _torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads)
-        del model
-    return _Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
-                     check_path=None if check is None or check.whole else checked.path,
-                     reference=reference, peak=peak.result(), quantized_path=quantized_path,
-                     quantized_reference=quantized_reference)
 
 
 def _first_layers(layers, count: int) -> dict | None:
@@ -340,23 +214,6 @@ def _manager_factory(disabled, options: BuildOptions, tmp: Path):
                            numerics=gate, weights_dir=tmp / ".export", on_record=on_record)
     make(None, print)  # check ordering constraints and pass names before the slow export
     return make
-
-
-def _torch_outputs(spec: Spec, model, num_layers: int, output_names: list[str], inputs: dict,
-                   heads: MedusaHeads | None) -> dict:
-    """Torch eager's outputs of the step over ``model`` (its first ``num_layers`` layers, real
-    weights) on ``inputs``; with Medusa, the heads' logits (numpy reference) on the final-norm
-    hidden state the step computed, so attach_medusa is checked too."""
-    step = LlamaStep(model, spec.arch.model_copy(update={"num_layers": num_layers}), spec.build.max_seq_len).eval()
-    captured = {}
-    handle = step.norm.register_forward_hook(lambda module, args, out: captured.update(hidden=out))
-    try:
-        outputs = numerics.run_torch(step, inputs, output_names)
-    finally:
-        handle.remove()
-    if heads is not None:
-        outputs["medusa_logits"] = heads.logits(captured["hidden"].float().numpy())
-    return outputs
 
 
 def _build_engines(spec: Spec, flavor, tmp: Path, jobs: int, progress: Progress) -> list[EngineReport]:

@@ -15,7 +15,8 @@ import torch
 from ..onnxruntime_cpu import session as ort_config
 from ..onnxruntime_cpu.session import CpuActivations
 from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
-from .spec.model import DType, Spec
+from .spec.dtype import DType
+from .spec.model import Spec
 
 # The check runs each pass's graph in ONNX Runtime, which holds a copy of its weights, and the
 # torch reference holds another: up to passes.numerics_whole_max_mib the graph checked is the

@@ -154,7 +154,8 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
     from ..builder.frontend.checkpoint import arch_config
     from ..builder.gpus import find_gpu, gpu_table, network_table
     from ..builder.known_models import find_known, known_arch, known_names
-    from ..builder.plan.estimate import QUANTIZATION_PRECISION, Plan, medusa_plan, param_counts, workload_for
+    from ..builder.plan.estimate import Plan, medusa_plan, workload_for
+    from ..builder.plan.model_size import QUANTIZATION_PRECISION, param_counts
     from ..builder.plan.advice import plan_report
     from ..builder.plan.pipeline import PipelinePlan, recommend_layout
     from ..builder.plan.render import render, render_pipeline

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from trtbuild.builder.quant.gguf_codes import kept_codes
 from trtbuild.builder.quant.quantize import load_quantized, quantize_checkpoint
 from trtbuild.builder.spec.resolve import spec_from_dict
-from trtbuild.builder.spec.model import QuantizationSection
+from trtbuild.builder.spec.document import QuantizationSection
 from trtbuild.checkpoint.gguf_blocks import block_codes
 from trtbuild.checkpoint.gguf_weights import GGUFWeightMap
 

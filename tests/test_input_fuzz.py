@@ -12,7 +12,8 @@ import yaml
 from conftest import REPO, TINY_CODE
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.frontend.checkpoint import arch_config
-from trtbuild.builder.plan.estimate import Plan, find_gpu, param_counts, workload_for
+from trtbuild.builder.plan.estimate import Plan, find_gpu, workload_for
+from trtbuild.builder.plan.model_size import param_counts
 from trtbuild.builder.spec.resolve import spec_from_dict
 
 VALUES = [None, True, False, 0, -1, 1, 2, 3, 7, 2**40, 0.5, 1.5, -2.0, float("nan"), "", "x", "float16", "sm89",

@@ -15,7 +15,9 @@ from trtbuild.runtime.core.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Phase, Request, Scheduler
 from trtbuild.runtime.core.step import KeepPath, StepKind
-from trtbuild.runtime.speculation.policy import EXPLORE_AFTER, REDECIDE_EVERY, AcceptanceModel, SpeculationPolicy, StepTimes
+from trtbuild.runtime.speculation.acceptance import AcceptanceModel
+from trtbuild.runtime.speculation.policy import EXPLORE_AFTER, REDECIDE_EVERY, SpeculationPolicy
+from trtbuild.runtime.speculation.step_times import StepTimes
 
 TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
 

@@ -214,13 +214,14 @@ def test_a_pass_that_breaks_stage_1_is_named(tmp_path):
     """A planted pass that turns layer 4's MLP residual Add (stage 1 of 2) into a Sub: the gate,
     running stage 0 then stage 1, fails the build naming that pass."""
     from trtbuild.builder import build as building, numerics
+    from trtbuild.builder.export_stage import export_stage, weight_bytes
     from trtbuild.builder.frontend.export import load_graph
     from trtbuild.builder.passes import PIPELINE, Pass, PassContext, PassError, PassResult
     from trtbuild.builder.passes.manager import PassManager
 
     spec = _spec(pipeline=2)
-    check = numerics.check_plan(spec, building._weight_bytes(spec))
-    exported = building._export_stage(spec, tmp_path, check)
+    check = numerics.check_plan(spec, weight_bytes(spec))
+    exported = export_stage(spec, tmp_path, check)
     gate = building._numerics_gate(spec, check, exported, tmp_path)
 
     def break_stage_1(graph: gs.Graph, ctx: PassContext) -> PassResult:

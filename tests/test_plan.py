@@ -9,7 +9,8 @@ import pytest
 
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.frontend.checkpoint import arch_config
-from trtbuild.builder.plan.estimate import Plan, find_gpu, param_counts, workload_for
+from trtbuild.builder.plan.estimate import Plan, find_gpu, workload_for
+from trtbuild.builder.plan.model_size import param_counts
 from trtbuild.builder.plan.advice import recommendations
 
 from conftest import REPO, TINY_CODE
@@ -146,7 +147,7 @@ def test_plan_says_which_engines_run_on_the_gpu(gpu, expected):
 
 
 def test_quantized_specs_are_planned_as_themselves(tmp_path):
-    from trtbuild.builder.plan.estimate import weight_bytes
+    from trtbuild.builder.plan.model_size import weight_bytes
 
     counts = param_counts(arch_config(config_dir(tmp_path, "llama-3-8b", LLAMA_3_8B)))
     fixed = 2 * (counts.embedding + counts.head + counts.other)

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from trtbuild.cli.main import main
 from trtbuild.builder.gpus import GB, find_gpu, network_table
 from trtbuild.builder.known_models import known_arch
-from trtbuild.builder.plan.estimate import Plan, param_counts, workload_for
+from trtbuild.builder.plan.estimate import Plan, workload_for
+from trtbuild.builder.plan.model_size import param_counts
 from trtbuild.builder.plan.pipeline import PipelinePlan, recommend_layout
 from trtbuild.contract.pipeline import balanced_layers
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from trtbuild.builder import build as build_module
+from trtbuild.builder import export_stage as export_module
 from trtbuild.builder import numerics
 from trtbuild.builder.frontend.export import load_graph
 from trtbuild.builder.frontend.skeleton import truncated_model
@@ -85,10 +85,10 @@ def exported(tmp_path_factory):
             checkpoint = (first_layer_of(TINY_CODE, root / "tiny-code-1") if model == "tiny-code"
                           else make_checkpoint(root / "qwen2", "qwen2", layers=1))
             spec = spec_for(checkpoint, "none", 1)
-            check = numerics.check_plan(spec, build_module._weight_bytes(spec))
+            check = numerics.check_plan(spec, export_module.weight_bytes(spec))
             workdir = root / f"{model}-export"
             workdir.mkdir()
-            made[model] = checkpoint, build_module._export_stage(spec, workdir, check), check, workdir
+            made[model] = checkpoint, export_module.export_stage(spec, workdir, check), check, workdir
         return made[model]
     return get
 
@@ -111,7 +111,7 @@ def quantized(exported, tmp_path_factory):
             layers, report = load_quantized(out)
             torch_model = truncated_model(checkpoint, weights, check.dtype.torch, check.layers, check.vocab_rows)
             apply_dequantized(torch_model, layers)
-            reference = build_module._torch_outputs(spec, torch_model, check.layers, export.output_names,
+            reference = export_module.torch_outputs(spec, torch_model, check.layers, export.output_names,
                                                     export.reference[0], None)
             made[model, mode] = layers, report, (torch_model, reference)
         return made[model, mode]

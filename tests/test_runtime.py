@@ -300,7 +300,7 @@ def test_cli_run_and_bench(tiny_engine):
 
 
 def test_cli_multi_step_gives_the_same_tokens_and_refuses_zero(tiny_engine):
-    from trtbuild.builder.spec.model import RuntimeSection
+    from trtbuild.builder.spec.document import RuntimeSection
 
     def cli(*extra):
         return subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", str(tiny_engine), "--prompt",

@@ -16,7 +16,8 @@ from conftest import make_checkpoint, write_spec
 from ort_greedy import transformers_greedy
 from trtbuild.builder import build as build_module
 from trtbuild.builder import numerics
-from trtbuild.builder.build import BuildOptions, _export_stage, _weight_bytes, build
+from trtbuild.builder.build import BuildOptions, build
+from trtbuild.builder.export_stage import export_stage, weight_bytes
 from trtbuild.builder.errors import UserError
 from trtbuild.builder.frontend.weights_file import fold_weight_transposes
 from trtbuild.builder.isolate import run_isolated
@@ -143,8 +144,8 @@ def test_export_never_holds_the_model(checkpoints, tmp_path):
     peaks = {}
     for name, spec in (("small", small), ("big", big)):
         (tmp_path / name / "w").mkdir(parents=True, exist_ok=True)
-        check = numerics.check_plan(spec, _weight_bytes(spec))
-        exported = run_isolated(_export_stage, spec, tmp_path / name / "w", check)
+        check = numerics.check_plan(spec, weight_bytes(spec))
+        exported = run_isolated(export_stage, spec, tmp_path / name / "w", check)
         peaks[name] = exported.peak
     weights = (tmp_path / "big" / "w" / "step.onnx.data").stat().st_size
     assert weights > 200e6

@@ -16,7 +16,9 @@ from ...contract.gpu_targets import MODULES, RTX_TARGETS, built_for, sm, tensorr
 from ...contract.pipeline import HIDDEN_STATES
 from ..errors import SpecError, UserError
 from ..progress import ProcessPeak, sample_peak
-from ..spec.model import Backend, DType, Spec
+from ..spec.document import Backend
+from ..spec.dtype import DType
+from ..spec.model import Spec
 
 
 @dataclass(frozen=True)

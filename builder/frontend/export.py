@@ -24,7 +24,8 @@ import torch
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from ...contract.step import INPUT_NAMES, STEP_INPUTS, io_cache_names
-from ..spec.model import DType, Spec
+from ..spec.dtype import DType
+from ..spec.model import Spec
 from .skeleton import meta_model, checkpoint_key
 from .step_model import LlamaStep
 from ...checkpoint.weight_map import WeightMap

@@ -14,7 +14,7 @@ import onnx
 import torch
 
 from ...checkpoint.weight_map import WeightMap
-from ..spec.model import DType
+from ..spec.dtype import DType
 
 ALIGN = 64  # bytes: each tensor starts aligned, so a memory map of it is aligned for any dtype
 

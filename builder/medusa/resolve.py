@@ -4,7 +4,8 @@ from __future__ import annotations
 from ...medusa_math.acceptance import tree_problem
 from ..errors import SpecError, UserError
 from ..frontend.checkpoint import ArchConfig
-from ..spec.model import MedusaSection, ResolvedMedusa
+from ..spec.document import MedusaSection
+from ..spec.model import ResolvedMedusa
 from .heads import read_heads_config
 from .tree import default_tree, ordered, rank_accuracy
 

@@ -1,5 +1,5 @@
 """The build side of a plan: the memory each process of a build needs, the engine dir's disk and
-the build's time, from the model's weight bytes alone (builder/plan/estimate.py gives those).
+the build's time, from the model's weight bytes alone (builder/plan/model_size.py gives those).
 
 The arithmetic is the one the build itself refuses by (build.py: a rank engine that cannot fit
 this machine's RAM stops the build before any work):
@@ -16,6 +16,8 @@ this machine's RAM stops the build before any work):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from .model_size import QUANTIZATION_PRECISION, param_counts, weight_bytes
 
 GIB = 2**30
 STAGE_BASE_BYTES = 1.5 * GIB
@@ -113,3 +115,14 @@ def disk_refusal(plan: BuildPlan, free_bytes: int, where) -> str | None:
             f"{plan.export_bytes / GIB:.1f} GiB of weights, then each rank's data and engine) and "
             f"{free_bytes / GIB:.1f} GiB is free; free some, or build with -o on a larger disk "
             "(--ignore-memory-check to try anyway)")
+
+
+def spec_build_plan(spec) -> BuildPlan:
+    """The build plan of a validated spec: its precision (quantization, else dtype) and its ranks
+    (T × P: a pipeline stage holds ≈ 1/P of the weights, by layer count)."""
+    precision = QUANTIZATION_PRECISION.get(spec.quantization.mode) or \
+        spec.model.dtype.short
+    counts = param_counts(spec.arch)
+    dtype = spec.model.dtype.short
+    return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
+                     cpu_graphs=spec.build.cpu_graphs, export_bytes=weight_bytes(counts, dtype))

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..gpus import GB
-from .estimate import PRECISIONS, Plan
+from .estimate import Plan
+from .model_size import PRECISIONS
 from .advice import deployment, recommendations
 from ..progress import table
 

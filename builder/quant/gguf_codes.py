@@ -25,7 +25,7 @@ import torch
 from ...checkpoint.gguf_blocks import BLOCK, SYMMETRIC_TYPES, block_codes
 from ...checkpoint.gguf_weights import FLOAT_TYPES, GGUFWeightMap
 from ...checkpoint.weight_map import WeightMap
-from ..spec.model import QuantizationSection
+from ..spec.document import QuantizationSection
 from .algorithms import QuantizedLinear
 
 WEIGHT_ONLY = ("int8_weight_only", "int4_weight_only")

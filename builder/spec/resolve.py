@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from ..errors import SpecError, UserError
 from ..frontend.checkpoint import ArchConfig, arch_config
-from .model import SpecDocument, Spec
+from .document import SpecDocument
+from .model import Spec
 from .checks import check_against_checkpoint
 from .errors import FieldError, did_you_mean, spec_error
 
