@@ -56,8 +56,11 @@ def _header(kind=MessageKind.step, length=0, magic=MAGIC, version=VERSION):
     (_header(kind=9), "rank 2 refused a message from rank 0: unknown message kind 9 (known: 0 stop, 1 step, "
                       "2 copy_slot, 3 keep_path, 4 save_block, 5 load_block)"),
     (_header(length=MAX_PAYLOAD_WORDS + 1),
-     f"rank 2 refused a message from rank 0: payload of {MAX_PAYLOAD_WORDS + 1} words (0 to {MAX_PAYLOAD_WORDS})"),
-    (_header(length=-1), f"rank 2 refused a message from rank 0: payload of -1 words (0 to {MAX_PAYLOAD_WORDS})"),
+     f"rank 2 refused a message from rank 0: step payload of {MAX_PAYLOAD_WORDS + 1} words (0 to {MAX_PAYLOAD_WORDS})"),
+    (_header(length=-1), f"rank 2 refused a message from rank 0: step payload of -1 words (0 to {MAX_PAYLOAD_WORDS})"),
+    # fixed-size kinds: a header cannot make a rank allocate for more
+    (_header(kind=MessageKind.stop, length=2**20), "rank 2 refused a message from rank 0: stop payload of 1048576 words (0 to 0)"),
+    (_header(kind=MessageKind.copy_slot, length=4), "rank 2 refused a message from rank 0: copy_slot payload of 4 words (0 to 3)"),
     ([MAGIC, VERSION, 1], "rank 2 refused a message from rank 0: header of shape (3,) int64, not (4,) int64"),
 ])
 def test_a_bad_header_is_refused_by_name(header, message):

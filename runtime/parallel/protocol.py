@@ -3,8 +3,11 @@
 Every call of the tensor-parallel engine (a Step, a cache operation, or stop) becomes one
 message: a fixed header [MAGIC, VERSION, kind, payload words] and a payload of int64 words,
 broadcast over torch.distributed as two tensors. ``encode``/``decode`` are pure functions;
-``decode`` checks every length and value against what follows, so a malformed, truncated,
-oversized or unknown message is refused in one line naming the receiving rank, never run.
+``decode`` checks every length against what follows (and each kind's payload size before a
+rank allocates for it), so a malformed, truncated, oversized or unknown message is refused in
+one line naming the receiving rank, never run. Values are checked for sign and structure (tree
+parents first), not against the engine's limits (slots, max_seq_len, vocabulary): rank 0 is the
+same job's trusted peer, and the engine bounds its own inputs as it does for rank 0's steps.
 
 Step payload: kind, first_slot, rows, draft_heads, has_trees; per row (rid bytes, tokens,
 start, sample, tree choices or −1 for no tree); then every row's rid as UTF-8 bytes, its
@@ -23,8 +26,11 @@ from ..core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
 MAGIC = 0x7472_7462_726B  # "trtbrk"
 VERSION = 1
 HEADER_WORDS = 4
-# A Step of B rows × S tokens takes about B · (S + 6) words; this is far above any engine's.
-MAX_PAYLOAD_WORDS = 1 << 26
+# A Step of B rows × S tokens takes about B · (S + 6) words (a Medusa tree adds its choices): this
+# is far above any engine's (256 rows of 8192 tokens take 2.1 M), and the receive buffer it bounds
+# is 32 MiB. The other kinds have fixed sizes, so a header cannot make a rank allocate for them.
+MAX_PAYLOAD_WORDS = 1 << 22
+MAX_KEEP_NODES = 4096
 STEP_KINDS = (StepKind.prefill, StepKind.decode)   # index = its code on the wire
 ROW_WORDS = 5                                      # rid bytes, tokens, start, sample, tree choices
 
@@ -98,8 +104,10 @@ def payload_words(header: np.ndarray, rank: int) -> int:
         raise _refused(rank, f"protocol version {version}; this rank speaks {VERSION}")
     if kind not in MessageKind._value2member_map_:
         raise _refused(rank, f"unknown message kind {kind} (known: {', '.join(f'{k.value} {k.name}' for k in MessageKind)})")
-    if not 0 <= length <= MAX_PAYLOAD_WORDS:
-        raise _refused(rank, f"payload of {length} words (0 to {MAX_PAYLOAD_WORDS})")
+    limit = {MessageKind.stop: 0, MessageKind.copy_slot: 3, MessageKind.save_block: 3, MessageKind.load_block: 3,
+             MessageKind.keep_path: 3 + MAX_KEEP_NODES}.get(MessageKind(kind), MAX_PAYLOAD_WORDS)
+    if not 0 <= length <= limit:
+        raise _refused(rank, f"{MessageKind(kind).name} payload of {length} words (0 to {limit})")
     return length
 
 
