@@ -83,6 +83,8 @@ def test_structured_outputs_extension_equals_the_python_api(client, tiny_engine)
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),      # vLLM's old fields: never silently unconstrained
+    ({"guided_regex": "a+"}, "guided_regex"),
 ])
 def test_bad_constraints_are_400_naming_the_field(server, extra, param):
     response = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30,

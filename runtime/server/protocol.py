@@ -26,6 +26,10 @@ UNSUPPORTED = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
 }
+# vLLM's older structured-output fields: a client sending them expects a constraint, so they are
+# refused (never silently unconstrained), pointing at the field this server reads.
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+          "guided_whitespace_pattern")
 
 
 class ApiError(Exception):
@@ -89,6 +93,10 @@ class SamplingRequest(BaseModel):
     def unsupported(self) -> ApiError | None:
         """The first OpenAI field sent with a value that asks for something not implemented."""
         for name, value in (self.model_extra or {}).items():
+            if name in GUIDED and value is not None:
+                return ApiError(400, f"{name}: not read by this server; send the constraint as structured_outputs "
+                                     f"(json, regex, choice, grammar) or response_format", param=name,
+                                code="unsupported_parameter")
             neutral = UNSUPPORTED.get(name)
             if neutral is not None and not any(type(value) is type(n) and value == n for n in neutral):
                 return ApiError(400, f"{name}: not supported by this server (send it only as one of "
