@@ -122,16 +122,22 @@ def write_spec(path: Path, checkpoint: Path, **sections) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def tiny_engine(tmp_path_factory) -> Path:
-    """specs/tiny-code.yaml built once through the CLI (with a dump of the fused graph)."""
+def _cli_build(tmp_path_factory, spec: str, name: str, *extra: str):
+    """specs/``spec`` built through the CLI into a fresh dir ``name``; (the dir, the finished process)."""
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("engines") / "tiny-code"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code.yaml"),
-                           "-o", str(out), "--dump-after", "fuse_attention"], capture_output=True, text=True)
+    out = tmp_path_factory.mktemp("engines") / name
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / spec), "-o", str(out),
+                           *extra], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory) -> Path:
+    """specs/tiny-code.yaml built once through the CLI (with a dump of the fused graph)."""
+    out, proc = _cli_build(tmp_path_factory, "tiny-code.yaml", "tiny-code", "--dump-after", "fuse_attention")
     assert "engine rank0" in proc.stderr and "rank0" in proc.stdout  # progress and the summary table
     return out
 
@@ -139,41 +145,19 @@ def tiny_engine(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def medusa_engine(tmp_path_factory) -> Path:
     """specs/tiny-code-medusa.yaml (the bundled model with its committed Medusa heads)."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("engines") / "tiny-code-medusa"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build",
-                           str(REPO / "specs" / "tiny-code-medusa.yaml"), "-o", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return _cli_build(tmp_path_factory, "tiny-code-medusa.yaml", "tiny-code-medusa")[0]
 
 
 @pytest.fixture(scope="session")
 def pp2_engine(tmp_path_factory) -> Path:
     """specs/tiny-code-pp2.yaml: two stages of three layers, T = 1 (no collectives in a stage)."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("engines") / "tiny-pp2"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code-pp2.yaml"),
-                           "-o", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return _cli_build(tmp_path_factory, "tiny-code-pp2.yaml", "tiny-pp2")[0]
 
 
 @pytest.fixture(scope="session")
 def tp2_engine(tmp_path_factory) -> Path:
     """specs/tiny-code-tp2.yaml: two tensor ranks (DistCollective all-reduces between them)."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("engines") / "tiny-tp2"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(REPO / "specs" / "tiny-code-tp2.yaml"),
-                           "-o", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return _cli_build(tmp_path_factory, "tiny-code-tp2.yaml", "tiny-tp2")[0]
 
 
 def _build_smollm2(tmp_path_factory, gguf: Path, name: str, spec_file: str = "smollm2-135m.yaml",
