@@ -53,7 +53,8 @@ def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
 def test_every_site_fused_on_the_tiny_model(tiny_engine):
     records = {r["pass"]: r for r in map(json.loads, (tiny_engine / "passes.jsonl").read_text().splitlines())}
     assert list(records) == ["canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
-                            "split_pipeline_stages", "shard_tensor_parallel", "attach_medusa", "plan_cuda_graphs",
+                            "split_pipeline_stages", "shard_tensor_parallel", "attach_medusa", "heads_at_path_end",
+                            "plan_cuda_graphs",
                             "cpu_group_query_attention", "cpu_pack_qkv", "cpu_drop_row_gather", "cpu_skip_norm"]
     assert records["split_pipeline_stages"]["modified"] is False  # one stage
     assert records["shard_tensor_parallel"]["modified"] is False  # one rank
