@@ -217,3 +217,22 @@ def smollm2_medusa_engine(smollm2_gguf, smollm2_medusa_heads, tmp_path_factory) 
     """specs/smollm2-135m-medusa.yaml with the heads above."""
     return _build_smollm2(tmp_path_factory, smollm2_gguf, "smollm2-medusa", spec_file="smollm2-135m-medusa.yaml",
                           medusa_heads=smollm2_medusa_heads)
+
+
+# The bundled engine served on loopback with an API key (tests/serving.py), one per test module
+# that asks; a module with other flags defines its own ``server``.
+@pytest.fixture(scope="module")
+def server(tiny_engine, tmp_path_factory):
+    from serving import KEY, served
+
+    with served(tiny_engine, tmp_path_factory.mktemp("logs") / "serve.log", api_key=KEY) as running:
+        yield running.base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    from serving import KEY
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)

@@ -28,6 +28,9 @@ class Served:
         return self.log.read_text(errors="replace")
 
 
+KEY = "test-key"   # the API key of the shared ``server`` fixture (tests/conftest.py)
+
+
 @contextmanager
 def served(engine_dir: Path, log: Path, *args: str, api_key: str | None = None, model: str = "tiny"):
     command = [sys.executable, "-m", "trtbuild.cli", "serve", str(engine_dir), "--port", "0",

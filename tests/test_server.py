@@ -14,24 +14,10 @@ import time
 import httpx
 import pytest
 
-from serving import served
+from serving import KEY, served
 
 pytestmark = pytest.mark.slow
 
-KEY = "test-key"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_engine, tmp_path_factory):
-    with served(tiny_engine, tmp_path_factory.mktemp("logs") / "serve.log", api_key=KEY) as running:
-        yield running.base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

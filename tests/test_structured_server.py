@@ -11,28 +11,14 @@ import httpx
 import jsonschema
 import pytest
 
-from serving import served
+from serving import KEY, served
 from test_structured import REGEX, SCHEMA
 
 pytestmark = pytest.mark.slow
 
-KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # ~2 s to compile on a loaded 2-core machine: llguidance builds a lexer over 60k alternatives.
 SLOW_SCHEMA = {"enum": [f"value-{i}-{i * 7919 % 10007}" for i in range(60_000)]}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_engine, tmp_path_factory):
-    with served(tiny_engine, tmp_path_factory.mktemp("logs") / "serve.log", api_key=KEY) as running:
-        yield running.base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def test_response_format_round_trip(client):
