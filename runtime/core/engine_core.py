@@ -113,9 +113,8 @@ class EngineCore:
             if matcher is not None:
                 ended = matcher.advance(token)
                 reason = "abort" if matcher.failed else "stop" if ended else None
-                if reason is not None and request.finish_reason != reason:
-                    self.scheduler.finish(request.rid, reason)
-                    request.finish_reason = reason  # overrides "length" at the same token
+                if reason is not None:
+                    self.scheduler.end_at_token(request.rid, reason)
             return on_token(request, token)
         return sink
 

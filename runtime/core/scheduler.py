@@ -258,9 +258,14 @@ class Scheduler:
         if reason:
             self.finish(request.rid, reason)
         if on_token is not None and on_token(request, token):
-            self.finish(request.rid, "stop")
-            request.finish_reason = "stop"  # a stop string at the last allowed token is still a stop
+            self.end_at_token(request.rid, "stop")  # a stop string at the last allowed token is still a stop
         return request.phase == Phase.finished
+
+    def end_at_token(self, rid: str, reason: str) -> None:
+        """Ends a request at the token just appended with ``reason``, which overrides a token-level
+        ending of that same token ("length" at max_tokens): what the text or grammar saw decides."""
+        self.finish(rid, reason)
+        self.requests[rid].finish_reason = reason
 
     def _save_prompt_blocks(self, request: Request) -> None:
         if self.prefix_cache is None:
