@@ -7,6 +7,7 @@ from pathlib import Path
 from ..contract.json_file import read_json_object
 from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError, check_engine_dir,
                                  eos_token_ids, has_cpu_graphs, read_manifest)
+from ..contract.speculation import Source, SpeculationConfig
 from ..onnxruntime_cpu.session import CpuActivations
 
 
@@ -107,6 +108,24 @@ class EngineDir:
     def medusa(self) -> dict | None:
         """num_heads, tree (likeliest path first), rank_accuracy; None without Medusa heads."""
         return self.manifest.get("medusa")
+
+    @property
+    def speculation(self) -> SpeculationConfig | None:
+        """The draft sources this engine serves by default and the largest verification step
+        (the manifest's ``speculation`` entry, checked); an engine dir written without the entry
+        but with Medusa heads serves Medusa alone; None: no speculation by default."""
+        entry = self.manifest.get("speculation")
+        if entry is None:
+            medusa = self.medusa
+            return None if medusa is None else SpeculationConfig((Source.medusa,), 1 + len(medusa["tree"]))
+        try:
+            config = SpeculationConfig.from_manifest(entry, str(self.path / "manifest.json"))
+        except ValueError as exc:
+            raise EngineDirError(f"{exc}; rebuild the engine dir") from None
+        if (Source.medusa in config.sources) != (self.medusa is not None):
+            raise EngineDirError(f"{self.path / 'manifest.json'}: speculation.sources lists medusa exactly when the "
+                                 "engine has Medusa heads (a medusa entry); rebuild the engine dir")
+        return config
 
     @property
     def runtime_defaults(self) -> dict:
