@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine_dir import EngineDir
+from ..contract.speculation import Source
 from .core.sampling import SamplingParams
 from .structured import CompiledConstraint, ConstraintCompiler
 
@@ -54,10 +55,13 @@ class ValidRequest:
 class InputProcessor:
     """Turns a prompt into checked token ids and checks a request fits the engine dir."""
 
-    def __init__(self, tokenizer, engine_dir: EngineDir, constraints: ConstraintCompiler | None = None):
+    def __init__(self, tokenizer, engine_dir: EngineDir, constraints: ConstraintCompiler | None = None,
+                 speculation_sources: tuple[Source, ...] = ()):
         """``constraints``: compiles a request's ``params.constraint`` (cached) when it is checked;
-        without one, constrained requests are refused."""
+        without one, constrained requests are refused. ``speculation_sources``: the draft sources
+        the engine serves, of which a request's ``params.speculation`` may name any."""
         self.tokenizer, self.engine_dir, self.constraints = tokenizer, engine_dir, constraints
+        self.speculation_sources = speculation_sources
 
     def default_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the engine dir's runtime defaults (the spec's runtime section;
@@ -110,6 +114,11 @@ class InputProcessor:
         if len(prompt.tokens) + params.max_tokens > limit:
             raise InputRefused(f"{where}: {len(prompt.tokens)} tokens + max_tokens {params.max_tokens} exceeds "
                                f"max_seq_len {limit}", "max_tokens", "context_length_exceeded")
+        if params.speculation and (missing := [s.value for s in params.speculation
+                                               if s not in self.speculation_sources]):
+            served = ", ".join(s.value for s in self.speculation_sources) or "none"
+            raise InputRefused(f"speculation: {', '.join(missing)} is not served by this engine (sources: {served})",
+                               "speculation")
         if (compiled is not None) and (compiled.constraint != params.constraint):
             raise TypeError("the compiled constraint given is not the request's params.constraint")
         if params.constraint is not None and compiled is None:

@@ -31,7 +31,9 @@ from .outputs import Completion, Delta
 from .core.prefix_cache import PrefixCache
 from .core.sampling import SamplingParams
 from .core.scheduler import Batching, Scheduler
-from .speculation.policy import SpeculationPolicy, policy_for
+from ..contract.speculation import Source
+from .speculation.host import SpeculationMode
+from .speculation.speculation import Speculation, speculation_for
 from .structured import ConstraintCompiler
 from .waiters import CompletionWaiter, DeltaQueue
 
@@ -54,9 +56,16 @@ class LLM:
                  prefix_cache: bool | None = None, prefix_cache_blocks: int | None = None, block_size: int = 16,
                  batching: Batching = Batching.inflight, token_budget: int | None = None,
                  verify: bool = True, medusa_tree_size: int | None = None, multi_step: int | None = None,
-                 engine: Engine | None = None, spinning: Spinning = Spinning.always):
-        """``medusa_tree_size``: for engine dirs with Medusa heads, None picks the tree prefix per
-        batch from measured step times and acceptance; an int pins it (0: no speculation).
+                 engine: Engine | None = None, spinning: Spinning = Spinning.always,
+                 speculation: tuple[Source, ...] | None = None,
+                 speculation_mode: SpeculationMode = SpeculationMode.adaptive):
+        """``speculation``: the draft sources requests speculate with by default (None: the engine
+        dir's, from its spec's ``speculative`` section; (): none); a request's
+        ``SamplingParams.speculation`` narrows it. ``speculation_mode``: adaptive verifies drafts
+        where measured step times and acceptance say it pays (plain decoding elsewhere); always
+        verifies every draft. ``medusa_tree_size``: for engine dirs with Medusa heads, None picks
+        the tree prefix per batch from measured step times and acceptance; an int pins it (0: no
+        Medusa trees).
         ``multi_step``: decode steps a batch of greedy requests runs back to back, each row fed
         its own argmax, before the scheduler, detokenizer and stop strings see the tokens (1:
         every step goes through them; None: the spec's runtime.multi_step). Greedy tokens are
@@ -78,7 +87,6 @@ class LLM:
             raise EngineDirError(str(exc)) from None
         # Constraints compile (cached) where a request is checked: the caller's thread, never a step.
         self.constraints = ConstraintCompiler(self.tokenizer, d.vocab_size, d.eos_token_ids())
-        self.inputs = InputProcessor(self.tokenizer, d, self.constraints)
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
@@ -86,10 +94,12 @@ class LLM:
             eos_token_ids=d.eos_token_ids(), batching=batching)
         multi_step = multi_step or d.multi_step
         try:
-            speculation = policy_for(d, engine, medusa_tree_size, multi_step)
+            speculation = speculation_for(d, engine, speculation, speculation_mode, medusa_tree_size, multi_step)
         except BaseException:
             engine.close()
             raise
+        self.inputs = InputProcessor(self.tokenizer, d, self.constraints,
+                                     speculation.sources if speculation is not None else ())
         self.core = EngineCore(engine, scheduler, speculation, multi_step)
         self.outputs = OutputProcessor(Detokenizer(self.tokenizer, d.vocab_size), self.core.sampling)
         self.loop = EngineLoop(self.core, self.outputs, self.inputs)
@@ -105,7 +115,7 @@ class LLM:
         return self.core.scheduler
 
     @property
-    def speculation(self) -> SpeculationPolicy | None:
+    def speculation(self) -> Speculation | None:
         return self.core.speculation
 
     @property

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..backends.engine import Engine, StepOutput
+from ...contract.speculation import Source
+from ..speculation.chain import accept_sampled_chain, chain_tree
 from ..speculation.medusa import Accepted, accept_greedy, accept_typical
+from ..speculation.speculation import Speculation
 from .sampling import Sampler
 from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
 from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
-from ..speculation.policy import SpeculationPolicy
 from ..structured import CompiledConstraint, GrammarMatcher, TreeWalk
 
 
@@ -37,15 +39,16 @@ class Sampling:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     decode_steps: int = 0        # engine steps that produced tokens after the first
-    accepted_tokens: int = 0     # Medusa guesses accepted
+    accepted_tokens: int = 0     # draft tokens accepted (any source)
     matcher: GrammarMatcher | None = None  # a constrained request's grammar state
+    sources: tuple[Source, ...] = ()       # the draft sources it speculates with (none: plain)
 
 
 class EngineCore:
     """One step at a time: cache operations, one engine step (or a greedy run of ``multi_step``
     steps), sampling (Medusa acceptance and drafting included), commit."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler, speculation: SpeculationPolicy | None, multi_step: int):
+    def __init__(self, engine: Engine, scheduler: Scheduler, speculation: Speculation | None, multi_step: int):
         self.engine, self.scheduler, self.speculation = engine, scheduler, speculation
         self.multi_step = multi_step
         self.stats = RuntimeStats()
@@ -56,8 +59,9 @@ class EngineCore:
         """``constraint``: the request's ``params.constraint`` compiled (runtime/structured/)."""
         if (constraint is None) != (request.params.constraint is None):
             raise ValueError(f"request {request.rid}: its constraint must come compiled, and only with params.constraint")
+        sources = self.speculation.serves(request.params.speculation) if self.speculation is not None else ()
         self.scheduler.add(request)
-        self.sampling[request.rid] = Sampling(Sampler(request.params),
+        self.sampling[request.rid] = Sampling(Sampler(request.params), sources=sources,
                                               matcher=constraint.matcher() if constraint is not None else None)
         if constraint is not None:
             self.constrained.add(request.rid)
@@ -79,7 +83,7 @@ class EngineCore:
             on_token = self._grammar_sink(on_token)
         plan = self.scheduler.schedule()
         self._apply(plan)
-        step, run = plan.step, 0
+        step, run, heads_at = plan.step, 0, {}
         if step is not None:
             limit, heads = self._decode_plan(step)
             run = self.scheduler.run_length(step, limit)
@@ -95,10 +99,15 @@ class EngineCore:
             out = self.engine.step(step)
             seconds = time.perf_counter() - engine_start
             self._count(step.kind, 1, seconds)
-            self._sample_and_commit(step, out, on_token)
+            heads_at = self._sample_and_commit(step, out, on_token)
             if self.speculation is not None and step.kind == StepKind.decode:
                 self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start)
+        if self.speculation is not None:
+            self._draft(heads_at)
         finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
+        if self.speculation is not None and self.speculation.host is not None:
+            for request, _ in finished:
+                self.speculation.host.close(request.rid, request.tokens)
         if self.constrained:
             self.constrained.difference_update(r.rid for r, _ in finished)
         self.stats.loop_s += time.perf_counter() - start
@@ -123,7 +132,9 @@ class EngineCore:
         single step whose heads draft the next tree where Medusa would verify one for this
         batch, else runs of ``multi_step``, whose steps (and a single one, where rows cannot run
         on) nobody drafts from."""
-        if self.speculation is not None and step.kind == StepKind.decode and self.speculation.choose(len(step.rids)):
+        if (self.speculation is not None and step.kind == StepKind.decode
+                and any(Source.medusa in self.sampling[rid].sources for rid in step.rids)
+                and self.speculation.choose_medusa(len(step.rids))):
             return 1, True
         return self.multi_step, False
 
@@ -135,15 +146,15 @@ class EngineCore:
         else:
             self.stats.decode_steps += steps
 
-    def _sample_and_commit(self, step: Step, out: StepOutput, on_token: TokenSink) -> None:
-        """Accepts each verifying row's path, samples every row's next token, commits, and
-        drafts the next guesses from the heads' logits at each row's last accepted node."""
+    def _sample_and_commit(self, step: Step, out: StepOutput, on_token: TokenSink) -> dict:
+        """Accepts each verifying row's path, samples every row's next token and commits. Returns
+        the Medusa heads' logits [K, V] at each row's newest token, by rid, for drafting."""
         sampled: dict[str, int] = {}
         accepted: dict[str, Accepted] = {}
         heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
-        policy = self.speculation
-        if policy is not None and step.kind == StepKind.decode:
-            policy.count_step(len(step.rids), step.verifies, step.seq_len)
+        spec = self.speculation
+        if spec is not None and step.kind == StepKind.decode:
+            spec.count_step(len(step.rids), step.verifies, step.seq_len)
         # Plain rows read logits row 0: those that take its argmax share one over the batch.
         plain, argmax = not step.trees and out.logits.shape[1] == 1, None
         for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
@@ -151,16 +162,24 @@ class EngineCore:
                 continue
             state = self.sampling[rid]
             sampler, params = state.sampler, state.sampler.params
-            node = 0
-            walk = None
+            node, walk, rejected = 0, None, None
             if tree is not None:
+                draft = self.scheduler.requests[rid].draft
                 tokens, logits = list(step.tokens[row]), out.logits[row, :tree.size]
                 # A constrained row walks masked rows; the grammar follows its path (then rolls back).
                 walk = TreeWalk(state.matcher, tree, tokens, logits) if state.matcher is not None else logits
-                path = (accept_greedy(tree, tokens, walk) if params.greedy
-                        else accept_typical(tree, tokens, walk, params.temperature))
+                if params.greedy:
+                    path = accept_greedy(tree, tokens, walk)
+                elif draft.source == Source.medusa:
+                    path = accept_typical(tree, tokens, walk, params.temperature)
+                else:  # a host chain: exact speculative sampling
+                    path, rejected = accept_sampled_chain(tree, tokens, walk, sampler)
                 accepted[rid], node = path, path.last_node
-                policy.record(tree, path)
+                if draft.source == Source.medusa:
+                    spec.medusa.record(tree, path)
+                else:
+                    spec.host.record(rid, draft.source, len(tree.choices), len(path.nodes))
+                    spec.stats.count_row(draft.source.value, len(path.nodes))
                 state.accepted_tokens += len(path.nodes)
                 if params.logprobs:
                     state.logprobs += [sampler.logprob(logits[tree.parents[n]], tokens[n]) for n in path.nodes]
@@ -175,25 +194,24 @@ class EngineCore:
                 token, logprob = argmax[row], None
             elif state.matcher is not None:  # the masked row; logprobs stay the model's
                 masked = walk.finish(path.nodes) if tree is not None else state.matcher.masked(out.logits[row, node])
-                token = sampler.sample(masked)[0]
+                token = sampler.sample(masked, excluding=rejected)[0]
                 logprob = sampler.logprob(out.logits[row, node], token) if params.logprobs else None
             else:
-                token, logprob = sampler.sample(out.logits[row, node])
+                token, logprob = sampler.sample(out.logits[row, node], excluding=rejected)
             if logprob is not None:
                 state.logprobs.append(logprob)
                 if params.top_logprobs:
                     state.top_logprobs.append(sampler.alternatives(out.logits[row, node], params.top_logprobs))
             sampled[rid] = token
             if out.medusa is not None:
-                # The heads ran at the unmasked greedy path's end only: a sampled row whose typical
-                # acceptance ended elsewhere, or a constrained row whose masked path did, drafts
-                # nothing this step (its next step is plain). A row without a tree ends at node 0.
+                # The heads ran at the unmasked greedy path's end only: a sampled row whose acceptance
+                # ended elsewhere, or a constrained row whose masked path did, drafts nothing from
+                # them this step. A row without a tree ends at node 0.
                 unmasked_greedy = tree is None or (params.greedy and state.matcher is None)
                 if tree is None or node == (node if unmasked_greedy else accept_greedy(tree, tokens, logits).last_node):
                     heads_at[rid] = out.medusa[row, 0]
         self.scheduler.commit(step, sampled, accepted, on_token)
-        if policy is not None and heads_at:
-            self._draft(policy, heads_at)
+        return heads_at
 
     def _greedy_run(self, step: Step, steps: int, on_token: TokenSink, interrupted: Callable[[], bool]) -> int:
         """Up to ``steps`` decode steps back to back (scheduler.run_length), each row fed its own
@@ -217,16 +235,42 @@ class EngineCore:
             self.sampling[rid].decode_steps += len(self.scheduler.requests[rid].output) - taken[rid]
         return len(produced)
 
-    def _draft(self, policy: SpeculationPolicy, heads_at: dict) -> None:
+    def _draft(self, heads_at: dict) -> None:
+        """Next step's drafts for the decoding requests that have none pending: Medusa's tree
+        prefix for this batch (from the heads at their newest token) and the host sources'
+        chains, whichever a request is expected to keep more of; then the chain length the batch
+        verifies, 0 where speculating would not beat plain decoding (runtime/speculation/host.py)."""
+        spec = self.speculation
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
-        size = policy.choose(len(decoding))
-        if size == 0:
-            return
-        tree = policy.prefix(size)
+        size = spec.choose_medusa(len(decoding)) if heads_at else 0
+        tree = spec.medusa.prefix(size) if size else None
+        medusa_kept = float(spec.medusa.acceptance.expected_accepted(tree)[-1]) if size else 0.0
+        medusa: dict[str, Draft] = {}
+        chains = {}
         for request in decoding:
-            medusa = heads_at.get(request.rid)
-            if medusa is not None and request.phase == Phase.decoding and request.params.speculative:
-                request.draft = Draft(tree, tuple(tree.candidates(request.last_token, medusa)[1:]))
+            if request.phase != Phase.decoding or request.draft is not None:
+                continue
+            sources, rid = self.sampling[request.rid].sources, request.rid
+            heads = heads_at.get(rid)
+            if tree is not None and heads is not None and Source.medusa in sources:
+                medusa[rid] = Draft(tree, tuple(tree.candidates(request.last_token, heads)[1:]), Source.medusa)
+            if spec.host is not None:
+                left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
+                chain = spec.host.draft(rid, request.tokens, sources, left) if left > 0 else None
+                if chain is not None and (rid not in medusa or chain.expected[-1] > medusa_kept):
+                    medusa.pop(rid, None)
+                    chains[rid] = chain
+        for rid, draft in medusa.items():
+            self.scheduler.requests[rid].draft = draft
+        if not chains:
+            return
+        others = len(decoding) - len(chains)  # rows whose step yields Medusa's expected tokens or one
+        n = spec.host.choose(len(decoding), chains, others + len(medusa) * medusa_kept,
+                             tree.size if medusa else 1)
+        if n:
+            for rid, chain in chains.items():
+                k = min(n, len(chain.tokens))
+                self.scheduler.requests[rid].draft = Draft(chain_tree(k), chain.tokens[:k], chain.source)
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:

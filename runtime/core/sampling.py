@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...contract.manifest import DEFAULT_MAX_TOKENS
+from ...contract.speculation import Source
 from ..structured.constraint import CONSTRAINT_TYPES, Constraint
 
 
@@ -23,7 +24,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0          # with logprobs: also the N likeliest tokens at each position
-    speculative: bool = True       # Medusa engines: verify the heads' guesses for this request
+    # Draft sources this request may speculate with: None, the engine's (LLM's) own; (): none.
+    speculation: tuple[Source, ...] | None = None
     constraint: Constraint | None = None  # structured output: the text must match it (runtime/structured/)
 
     def __post_init__(self):
@@ -43,8 +45,14 @@ class SamplingParams:
         if self.constraint is not None and not isinstance(self.constraint, CONSTRAINT_TYPES):
             problems.append(f"constraint must be one of {', '.join(t.__name__ for t in CONSTRAINT_TYPES)} "
                             f"(got {type(self.constraint).__name__})")
+        if self.speculation is not None and (not isinstance(self.speculation, (tuple, list))
+                                             or not all(isinstance(s, Source) for s in self.speculation)):
+            problems.append(f"speculation must be None or a tuple of Source members "
+                            f"({', '.join(s.name for s in Source)}) (got {self.speculation!r})")
         if problems:
             raise ValueError("; ".join(problems))
+        if self.speculation is not None:
+            object.__setattr__(self, "speculation", tuple(dict.fromkeys(self.speculation)))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
 
@@ -71,31 +79,42 @@ class Sampler:
         self.rng = np.random.default_rng(self.params.seed)
         self.takes_argmax = self.params.takes_argmax  # read every token: an attribute, not a property
 
-    def sample(self, logits: np.ndarray) -> tuple[int, float | None]:
-        """(token, its log-probability under the model's distribution if asked)."""
+    def sample(self, logits: np.ndarray, excluding: int | None = None) -> tuple[int, float | None]:
+        """(token, its log-probability under the model's distribution if asked). ``excluding``: a
+        draft token just rejected at this position; the token comes from the distribution with
+        it removed, as exact speculative sampling requires (runtime/speculation/chain.py)."""
         p = self.params
-        if self.takes_argmax:  # the argmax needs no float64 copy of the row
+        if self.takes_argmax and excluding is None:  # the argmax needs no float64 copy of the row
             return int(logits.argmax()), None
         logits = logits.astype(np.float64)  # [V]
         if p.greedy:
             token = int(np.argmax(logits))
         else:
-            scaled = logits / p.temperature
-            if p.top_k and p.top_k < len(scaled):  # top_k ≥ V keeps every token
-                kth = np.partition(scaled, -p.top_k)[-p.top_k]
-                scaled = np.where(scaled < kth, -np.inf, scaled)
-            probs = _softmax(scaled)
-            if p.top_p < 1.0:
-                order = np.argsort(-probs, kind="stable")
-                cumulative = np.cumsum(probs[order])
-                keep = order[: int(np.searchsorted(cumulative, p.top_p) + 1)]
-                mask = np.zeros_like(probs, dtype=bool)
-                mask[keep] = True
-                probs = np.where(mask, probs, 0.0)
+            probs = self.distribution(logits)
+            if excluding is not None:
+                probs[excluding] = 0.0
                 probs /= probs.sum()
             token = int(self.rng.choice(len(probs), p=probs))
         logprob = float(np.log(_softmax(logits)[token])) if p.logprobs else None
         return token, logprob
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """[V] float64: what a sampled row draws from (temperature, then top-k, then top-p)."""
+        p = self.params
+        scaled = logits.astype(np.float64) / p.temperature
+        if p.top_k and p.top_k < len(scaled):  # top_k ≥ V keeps every token
+            kth = np.partition(scaled, -p.top_k)[-p.top_k]
+            scaled = np.where(scaled < kth, -np.inf, scaled)
+        probs = _softmax(scaled)
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, p.top_p) + 1)]
+            mask = np.zeros_like(probs, dtype=bool)
+            mask[keep] = True
+            probs = np.where(mask, probs, 0.0)
+            probs /= probs.sum()
+        return probs
 
 
     @staticmethod

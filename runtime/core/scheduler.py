@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
+from ...contract.speculation import Source
 from ..speculation.medusa import Accepted, Tree
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
@@ -48,7 +49,7 @@ class Request:
     phase: Phase = Phase.waiting
     finish_reason: str | None = None
     cached_tokens: int = 0            # prompt tokens loaded from the prefix cache
-    draft: "Draft | None" = None      # Medusa guesses to verify at the next decode step
+    draft: "Draft | None" = None      # guesses to verify at the next decode step
 
     @property
     def tokens(self) -> list[int]:
@@ -62,9 +63,11 @@ class Request:
 
 @dataclass(frozen=True)
 class Draft:
-    """A tree of guessed tokens following the request's last token (``tokens[i]`` is node i + 1)."""
+    """A tree of guessed tokens following the request's last token (``tokens[i]`` is node i + 1),
+    and the draft source that guessed them (a Medusa tree, or a host source's chain)."""
     tree: Tree
     tokens: tuple[int, ...]
+    source: Source = Source.medusa
 
 
 class Scheduler:

@@ -61,6 +61,16 @@ class SpeculationStats:
     head_tried: list[int] = field(default_factory=list)
     head_accepted: list[int] = field(default_factory=list)
     tree_sizes: Counter = field(default_factory=Counter)  # verification steps by S
+    # per draft source (medusa, prompt_lookup, suffix): rows verified, guesses kept
+    source_rows: Counter = field(default_factory=Counter)
+    source_accepted: Counter = field(default_factory=Counter)
+
+    def count_row(self, source: str, accepted: int) -> None:
+        """One row's verification, whichever source drafted it."""
+        self.verified_rows += 1
+        self.accepted_tokens += accepted
+        self.source_rows[source] += 1
+        self.source_accepted[source] += accepted
 
     @property
     def mean_accepted_per_step(self) -> float:
@@ -76,4 +86,7 @@ class SpeculationStats:
                 "verified_rows": self.verified_rows, "accepted_tokens": self.accepted_tokens,
                 "mean_tokens_per_step": round(self.mean_accepted_per_step, 3), "steps_saved": self.accepted_tokens,
                 "head_acceptance": [round(a, 3) for a in self.head_acceptance()],
-                "tree_sizes": dict(sorted(self.tree_sizes.items()))}
+                "tree_sizes": dict(sorted(self.tree_sizes.items())),
+                "sources": {source: {"verified_rows": rows, "accepted_tokens": self.source_accepted[source],
+                                     "mean_tokens_per_step": round(1 + self.source_accepted[source] / rows, 3)}
+                            for source, rows in sorted(self.source_rows.items())}}

@@ -135,8 +135,7 @@ class SpeculationPolicy:
             self._reorder()
             self._since_reorder = 0
         stats = self.stats
-        stats.verified_rows += 1
-        stats.accepted_tokens += len(accepted.nodes)
+        stats.count_row("medusa", len(accepted.nodes))
         # Head h was tried when the path reached depth h and that node has guesses below it.
         for head in range(tree.depth):
             parent = 0 if head == 0 else accepted.nodes[head - 1] if head <= len(accepted.nodes) else None
