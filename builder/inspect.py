@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from ..contract.gpu_targets import describe
 from ..contract.manifest import ManifestError, check_engine_dir, has_cpu_graphs, read_manifest
+from ..contract.speculation import SpeculationConfig
 from .errors import UserError
 from .progress import dir_size, human_bytes, table
 
@@ -61,6 +63,7 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         *rank_grid(manifest).splitlines(),
         *([f"medusa       {m['num_heads']} heads × {m['num_layers']} block(s); tree of {len(m['tree'])} guesses "
            f"(verification S = {m['tree_size']}); output {m['output']}"] if (m := manifest.get("medusa")) else []),
+        *([f"speculation  {_speculation_line(out, s)}"] if (s := manifest.get("speculation")) is not None else []),
         f"quantization {(q := manifest['spec'].get('quantization', {})).get('mode', 'none')}"
         + (f" ({q.get('algorithm')})" if q.get("mode") == "int4_weight_only" else ""),
         *_gguf_sources(records),
@@ -85,7 +88,7 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         lines.append("rank column: rank:s<pipeline stage>/t<tensor rank>; \"all\": once, on the whole model, before the split")
     if any(r.get("numerics", {}).get("step") == "decode" for r in records):
         lines.append("cpu_* passes make rankN.cpu.onnx: the decode graph ONNX Runtime runs at plain decode steps "
-                     "and, with Medusa heads, the graph it verifies one row's tree on (the verify passes); each "
+                     "and, with any draft source, the graph it verifies one row's guesses on (the verify passes); each "
                      "checked at a step of its kind against the finished rank graph")
     if detail:
         for r in records:
@@ -111,6 +114,19 @@ def _gguf_sources(records: list[dict]) -> list[str]:
             counts[entry["source"]] = counts.get(entry["source"], 0) + 1
     return [f"{'gguf codes' if i == 0 else '':<12} {source}: {count} layer{'s' if count > 1 else ''}"
             for i, (source, count) in enumerate(counts.items())]
+
+
+def _speculation_line(out: Path, entry) -> str:
+    """The draft sources a request gets by default, the verification S the engine was built for,
+    and each host-side source's settings (the manifest's entry, checked as the runtime checks it)."""
+    try:
+        config = SpeculationConfig.from_manifest(entry, str(Path(out) / "manifest.json"))
+    except ValueError as exc:
+        return f"INVALID: {exc}"
+    settings = [f"{name} ({', '.join(f'{k} {v}' for k, v in asdict(c).items())})"
+                for name, c in (("prompt_lookup", config.prompt_lookup), ("suffix", config.suffix)) if c is not None]
+    return "; ".join([f"{', '.join(s.value for s in config.sources)} (verification S = {config.verify_tokens})",
+                      *settings])
 
 
 def _grid_line(manifest: dict) -> str:

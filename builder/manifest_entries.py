@@ -51,6 +51,8 @@ def manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], cu
                      for name, shapes in zip(("decode", "prefill"), optimization_profiles(spec))],
         "cuda_graph_batch_sizes": cuda_graph_plan,
         "medusa": _medusa_manifest(spec),
+        # The draft sources a request gets by default and the verification S built for (null: none).
+        "speculation": spec.speculation.to_manifest() if spec.speculation is not None else None,
         "passes": list(dict.fromkeys(r["pass"] for r in records)),
         "tokenizer": "tokenizer.json",
     }

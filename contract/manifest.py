@@ -16,7 +16,9 @@ from .json_file import read_json_object
 # 5: ``side_files`` says of every file in SIDE_FILES whether the build wrote it; the runtime reads
 # only those listed (hashed) and refuses a dir holding one the build did not write.
 # 6: ``medusa_logits`` is [B, 1, K, V], the heads at each row's greedy path end (was [B, R, K, V]).
-SCHEMA_VERSION = 6
+# 7: ``speculation``: the draft sources and verify_tokens (contract/speculation.py); the
+# verification path (profile rows, the CPU verify graph) is built for any source, not only Medusa.
+SCHEMA_VERSION = 7
 
 # The files beside the ranks' that the runtime reads: the tokenizer, its config and chat template
 # (transformers 5 keeps the template in chat_template.jinja), the end-of-sequence ids

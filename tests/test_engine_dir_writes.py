@@ -16,7 +16,7 @@ def _write_ours(path: Path, marker: str) -> None:
     """A dir trtbuild would have written: every file listed in its manifest."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "rank0.engine").write_text(marker)
-    (path / "manifest.json").write_text(json.dumps({"schema_version": 6, "ranks": [{}],
+    (path / "manifest.json").write_text(json.dumps({"schema_version": 7, "ranks": [{}],
                                                     "files": {"rank0.engine": {}}}))
 
 

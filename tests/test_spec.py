@@ -173,6 +173,77 @@ def test_medusa_section_resolves_the_tree(tmp_path):
     assert chosen.medusa.choices == ((0,), (0, 0), (1,))  # likeliest first, parents first
 
 
+def test_prompt_lookup_and_suffix_sections_enable_with_the_contract_defaults():
+    from trtbuild.contract.speculation import PromptLookupConfig, Source, SpeculationConfig, SuffixConfig
+
+    assert spec_from_dict(spec_dict()).speculation is None and spec_from_dict(spec_dict()).verify_tokens == 1
+    both = spec_from_dict(spec_dict(speculative={"suffix": {}, "prompt_lookup": {}}))
+    # Sources in the spec's order (medusa, prompt_lookup, suffix), whatever order the YAML gives.
+    assert both.speculation == SpeculationConfig((Source.prompt_lookup, Source.suffix), 17,
+                                                 PromptLookupConfig(8, 1, 4), SuffixConfig(16, 16, 32, 0.1, 16))
+    assert both.verify_tokens == 17 and both.max_step_tokens == 64
+    lookup = spec_from_dict(spec_dict(speculative={"prompt_lookup": {"num_tokens": 5, "min_ngram": 2, "max_ngram": 3}}))
+    assert lookup.speculation == SpeculationConfig((Source.prompt_lookup,), 6, PromptLookupConfig(5, 2, 3))
+    suffix = spec_from_dict(spec_dict(speculative={"suffix": {"num_tokens": 40, "max_depth": 8, "max_match": 64,
+                                                              "min_probability": 0, "cross_request": 0}}))
+    assert suffix.speculation == SpeculationConfig((Source.suffix,), 41, suffix=SuffixConfig(40, 8, 64, 0.0, 0))
+    # The manifest entry the runtime reads back is the same config.
+    assert SpeculationConfig.from_manifest(both.speculation.to_manifest(), "m") == both.speculation
+
+
+@pytest.mark.parametrize("sections, verify_tokens, sources", [
+    ({"medusa": {"tree_nodes": 10}}, 11, ["medusa"]),
+    ({"medusa": {"tree_nodes": 10}, "prompt_lookup": {}}, 11, ["medusa", "prompt_lookup"]),
+    ({"suffix": {"num_tokens": 20}, "medusa": {"tree_nodes": 10}}, 21, ["medusa", "suffix"]),
+    ({"medusa": {"tree_nodes": 3}, "prompt_lookup": {"num_tokens": 4}, "suffix": {"num_tokens": 2, "max_depth": 2}},
+     5, ["medusa", "prompt_lookup", "suffix"]),
+])
+def test_verify_tokens_is_the_largest_sources_verification(sections, verify_tokens, sources):
+    if "medusa" in sections:
+        sections["medusa"].update(heads=str(MEDUSA), num_heads=4)
+    spec = spec_from_dict(spec_dict(speculative=sections))
+    assert spec.verify_tokens == verify_tokens == spec.speculation.verify_tokens
+    assert [s.value for s in spec.speculation.sources] == sources
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({"prompt_lookup": {"num_tokens": 0}}, "speculative.prompt_lookup.num_tokens: 0: valid 1 to 64"),
+    ({"prompt_lookup": {"num_tokens": 65}}, "speculative.prompt_lookup.num_tokens: 65: valid 1 to 64"),
+    ({"prompt_lookup": {"min_ngram": 5}},
+     "speculative.prompt_lookup.min_ngram: 5, max_ngram 4: valid 1 ≤ min_ngram ≤ max_ngram ≤ 16"),
+    ({"prompt_lookup": {"max_ngram": 17}},
+     "speculative.prompt_lookup.min_ngram: 1, max_ngram 17: valid 1 ≤ min_ngram ≤ max_ngram ≤ 16"),
+    ({"prompt_lookup": {"num_tokens": "8"}}, "speculative.prompt_lookup.num_tokens: Input should be a valid integer"),
+    ({"prompt_lookup": {"ngram": 2}}, "speculative.prompt_lookup.ngram: unknown key (did you mean 'min_ngram'?); "
+                                      "valid keys here: num_tokens, min_ngram, max_ngram"),
+    ({"suffix": {"num_tokens": 0}}, "speculative.suffix.num_tokens: 0: valid 1 to 64"),
+    ({"suffix": {"max_depth": 17}}, "speculative.suffix.max_depth: 17: valid 1 to num_tokens (16)"),
+    ({"suffix": {"num_tokens": 4}}, "speculative.suffix.max_depth: 16: valid 1 to num_tokens (4)"),
+    ({"suffix": {"max_match": 257}}, "speculative.suffix.max_match: 257: valid 1 to 256"),
+    ({"suffix": {"min_probability": 1.0}}, "speculative.suffix.min_probability: 1.0: valid [0, 1)"),
+    ({"suffix": {"min_probability": -0.5}}, "speculative.suffix.min_probability: -0.5: valid [0, 1)"),
+    ({"suffix": {"cross_request": 1025}}, "speculative.suffix.cross_request: 1025: valid 0 (off) to 1024"),
+    ({"suffix": {"cross_request": True}}, "speculative.suffix.cross_request: Input should be a valid integer"),
+    ({"suffix": []}, "speculative.suffix: Input should be a valid dictionary"),
+])
+def test_bad_draft_source_settings_name_their_field(sections, expected):
+    message = error_of(spec_dict(speculative=sections))
+    assert message.startswith(expected), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("sections, field, tokens", [
+    ({"prompt_lookup": {"num_tokens": 40}}, "speculative.prompt_lookup.num_tokens", 41),
+    ({"prompt_lookup": {}, "suffix": {"num_tokens": 32}}, "speculative.suffix.num_tokens", 33),
+    ({"medusa": {"tree_nodes": 40}, "prompt_lookup": {}}, "speculative.medusa.tree", 41),
+])
+def test_a_verification_longer_than_a_sequence_is_refused_naming_its_source(sections, field, tokens):
+    if "medusa" in sections:
+        sections["medusa"].update(heads=str(MEDUSA), num_heads=4)
+    message = error_of(spec_dict(build={"max_input_len": 16, "max_seq_len": 32}, speculative=sections))
+    assert message == f"{field}: {tokens} tokens per verification exceed build.max_seq_len=32"
+
+
 def test_medusa_heads_for_another_model_are_refused(tmp_path):
     import numpy as np
 

@@ -145,10 +145,10 @@ def cpu_stage_skipped(spec: Spec) -> str | None:
 
 def cpu_graphs_made(spec: Spec) -> frozenset[CpuGraph]:
     """The CPU graphs a build of ``spec`` makes: none where the stage is skipped, the verification
-    graph where there are Medusa heads to verify."""
+    graph where any draft source (Medusa heads, prompt lookup, suffix) proposes guesses to verify."""
     if cpu_stage_skipped(spec) is not None:
         return frozenset()
-    return frozenset({CpuGraph.decode, *((CpuGraph.verify,) if spec.medusa is not None else ())})
+    return frozenset({CpuGraph.decode, *((CpuGraph.verify,) if spec.speculation is not None else ())})
 
 
 def record_metadata(graph: gs.Graph, key: str, value) -> None:

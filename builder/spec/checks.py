@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from ...contract.speculation import Source
 from ..errors import SpecError
 from ..frontend.checkpoint import ArchConfig
 from .model import Spec, linear_names
@@ -24,12 +25,23 @@ def check_against_checkpoint(spec: Spec) -> None:
                                              f"sliding_window={arch.sliding_window}, which trtbuild does "
                                              "not implement; use at most that")
     _check_quantization(spec)
-    if spec.medusa is not None and spec.verify_tokens > spec.build.max_seq_len:
-        raise SpecError("speculative.medusa.tree", f"{spec.verify_tokens} tokens per verification exceed "
-                                                   f"build.max_seq_len={spec.build.max_seq_len}")
+    _check_verification(spec)
     if spec.model.dtype.value == "float32" and "sm75" in spec.build.targets:
         raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
                                          "float16 or drop sm75")
+
+
+# The spec field that sets each draft source's verification S.
+VERIFY_FIELDS = {Source.medusa: "speculative.medusa.tree", Source.prompt_lookup: "speculative.prompt_lookup.num_tokens",
+                 Source.suffix: "speculative.suffix.num_tokens"}
+
+
+def _check_verification(spec: Spec) -> None:
+    """Every source's verification step fits a sequence (its root plus guesses within max_seq_len)."""
+    for source, tokens in spec.source_verify_tokens.items():
+        if tokens > spec.build.max_seq_len:
+            raise SpecError(VERIFY_FIELDS[source], f"{tokens} tokens per verification exceed "
+                                                   f"build.max_seq_len={spec.build.max_seq_len}")
 
 
 def _check_tensor_parallel(spec: Spec) -> None:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from ...contract.gpu_targets import TENSORRT_TARGETS
 from ...contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
+from ...contract.speculation import PromptLookupConfig, SuffixConfig
 from ...onnxruntime_cpu.session import CpuActivations
 from .dtype import DType
 from .errors import FieldError
@@ -151,8 +152,56 @@ class MedusaSection(_Section):
     tree_nodes: StrictInt = Field(63, ge=1, le=255, description="nodes of the default tree (the root not counted)")
 
 
+def _config_problem(config) -> FieldError | None:
+    """A host-side draft source's settings checked by the contract's own rule (the one the runtime
+    applies to a manifest); the error names the field its message starts with."""
+    problem = config.problem()
+    if problem is None:
+        return None
+    field = problem.split(" ", 1)[0].rstrip(",:")
+    return FieldError(field, problem.removeprefix(f"{field} "))
+
+
+# Fields and defaults are those of contract/speculation.py's configs (the manifest's entry); the
+# ranges are checked there too, so a spec is refused exactly where a runtime would refuse its dir.
+class PromptLookupSection(_Section):
+    num_tokens: StrictInt = Field(PromptLookupConfig.num_tokens, description="longest chain proposed (1 to 64)")
+    min_ngram: StrictInt = Field(PromptLookupConfig.min_ngram, description="shortest n-gram looked up")
+    max_ngram: StrictInt = Field(PromptLookupConfig.max_ngram, description="longest n-gram looked up (≤ 16)")
+
+    @model_validator(mode="after")
+    def _valid(self):
+        if (error := _config_problem(self.config)) is not None:
+            raise error
+        return self
+
+    @property
+    def config(self) -> PromptLookupConfig:
+        return PromptLookupConfig(**self.model_dump())
+
+
+class SuffixSection(_Section):
+    num_tokens: StrictInt = Field(SuffixConfig.num_tokens, description="most tree nodes proposed (1 to 64)")
+    max_depth: StrictInt = Field(SuffixConfig.max_depth, description="longest path proposed (≤ num_tokens)")
+    max_match: StrictInt = Field(SuffixConfig.max_match, description="longest suffix matched (1 to 256)")
+    min_probability: float = Field(SuffixConfig.min_probability, description="a node's least path probability [0, 1)")
+    cross_request: StrictInt = Field(SuffixConfig.cross_request, description="recent requests' outputs kept (0 to 1024)")
+
+    @model_validator(mode="after")
+    def _valid(self):
+        if (error := _config_problem(self.config)) is not None:
+            raise error
+        return self
+
+    @property
+    def config(self) -> SuffixConfig:
+        return SuffixConfig(**self.model_dump())
+
+
 class SpeculativeSection(_Section):
     medusa: MedusaSection | None = None
+    prompt_lookup: PromptLookupSection | None = None
+    suffix: SuffixSection | None = None
 
 
 class RuntimeSection(_Section):

@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ...contract.pipeline import RankPosition, balanced_layers, rank_positions, stage_layers
+from ...contract.speculation import Source, SpeculationConfig
 from ..sharding import kv_heads_per_rank
 from ..frontend.checkpoint import ArchConfig
 from .document import (BuildSection, ModelSection, ParallelSection, PassesSection, QuantizationSection,
@@ -94,13 +95,40 @@ class Spec:
 
     @property
     def max_step_tokens(self) -> int:
-        """Largest S of one step: a prefill chunk or a Medusa tree."""
+        """Largest S of one step: a prefill chunk or a verification."""
         return max(self.build.max_input_len, self.verify_tokens)
+
+    @cached_property
+    def source_verify_tokens(self) -> dict[Source, int]:
+        """Each draft source's largest verification S (root included), in the spec's order
+        (medusa, prompt_lookup, suffix; those present): Medusa's tree, a host source's
+        num_tokens guesses after the root."""
+        section = self.document.speculative
+        sizes = {}
+        if self.medusa is not None:
+            sizes[Source.medusa] = self.medusa.tree_size
+        if section.prompt_lookup is not None:
+            sizes[Source.prompt_lookup] = 1 + section.prompt_lookup.num_tokens
+        if section.suffix is not None:
+            sizes[Source.suffix] = 1 + section.suffix.num_tokens
+        return sizes
+
+    @cached_property
+    def speculation(self) -> SpeculationConfig | None:
+        """The engine's draft sources (the manifest's ``speculation`` entry); None without any."""
+        sizes = self.source_verify_tokens
+        if not sizes:
+            return None
+        section = self.document.speculative
+        return SpeculationConfig(
+            sources=tuple(sizes), verify_tokens=max(sizes.values()),
+            prompt_lookup=section.prompt_lookup.config if section.prompt_lookup is not None else None,
+            suffix=section.suffix.config if section.suffix is not None else None)
 
     @property
     def verify_tokens(self) -> int:
-        """S of a Medusa verification step (1 without Medusa: plain decode)."""
-        return self.medusa.tree_size if self.medusa else 1
+        """S of the largest verification step any draft source asks (1 without one: plain decode)."""
+        return self.speculation.verify_tokens if self.speculation is not None else 1
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:

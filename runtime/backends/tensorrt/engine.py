@@ -49,11 +49,13 @@ class TensorRTEngine:
         self.element = HOST_DTYPES[d.dtype]
         self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
         self.tensors = d.rank_tensors(rank)  # a pipeline stage has some of the step's inputs and outputs
-        # A Medusa verification scores the whole tree: S and R up to its size (heads: on the last stage).
+        # A verification scores every guess of any draft source: S and R up to the manifest's
+        # verify_tokens (Medusa's heads: on the last stage).
         self.num_heads = d.medusa["num_heads"] if MEDUSA_LOGITS in self.tensors else 0
-        self.max_rows = rows = d.medusa["tree_size"] if d.medusa else 1
+        speculation = d.speculation
+        self.max_rows = rows = speculation.verify_tokens if speculation is not None else 1
         b, s, s_max = d.max_batch_size, max(d.max_input_len, rows), d.max_seq_len
-        self.max_seq = s  # the most new tokens a step has (S): a prefill chunk or a Medusa tree
+        self.max_seq = s  # the most new tokens a step has (S): a prefill chunk or a verification
         sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
                  "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
         self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items() if name in self.tensors}
