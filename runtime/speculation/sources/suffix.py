@@ -11,7 +11,8 @@ at most max_depth - 1 so that it can have a continuation in a trie of depth max_
 occurs followed by some token, then greedily the most frequent next token (ties: the most
 recent), its probability the conditional frequency count(child) / count(followed node). Where
 the walk reaches a node with no continuation (the trie's depth, or the text's end) it drops the
-oldest matched tokens along suffix links until one has. The walk stops when the path's
+oldest matched tokens along suffix links until one has (at least one token matched: the
+bare frequencies of single tokens are no match). The walk stops when the path's
 probability (the product so far) would fall under ``min_probability``, as the contract says,
 or at min(max_depth, max_tokens) tokens. Of the two tries' chains the one with more expected
 accepted tokens (sum of path probabilities) wins; on a tie the request's own.
@@ -92,9 +93,9 @@ class SuffixSource:
         probabilities: list[float] = []
         path = 1.0
         while len(tokens) < limit:
-            while node.continued == 0:
-                if node.link is None:
-                    return Proposal(tuple(tokens), tuple(probabilities))
+            while node.continued == 0 or node.depth == 0:
+                if node.depth <= 1:  # no context token left to match: the root's counts are no match
+                    return Proposal(tuple(tokens), tuple(probabilities)) if tokens else EMPTY
                 node = node.link
             token, child = max(node.children.items(), key=lambda item: (item[1].count, item[1].last))
             probability = child.count / node.continued
