@@ -184,7 +184,7 @@ def test_suffix_trie_memory_is_bounded_and_retract_empties_it():
         trie.extend(text)
 
     def nodes(node) -> int:
-        return 1 + sum(nodes(child) for child in node.children.values())
+        return 1 + sum(nodes(child) for _, child in node.children())
 
     assert nodes(trie.root) <= 1 + 4 * 180
     assert trie.root.continued == 180   # every token counted once as a 1-token suffix

@@ -97,7 +97,7 @@ class SuffixSource:
                 if node.depth <= 1:  # no context token left to match: the root's counts are no match
                     return Proposal(tuple(tokens), tuple(probabilities)) if tokens else EMPTY
                 node = node.link
-            token, child = max(node.children.items(), key=lambda item: (item[1].count, item[1].last))
+            token, child = max(node.children(), key=lambda item: (item[1].count, item[1].last))
             probability = child.count / node.continued
             if path * probability < self.config.min_probability:
                 break
