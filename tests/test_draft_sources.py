@@ -137,6 +137,7 @@ def test_suffix_follows_the_match_past_the_context_end():
 def test_suffix_caps_at_max_depth_and_max_tokens():
     context = list(range(20)) + [0]
     assert suffix(max_depth=5).propose("a", context, 16).tokens == (1, 2, 3, 4, 5)
+    assert suffix(max_depth=1).propose("e", context, 16).tokens == (1,)
     assert suffix().propose("b", context, 3).tokens == (1, 2, 3)
     assert suffix().propose("c", context, 0) == EMPTY
     assert suffix().propose("d", [1, 2, 3], 8) == EMPTY
