@@ -212,3 +212,11 @@ def test_sources_refuse_bad_settings():
         lookup(min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match=r"suffix: max_depth 20: valid 1 to num_tokens \(16\)"):
         suffix(max_depth=20)
+
+
+@pytest.mark.parametrize("make", [lookup, suffix], ids=["lookup", "suffix"])
+def test_a_numpy_context_gives_python_ints(make):
+    import numpy as np
+    context = np.array([1, 2, 3, 4, 1, 2], dtype=np.int64)
+    proposal = make().propose("r", context, 2)
+    assert proposal.tokens == (3, 4) and all(type(token) is int for token in proposal.tokens)
