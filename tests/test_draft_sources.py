@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from trtbuild.contract.speculation import PromptLookupConfig, Source, SpeculationConfig, SuffixConfig
@@ -216,7 +217,6 @@ def test_sources_refuse_bad_settings():
 
 @pytest.mark.parametrize("make", [lookup, suffix], ids=["lookup", "suffix"])
 def test_a_numpy_context_gives_python_ints(make):
-    import numpy as np
     context = np.array([1, 2, 3, 4, 1, 2], dtype=np.int64)
     proposal = make().propose("r", context, 2)
     assert proposal.tokens == (3, 4) and all(type(token) is int for token in proposal.tokens)
