@@ -195,6 +195,28 @@ def test_suffix_trie_memory_is_bounded_and_retract_empties_it():
     assert nodes(trie.root) == 1 and trie.root.continued == 0
 
 
+def test_suffix_trie_finds_the_longest_suffix_and_counts_it():
+    """Against brute force: the longest suffix of a query that occurs in a text (at most depth
+    tokens), and how often it occurs in all texts."""
+    rng = random.Random(99)
+    depth = 5
+    texts = [random_context(rng, rng.randrange(1, 40), 4) for _ in range(6)]
+    trie = SuffixTrie(depth)
+    for text in texts:
+        trie.extend(text)
+
+    def occurrences(pattern: list[int]) -> int:
+        return sum(text[i:i + len(pattern)] == pattern for text in texts for i in range(len(text) - len(pattern) + 1))
+
+    for _ in range(300):
+        query = [rng.randrange(5) for _ in range(rng.randrange(0, 9))]   # token 4 occurs nowhere
+        node = trie.longest_suffix(query)
+        longest = max((n for n in range(min(depth, len(query)) + 1) if occurrences(query[len(query) - n:]) > 0))
+        assert node.depth == longest
+        if longest:
+            assert node.count == occurrences(query[len(query) - longest:])
+
+
 # --- sources_for ----------------------------------------------------------------------------
 
 def test_sources_for_builds_the_host_sources_listed():
