@@ -164,6 +164,16 @@ def test_suffix_cross_request_store_forgets_the_oldest():
     assert source.propose("new3", [9, 60], 8) == Proposal((61,), (1.0,))
 
 
+@pytest.mark.parametrize("kept, expected", [(3, Proposal((42,), (2 / 3,))), (2, Proposal((42,), (1.0,)))])
+def test_suffix_recent_outputs_count_frequencies_until_forgotten(kept, expected):
+    source = suffix(cross_request=kept)
+    for rid, output in (("a", [40, 41]), ("b", [40, 42]), ("c", [40, 42])):
+        source.propose(rid, [1], 8)
+        source.close(rid, [1, *output])
+    # three outputs kept: 40 was followed by 42 twice, by 41 once; two kept: a's 41 is uncounted
+    assert source.propose("new", [9, 40], 8) == expected
+
+
 def test_suffix_cross_request_zero_keeps_nothing():
     source = suffix(cross_request=0)
     source.propose("a", [1], 8)
