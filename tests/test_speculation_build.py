@@ -113,3 +113,19 @@ def test_tensorrt_engine_sizes_its_rows_by_verify_tokens(monkeypatch, speculatio
         engine.close()
     want = _verify_logits(OnnxRuntimeEngine(d, threads=2), batch=2)
     assert np.abs(got - want).max() <= 1e-4
+
+
+def test_a_bad_speculation_entry_is_refused_at_load(speculation_engine, tmp_path):
+    import shutil
+
+    from trtbuild.runtime.engine_dir import EngineDirError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(speculation_engine, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["speculation"]["verify_tokens"] = 5  # fewer than prompt lookup's 1 + 8
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineDirError) as info:
+        load(copy, verify_hashes=False)
+    assert str(info.value) == (f"{copy / 'manifest.json'}: speculation.prompt_lookup num_tokens 8 + 1 exceeds "
+                               "verify_tokens 5; rebuild the engine dir")
