@@ -154,7 +154,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
     from ..builder.frontend.checkpoint import arch_config
     from ..builder.gpus import find_gpu, gpu_table, network_table
     from ..builder.known_models import find_known, known_arch, known_names
-    from ..builder.plan.estimate import Plan, medusa_plan, workload_for
+    from ..builder.plan.estimate import Plan, medusa_plan, speculation_plan, workload_for
     from ..builder.plan.model_size import QUANTIZATION_PRECISION, param_counts
     from ..builder.plan.advice import plan_report
     from ..builder.plan.pipeline import PipelinePlan, recommend_layout
@@ -196,6 +196,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
     result = Plan(arch=arch, gpu=find_gpu(gpu), gpus=gpus, tp=tp, precision=precision,
                   workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
                   medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
+                  speculation=speculation_plan(spec) if spec is not None and spec.speculation is not None else None,
                   backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
     split = spec.parallel.layers_per_stage if spec is not None and pp == spec.parallel.pipeline else ()
     if spec is not None and spec.parallel.layers_per_stage and not split:

@@ -212,4 +212,5 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
     # Unknown values are refused here, in one line, not mid-load.
     engine_dir.cpu_activations  # noqa: B018
     engine_dir.multi_step  # noqa: B018
+    engine_dir.speculation  # noqa: B018
     return engine_dir

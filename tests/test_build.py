@@ -29,6 +29,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(
 def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
     manifest = json.loads((tiny_engine / "manifest.json").read_text())
     assert manifest["schema_version"] == 7
+    assert manifest["speculation"] is None and manifest["medusa"] is None  # no draft source: plain decode only
     # Every file the runtime reads beside the ranks': written (and hashed) or recorded absent.
     assert manifest["side_files"] == {"tokenizer.json": True, "tokenizer_config.json": True,
                                       "chat_template.jinja": False, "generation_config.json": True,

@@ -104,6 +104,9 @@ def test_engine_dir_records_heads_and_tree(medusa_engine):
     shown = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(medusa_engine)],
                            capture_output=True, text=True).stdout
     assert "medusa       4 heads × 1 block(s); tree of 63 guesses (verification S = 64)" in shown
+    # The draft sources: Medusa alone, verifying up to its tree's 64 tokens.
+    assert manifest["speculation"] == {"sources": ["medusa"], "verify_tokens": 64, "prompt_lookup": None, "suffix": None}
+    assert "speculation  medusa (verification S = 64)" in shown.splitlines()
 
 
 @pytest.mark.parametrize("batch", [1, 4, 8])

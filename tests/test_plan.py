@@ -1,6 +1,7 @@
 """trtbuild plan: memory and roofline figures against hand-computed and well-known values."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -216,3 +217,23 @@ def test_medusa_prediction_follows_the_roofline(tmp_path):
     huge = dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, max_batch=1024))
     advice = next(r["recommendation"] for r in recommendations(huge) if "Medusa" in r["recommendation"])
     assert advice.startswith("Medusa does not help at max_batch_size 1024")
+
+
+def test_speculation_plan_states_the_verification_for_any_source(tmp_path):
+    """A verification of S tokens a row costs ~1 plain step while decoding reads weights
+    (batch 1) and ~S steps once compute-bound; it pays above MIN_GAIN · cost − 1 accepted guesses."""
+    from trtbuild.builder.plan.estimate import SpeculationPlan
+
+    plan = dataclasses.replace(make_plan(config_dir(tmp_path, "llama-3-8b", LLAMA_3_8B), gpu="H100-SXM", seq_len=256),
+                               speculation=SpeculationPlan(("prompt_lookup",), 9))
+    assert plan.verification(1) == pytest.approx((1.0, 0.1))
+    assert plan.verification(1024) == pytest.approx((9.0, 8.9))
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", str(REPO / "specs" / "tiny-code-speculation.yaml")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "speculation (prompt_lookup, suffix; verification S = 17, step times from the roofline" in proc.stdout
+    assert "  batch 1: a verification of 17 tokens a row costs 1.00x a plain decode step; it pays above 0.10 " \
+           "accepted guesses per step" in proc.stdout.splitlines()
+    figures = json.loads(subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", str(REPO / "specs" / "tiny-code.yaml"),
+                                         "--json"], capture_output=True, text=True, check=True).stdout)
+    assert figures["speculation"] is None

@@ -210,9 +210,11 @@ def test_verify_tokens_is_the_largest_sources_verification(sections, verify_toke
     ({"prompt_lookup": {"num_tokens": 0}}, "speculative.prompt_lookup.num_tokens: 0: valid 1 to 64"),
     ({"prompt_lookup": {"num_tokens": 65}}, "speculative.prompt_lookup.num_tokens: 65: valid 1 to 64"),
     ({"prompt_lookup": {"min_ngram": 5}},
-     "speculative.prompt_lookup.min_ngram: 5, max_ngram 4: valid 1 ≤ min_ngram ≤ max_ngram ≤ 16"),
+     "speculative.prompt_lookup.min_ngram: min_ngram 5, max_ngram 4: valid 1 ≤ min_ngram ≤ max_ngram ≤ 16"),
+    ({"prompt_lookup": {"min_ngram": 0}},
+     "speculative.prompt_lookup.min_ngram: min_ngram 0, max_ngram 4: valid 1 ≤ min_ngram ≤ max_ngram ≤ 16"),
     ({"prompt_lookup": {"max_ngram": 17}},
-     "speculative.prompt_lookup.min_ngram: 1, max_ngram 17: valid 1 ≤ min_ngram ≤ max_ngram ≤ 16"),
+     "speculative.prompt_lookup.max_ngram: min_ngram 1, max_ngram 17: valid 1 ≤ min_ngram ≤ max_ngram ≤ 16"),
     ({"prompt_lookup": {"num_tokens": "8"}}, "speculative.prompt_lookup.num_tokens: Input should be a valid integer"),
     ({"prompt_lookup": {"ngram": 2}}, "speculative.prompt_lookup.ngram: unknown key (did you mean 'min_ngram'?); "
                                       "valid keys here: num_tokens, min_ngram, max_ngram"),

@@ -81,6 +81,27 @@ def test_tensorrt_medusa_matches_plain_decoding(gpu_medusa_engine):
     print("medusa on tensorrt:", llm.speculation.stats.as_dict())
 
 
+def test_tensorrt_verifies_a_chain_with_no_medusa_heads(tmp_path_factory):
+    """specs/tiny-code-speculation.yaml (prompt lookup + suffix): the engine's rows are sized by
+    the manifest's verify_tokens, and a chain verified on the GPU takes the tokens the CPU
+    verification graph takes at every node."""
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.backends.tensorrt.engine import TensorRTEngine
+    from trtbuild.runtime.engine_dir import load
+
+    from test_speculation_build import _verify_logits
+
+    d = load(build_for_this_gpu(tmp_path_factory, "tiny-code-speculation.yaml"))
+    engine = TensorRTEngine(d)
+    try:
+        assert engine.max_rows == 17 and engine.medusa is None
+        got = _verify_logits(engine, batch=1)
+    finally:
+        engine.close()
+    want = _verify_logits(OnnxRuntimeEngine(d, threads=2), batch=1)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
 def test_tensorrt_tensor_parallel_matches_one_rank(tmp_path_factory, tiny_engine):
     """TP=2 on two GPUs (TensorRT, NCCL through set_communicator) gives the CPU runtime's tokens."""
     from trtbuild.runtime.backends.tensorrt.library import cuda_runtime

@@ -2,8 +2,8 @@
 
 An ``If`` on the bool input ``plain_decode`` runs the CPU decode graph (the CPU stage's output:
 GroupQueryAttention, packed q/k/v, fused residual norms) for plain decode steps and the rank
-graph for everything else (prefill chunks, Medusa verification). With Medusa heads the CPU stage
-also makes a verification graph (the same fusions, GroupQueryAttention taking a tree of S tokens
+graph for everything else (prefill chunks, verifications). With any draft source (Medusa heads,
+prompt lookup, suffix) the CPU stage also makes a verification graph (the same fusions, GroupQueryAttention taking a tree of S tokens
 of one row): the If's other branch is then a second If, on ``tree_verify``, between it and the
 rank graph, so a verification of batch 1 runs on it. After the If the model computes
 each row's next decode inputs from the step's logits (``NEXT_INPUTS``: the argmax as
@@ -53,8 +53,8 @@ def _branch(model: onnx.ModelProto, tag: str, outputs: list[str]) -> onnx.GraphP
 
 
 def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto, verify: onnx.ModelProto | None) -> onnx.ModelProto:
-    """The rank graph's inputs plus ``plain_decode`` (and with Medusa heads ``tree_verify`` for a
-    verification graph and ``draft_heads``, builder/emit/draft_heads.py), its outputs plus
+    """The rank graph's inputs plus ``plain_decode`` (and ``tree_verify`` with a verification graph,
+    ``draft_heads`` with Medusa heads: builder/emit/draft_heads.py), its outputs plus
     NEXT_INPUTS, the branch chosen by If."""
     outputs = [o.name for o in rank.graph.output]
     for graph in (decode, verify):

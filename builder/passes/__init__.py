@@ -44,7 +44,7 @@ PIPELINE: tuple[Pass, ...] = (
          requires=("attach_medusa",), per_rank=True, runs_with="attach_medusa"),
     Pass("plan_cuda_graphs", plan_cuda_graphs, per_rank=True),
     # The CPU stage, per rank: copies of the finished rank graph become the graphs ONNX Runtime
-    # runs at plain decode steps and, with Medusa heads, at verifications of one row
+    # runs at plain decode steps and, with any draft source, at verifications of one row
     # (rankN.cpu.onnx; base.cpu_graphs_made says which a build makes).
     *_cpu_passes(CpuGraph.decode, "cpu_group_query_attention", cpu_group_query_attention.rewrite, "cpu_"),
     *_cpu_passes(CpuGraph.verify, "cpu_verify_attention", cpu_group_query_attention.rewrite_verify, "cpu_verify_"),

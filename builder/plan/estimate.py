@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...medusa_math.acceptance import best_tree_prefix, expected_accepted, path_probability
+from ...medusa_math.acceptance import MIN_GAIN, best_tree_prefix, expected_accepted, path_probability
 from ..sharding import kv_heads_per_rank
 from ..frontend.checkpoint import ArchConfig
 from ..gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
@@ -52,6 +52,14 @@ class MedusaPlan:
 
 
 @dataclass(frozen=True)
+class SpeculationPlan:
+    """The spec's draft sources (their order: the default a request gets) and the largest
+    verification S the engine is built for."""
+    sources: tuple[str, ...]
+    verify_tokens: int
+
+
+@dataclass(frozen=True)
 class Plan:
     arch: ArchConfig
     gpu: Gpu
@@ -61,6 +69,7 @@ class Plan:
     workload: Workload
     counts: ParamCounts
     medusa: MedusaPlan | None = None
+    speculation: SpeculationPlan | None = None
     backend: str | None = None        # the spec's build.backend (None: planning a bare checkpoint)
     targets: tuple[str, ...] = ()     # the spec's build.targets
 
@@ -189,6 +198,12 @@ class Plan:
         best, speedup = best_tree_prefix(expected, lambda tokens: self.verify_floor_s(batch, tokens))
         return best, 1 + expected[best], speedup
 
+    def verification(self, batch: int) -> tuple[float, float]:
+        """(cost of the spec's largest verification in plain decode steps, accepted guesses per step
+        at which it pays by the runtime's MIN_GAIN) at ``batch``: what any draft source must reach."""
+        cost = self.tree_cost(batch, self.speculation.verify_tokens)
+        return cost, MIN_GAIN * cost - 1
+
     def build_side(self) -> BuildPlan:
         """RAM per process, engine-dir disk and time of building this plan (builder/plan/build_cost.py)."""
         return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True,
@@ -221,6 +236,11 @@ class Plan:
                 str(b): dict(zip(("tree_choices", "tokens_per_step", "speedup"),
                                  (lambda c: (c[0], round(c[1], 3), round(c[2], 3)))(self.medusa_choice(b))))
                 for b in sorted({1, self.workload.max_batch})},
+            "speculation": None if self.speculation is None else {
+                "sources": list(self.speculation.sources), "verify_tokens": self.speculation.verify_tokens,
+                "verification": {str(b): dict(zip(("cost_in_decode_steps", "pays_above_accepted"),
+                                                  (round(v, 3) for v in self.verification(b))))
+                                 for b in sorted({1, self.workload.max_batch})}},
         }
 
 
@@ -228,6 +248,12 @@ def medusa_plan(spec) -> MedusaPlan:
     m = spec.medusa
     return MedusaPlan(num_heads=m.num_heads, num_layers=m.num_layers, choices=m.choices,
                       rank_accuracy=m.rank_accuracy)
+
+
+def speculation_plan(spec) -> SpeculationPlan:
+    config = spec.speculation
+    return SpeculationPlan(sources=tuple(source.value for source in config.sources),
+                           verify_tokens=config.verify_tokens)
 
 
 def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = None,

@@ -59,6 +59,14 @@ def render(plan: Plan) -> str:
             lines.append(f"  batch {batch}: " + (f"verify {n} guesses per step, {tokens:.2f} tokens/step, "
                                                  f"predicted {speedup:.2f}x decode speed-up" if n else
                                                  "speculation does not pay (a bigger step costs more than it saves)"))
+    if plan.speculation is not None:
+        spec = plan.speculation
+        lines += ["", f"speculation ({', '.join(spec.sources)}; verification S = {spec.verify_tokens}, step times "
+                      "from the roofline; the runtime speculates a step only where it pays)"]
+        for batch in sorted({1, w.max_batch}):
+            cost, needed = plan.verification(batch)
+            lines.append(f"  batch {batch}: a verification of {spec.verify_tokens} tokens a row costs {cost:.2f}x a "
+                         f"plain decode step; it pays above {needed:.2f} accepted guesses per step")
     return "\n".join(lines)
 
 

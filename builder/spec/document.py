@@ -152,14 +152,16 @@ class MedusaSection(_Section):
     tree_nodes: StrictInt = Field(63, ge=1, le=255, description="nodes of the default tree (the root not counted)")
 
 
-def _config_problem(config) -> FieldError | None:
+def _config_problem(config, field: str | None = None) -> FieldError | None:
     """A host-side draft source's settings checked by the contract's own rule (the one the runtime
-    applies to a manifest); the error names the field its message starts with."""
+    applies to a manifest); the error names ``field``, else the field its message starts with.
+    A message about one field loses its leading name (the path says it); one about two keeps both."""
     problem = config.problem()
     if problem is None:
         return None
-    field = problem.split(" ", 1)[0].rstrip(",:")
-    return FieldError(field, problem.removeprefix(f"{field} "))
+    named = problem.split(" ", 1)[0]
+    single = "," not in problem.partition(":")[0]
+    return FieldError(field or named, problem.removeprefix(f"{named} ") if single else problem)
 
 
 # Fields and defaults are those of contract/speculation.py's configs (the manifest's entry); the
@@ -171,7 +173,8 @@ class PromptLookupSection(_Section):
 
     @model_validator(mode="after")
     def _valid(self):
-        if (error := _config_problem(self.config)) is not None:
+        # min_ngram and max_ngram are checked together: blame max_ngram where it alone is out of range.
+        if (error := _config_problem(self.config, "max_ngram" if self.max_ngram > 16 else None)) is not None:
             raise error
         return self
 

@@ -72,7 +72,7 @@ class OnnxRuntimeEngine:
             source, self.decode = cpu_graph(engine_dir, rank, use_decode_graph)  # self.decode: rankN.cpu.onnx or None
             self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
-            # A step model built with Medusa heads verifies one row's tree on its CPU verification graph.
+            # A step model built with any draft source verifies one row's tree on its CPU verification graph.
             names = {i.name for i in self.session.get_inputs()}
             self.verifies_on_cpu_graph = TREE_VERIFY in names
             self.drafts_on_demand = DRAFT_HEADS in names  # a greedy run's steps skip the heads

@@ -16,15 +16,46 @@ from typing import Iterable
 
 
 class Node:
-    __slots__ = ("children", "count", "continued", "depth", "link", "last")
+    """One substring. Most nodes (every substring that occurred once) have at most one child,
+    so a lone child is held in two slots and a dict is made only for a second one: ~100 bytes
+    a node instead of ~300."""
+
+    __slots__ = ("_token", "_child", "_children", "count", "continued", "depth", "link", "last")
 
     def __init__(self, depth: int, link: "Node | None"):
-        self.children: dict[int, Node] = {}
+        self._token = -1                                # the lone child's token (-1: none)
+        self._child: Node | None = None
+        self._children: dict[int, Node] | None = None   # all children, once there are two or more
         self.count = 0          # occurrences of this node's string
         self.continued = 0      # occurrences followed by a token: the sum of the children's counts
         self.depth = depth      # the string's length
         self.link = link        # the node of the string without its first token (the root's is None)
         self.last = -1          # when it last occurred (the trie's clock): breaks count ties by recency
+
+    def child(self, token: int) -> "Node | None":
+        if self._children is not None:
+            return self._children.get(token)
+        return self._child if token == self._token else None
+
+    def add_child(self, token: int, node: "Node") -> None:
+        if self._children is not None:
+            self._children[token] = node
+        elif self._child is None:
+            self._token, self._child = token, node
+        else:
+            self._children = {self._token: self._child, token: node}
+            self._token, self._child = -1, None
+
+    def remove_child(self, token: int) -> None:
+        if self._children is None:
+            self._token, self._child = -1, None
+        else:
+            del self._children[token]
+
+    def children(self) -> list[tuple[int, "Node"]]:
+        if self._children is not None:
+            return list(self._children.items())
+        return [] if self._child is None else [(self._token, self._child)]
 
 
 class SuffixTrie:
@@ -46,9 +77,10 @@ class SuffixTrie:
         for node in (self.root, *open_suffixes):
             if node.depth == self.depth:
                 break
-            child = node.children.get(token)
+            child = node.child(token)
             if child is None:
-                child = node.children[token] = Node(node.depth + 1, shorter)
+                child = Node(node.depth + 1, shorter)
+                node.add_child(token, child)
             child.count += 1
             child.last = self.clock
             node.continued += 1
@@ -63,11 +95,11 @@ class SuffixTrie:
         for node in (self.root, *open_suffixes):
             if node.depth == self.depth:
                 break
-            child = node.children[token]
+            child = node.child(token)
             child.count -= 1
             node.continued -= 1
             if child.count == 0:
-                del node.children[token]
+                node.remove_child(token)
             shortened.append(child)
         return shortened
 
@@ -88,7 +120,7 @@ class SuffixTrie:
         node = self.root
         for token in tokens:
             while True:
-                child = node.children.get(token) if node.depth < self.depth else None
+                child = node.child(token) if node.depth < self.depth else None
                 if child is not None:
                     node = child
                     break
