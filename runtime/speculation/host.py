@@ -27,7 +27,7 @@ from ...medusa_math.acceptance import MIN_GAIN
 from .sources.base import HostDraftSource
 from .step_times import StepTimes
 
-PRIOR = 0.5            # P(kept) per depth before any verification
+PRIOR = 0.5            # P(kept) per depth before any verification, where a source gives no estimate
 PRIOR_WEIGHT = 8.0     # the prior counts as this many verifications (global estimate)
 REQUEST_WEIGHT = 4.0   # the global estimate counts as this many of a request's own
 EXPLORE_AFTER = 16     # decisions a request's drafts stand aside before one is verified anyway
@@ -85,9 +85,14 @@ class HostDrafting:
         self.counts = {source: DepthCounts.empty(max_tokens) for source in sources}
         self._requests: dict[str, _RequestState] = {}
 
-    def probabilities(self, source: Source, rid: str | None = None) -> np.ndarray:
-        """[max_tokens]: P(the token at each depth is kept | the ones before were)."""
-        shared = self.counts[source].probabilities(np.full(self.max_tokens, PRIOR), PRIOR_WEIGHT)
+    def probabilities(self, source: Source, rid: str | None = None, prior: np.ndarray | None = None) -> np.ndarray:
+        """[max_tokens]: P(the token at each depth is kept | the ones before were). ``prior``: the
+        source's own estimate for this draft (a longer n-gram match is likelier kept), which the
+        counts overrule as verifications come in; PRIOR where the source gives none."""
+        base = np.full(self.max_tokens, PRIOR)
+        if prior is not None:
+            base[:len(prior)] = prior[:self.max_tokens]
+        shared = self.counts[source].probabilities(base, PRIOR_WEIGHT)
         own = self._requests.get(rid).counts.get(source) if rid in self._requests else None
         return shared if own is None else own.probabilities(shared, REQUEST_WEIGHT)
 
@@ -98,10 +103,12 @@ class HostDrafting:
             host = self.sources.get(source)
             if host is None:
                 continue
-            tokens = host.propose(rid, context, min(limit, self.max_tokens)).tokens
+            proposal = host.propose(rid, context, min(limit, self.max_tokens))
+            tokens = proposal.tokens
             if not tokens:
                 continue
-            kept = np.cumprod(self.probabilities(source, rid)[:len(tokens)])
+            prior = np.asarray(proposal.probabilities, np.float64)
+            kept = np.cumprod(self.probabilities(source, rid, prior)[:len(tokens)])
             draft = HostDraft(source, tuple(tokens), np.concatenate(([0.0], np.cumsum(kept))))
             if best is None or draft.expected[-1] > best.expected[-1]:
                 best = draft
