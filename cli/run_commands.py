@@ -16,6 +16,34 @@ MEDUSA_TREE_SIZE = click.option(
          "measured step times and acceptance (off where it does not pay); 0: no speculation.")
 
 
+def _sources(ctx, param, value: str | None):
+    """--speculation's value as sources: None (the engine dir's), () for "none", or the names given."""
+    from ..contract.speculation import Source
+
+    if value is None:
+        return None
+    if value.strip() == "none":
+        return ()
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    valid = ", ".join(s.value for s in Source)
+    try:
+        return tuple(Source(n) for n in names) or None
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: a comma-separated list of {valid}, or none") from None
+
+
+def SPECULATION(command):
+    """--speculation and --speculation-mode, for the commands that load an engine dir."""
+    command = click.option(
+        "--speculation-mode", type=click.Choice(["adaptive", "always"]), default="adaptive", show_default=True,
+        help="adaptive: verify drafts only where measured step times and acceptance say it pays (plain "
+             "decoding elsewhere); always: verify every draft a source has.")(command)
+    return click.option(
+        "--speculation", callback=_sources, default=None, metavar="SOURCES",
+        help="Draft sources to speculate with: a comma-separated list of medusa, prompt_lookup, suffix (those "
+             "the engine dir was built for), or none. Default: the engine dir's (its spec's speculative section).")(command)
+
+
 MULTI_STEP = click.option(
     "--multi-step", type=click.IntRange(min=1), default=None,
     help="Greedy decode steps a batch runs back to back before its tokens are detokenized and "
@@ -24,14 +52,17 @@ MULTI_STEP = click.option(
 
 
 def _load(out: Path, backend: str, threads: int, multi_step: int | None, prefix_cache: bool | None = None,
-          batching: str = "inflight", medusa_tree_size: int | None = None):
+          batching: str = "inflight", medusa_tree_size: int | None = None, speculation=None,
+          speculation_mode: str = "adaptive"):
     from ..runtime.engine_dir import EngineDirError
     from ..runtime.llm import LLM
     from ..runtime.core.scheduler import Batching
+    from ..runtime.speculation.host import SpeculationMode
 
     try:
         return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching),
-                   medusa_tree_size=medusa_tree_size, multi_step=multi_step)
+                   medusa_tree_size=medusa_tree_size, multi_step=multi_step, speculation=speculation,
+                   speculation_mode=SpeculationMode(speculation_mode))
     except (EngineDirError, ValueError) as exc:
         _fail(str(exc))
 
@@ -56,10 +87,11 @@ def _fail(message: str):
               help="tensorrt runs rankN.engine on a GPU; onnxruntime runs rankN.onnx on CPU.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MEDUSA_TREE_SIZE
+@SPECULATION
 @MULTI_STEP
 @click.option("--json", "as_json", is_flag=True, help="Print {text, token_ids, finish_reason} as JSON.")
 def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str,
-        threads: int, medusa_tree_size, multi_step, as_json: bool):
+        threads: int, medusa_tree_size, speculation, speculation_mode: str, multi_step, as_json: bool):
     """Generate a completion of --prompt with the engines in OUT.
 
     A tensor-parallel engine dir starts one process per rank on this machine; across machines,
@@ -72,7 +104,8 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
     """
     from ..runtime.parallel.tensor_parallel import RankFailure
 
-    llm = _load(out, backend, threads, multi_step, medusa_tree_size=medusa_tree_size)
+    llm = _load(out, backend, threads, multi_step, medusa_tree_size=medusa_tree_size, speculation=speculation,
+                speculation_mode=speculation_mode)
     try:
         _run(llm, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, as_json)
     except RankFailure as exc:
@@ -101,7 +134,7 @@ def _run(llm, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, st
                                "finish_reason": completion.finish_reason}))
         return
     click.echo(prompt + completion.text)
-    medusa = (f", {completion.decode_steps} decode steps ({completion.accepted_tokens} Medusa guesses accepted)"
+    medusa = (f", {completion.decode_steps} decode steps ({completion.accepted_tokens} draft tokens accepted)"
               if llm.speculation is not None else "")
     click.echo(f"[{len(completion.token_ids)} tokens, {completion.finish_reason}, backend {llm.backend_label}, "
                f"ttft {completion.ttft_s * 1000:.1f} ms{medusa}]", err=True)
@@ -117,10 +150,11 @@ def _run(llm, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, st
 @click.option("--backend", type=BACKENDS, default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @MEDUSA_TREE_SIZE
+@SPECULATION
 @MULTI_STEP
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, threads: int, medusa_tree_size,
-          multi_step, as_json: bool):
+          speculation, speculation_mode: str, multi_step, as_json: bool):
     """Serve a workload from OUT and report requests/s, output tokens/s, TTFT and inter-token latency.
 
     \b
@@ -130,7 +164,7 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
     from ..runtime import bench as benchmark
 
     llm = _load(out, backend, threads, multi_step, prefix_cache=prefix_cache == "on", batching=mode,
-                medusa_tree_size=medusa_tree_size)
+                medusa_tree_size=medusa_tree_size, speculation=speculation, speculation_mode=speculation_mode)
     d = llm.engine_dir
     try:
         load = (benchmark.load_workload(Path(workload), llm.tokenizer) if Path(workload).is_file()
@@ -140,7 +174,7 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
         _fail(f"--workload: {exc}")
     figures = {"mode": mode, "prefix_cache": prefix_cache, "backend": llm.backend, **result.as_dict()}
     if llm.speculation is not None:
-        figures["medusa"] = llm.speculation.stats.as_dict()
+        figures["speculation"] = llm.speculation.stats.as_dict()
     if as_json:
         click.echo(json.dumps(figures, indent=2))
         return

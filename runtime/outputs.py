@@ -15,7 +15,7 @@ class Completion:
     logprobs: list[float] | None
     cached_tokens: int
     decode_steps: int        # engine steps that produced this request's tokens after the first
-    accepted_tokens: int     # Medusa guesses accepted (each saved one decode step)
+    accepted_tokens: int     # draft tokens accepted, any source (each saved one decode step)
     arrival_s: float
     first_token_s: float
     finish_s: float

@@ -237,7 +237,7 @@ def test_requests_with_and_without_speculation_share_steps(medusa_engine, prompt
     plain = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=0).generate(
         prompts[:4], SamplingParams(max_tokens=32, ignore_eos=True))
     llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=8)
-    params = [SamplingParams(max_tokens=32, ignore_eos=True, speculative=i % 2 == 0) for i in range(4)]
+    params = [SamplingParams(max_tokens=32, ignore_eos=True, speculation=None if i % 2 == 0 else ()) for i in range(4)]
     mixed = llm.generate(prompts[:4], params)
     assert [c.token_ids for c in mixed] == [c.token_ids for c in plain]
     assert [c.accepted_tokens > 0 for c in mixed] == [True, False, True, False]

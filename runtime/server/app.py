@@ -170,7 +170,7 @@ async def _serve(state: ServerState, request: Request, prepare):
     if not finished:  # the client left: its unfinished requests were aborted; nobody reads this
         return Response(status_code=499)
     choices = [_choice(i, c, entries[i], prepared) for i, c in enumerate(done)]
-    used = usage(prepared.prompt_tokens, sum(len(c.token_ids) for c in done))
+    used = usage(prepared.prompt_tokens, sum(len(c.token_ids) for c in done), sum(c.accepted_tokens for c in done))
     return completion_body(rid, state.model, choices, used, chat)
 
 
@@ -259,7 +259,7 @@ async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestG
     asked), usage last if asked, then [DONE], which also follows a final error event. A client
     that disconnects cancels this generator; the response then closes the group, which aborts
     what still runs."""
-    chat, generated, failed = prepared.chat, 0, False
+    chat, generated, accepted, failed = prepared.chat, 0, 0, False
     state.open_streams.add(group)
     try:
         if chat:
@@ -273,6 +273,7 @@ async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestG
                     yield _event(chunk_body(rid, state.model, [_chunk_choice(index, delta, finish, prepared)], chat))
                 if delta.finished:
                     generated += len(delta.completion.token_ids)
+                    accepted += delta.completion.accepted_tokens
                     state.metrics.finished(delta.completion)
         except _ShutDown:  # the grace period ended: say so before the connection closes
             failed = True
@@ -286,7 +287,7 @@ async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestG
             yield "data: [DONE]\n\n"
             return
         if prepared.body.include_usage:
-            yield _event(chunk_body(rid, state.model, [], chat, usage(prepared.prompt_tokens, generated)))
+            yield _event(chunk_body(rid, state.model, [], chat, usage(prepared.prompt_tokens, generated, accepted)))
         yield "data: [DONE]\n\n"
     finally:
         state.open_streams.discard(group)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ...contract.speculation import Source
 from ..input_processor import CheckedPrompt, InputProcessor, InputRefused, ValidRequest
 from ..core.sampling import SamplingParams
 from ..structured import CompiledConstraint, Constraint
@@ -130,11 +131,16 @@ class Inputs:
         logprobs = body.logprobs is not None if not chat else body.logprobs
         alternatives = (body.logprobs or 0) if not chat else (body.top_logprobs or 0)
         try:
+            speculation = None if body.speculation is None else tuple(Source(s) for s in body.speculation)
+        except ValueError:
+            raise ApiError(400, f"speculation: {body.speculation!r}; valid: a list of "
+                                f"{', '.join(s.value for s in Source)} ([] for none)", param="speculation") from None
+        try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                     seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
                                     stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
                                     logprobs=logprobs, top_logprobs=alternatives if logprobs else 0,
-                                    constraint=constraint)
+                                    constraint=constraint, speculation=speculation)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return params

@@ -70,6 +70,9 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None        # json_object / json_schema (structured_outputs.py)
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
+    # Extension: the draft sources this request may speculate with (medusa, prompt_lookup, suffix);
+    # [] for none; absent: the engine's. Greedy output is the same either way.
+    speculation: list[str] | None = Field(None, max_length=3)
 
     @field_validator("stop")
     @classmethod
@@ -178,9 +181,12 @@ def parse(raw: bytes, kind: type[SamplingRequest]) -> SamplingRequest:
         raise ApiError(400, f"{param or 'body'}: {err['msg']}", param=param) from None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, accepted_draft_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``completion_tokens_details.accepted_prediction_tokens``: the completion
+    tokens that came from verified drafts (speculative decoding), each one a decode step saved."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted_draft_tokens}}
 
 
 def completion_body(rid: str, model: str, choices: list[dict], used: dict, chat: bool) -> dict:
