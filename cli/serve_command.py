@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .run_commands import MULTI_STEP
+from .run_commands import MULTI_STEP, SPECULATION
 
 
 STOP_WAIT_S = 2.0   # after the grace period: time for open responses to send their shutdown error
@@ -85,10 +85,12 @@ class _DrainingServer:
                    "worker thread); a slower one gets 400.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
+@SPECULATION
 @MULTI_STEP
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
           grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, body_timeout: float,
-          compile_timeout: float, backend: str, threads: int, multi_step: int | None):
+          compile_timeout: float, backend: str, threads: int, speculation, speculation_mode: str,
+          multi_step: int | None):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -107,12 +109,14 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     from ..runtime.server.app import create_app
     from ..runtime.server.connections import with_header_timeout
     from ..runtime.server.inputs import Limits
+    from ..runtime.speculation.host import SpeculationMode
 
     try:
         # Sleeping ONNX Runtime threads: spinning ones keep both cores of a small machine busy
         # between steps, while the event loop needs them to stream (benchmarks/serve_load.py at 8
         # in flight: 1227 → 2281 tok/s, 0.91 → 0.43 CPU ms per token).
-        llm = LLM(engine_dir, backend=backend, threads=threads, multi_step=multi_step, spinning=Spinning.never)
+        llm = LLM(engine_dir, backend=backend, threads=threads, multi_step=multi_step, spinning=Spinning.never,
+                  speculation=speculation, speculation_mode=SpeculationMode(speculation_mode))
     except (EngineDirError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

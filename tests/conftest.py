@@ -72,7 +72,7 @@ def smollm2_gguf() -> Path:
 
 # Fixtures that build engine dirs: every test that uses one (directly or through another
 # fixture) is slow, so `-m "not slow"` stays well under a minute.
-ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "tp_engines", "pp_engines", "smollm2_engine", "smollm2_tp3_engine",
+ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "speculation_engine", "tp_engines", "pp_engines", "smollm2_engine", "smollm2_tp3_engine",
                    "smollm2_medusa_engine"}
 
 
@@ -146,6 +146,12 @@ def tiny_engine(tmp_path_factory) -> Path:
 def medusa_engine(tmp_path_factory) -> Path:
     """specs/tiny-code-medusa.yaml (the bundled model with its committed Medusa heads)."""
     return _cli_build(tmp_path_factory, "tiny-code-medusa.yaml", "tiny-code-medusa")[0]
+
+
+@pytest.fixture(scope="session")
+def speculation_engine(tmp_path_factory) -> Path:
+    """specs/tiny-code-speculation.yaml: prompt lookup and suffix drafting, no Medusa heads."""
+    return _cli_build(tmp_path_factory, "tiny-code-speculation.yaml", "tiny-code-speculation")[0]
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,6 @@ from trtbuild.runtime.core.step import Step, StepKind
 from trtbuild.runtime.engine_dir import load
 from trtbuild.runtime.speculation.medusa import Tree
 
-from conftest import _cli_build
 
 pytestmark = pytest.mark.slow  # builds an engine dir
 
@@ -28,11 +27,6 @@ EXPECTED = SpeculationConfig((Source.prompt_lookup, Source.suffix), 17, PromptLo
 CHAIN = Tree(((0,), (0, 0), (0, 0, 0)))  # a prompt-lookup proposal: three guesses in a row
 PROMPT = [17, 2050, 311, 99, 4001, 7, 7, 1234, 560, 42, 3000, 12]
 GUESSES = [88, 1500, 9]
-
-
-@pytest.fixture(scope="module")
-def speculation_engine(tmp_path_factory):
-    return _cli_build(tmp_path_factory, "tiny-code-speculation.yaml", "tiny-code-speculation")[0]
 
 
 def test_manifest_records_the_sources_and_the_runtime_reads_them(speculation_engine):

@@ -73,7 +73,7 @@ def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[So
     if medusa_tree_size and Source.medusa not in sources:
         raise ValueError(f"medusa_tree_size {medusa_tree_size}: " + (
             f"{where} was built without Medusa heads" if engine_dir.medusa is None else "medusa is not among the sources"))
-    if not sources or medusa_tree_size == 0 and sources == (Source.medusa,):
+    if not sources:
         return None
     if config is None:
         raise ValueError(f"speculation {', '.join(s.value for s in sources)}: {where} was built without a "
@@ -86,7 +86,9 @@ def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[So
     # Calibration times the largest verification any source may run (the shape, not the tokens, costs).
     widest = tree if tree is not None and tree.size >= config.verify_tokens else chain_tree(max_tokens)
     adaptive = mode == SpeculationMode.adaptive
-    times = calibrate(engine, widest, engine_dir.max_batch_size, multi_step) if adaptive else StepTimes()
+    # A pinned Medusa tree alone decides nothing from step times: no calibration to wait for.
+    decides = adaptive and (medusa_tree_size is None or bool(host_sources))
+    times = calibrate(engine, widest, engine_dir.max_batch_size, multi_step) if decides else StepTimes()
     medusa = None
     if tree is not None:
         fixed = medusa_tree_size if medusa_tree_size is not None else None if adaptive else len(tree.choices)

@@ -1,0 +1,301 @@
+"""Speculation without training, in the step loop: prompt-lookup and suffix chains verified by
+the same step as Medusa trees. Greedy output identical to plain decoding for every source, in
+mixed batches, streamed, with stop strings inside an accepted run; sampled output distributed
+as plain sampling's (the exact rule); the batch policy and its exploration; the server's field."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtbuild.contract.speculation import Source
+from trtbuild.runtime.core.sampling import Sampler, SamplingParams
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.speculation.chain import accept_sampled_chain, chain_tree
+from trtbuild.runtime.speculation.host import EXPLORE_AFTER, HostDrafting, SpeculationMode
+from trtbuild.runtime.speculation.medusa import accept_greedy
+from trtbuild.runtime.speculation.step_times import StepTimes
+
+# Code that repeats itself: the second copy's tokens are in the prompt already.
+BODY = ("def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n"
+        "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
+        "        out.append(total / min(i + 1, window))\n    return out\n\n")
+REPEAT = BODY + "\n# The same function again:\n" + BODY[:40]
+PROMPTS = [REPEAT, "def fibonacci(n):", BODY + BODY[:60], "import os\n\ndef list_files(path):"]
+ALWAYS = SpeculationMode.always
+
+
+def _chain_logits(rows: list[list[float]]) -> np.ndarray:
+    return np.log(np.array(rows, np.float64))  # [T, V]: log-probabilities, temperature 1 gives them back
+
+
+def test_chain_tree_is_a_path():
+    tree = chain_tree(3)
+    assert tree.size == 4 and tree.parents == (-1, 0, 1, 2) and tree.children == ((1,), (2,), (3,), ())
+
+
+def test_greedy_acceptance_of_a_chain_keeps_the_agreeing_prefix():
+    tree = chain_tree(3)
+    logits = np.zeros((4, 5))
+    logits[0, 2] = logits[1, 4] = logits[2, 0] = logits[3, 1] = 1.0   # the model's argmax after each node
+    assert accept_greedy(tree, [9, 2, 4, 3], logits).tokens == (2, 4)   # the third guess (3) is not 0
+    assert accept_greedy(tree, [9, 2, 4, 0], logits).tokens == (2, 4, 0)
+    assert accept_greedy(tree, [9, 1, 4, 0], logits).tokens == ()
+
+
+def test_exact_sampled_acceptance_keeps_the_models_distribution():
+    """The first token out of a one-guess chain (kept with p(x), else drawn from p without x) is
+    distributed as p itself: the exact rule. 40k draws; max |frequency - p| under 0.01."""
+    p = [0.1, 0.5, 0.25, 0.15]
+    logits = _chain_logits([p, [0.25] * 4])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    counts = np.zeros(4)
+    for _ in range(40_000):
+        path, rejected = accept_sampled_chain(chain_tree(1), [0, 2], logits, sampler)
+        token = path.tokens[0] if path.tokens else sampler.sample(logits[0], excluding=rejected)[0]
+        counts[token] += 1
+    assert np.abs(counts / counts.sum() - p).max() < 0.01
+    assert rejected in (None, 2)
+
+
+def test_a_guess_the_model_never_samples_is_never_kept():
+    logits = _chain_logits([[0.5, 0.5, 1e-300], [0.5, 0.5, 1e-300]])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    for _ in range(200):
+        path, rejected = accept_sampled_chain(chain_tree(1), [0, 2], logits, sampler)
+        assert path.tokens == () and rejected == 2
+        assert sampler.sample(logits[0], excluding=2)[0] in (0, 1)
+
+
+class _FixedSource:
+    """A host source proposing a given chain (the policy's tests need no real source)."""
+
+    def __init__(self, source: Source, tokens: tuple[int, ...]):
+        self.source, self.tokens, self.closed = source, tokens, []
+
+    def propose(self, rid, context, max_tokens):
+        from trtbuild.runtime.speculation.sources import Proposal
+
+        tokens = self.tokens[:max_tokens]
+        return Proposal(tokens, (0.5,) * len(tokens))
+
+    def close(self, rid, context):
+        self.closed.append(rid)
+
+
+def _times(plain: float, per_token: float) -> StepTimes:
+    """Step times where a verification of S tokens costs plain + per_token × (S - 1)."""
+    times = StepTimes()
+    for seq in (1, 2, 5, 9):
+        times.observe(1, seq, plain + per_token * (seq - 1))
+    return times
+
+
+def _drafting(times: StepTimes, mode=SpeculationMode.adaptive) -> HostDrafting:
+    return HostDrafting({Source.prompt_lookup: _FixedSource(Source.prompt_lookup, tuple(range(8)))}, 8, times, mode)
+
+
+def test_policy_verifies_where_kept_tokens_pay_and_not_where_they_do_not():
+    cheap, dear = _drafting(_times(0.010, 0.0005)), _drafting(_times(0.010, 0.010))
+    for host in (cheap, dear):
+        for _ in range(30):   # the request's chains have been kept whole
+            host.record("a", Source.prompt_lookup, 8, 8)
+    draft = cheap.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)
+    assert draft.tokens == tuple(range(8)) and draft.expected[-1] > 7
+    assert cheap.choose(1, {"a": draft}, 0.0, 1) == 8
+    # Verifying costs as much as decoding one by one: nothing to gain.
+    assert dear.choose(1, {"a": dear.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)}, 0.0, 1) == 0
+
+
+def test_policy_steps_aside_for_drafts_that_are_never_kept_then_explores():
+    host = _drafting(_times(0.010, 0.002))
+    for _ in range(30):
+        host.record("a", Source.prompt_lookup, 8, 0)
+    decisions = [host.choose(1, {"a": host.draft("a", [1], (Source.prompt_lookup,), 100)}, 0.0, 1)
+                 for _ in range(EXPLORE_AFTER + 1)]
+    assert decisions == [0] * EXPLORE_AFTER + [8]   # aside EXPLORE_AFTER times, then one verification
+
+
+def test_always_mode_verifies_every_draft_whole_and_the_limit_caps_it():
+    host = _drafting(StepTimes(), ALWAYS)
+    draft = host.draft("a", [1], (Source.prompt_lookup,), 3)
+    assert draft.tokens == (0, 1, 2) and host.choose(4, {"a": draft}, 3.0, 1) == 3
+    assert host.draft("a", [1], (Source.suffix,), 8) is None   # not a source this engine drafts with
+    host.close("a", [1, 2])
+    assert host.sources[Source.prompt_lookup].closed == ["a"]
+
+
+def test_acceptance_is_learned_per_depth_and_per_request():
+    host = _drafting(StepTimes(), ALWAYS)
+    for _ in range(50):
+        host.record("a", Source.prompt_lookup, 8, 2)   # always the first two kept, the third refused
+    probs = host.probabilities(Source.prompt_lookup, "a")
+    assert probs[0] > 0.9 and probs[1] > 0.9 and probs[2] < 0.1 and probs[3] == pytest.approx(0.5)
+    assert host.probabilities(Source.prompt_lookup, "b")[2] < 0.2   # a new request starts from the shared figure
+
+
+# -- end to end on the bundled model (specs/tiny-code-speculation.yaml) ----------------------------
+
+@pytest.fixture(scope="module")
+def plain(speculation_engine):
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    with LLM(speculation_engine, backend="onnxruntime", speculation=()) as llm:
+        return [c.token_ids for c in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("sources", [(Source.prompt_lookup,), (Source.suffix,)], ids=lambda s: s[0].value)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_is_plain_decodings_for_every_source(speculation_engine, plain, sources, batch):
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    with LLM(speculation_engine, backend="onnxruntime", speculation=sources, speculation_mode=ALWAYS) as llm:
+        got = [c for i in range(0, len(PROMPTS), batch) for c in llm.generate(PROMPTS[i:i + batch], params)]
+        stats = llm.speculation.stats
+    assert [c.token_ids for c in got] == plain
+    # The bundled model repeats itself ("if path is None: return path" ...): those runs are drafted.
+    assert stats.source_rows[sources[0].value] > 0 and sum(c.accepted_tokens for c in got) >= 20
+    assert min(c.decode_steps for c in got) < 40
+
+
+def test_adaptive_mixed_batch_and_streaming_match_plain(speculation_engine, plain):
+    """One batch: a request per source, one with none, the engine's default; streamed too."""
+    choices = [None, (), (Source.suffix,), (Source.prompt_lookup,)]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True, speculation=c) for c in choices]
+    with LLM(speculation_engine, backend="onnxruntime") as llm:   # adaptive, the engine dir's sources
+        assert llm.speculation.sources == (Source.prompt_lookup, Source.suffix)
+        got = llm.generate(PROMPTS, params)
+        pieces = list(llm.stream(PROMPTS[3], params[0]))
+    assert [c.token_ids for c in got] == plain
+    assert pieces[-1].completion.token_ids == plain[3] and "".join(d.text for d in pieces) == got[3].text
+    assert got[1].accepted_tokens == 0   # speculation=(): never drafted for
+
+
+def test_always_mixed_batch_verifies_chains_beside_plain_rows(speculation_engine, plain):
+    choices = [(Source.prompt_lookup,), (), (Source.suffix,), ()]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True, speculation=c) for c in choices]
+    with LLM(speculation_engine, backend="onnxruntime", speculation_mode=ALWAYS) as llm:
+        got = llm.generate(PROMPTS, params)
+        verified = llm.speculation.stats.verify_steps
+    assert [c.token_ids for c in got] == plain and verified > 0
+    assert got[0].accepted_tokens > 0 and got[1].accepted_tokens == got[3].accepted_tokens == 0
+
+
+def test_stop_string_inside_an_accepted_run(speculation_engine, plain):
+    with LLM(speculation_engine, backend="onnxruntime", speculation=()) as llm:
+        full = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=48, ignore_eos=True))[0].text
+    # The model's output repeats a clause: the stop's second half lies in a drafted run.
+    stop = "path\n    if path is None:\n        return path\n    if"
+    assert stop in full
+    params = SamplingParams(max_tokens=48, ignore_eos=True, stop=(stop,))
+    with LLM(speculation_engine, backend="onnxruntime", speculation=(Source.prompt_lookup,),
+             speculation_mode=ALWAYS) as llm:
+        got = llm.generate([PROMPTS[3]], params)[0]
+    assert got.text == full[:full.index(stop)] and got.finish_reason == "stop" and got.accepted_tokens > 0
+
+
+def test_max_tokens_and_eos_end_inside_a_run(speculation_engine, plain):
+    with LLM(speculation_engine, backend="onnxruntime", speculation=(Source.prompt_lookup,),
+             speculation_mode=ALWAYS) as llm:
+        got = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=37, ignore_eos=True))[0]
+    assert got.token_ids == plain[3][:37] and got.finish_reason == "length"
+
+
+def test_sampled_output_is_distributed_as_plain_sampling(speculation_engine):
+    """Temperature 0.7 on a prompt that repeats a line, 160 seeds each way: at each of the first
+    five positions the likeliest token's frequency agrees within 4 standard errors. (Medusa's
+    typical acceptance would not pass this in general; the exact rule must.)"""
+    prompt = "import os\n" * 6 + "import"
+    def runs(speculation, mode):
+        params = [SamplingParams(max_tokens=5, temperature=0.7, seed=s, ignore_eos=True) for s in range(160)]
+        with LLM(speculation_engine, backend="onnxruntime", speculation=speculation, speculation_mode=mode) as llm:
+            out = llm.generate([prompt] * 160, params)
+            return [tuple(c.token_ids) for c in out], sum(c.accepted_tokens for c in out)
+
+    plain_runs, _ = runs((), SpeculationMode.adaptive)
+    drafted_runs, accepted = runs((Source.prompt_lookup,), ALWAYS)
+    assert accepted > 100   # the chains were verified and mostly kept
+    for position in range(5):
+        top = max(set(r[position] for r in plain_runs), key=[r[position] for r in plain_runs].count)
+        a = sum(r[position] == top for r in plain_runs) / 160
+        b = sum(r[position] == top for r in drafted_runs) / 160
+        error = np.sqrt(max(a * (1 - a), 0.01) * 2 / 160)
+        assert abs(a - b) < 4 * error, (position, a, b)
+
+
+def test_requests_and_llms_asking_for_what_is_not_served_are_refused(speculation_engine, tiny_engine):
+    with LLM(speculation_engine, backend="onnxruntime", speculation=(Source.prompt_lookup,),
+             speculation_mode=ALWAYS) as llm:
+        with pytest.raises(ValueError, match="speculation: suffix is not served by this engine"):
+            llm.generate(["x"], SamplingParams(max_tokens=2, speculation=(Source.suffix,)))
+    with pytest.raises(ValueError, match="speculation medusa: .* without Medusa heads"):
+        LLM(speculation_engine, backend="onnxruntime", speculation=(Source.medusa,))
+    with pytest.raises(ValueError, match="without a verification path"):
+        LLM(tiny_engine, backend="onnxruntime", speculation=(Source.prompt_lookup,))
+    with pytest.raises(ValueError, match="speculation must be None or a tuple of Source"):
+        SamplingParams(speculation=("prompt_lookup",))
+
+
+def test_cli_run_takes_speculation_and_refuses_unknown_sources(speculation_engine, plain):
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "trtbuild.cli", "run", str(speculation_engine), "--prompt", PROMPTS[0],
+           "--max-tokens", "48", "--temperature", "0", "--json"]
+    ok = subprocess.run([*run, "--speculation", "prompt_lookup,suffix", "--speculation-mode", "always"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    import json
+    assert json.loads(ok.stdout)["token_ids"][:16] == plain[0][:16]
+    bad = subprocess.run([*run, "--speculation", "ngram"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--speculation" in bad.stderr and "prompt_lookup" in bad.stderr
+
+
+def test_server_speculation_field_and_usage(speculation_engine, tmp_path):
+    import httpx
+
+    from serving import served
+
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    with served(speculation_engine, tmp_path / "serve.log", "--speculation-mode", "always") as running:
+        drafted = httpx.post(f"{running.base}/v1/completions", json=body, timeout=60).json()
+        off = httpx.post(f"{running.base}/v1/completions", json={**body, "speculation": []}, timeout=60).json()
+        bad = httpx.post(f"{running.base}/v1/completions", json={**body, "speculation": ["ngram"]}, timeout=60)
+    assert drafted["choices"][0]["text"] == off["choices"][0]["text"]
+    assert drafted["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    assert off["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculation"
+
+
+def test_a_planted_acceptance_bug_is_caught(speculation_engine, plain, monkeypatch):
+    """Accepting one guess past the model's agreement changes the output: the identity tests
+    above would fail on such a bug."""
+    from trtbuild.runtime.core import engine_core
+    from trtbuild.runtime.speculation.medusa import Accepted
+
+    def one_too_many(tree, tokens, logits):
+        path = accept_greedy(tree, tokens, logits)
+        after = tree.children[path.last_node]
+        return Accepted(path.nodes + after[:1], path.tokens + tuple(tokens[n] for n in after[:1]))
+
+    monkeypatch.setattr(engine_core, "accept_greedy", one_too_many)
+    with LLM(speculation_engine, backend="onnxruntime", speculation=(Source.prompt_lookup,),
+             speculation_mode=ALWAYS) as llm:
+        got = llm.generate(PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True))
+    assert [c.token_ids for c in got] != plain
+
+
+@pytest.mark.parametrize("source", [Source.prompt_lookup, Source.suffix], ids=lambda s: s.value)
+def test_real_model_greedy_output_is_plain_decodings(smollm2_engine, source):
+    """SmolLM2-135M-Instruct asked to repeat a function with a small change: the drafts are
+    mostly kept, and the tokens are plain decoding's."""
+    from trtbuild.runtime.server.chat import chat_template
+
+    code = BODY.replace("values", "xs")
+    messages = [[{"role": "user", "content": f"Rewrite this function with the variable total renamed to acc:\n\n{code}"}],
+                [{"role": "user", "content": "Name three colours."}]]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    outputs = {}
+    for name, sources in (("plain", ()), ("drafted", (source,))):
+        with LLM(smollm2_engine, backend="onnxruntime", speculation=sources, speculation_mode=ALWAYS) as llm:
+            template = chat_template(llm.engine_dir)
+            outputs[name] = llm.generate([template.render(m) for m in messages], params)
+    assert [c.token_ids for c in outputs["drafted"]] == [c.token_ids for c in outputs["plain"]]
+    assert outputs["drafted"][0].accepted_tokens >= 8   # its preamble is not in the prompt; the code is
