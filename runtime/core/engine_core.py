@@ -258,19 +258,21 @@ class EngineCore:
                 left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
                 chain = spec.host.draft(rid, request.tokens, sources, left) if left > 0 else None
                 if chain is not None and (rid not in medusa or chain.expected[-1] > medusa_kept):
-                    medusa.pop(rid, None)
                     chains[rid] = chain
-        for rid, draft in medusa.items():
+        trees = {rid: draft for rid, draft in medusa.items() if rid not in chains}
+        for rid, draft in trees.items():
             self.scheduler.requests[rid].draft = draft
         if not chains:
             return
         others = len(decoding) - len(chains)  # rows whose step yields Medusa's expected tokens or one
-        n = spec.host.choose(len(decoding), chains, others + len(medusa) * medusa_kept,
-                             tree.size if medusa else 1)
-        if n:
-            for rid, chain in chains.items():
-                k = min(n, len(chain.tokens))
+        n = spec.host.choose(len(decoding), chains, others + len(trees) * medusa_kept,
+                             tree.size if trees else 1)
+        for rid, chain in chains.items():
+            k = min(n, len(chain.tokens))
+            if k:
                 self.scheduler.requests[rid].draft = Draft(chain_tree(k), chain.tokens[:k], chain.source)
+            elif rid in medusa:  # no chain verified this step: the row's tree still may be
+                self.scheduler.requests[rid].draft = medusa[rid]
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:

