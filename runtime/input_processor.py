@@ -104,12 +104,7 @@ class InputProcessor:
         """A request that can run: the prompt's tokens plus max_tokens fit max_seq_len, and its
         ``params.constraint`` compiled (``compiled``: already compiled by the caller, e.g. the
         server under its deadline; else compiled here, cached)."""
-        if prompt.checked_by is not self:
-            raise TypeError("a CheckedPrompt from another input processor (another engine dir's rules)")
-        limit = self.engine_dir.max_seq_len
-        if len(prompt.tokens) + params.max_tokens > limit:
-            raise InputRefused(f"{where}: {len(prompt.tokens)} tokens + max_tokens {params.max_tokens} exceeds "
-                               f"max_seq_len {limit}", "max_tokens", "context_length_exceeded")
+        self.check_room(prompt, params, where)
         if (compiled is not None) and (compiled.constraint != params.constraint):
             raise TypeError("the compiled constraint given is not the request's params.constraint")
         if params.constraint is not None and compiled is None:
@@ -117,6 +112,16 @@ class InputProcessor:
                 raise InputRefused("constraint: this input processor compiles no constraints", "constraint")
             compiled = self.constraints.compile(params.constraint)  # ConstraintError (a ValueError) if it cannot
         return ValidRequest(prompt.tokens, params, self, compiled)
+
+    def check_room(self, prompt: CheckedPrompt, params: SamplingParams, where: str = "prompt") -> None:
+        """The prompt's tokens plus max_tokens fit max_seq_len (all of ``request``'s checks but the
+        constraint's compile, for callers that compile it elsewhere: AsyncLLM)."""
+        if prompt.checked_by is not self:
+            raise TypeError("a CheckedPrompt from another input processor (another engine dir's rules)")
+        limit = self.engine_dir.max_seq_len
+        if len(prompt.tokens) + params.max_tokens > limit:
+            raise InputRefused(f"{where}: {len(prompt.tokens)} tokens + max_tokens {params.max_tokens} exceeds "
+                               f"max_seq_len {limit}", "max_tokens", "context_length_exceeded")
 
     def process(self, prompt: str | list[int], params: SamplingParams, where: str = "prompt") -> ValidRequest:
         """One request, checked whole."""

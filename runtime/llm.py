@@ -32,7 +32,7 @@ from .core.prefix_cache import PrefixCache
 from .core.sampling import SamplingParams
 from .core.scheduler import Batching, Scheduler
 from .speculation.policy import SpeculationPolicy, policy_for
-from .structured import ConstraintCompiler
+from .structured import CompilePool, ConstraintCompiler
 from .waiters import CompletionWaiter, DeltaQueue
 
 __all__ = ["LLM", "RuntimeStats"]
@@ -79,6 +79,8 @@ class LLM:
         # Constraints compile (cached) where a request is checked: the caller's thread, never a step.
         self.constraints = ConstraintCompiler(self.tokenizer, d.vocab_size, d.eos_token_ids())
         self.inputs = InputProcessor(self.tokenizer, d, self.constraints)
+        # What event loops compile through (AsyncLLM, the server): a few threads, bounded waits.
+        self.compile_pool = CompilePool(self.constraints)
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
@@ -131,6 +133,7 @@ class LLM:
         """Releases the engine (device memory; a tensor-parallel engine's rank processes) once
         any running step has ended, ends the loop thread, and fails open requests; later
         submits and steps raise."""
+        self.compile_pool.close()
         self.loop.close()
 
     def __enter__(self) -> "LLM":

@@ -1,11 +1,12 @@
 """Structured outputs through trtbuild serve: response_format and the structured_outputs
 extension, with the openai client (stream and not), a 400 naming the field for each bad
-constraint, and compiling that never holds up the event loop."""
+constraint, and compiling that never holds up the event loop, in a bounded pool."""
 from __future__ import annotations
 
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -80,27 +81,62 @@ def test_bad_constraints_are_400_naming_the_field(server, extra, param):
     assert error["param"] == param and error["message"].startswith(param + ":"), error
 
 
-def test_a_slow_compile_holds_up_nothing(server):
-    """/health answers while a 60k-value enum compiles in a worker thread."""
+def _slow_schema(variant: int) -> dict:
+    """SLOW_SCHEMA's size, its values different per variant (a compile each: no cache hit, no sharing)."""
+    return {"enum": [f"value-{i}-{(i * 7919 + variant) % 10007}" for i in range(60_000)]}
+
+
+def test_slow_compiles_hold_up_nothing(server):
+    """/health and a free request answer while three 60k-value enums compile in the pool's two
+    threads (the third waiting for one); each then gets its own constrained answer."""
     done = {}
 
-    def slow():
-        done["response"] = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=60, json={
+    def slow(variant):
+        done[variant] = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=90, json={
             "model": "tiny", "prompt": "x", "max_tokens": 40, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": SLOW_SCHEMA}}})
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": _slow_schema(variant)}}})
 
-    worker = threading.Thread(target=slow)
-    worker.start()
+    workers = [threading.Thread(target=slow, args=(variant,)) for variant in range(1, 4)]
+    for worker in workers:
+        worker.start()
     try:
         health = httpx.get(f"{server}/health", timeout=30)
         quick = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=30,
                            json={"model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": 0})
         assert health.status_code == 200 and quick.status_code == 200
-        assert worker.is_alive()   # both answered while the big schema was still compiling
+        assert any(worker.is_alive() for worker in workers)   # both answered while the big schemas compiled
     finally:
-        worker.join(60)
-    assert done["response"].status_code == 200
-    assert json.loads(done["response"].json()["choices"][0]["text"]) in SLOW_SCHEMA["enum"]
+        for worker in workers:
+            worker.join(90)
+    for variant in range(1, 4):
+        assert done[variant].status_code == 200, done[variant].text
+        assert json.loads(done[variant].json()["choices"][0]["text"]) in _slow_schema(variant)["enum"]
+
+
+def test_a_full_compile_pool_is_a_503(tiny_engine, tmp_path):
+    """One compile thread and no wait: of eight new schemas sent at once (each ~0.5 s to compile),
+    those that find the thread held get 503 and Retry-After, the rest their answer; a cached
+    constraint never needs the thread."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 30, "temperature": 0}
+    with served(tiny_engine, tmp_path / "serve.log", "--compile-workers", "1", "--compile-waiting", "0",
+                api_key=KEY) as running:
+        cached = {**body, "structured_outputs": {"regex": "[0-9]{2}"}}
+        assert httpx.post(f"{running.base}/v1/completions", headers=AUTH, timeout=60, json=cached).status_code == 200
+        with ThreadPoolExecutor(8) as senders:
+            responses = list(senders.map(lambda variant: httpx.post(
+                f"{running.base}/v1/completions", headers=AUTH, timeout=90,
+                json={**body, "structured_outputs": {"json": _slow_schema(variant)}}), range(8)))
+        assert httpx.post(f"{running.base}/v1/completions", headers=AUTH, timeout=60, json=cached).status_code == 200
+    busy = [r for r in responses if r.status_code == 503]
+    answered = [(variant, r) for variant, r in enumerate(responses) if r.status_code == 200]
+    assert len(busy) + len(answered) == 8 and busy and answered, [r.text for r in responses]
+    for response in busy:
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"] == {
+            "message": "structured_outputs.json: constraint compiler busy: 1 compiling and 0 waiting; retry shortly",
+            "type": "server_error", "param": "structured_outputs.json", "code": "constraint_compiler_busy"}
+    for variant, response in answered:
+        assert json.loads(response.json()["choices"][0]["text"]) in _slow_schema(variant)["enum"]
 
 
 def test_compile_timeout_is_a_400(tiny_engine, tmp_path):

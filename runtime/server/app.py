@@ -26,7 +26,6 @@ from .structured_outputs import compiled
 OPEN_ROUTES = ("/health",)                    # no API key needed
 DISCONNECT_POLL_S = 0.05
 PREPARE_WORKERS = 2   # bodies parsed, rendered and tokenized at once; engine steps run in the LLM's engine loop thread
-COMPILE_WORKERS = 2   # constraints compiled at once: their own threads, so one over its deadline holds up no body
 
 
 @dataclass
@@ -38,7 +37,6 @@ class ServerState:
     admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(PREPARE_WORKERS, "trtbuild-inputs"))
-    compilers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(COMPILE_WORKERS, "trtbuild-compile"))
     draining: bool = False
     inflight: int = 0
     stopping: asyncio.Event = field(default_factory=asyncio.Event)   # the grace period is over
@@ -108,7 +106,8 @@ def create_app(engine: AsyncLLM, model: str, limits: Limits, api_key: str | None
 
 
 def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
-    headers = {**(headers or {}), **({"Retry-After": "1"} if exc.status == 429 else {})}
+    busy = exc.status == 429 or exc.code == "constraint_compiler_busy"
+    headers = {**(headers or {}), **({"Retry-After": "1"} if busy else {})}
     if exc.status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="trtbuild"'
     if exc.status == 408:  # the rest of the body may still be coming: the connection cannot serve another request
@@ -144,9 +143,9 @@ async def _body(request: Request, limits: Limits) -> bytes:
 async def _serve(state: ServerState, request: Request, prepare):
     raw = await _body(request, state.limits)
     prepared: Prepared = await asyncio.get_running_loop().run_in_executor(state.workers, prepare, raw)
-    if prepared.constraint is not None:  # compiled in threads of its own under a deadline, never on the loop
+    if prepared.constraint is not None:  # in the LLM's compile pool under a deadline, never on the loop
         prepared = prepared.compiled(state.llm.inputs, await compiled(
-            state.llm.constraints.compile, *prepared.constraint, state.compilers, state.limits.compile_timeout))
+            state.llm.compile_pool, *prepared.constraint, state.limits.compile_timeout))
     state.admission.admit(len(prepared.jobs))   # no await between this check and the submission
     chat, body = prepared.chat, prepared.body
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"   # unique across restarts, as OpenAI's are

@@ -40,7 +40,7 @@ class Prepared:
     chat: bool
     constraint: tuple[Constraint, str] | None = None   # every job's, and the field that asked for it
     # With a constraint, the jobs wait here (checked but for it) until the server has compiled it
-    # under its deadline, in threads of its own (runtime/server/app.py): see ``compiled``.
+    # under its deadline, in the LLM's compile pool (runtime/server/app.py): see ``compiled``.
     pending: tuple[tuple[CheckedPrompt, SamplingParams], ...] = ()
 
     def compiled(self, processor: InputProcessor, constraint: CompiledConstraint) -> "Prepared":
