@@ -22,6 +22,7 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .protocol import ApiError, chunk_body, completion_body, usage
 from .structured_outputs import compiled
+from .tool_calls import ToolCallStream, tool_call
 
 OPEN_ROUTES = ("/health",)                    # no API key needed
 DISCONNECT_POLL_S = 0.05
@@ -238,8 +239,11 @@ def _logprobs(entries, prepared: Prepared) -> dict | None:
 def _choice(index: int, completion: Completion, entries: list, prepared: Prepared) -> dict:
     logprobs = _logprobs(entries, prepared)
     if prepared.chat:
-        choice = {"index": index, "message": {"role": "assistant", "content": completion.text},
-                  "finish_reason": completion.finish_reason}
+        if prepared.tools is not None:
+            message, finish = tool_call(completion.text, completion.finish_reason)
+        else:
+            message, finish = {"role": "assistant", "content": completion.text}, completion.finish_reason
+        choice = {"index": index, "message": message, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
         return choice
@@ -251,6 +255,21 @@ def _chunk_choice(index: int, delta, finish: str | None, prepared: Prepared) -> 
     if prepared.chat:
         return {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish}
     return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _tool_chunks(calls: ToolCallStream, index: int, delta, prepared: Prepared) -> list[dict]:
+    """A tool-calling choice's chunk choices for one delta: its call's pieces (the openai client
+    joins them), the delta's logprobs with the first, the finish reason with the last."""
+    pieces = calls.feed(delta.text)
+    finish = None
+    if delta.finished:
+        last, finish = calls.finish(delta.finish_reason)
+        pieces += last
+    if not pieces and (finish or delta.logprobs):
+        pieces = [{}]
+    logprobs = _logprobs(delta.logprobs, prepared)
+    return [{"index": index, "delta": piece, "logprobs": logprobs if i == 0 else None,
+             "finish_reason": finish if i == len(pieces) - 1 else None} for i, piece in enumerate(pieces)]
 
 
 async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestGroup):
@@ -266,9 +285,13 @@ async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestG
                 yield _event(chunk_body(rid, state.model, [{"index": index, "delta": {"role": "assistant"},
                                                             "logprobs": None, "finish_reason": None}], chat))
         try:
+            calls = [ToolCallStream() for _ in group.rids] if prepared.tools is not None else None
             async for index, delta in group:
                 finish = delta.finish_reason if delta.finished else None
-                if delta.text or finish or delta.logprobs:
+                if calls is not None:
+                    for choice in _tool_chunks(calls[index], index, delta, prepared):
+                        yield _event(chunk_body(rid, state.model, [choice], chat))
+                elif delta.text or finish or delta.logprobs:
                     yield _event(chunk_body(rid, state.model, [_chunk_choice(index, delta, finish, prepared)], chat))
                 if delta.finished:
                     generated += len(delta.completion.token_ids)

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .structured_fields import ResponseFormat, StructuredOutputs
+from .tool_fields import TOOLS_FIELD, ToolChoice, Tools
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -22,7 +23,7 @@ UNSUPPORTED = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": (None, {}),
     "best_of": (None, 1), "suffix": (None, ""), "echo": (None, False),
     "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, False),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
 }
@@ -121,7 +122,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Tool calling is not implemented (``tools`` is refused): kept only so the refusal can name them.
+    # Tool calls are answered (runtime/server/tools.py) but not taken back in messages: kept only
+    # so the refusal can name them.
     tool_calls: list | None = None
     tool_call_id: str | None = None
 
@@ -144,10 +146,12 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Tools | None = TOOLS_FIELD          # function tools (runtime/server/tools.py)
+    tool_choice: ToolChoice | None = None
 
     def unsupported(self) -> ApiError | None:
         """As SamplingRequest's, and: ``top_logprobs`` without ``logprobs`` (it would be silently
-        dropped), and the tool-calling fields of messages (as ``tools`` is refused)."""
+        dropped), and the tool-calling fields of messages (tool results are not taken back)."""
         refused = super().unsupported()
         if refused is not None:
             return refused
@@ -158,8 +162,9 @@ class ChatRequest(SamplingRequest):
             name = message.refused_field()
             if name is not None:
                 what = "tool messages" if name == "role" else f"{name} in messages"
-                return ApiError(400, f"messages.{index}.{name}: {what} are not supported by this server (it does "
-                                     f"not implement tool calling)", param=f"messages.{index}.{name}",
+                return ApiError(400, f"messages.{index}.{name}: {what} are not supported by this server (it answers "
+                                     f"tool calls but does not take them or their results back in messages)",
+                                param=f"messages.{index}.{name}",
                                 code="unsupported_parameter")
         return None
 
