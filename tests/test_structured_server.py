@@ -149,3 +149,68 @@ def test_compile_timeout_is_a_400(tiny_engine, tmp_path):
             "message": "structured_outputs.json: took over 0.05 s to compile; simplify it", "type": "invalid_request_error",
             "param": "structured_outputs.json", "code": "constraint_too_complex"}
         assert httpx.get(f"{running.base}/health", timeout=30).status_code == 200
+
+
+TOOLS = [{"type": "function", "function": {
+             "name": "get_weather", "description": "The weather in a city.",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}}}},
+         {"type": "function", "function": {
+             "name": "add", "description": "The sum of two integers.",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "b": {"type": "integer", "minimum": 0, "maximum": 999}}}}}]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+def _checked_call(message) -> tuple[str, dict]:
+    """The one call's name and arguments, the arguments validated against that tool's schema."""
+    assert message.content is None and len(message.tool_calls) == 1
+    [call] = message.tool_calls
+    assert call.type == "function" and re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, PARAMETERS[call.function.name])
+    return call.function.name, arguments
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}],
+                         ids=["required", "named"])
+def test_tool_calls_whole_and_streamed(client, tool_choice):
+    """The answer is a call of one of the tools (the named one when named) whose arguments
+    validate; streamed, the openai client joins the deltas into the same call; sampled calls validate too."""
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    ask = dict(model="tiny", messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=60, temperature=0)
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    name, arguments = _checked_call(whole.message)
+    assert name == "add" or tool_choice == "required"
+    with client.chat.completions.stream(**ask) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and _checked_call(streamed.message) == (name, arguments)
+    sampled = client.chat.completions.create(**{**ask, "temperature": 1.0, "seed": 3, "n": 4})
+    for choice in sampled.choices:
+        assert choice.finish_reason == "tool_calls" and _checked_call(choice.message)[0] in PARAMETERS
+
+
+def test_tool_choice_none_ignores_the_tools_and_bad_tools_are_400(server, client):
+    messages = [{"role": "user", "content": "x"}]
+    free = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",
+                                          max_tokens=8, temperature=0).choices[0]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0).choices[0]
+    assert (free.message.content, free.message.tool_calls) == (plain.message.content, None)
+    for extra, param in [({"tools": TOOLS}, "tool_choice"),
+                         ({"tools": [{"type": "function", "function": {"description": "no name"}}],
+                           "tool_choice": "required"}, "tools.0.function.name"),
+                         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+                          "tool_choice.function.name"),
+                         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                             "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"},
+                          "tools.0.function.parameters")]:
+        response = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30,
+                              json={"model": "tiny", "max_tokens": 4, "messages": messages, **extra})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith(param + ":"), error
+    completion = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=30,
+                            json={"model": "tiny", "prompt": "x", "max_tokens": 4, "tools": TOOLS})
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "tools"
