@@ -106,3 +106,14 @@ def test_a_stream_cut_before_its_call_began_is_content():
     stream = ToolCallStream()
     assert stream.feed('{"na') == []
     assert stream.finish("length") == ([{"content": '{"na'}], "length")
+
+
+def test_a_template_that_reads_tools_gets_them():
+    from trtbuild.runtime.server.chat import DEFAULT_TEMPLATE, ChatTemplate
+
+    reads = ChatTemplate("{% if tools %}[{% for t in tools %}{{ t.function.name }} {% endfor %}]{% endif %}"
+                         "{% for m in messages %}{{ m.content }}{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert reads.takes_tools and reads.render(messages, [WEATHER, MOVE]) == "[get_weather move ]hi"
+    assert reads.render(messages) == "hi"
+    assert not ChatTemplate(DEFAULT_TEMPLATE).takes_tools
