@@ -8,7 +8,9 @@ reader: the engine loop's thread hands it each request's delta of a step (a gree
 joined) through the event loop's mailbox, one wake-up of the event loop per step for all its
 groups, so a token passes one queue between the engine and the response. Submitting never waits
 for a running step, a group that is left early (a client disconnects, a task is cancelled)
-aborts what still runs, and a failing step ends every open group with that error."""
+aborts what still runs, and a failing step ends every open group with that error. Nor does it
+compile a constraint on the event loop: one not cached goes to the LLM's compile pool, and the
+group reaches the engine once it has compiled (runtime/structured/compile_pool.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -164,10 +166,11 @@ class AsyncLLM:
 
     def _checked(self, prompt: str | list[int], params: SamplingParams) -> ValidRequest | tuple[CheckedPrompt, SamplingParams]:
         """A request, or (its checked prompt, params) while its constraint is not compiled yet."""
-        inputs = self.llm.inputs
+        inputs, constraint = self.llm.inputs, params.constraint
         checked = inputs.prompt(prompt)
-        if params.constraint is None or (hit := self.llm.constraints.cached(params.constraint)) is not None:
-            return inputs.request(checked, params, compiled=hit if params.constraint is not None else None)
+        hit = self.llm.compile_pool.compiler.cached(constraint) if constraint is not None else None
+        if constraint is None or hit is not None:
+            return inputs.request(checked, params, compiled=hit)
         inputs.check_room(checked, params)
         return checked, params
 

@@ -214,3 +214,19 @@ def test_tool_choice_none_ignores_the_tools_and_bad_tools_are_400(server, client
     completion = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=30,
                             json={"model": "tiny", "prompt": "x", "max_tokens": 4, "tools": TOOLS})
     assert completion.status_code == 400 and completion.json()["error"]["param"] == "tools"
+
+
+def test_a_call_and_its_result_go_back_in_messages(client):
+    """The agent loop: the answer's call and the tool's result sent back, then a free answer
+    (tool_choice "none") or another call."""
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    ask = dict(model="tiny", tools=TOOLS, max_tokens=60, temperature=0)
+    [call] = client.chat.completions.create(messages=messages, tool_choice="required", **ask).choices[0].message.tool_calls
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    answer = client.chat.completions.create(messages=messages, tool_choice="none", **ask).choices[0]
+    assert answer.message.tool_calls is None and answer.message.content
+    again = client.chat.completions.create(messages=messages, tool_choice="required", **ask).choices[0]
+    assert again.finish_reason == "tool_calls" and _checked_call(again.message)[0] in PARAMETERS

@@ -117,3 +117,24 @@ def test_a_template_that_reads_tools_gets_them():
     assert reads.takes_tools and reads.render(messages, [WEATHER, MOVE]) == "[get_weather move ]hi"
     assert reads.render(messages) == "hi"
     assert not ChatTemplate(DEFAULT_TEMPLATE).takes_tools
+
+
+def test_calls_and_results_in_messages_reach_the_template():
+    """A template without tools sees a call as the JSON the grammar makes the model write; one
+    that reads tools gets tool_calls (arguments parsed) and the result's tool_call_id."""
+    from trtbuild.runtime.server.chat import DEFAULT_TEMPLATE, ChatTemplate
+    from trtbuild.runtime.server.tool_messages import template_messages
+
+    body = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "content": "5", "tool_call_id": "call_1"}]})
+    assert body.unsupported() is None
+    plain = ChatTemplate(DEFAULT_TEMPLATE).render(template_messages(body.messages, takes_tools=False))
+    assert plain == ('<|user|>\n2 + 3?\n<|assistant|>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+                     '<|tool|>\n5\n<|assistant|>\n')
+    reads = template_messages(body.messages, takes_tools=True)
+    assert reads[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    assert reads[2] == {"role": "tool", "content": "5", "tool_call_id": "call_1"}

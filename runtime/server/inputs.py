@@ -13,6 +13,7 @@ from ..structured import CompiledConstraint, Constraint
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse
 from .structured_outputs import COMPILE_TIMEOUT_S, requested
+from .tool_messages import template_messages
 from .tools import ToolCalling, tool_calling
 
 
@@ -75,7 +76,7 @@ class Inputs:
     def chat(self, raw: bytes) -> Prepared:
         body = self._checked(parse(raw, ChatRequest))
         self._fits(body.n, "n")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = template_messages(body.messages, self.template.takes_tools)
         tools = tool_calling(body.tools, body.tool_choice)
         if tools is not None and (body.response_format is not None and body.response_format.type != "text"
                                   or body.structured_outputs is not None):

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .structured_fields import ResponseFormat, StructuredOutputs
-from .tool_fields import TOOLS_FIELD, ToolChoice, Tools
+from .tool_fields import TOOLS_FIELD, ToolCallMessage, ToolChoice, Tools
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -122,19 +122,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Tool calls are answered (runtime/server/tools.py) but not taken back in messages: kept only
-    # so the refusal can name them.
-    tool_calls: list | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None   # an assistant's calls (runtime/server/tool_messages.py)
+    tool_call_id: str | None = None                    # a tool message: the call it answers
 
-    def refused_field(self) -> str | None:
-        """The tool-calling field this message uses, if any: a tool message, its call id, an
-        assistant's calls (an empty list or null asks for nothing)."""
-        if self.role == "tool":
-            return "role"
-        if self.tool_call_id is not None:
-            return "tool_call_id"
-        return "tool_calls" if self.tool_calls else None
+    def refused_field(self) -> tuple[str, str] | None:
+        """The tool-calling field this message gets wrong, and why: a tool message without the
+        id of its call, an id or calls on a message of another role."""
+        if self.role == "tool" and self.tool_call_id is None:
+            return "tool_call_id", "a tool message needs the id of the call it answers"
+        if self.role != "tool" and self.tool_call_id is not None:
+            return "tool_call_id", "only tool messages answer a call"
+        if self.role != "assistant" and self.tool_calls:
+            return "tool_calls", "only assistant messages make tool calls"
+        return None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -151,7 +151,7 @@ class ChatRequest(SamplingRequest):
 
     def unsupported(self) -> ApiError | None:
         """As SamplingRequest's, and: ``top_logprobs`` without ``logprobs`` (it would be silently
-        dropped), and the tool-calling fields of messages (tool results are not taken back)."""
+        dropped), and tool-calling fields on messages of the wrong role."""
         refused = super().unsupported()
         if refused is not None:
             return refused
@@ -159,13 +159,9 @@ class ChatRequest(SamplingRequest):
             return ApiError(400, "top_logprobs: needs logprobs: true (send both, or leave top_logprobs out)",
                             param="top_logprobs", code="unsupported_parameter")
         for index, message in enumerate(self.messages):
-            name = message.refused_field()
-            if name is not None:
-                what = "tool messages" if name == "role" else f"{name} in messages"
-                return ApiError(400, f"messages.{index}.{name}: {what} are not supported by this server (it answers "
-                                     f"tool calls but does not take them or their results back in messages)",
-                                param=f"messages.{index}.{name}",
-                                code="unsupported_parameter")
+            refused = message.refused_field()
+            if refused is not None:
+                return ApiError(400, f"messages.{index}.{refused[0]}: {refused[1]}", param=f"messages.{index}.{refused[0]}")
         return None
 
 

@@ -1,5 +1,6 @@
 """The wire shape of OpenAI's function tools on /v1/chat/completions: ``tools`` and
-``tool_choice`` (runtime/server/tools.py turns them into a constraint and a prompt)."""
+``tool_choice`` (runtime/server/tools.py turns them into a constraint and a prompt), and the
+calls an assistant message made, sent back in ``messages``."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -34,6 +35,20 @@ class NamedToolChoice(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"]
     function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1)
+    arguments: str   # JSON text, as the answer's tool_calls gave it
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant message made, sent back in ``messages``."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 Tools = list[FunctionTool]

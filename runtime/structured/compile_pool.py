@@ -46,6 +46,8 @@ class CompileJob:
         (time queued not counted); a ``ConstraintError`` if it cannot be compiled. Cancelling the
         waiter leaves the compile running for anyone else waiting on it."""
         started_at = await asyncio.shield(asyncio.wrap_future(self.started))
+        if self.result.done():   # a shared compile that has just ended: no deadline left to miss
+            return self.result.result()
         left = timeout_s - (time.monotonic() - started_at)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.result)), max(left, 0.0))
