@@ -127,7 +127,10 @@ def test_a_full_compile_pool_is_a_503(tiny_engine, tmp_path):
                 f"{running.base}/v1/completions", headers=AUTH, timeout=90,
                 json={**body, "structured_outputs": {"json": _slow_schema(variant)}}), range(8)))
         assert httpx.post(f"{running.base}/v1/completions", headers=AUTH, timeout=60, json=cached).status_code == 200
+        metrics = httpx.get(f"{running.base}/metrics", headers=AUTH, timeout=30).text
     busy = [r for r in responses if r.status_code == 503]
+    assert f"trtbuild:constraint_compiles_refused {float(len(busy))}" in metrics
+    assert "trtbuild:constraint_compiles_pending 0.0" in metrics
     answered = [(variant, r) for variant, r in enumerate(responses) if r.status_code == 200]
     assert len(busy) + len(answered) == 8 and busy and answered, [r.text for r in responses]
     for response in busy:

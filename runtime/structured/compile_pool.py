@@ -67,6 +67,7 @@ class CompilePool:
         self._threads = ThreadPoolExecutor(workers, "trtbuild-compile")
         self._lock = threading.Lock()
         self._jobs: dict[Constraint, CompileJob] = {}   # queued or running, until they end
+        self.refused = 0   # submits refused busy since start (the server's /metrics)
 
     @property
     def pending(self) -> int:
@@ -82,6 +83,7 @@ class CompilePool:
             if job is not None:
                 return job
             if len(self._jobs) >= self.workers + self.max_waiting:
+                self.refused += 1
                 raise CompilerBusy(f"constraint compiler busy: {self.workers} compiling and {self.max_waiting} waiting; "
                                    "retry shortly")
             job = self._jobs[constraint] = CompileJob(constraint)
