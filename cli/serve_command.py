@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from ..runtime.structured.compile_pool import MAX_WAITING, WORKERS
 from .run_commands import MULTI_STEP, SPECULATION
 
 
@@ -81,16 +82,20 @@ class _DrainingServer:
               help="Seconds per MB of its declared Content-Length (of --max-body-bytes when chunked; at least one "
                    "MB's worth) a request body may take to arrive; a slower one gets 408 and the connection closes.")
 @click.option("--compile-timeout", type=click.FloatRange(min=0.001), default=10.0, show_default=True,
-              help="Seconds a request's response_format / structured_outputs constraint may take to compile (in a "
-                   "worker thread); a slower one gets 400.")
+              help="Seconds a request's response_format / structured_outputs / tools constraint may take to compile, "
+                   "from when a compile thread starts it (time waiting for one not counted); a slower one gets 400.")
+@click.option("--compile-workers", type=click.IntRange(min=1), default=WORKERS, show_default=True,
+              help="Threads compiling constraints at once (each compile holds a core while it runs).")
+@click.option("--compile-waiting", type=click.IntRange(min=0), default=MAX_WAITING, show_default=True,
+              help="Constraint compiles that may wait for a thread; past that a request with a new constraint gets 503.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @SPECULATION
 @MULTI_STEP
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
           grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, body_timeout: float,
-          compile_timeout: float, backend: str, threads: int, speculation, speculation_mode: str,
-          multi_step: int | None):
+          compile_timeout: float, compile_workers: int, compile_waiting: int, backend: str, threads: int,
+          speculation, speculation_mode: str, multi_step: int | None):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -110,6 +115,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     from ..runtime.server.connections import with_header_timeout
     from ..runtime.server.inputs import Limits
     from ..runtime.speculation.host import SpeculationMode
+    from ..runtime.structured import CompilePool
 
     try:
         # Sleeping ONNX Runtime threads: spinning ones keep both cores of a small machine busy
@@ -120,6 +126,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     except (EngineDirError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    llm.compile_pool = CompilePool(llm.constraints, compile_workers, compile_waiting, compile_timeout)  # no thread ran yet
     name = model_name or Path(engine_dir).resolve().name
     limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars, max_queue=max_queue,
                     body_timeout=body_timeout, compile_timeout=compile_timeout)
@@ -135,5 +142,4 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
         server.run()
     finally:
         app.state.trtbuild.workers.shutdown(wait=False, cancel_futures=True)
-        app.state.trtbuild.compilers.shutdown(wait=False, cancel_futures=True)
         llm.close()

@@ -8,7 +8,9 @@ reader: the engine loop's thread hands it each request's delta of a step (a gree
 joined) through the event loop's mailbox, one wake-up of the event loop per step for all its
 groups, so a token passes one queue between the engine and the response. Submitting never waits
 for a running step, a group that is left early (a client disconnects, a task is cancelled)
-aborts what still runs, and a failing step ends every open group with that error."""
+aborts what still runs, and a failing step ends every open group with that error. Nor does it
+compile a constraint on the event loop: one not cached goes to the LLM's compile pool, and the
+group reaches the engine once it has compiled (runtime/structured/compile_pool.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +18,7 @@ import threading
 from typing import AsyncIterator
 
 from .engine_loop import Sink
-from .input_processor import ValidRequest
+from .input_processor import CheckedPrompt, ValidRequest
 from .llm import LLM
 from .outputs import Delta
 from .core.sampling import SamplingParams
@@ -73,6 +75,8 @@ class RequestGroup:
         self.queue: asyncio.Queue = asyncio.Queue()
         self._open = set(range(len(rids)))
         self._closed = False
+        self._refused: Exception | None = None   # why the group never reached the engine
+        self.compiling: asyncio.Task | None = None   # submits the group once its constraints compile
 
     @property
     def unfinished(self) -> int:
@@ -82,7 +86,13 @@ class RequestGroup:
     def __aiter__(self) -> "RequestGroup":
         return self
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def __anext__(self) -> tuple[int, Delta]:
+        if self._refused is not None:
+            raise self._refused
         if not self._open:
             raise StopAsyncIteration
         index, item = await self.queue.get()
@@ -96,6 +106,11 @@ class RequestGroup:
 
     def interrupt(self, exc: BaseException) -> None:
         """The next read raises ``exc`` (the server's grace period ended); the group stays open."""
+        self.queue.put_nowait((-1, exc))
+
+    def refuse(self, exc: Exception) -> None:
+        """The group was never submitted (its constraint did not compile): every read raises ``exc``."""
+        self._refused, self._open = exc, set()
         self.queue.put_nowait((-1, exc))
 
     def close(self) -> None:
@@ -126,18 +141,53 @@ class AsyncLLM:
         self._mailbox: _Mailbox | None = None
 
     def submit(self, jobs: list[ValidRequest | tuple[str | list[int], SamplingParams]], rids: list[str]) -> RequestGroup:
-        """Submits every job now, all or none: a ``(prompt, params)`` pair is checked here (an
-        InputRefused, a ValueError, if one cannot run), a ValidRequest (the server's) is not."""
+        """Submits every job, all or none: a ``(prompt, params)`` pair is checked here (an
+        InputRefused, a ValueError, if one cannot run), a ValidRequest (the server's) is not.
+
+        A constraint the compiler has not cached is never compiled here, on the event loop: it
+        goes to the LLM's compile pool (``CompilerBusy`` here if the pool is full), and the
+        group reaches the engine once every constraint has compiled; one that cannot compile
+        (``ConstraintError``, or ``CompileTimeout`` past the pool's deadline) is raised by the
+        group's first read, with nothing submitted."""
         loop = asyncio.get_running_loop()  # first: called outside a loop, it raises having submitted nothing
         if len(jobs) != len(rids):
             raise ValueError(f"{len(jobs)} jobs for {len(rids)} request ids")
-        requests = [job if isinstance(job, ValidRequest) else self.llm.inputs.process(*job) for job in jobs]
+        checked = [job if isinstance(job, ValidRequest) else self._checked(*job) for job in jobs]
+        pool = self.llm.compile_pool
+        compiling = {job[1].constraint: pool.submit(job[1].constraint) for job in checked if isinstance(job, tuple)}
         if self._mailbox is None or self._mailbox.loop is not loop:
             self._mailbox = _Mailbox(loop)
         group = RequestGroup(self.llm, rids, self._mailbox)
-        self.llm.loop.submit([(rid, request, Sink(group, index))
-                              for index, (rid, request) in enumerate(zip(rids, requests))])
+        if compiling:
+            group.compiling = loop.create_task(self._submit_compiled(group, checked, compiling))
+        else:
+            self._enter(group, checked)
         return group
+
+    def _checked(self, prompt: str | list[int], params: SamplingParams) -> ValidRequest | tuple[CheckedPrompt, SamplingParams]:
+        """A request, or (its checked prompt, params) while its constraint is not compiled yet."""
+        inputs, constraint = self.llm.inputs, params.constraint
+        checked = inputs.prompt(prompt)
+        hit = self.llm.compile_pool.compiler.cached(constraint) if constraint is not None else None
+        if constraint is None or hit is not None:
+            return inputs.request(checked, params, compiled=hit)
+        inputs.check_room(checked, params)
+        return checked, params
+
+    async def _submit_compiled(self, group: RequestGroup, checked: list, compiling: dict) -> None:
+        pool = self.llm.compile_pool
+        try:
+            compiled = {constraint: await job.wait(pool.timeout_s) for constraint, job in compiling.items()}
+            if not group.closed:
+                self._enter(group, [job if isinstance(job, ValidRequest) else
+                                    self.llm.inputs.request(*job, compiled=compiled[job[1].constraint])
+                                    for job in checked])
+        except Exception as exc:  # noqa: BLE001  (the reader gets it: nothing was submitted)
+            group.refuse(exc)
+
+    def _enter(self, group: RequestGroup, requests: list[ValidRequest]) -> None:
+        self.llm.loop.submit([(rid, request, Sink(group, index))
+                              for index, (rid, request) in enumerate(zip(group.rids, requests))])
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                      rid: str | None = None) -> AsyncIterator[Delta]:

@@ -108,6 +108,19 @@ class InputProcessor:
         """A request that can run: the prompt's tokens plus max_tokens fit max_seq_len, and its
         ``params.constraint`` compiled (``compiled``: already compiled by the caller, e.g. the
         server under its deadline; else compiled here, cached)."""
+        self.check_room(prompt, params, where)
+        if (compiled is not None) and (compiled.constraint != params.constraint):
+            raise TypeError("the compiled constraint given is not the request's params.constraint")
+        if params.constraint is not None and compiled is None:
+            if self.constraints is None:
+                raise InputRefused("constraint: this input processor compiles no constraints", "constraint")
+            compiled = self.constraints.compile(params.constraint)  # ConstraintError (a ValueError) if it cannot
+        return ValidRequest(prompt.tokens, params, self, compiled)
+
+    def check_room(self, prompt: CheckedPrompt, params: SamplingParams, where: str = "prompt") -> None:
+        """The prompt's tokens plus max_tokens fit max_seq_len, and the draft sources it asks for are
+        served (all of ``request``'s checks but the
+        constraint's compile, for callers that compile it elsewhere: AsyncLLM)."""
         if prompt.checked_by is not self:
             raise TypeError("a CheckedPrompt from another input processor (another engine dir's rules)")
         limit = self.engine_dir.max_seq_len
@@ -119,13 +132,6 @@ class InputProcessor:
             served = ", ".join(s.value for s in self.speculation_sources) or "none"
             raise InputRefused(f"speculation: {', '.join(missing)} is not served by this engine (sources: {served})",
                                "speculation")
-        if (compiled is not None) and (compiled.constraint != params.constraint):
-            raise TypeError("the compiled constraint given is not the request's params.constraint")
-        if params.constraint is not None and compiled is None:
-            if self.constraints is None:
-                raise InputRefused("constraint: this input processor compiles no constraints", "constraint")
-            compiled = self.constraints.compile(params.constraint)  # ConstraintError (a ValueError) if it cannot
-        return ValidRequest(prompt.tokens, params, self, compiled)
 
     def process(self, prompt: str | list[int], params: SamplingParams, where: str = "prompt") -> ValidRequest:
         """One request, checked whole."""

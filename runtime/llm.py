@@ -34,7 +34,7 @@ from .core.scheduler import Batching, Scheduler
 from ..contract.speculation import Source
 from .speculation.host import SpeculationMode
 from .speculation.speculation import Speculation, speculation_for
-from .structured import ConstraintCompiler
+from .structured import CompilePool, ConstraintCompiler
 from .waiters import CompletionWaiter, DeltaQueue
 
 __all__ = ["LLM", "RuntimeStats"]
@@ -87,6 +87,8 @@ class LLM:
             raise EngineDirError(str(exc)) from None
         # Constraints compile (cached) where a request is checked: the caller's thread, never a step.
         self.constraints = ConstraintCompiler(self.tokenizer, d.vocab_size, d.eos_token_ids())
+        # What event loops compile through (AsyncLLM, the server): a few threads, bounded waits.
+        self.compile_pool = CompilePool(self.constraints)
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
@@ -141,6 +143,7 @@ class LLM:
         """Releases the engine (device memory; a tensor-parallel engine's rank processes) once
         any running step has ended, ends the loop thread, and fails open requests; later
         submits and steps raise."""
+        self.compile_pool.close()
         self.loop.close()
 
     def __enter__(self) -> "LLM":

@@ -236,11 +236,11 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argumen
 
 @pytest.mark.parametrize("extra, messages, param", [
     ({"top_logprobs": 2}, [{"role": "user", "content": "x"}], "top_logprobs"),
-    ({}, [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}],
-     "messages.1.tool_calls"),
-    ({}, [{"role": "user", "content": "x"}, {"role": "tool", "content": "4", "tool_call_id": "call_1"}],
-     "messages.1.role"),
+    ({}, [{"role": "user", "content": "x", "tool_calls": [CALL]}], "messages.0.tool_calls"),
+    ({}, [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}], "messages.1.tool_call_id"),
     ({}, [{"role": "user", "content": "x", "tool_call_id": "call_1"}], "messages.0.tool_call_id"),
+    ({}, [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}],
+     "messages.1.tool_calls.0.function"),
 ])
 def test_fields_the_server_would_drop_are_refused_by_name(server, extra, messages, param):
     response = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},

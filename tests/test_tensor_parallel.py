@@ -325,3 +325,27 @@ def test_int4_gptq_tp2_gives_the_tokens_of_tp1(tmp_path_factory):
     manifest = json.loads((two / "manifest.json").read_text())
     whole = json.loads((one / "manifest.json").read_text())["ranks"][0]["weight_bytes"]
     assert all(r["weight_bytes"] < 0.75 * whole for r in manifest["ranks"])  # codes and scales sharded
+
+
+@pytest.mark.slow
+def test_tp2_greedy_constrained_tokens_equal_one_rank(tiny_engine, tp2_engine):
+    """Rank 0 masks the gathered logits: greedy constrained tokens (a JSON schema, a regex) and a
+    free row beside them in the same batch are TP=1's, plain steps and multi-step runs alike."""
+    from test_structured import LONG_PROMPT, REGEX, SCHEMA
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.structured import JsonSchema, Regex
+
+    prompts = [LONG_PROMPT, "class A:", "def f(x):"]
+    params = [SamplingParams(max_tokens=60, constraint=JsonSchema(SCHEMA)), SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=60, constraint=Regex(REGEX))]
+    with LLM(tiny_engine, backend="onnxruntime", multi_step=1) as one:
+        expected = [o.token_ids for o in one.generate(prompts, params)]
+        alone = [one.generate([p], c)[0] for p, c in zip(prompts[::2], params[::2])]
+    assert [o.token_ids for o in alone] == expected[::2] and [o.finish_reason for o in alone] == ["stop", "stop"]
+    for multi_step in (1, 4):
+        with LLM(tp2_engine, backend="onnxruntime", multi_step=multi_step) as two:
+            got = two.generate(prompts, params)
+            assert two.engine_dir.tensor_parallel == 2
+        assert [o.token_ids for o in got] == expected, f"multi_step={multi_step}"
+    assert json.loads(got[0].text)["kind"] in ("cat", "dog")

@@ -22,11 +22,11 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .protocol import ApiError, chunk_body, completion_body, usage
 from .structured_outputs import compiled
+from .tool_calls import ToolCallStream, tool_call
 
 OPEN_ROUTES = ("/health",)                    # no API key needed
 DISCONNECT_POLL_S = 0.05
 PREPARE_WORKERS = 2   # bodies parsed, rendered and tokenized at once; engine steps run in the LLM's engine loop thread
-COMPILE_WORKERS = 2   # constraints compiled at once: their own threads, so one over its deadline holds up no body
 
 
 @dataclass
@@ -38,7 +38,6 @@ class ServerState:
     admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(PREPARE_WORKERS, "trtbuild-inputs"))
-    compilers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(COMPILE_WORKERS, "trtbuild-compile"))
     draining: bool = False
     inflight: int = 0
     stopping: asyncio.Event = field(default_factory=asyncio.Event)   # the grace period is over
@@ -108,7 +107,8 @@ def create_app(engine: AsyncLLM, model: str, limits: Limits, api_key: str | None
 
 
 def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
-    headers = {**(headers or {}), **({"Retry-After": "1"} if exc.status == 429 else {})}
+    busy = exc.status == 429 or exc.code == "constraint_compiler_busy"
+    headers = {**(headers or {}), **({"Retry-After": "1"} if busy else {})}
     if exc.status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="trtbuild"'
     if exc.status == 408:  # the rest of the body may still be coming: the connection cannot serve another request
@@ -144,9 +144,9 @@ async def _body(request: Request, limits: Limits) -> bytes:
 async def _serve(state: ServerState, request: Request, prepare):
     raw = await _body(request, state.limits)
     prepared: Prepared = await asyncio.get_running_loop().run_in_executor(state.workers, prepare, raw)
-    if prepared.constraint is not None:  # compiled in threads of its own under a deadline, never on the loop
+    if prepared.constraint is not None:  # in the LLM's compile pool under a deadline, never on the loop
         prepared = prepared.compiled(state.llm.inputs, await compiled(
-            state.llm.constraints.compile, *prepared.constraint, state.compilers, state.limits.compile_timeout))
+            state.llm.compile_pool, *prepared.constraint, state.limits.compile_timeout))
     state.admission.admit(len(prepared.jobs))   # no await between this check and the submission
     chat, body = prepared.chat, prepared.body
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"   # unique across restarts, as OpenAI's are
@@ -239,8 +239,11 @@ def _logprobs(entries, prepared: Prepared) -> dict | None:
 def _choice(index: int, completion: Completion, entries: list, prepared: Prepared) -> dict:
     logprobs = _logprobs(entries, prepared)
     if prepared.chat:
-        choice = {"index": index, "message": {"role": "assistant", "content": completion.text},
-                  "finish_reason": completion.finish_reason}
+        if prepared.tools is not None:
+            message, finish = tool_call(completion.text, completion.finish_reason)
+        else:
+            message, finish = {"role": "assistant", "content": completion.text}, completion.finish_reason
+        choice = {"index": index, "message": message, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
         return choice
@@ -252,6 +255,21 @@ def _chunk_choice(index: int, delta, finish: str | None, prepared: Prepared) -> 
     if prepared.chat:
         return {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish}
     return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _tool_chunks(calls: ToolCallStream, index: int, delta, prepared: Prepared) -> list[dict]:
+    """A tool-calling choice's chunk choices for one delta: its call's pieces (the openai client
+    joins them), the delta's logprobs with the first, the finish reason with the last."""
+    pieces = calls.feed(delta.text)
+    finish = None
+    if delta.finished:
+        last, finish = calls.finish(delta.finish_reason)
+        pieces += last
+    if not pieces and (finish or delta.logprobs):
+        pieces = [{}]
+    logprobs = _logprobs(delta.logprobs, prepared)
+    return [{"index": index, "delta": piece, "logprobs": logprobs if i == 0 else None,
+             "finish_reason": finish if i == len(pieces) - 1 else None} for i, piece in enumerate(pieces)]
 
 
 async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestGroup):
@@ -267,9 +285,13 @@ async def _sse(state: ServerState, rid: str, prepared: Prepared, group: RequestG
                 yield _event(chunk_body(rid, state.model, [{"index": index, "delta": {"role": "assistant"},
                                                             "logprobs": None, "finish_reason": None}], chat))
         try:
+            calls = [ToolCallStream() for _ in group.rids] if prepared.tools is not None else None
             async for index, delta in group:
                 finish = delta.finish_reason if delta.finished else None
-                if delta.text or finish or delta.logprobs:
+                if calls is not None:
+                    for choice in _tool_chunks(calls[index], index, delta, prepared):
+                        yield _event(chunk_body(rid, state.model, [choice], chat))
+                elif delta.text or finish or delta.logprobs:
                     yield _event(chunk_body(rid, state.model, [_chunk_choice(index, delta, finish, prepared)], chat))
                 if delta.finished:
                     generated += len(delta.completion.token_ids)

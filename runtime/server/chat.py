@@ -35,20 +35,25 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         self.special = {"bos_token": bos_token, "eos_token": eos_token}
+        from jinja2 import meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = _refuse
         try:
             self.template, self.fault = environment.from_string(source), None
+            # A template that reads ``tools`` renders them its own way (Hugging Face's tool-use templates).
+            self.takes_tools = "tools" in meta.find_undeclared_variables(environment.parse(source))
         except Exception as exc:  # noqa: BLE001  (any compile error is the template's)
-            self.template, self.fault = None, f"{type(exc).__name__}: {exc}"
+            self.template, self.fault, self.takes_tools = None, f"{type(exc).__name__}: {exc}", False
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt; ``tools`` (OpenAI function tools) go to a template that takes them."""
         if self.template is None:
             raise TemplateFault(f"the engine dir's chat template does not compile ({self.fault})")
+        extra = {"tools": tools} if tools and self.takes_tools else {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.special, **extra)
         except TemplateRefused:
             raise
         except Exception as exc:  # noqa: BLE001  (undefined names, sandbox violations, type errors …)

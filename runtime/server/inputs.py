@@ -14,6 +14,8 @@ from ..structured import CompiledConstraint, Constraint
 from .chat import ChatTemplate, TemplateFault, TemplateRefused
 from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingRequest, parse
 from .structured_outputs import COMPILE_TIMEOUT_S, requested
+from .tool_messages import template_messages
+from .tools import ToolCalling, tool_calling
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,9 @@ class Prepared:
     prompt_tokens: int
     chat: bool
     constraint: tuple[Constraint, str] | None = None   # every job's, and the field that asked for it
+    tools: ToolCalling | None = None   # the answer is a call of one of these (runtime/server/tools.py)
     # With a constraint, the jobs wait here (checked but for it) until the server has compiled it
-    # under its deadline, in threads of its own (runtime/server/app.py): see ``compiled``.
+    # under its deadline, in the LLM's compile pool (runtime/server/app.py): see ``compiled``.
     pending: tuple[tuple[CheckedPrompt, SamplingParams], ...] = ()
 
     def compiled(self, processor: InputProcessor, constraint: CompiledConstraint) -> "Prepared":
@@ -74,19 +77,26 @@ class Inputs:
     def chat(self, raw: bytes) -> Prepared:
         body = self._checked(parse(raw, ChatRequest))
         self._fits(body.n, "n")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = template_messages(body.messages, self.template.takes_tools)
+        tools = tool_calling(body.tools, body.tool_choice)
+        if tools is not None and (body.response_format is not None and body.response_format.type != "text"
+                                  or body.structured_outputs is not None):
+            raise ApiError(400, "tools: a tool call is JSON of its own; send tool_choice \"none\" or leave out "
+                                "response_format / structured_outputs", param="tools")
+        if tools is not None and not self.template.takes_tools:
+            messages = _with_system_line(messages, tools.system_line())
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.limits.max_prompt_chars:
             raise ApiError(400, f"messages: {chars} characters of content; this server takes at most "
                                 f"{self.limits.max_prompt_chars} (--max-prompt-chars)", param="messages",
                            code="prompt_too_long")
         try:
-            text = self.template.render(messages)
+            text = self.template.render(messages, list(tools.tools) if tools is not None else None)
         except TemplateRefused as exc:
             raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
         except TemplateFault as exc:
             raise ApiError(500, str(exc), kind="server_error", code="chat_template_failed") from None
-        return self._prepared(body, [self._tokens(text, "prompt")], chat=True)
+        return self._prepared(body, [self._tokens(text, "prompt")], chat=True, tools=tools)
 
     # -- checks before any tokenizing -----------------------------------------------------------
     def _checked(self, body: SamplingRequest) -> SamplingRequest:
@@ -112,13 +122,15 @@ class Inputs:
         return _refusing(self.processor.prompt, prompt, where)
 
     # -- sampling ---------------------------------------------------------------------------------
-    def _prepared(self, body: SamplingRequest, prompts: list[CheckedPrompt], chat: bool) -> Prepared:
-        constraint = requested(body.response_format, body.structured_outputs)
+    def _prepared(self, body: SamplingRequest, prompts: list[CheckedPrompt], chat: bool,
+                  tools: ToolCalling | None = None) -> Prepared:
+        constraint = (tools.constraint, "tools") if tools is not None else requested(body.response_format,
+                                                                                     body.structured_outputs)
         pending = [(prompt, self._params(body, prompt, i, chat, constraint[0] if constraint else None))
                    for prompt in prompts for i in range(body.n)]
         tokens = sum(len(prompt.tokens) for prompt in prompts)
         if constraint is not None:
-            return Prepared(body, [], tokens, chat, constraint, tuple(pending))
+            return Prepared(body, [], tokens, chat, constraint, tools, tuple(pending))
         return Prepared(body, [_refusing(self.processor.request, *job) for job in pending], tokens, chat)
 
     def _params(self, body: SamplingRequest, prompt: CheckedPrompt, index: int, chat: bool,
@@ -152,6 +164,13 @@ def _refusing(check, *args):
         return check(*args)
     except InputRefused as exc:
         raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
+
+
+def _with_system_line(messages: list[dict], line: str) -> list[dict]:
+    """``line`` told first: appended to a leading system message, else one of its own."""
+    if messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{line}"}, *messages[1:]]
+    return [{"role": "system", "content": line}, *messages]
 
 
 def _prompts(prompt) -> list:

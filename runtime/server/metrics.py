@@ -37,6 +37,10 @@ class Metrics:
         self.loop_seconds = Gauge("trtbuild:engine_loop_seconds",
                                   "Seconds spent in engine-core steps (engine, sampling, scheduling, text)",
                                   registry=registry)
+        self.compiles_pending = Gauge("trtbuild:constraint_compiles_pending",
+                                      "Constraint compiles running or waiting for a compile thread", registry=registry)
+        self.compiles_refused = Gauge("trtbuild:constraint_compiles_refused",
+                                      "Requests refused (503) because the compile pool was full", registry=registry)
 
     def observe_engine(self, llm) -> None:
         """Gauges from the runtime's state, read when /metrics is scraped."""
@@ -48,6 +52,8 @@ class Metrics:
         self.engine_steps.set(stats.steps)
         self.engine_seconds.set(stats.engine_s)
         self.loop_seconds.set(stats.loop_s)
+        self.compiles_pending.set(llm.compile_pool.pending)
+        self.compiles_refused.set(llm.compile_pool.refused)
         cache = scheduler.prefix_cache
         if cache is not None and cache.stats.hits + cache.stats.misses:
             self.prefix_hit_rate.set(cache.stats.hits / (cache.stats.hits + cache.stats.misses))

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .structured_fields import ResponseFormat, StructuredOutputs
+from .tool_fields import TOOLS_FIELD, ToolCallMessage, ToolChoice, Tools
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -22,7 +23,7 @@ UNSUPPORTED = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": (None, {}),
     "best_of": (None, 1), "suffix": (None, ""), "echo": (None, False),
     "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, False),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
 }
@@ -124,18 +125,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # Tool calling is not implemented (``tools`` is refused): kept only so the refusal can name them.
-    tool_calls: list | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None   # an assistant's calls (runtime/server/tool_messages.py)
+    tool_call_id: str | None = None                    # a tool message: the call it answers
 
-    def refused_field(self) -> str | None:
-        """The tool-calling field this message uses, if any: a tool message, its call id, an
-        assistant's calls (an empty list or null asks for nothing)."""
-        if self.role == "tool":
-            return "role"
-        if self.tool_call_id is not None:
-            return "tool_call_id"
-        return "tool_calls" if self.tool_calls else None
+    def refused_field(self) -> tuple[str, str] | None:
+        """The tool-calling field this message gets wrong, and why: a tool message without the
+        id of its call, an id or calls on a message of another role."""
+        if self.role == "tool" and self.tool_call_id is None:
+            return "tool_call_id", "a tool message needs the id of the call it answers"
+        if self.role != "tool" and self.tool_call_id is not None:
+            return "tool_call_id", "only tool messages answer a call"
+        if self.role != "assistant" and self.tool_calls:
+            return "tool_calls", "only assistant messages make tool calls"
+        return None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -147,10 +149,12 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Tools | None = TOOLS_FIELD          # function tools (runtime/server/tools.py)
+    tool_choice: ToolChoice | None = None
 
     def unsupported(self) -> ApiError | None:
         """As SamplingRequest's, and: ``top_logprobs`` without ``logprobs`` (it would be silently
-        dropped), and the tool-calling fields of messages (as ``tools`` is refused)."""
+        dropped), and tool-calling fields on messages of the wrong role."""
         refused = super().unsupported()
         if refused is not None:
             return refused
@@ -158,12 +162,9 @@ class ChatRequest(SamplingRequest):
             return ApiError(400, "top_logprobs: needs logprobs: true (send both, or leave top_logprobs out)",
                             param="top_logprobs", code="unsupported_parameter")
         for index, message in enumerate(self.messages):
-            name = message.refused_field()
-            if name is not None:
-                what = "tool messages" if name == "role" else f"{name} in messages"
-                return ApiError(400, f"messages.{index}.{name}: {what} are not supported by this server (it does "
-                                     f"not implement tool calling)", param=f"messages.{index}.{name}",
-                                code="unsupported_parameter")
+            refused = message.refused_field()
+            if refused is not None:
+                return ApiError(400, f"messages.{index}.{refused[0]}: {refused[1]}", param=f"messages.{index}.{refused[0]}")
         return None
 
 

@@ -1,16 +1,17 @@
 """The request fields that constrain output: OpenAI's ``response_format`` and vLLM's
 ``structured_outputs`` extension (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``),
-turned into one ``Constraint`` (runtime/structured/), and compiled off the event loop under a
-deadline. Every refusal is a 400 naming the field; nothing is ever silently left unconstrained."""
+turned into one ``Constraint`` (runtime/structured/), and compiled off the event loop in the
+LLM's compile pool under a deadline. Every refusal is a 400 naming the field (a 503 when the
+pool is full); nothing is ever silently left unconstrained."""
 from __future__ import annotations
 
-import asyncio
-
-from ..structured import Choice, Constraint, ConstraintError, Grammar, JsonObject, JsonSchema, Regex
+from ..structured import (Choice, CompilePool, CompilerBusy, CompileTimeout, Constraint, ConstraintError, Grammar,
+                          JsonObject, JsonSchema, Regex)
+from ..structured.compile_pool import TIMEOUT_S
 from .protocol import ApiError
 from .structured_fields import ResponseFormat, StructuredOutputs
 
-COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer is refused (llguidance's own limits stop most sooner)
+COMPILE_TIMEOUT_S = TIMEOUT_S  # a schema that takes longer is refused (llguidance's own limits stop most sooner)
 
 
 def requested(response_format: ResponseFormat | None, structured: StructuredOutputs | None
@@ -48,14 +49,16 @@ def _made(make, where: str) -> tuple[Constraint, str]:
         raise ApiError(400, f"{where}: {exc}", param=where) from None
 
 
-async def compiled(compile, constraint: Constraint, where: str, executor, timeout_s: float = COMPILE_TIMEOUT_S):
-    """``compile(constraint)`` in ``executor`` (never on the event loop), refused (400 naming
-    ``where``) if it fails or takes over ``timeout_s``; a compile that overruns finishes in its
-    thread, its result cached for the next request that asks."""
-    future = asyncio.get_running_loop().run_in_executor(executor, compile, constraint)
+async def compiled(pool: CompilePool, constraint: Constraint, where: str, timeout_s: float = COMPILE_TIMEOUT_S):
+    """The constraint compiled by ``pool`` (a cache hit at once; else in one of its threads, never
+    on the event loop), refused with a 400 naming ``where`` if it cannot be compiled or runs over
+    ``timeout_s`` from when its compile started, and a 503 when the pool's threads and its wait
+    are full (each request with a new schema would otherwise queue behind the slowest)."""
     try:
-        return await asyncio.wait_for(future, timeout_s)
-    except TimeoutError:
+        return await pool.compile(constraint, timeout_s)
+    except CompilerBusy as exc:
+        raise ApiError(503, f"{where}: {exc}", param=where, kind="server_error", code="constraint_compiler_busy") from None
+    except CompileTimeout:
         raise ApiError(400, f"{where}: took over {timeout_s:g} s to compile; simplify it", param=where,
                        code="constraint_too_complex") from None
     except ConstraintError as exc:

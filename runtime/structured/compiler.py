@@ -5,7 +5,8 @@ constraint: a runtime that never sees one never pays it) and a pristine matcher 
 kept in a bounded LRU; each request's matcher is a copy of it (runtime/structured/matcher.py).
 llguidance enforces its own parser limits (grammar size, lexer states, per-token fuel), so a
 pathological grammar becomes an error rather than unbounded work; callers that must not wait
-at all (the server's event loop) run ``compile`` in a thread under a deadline."""
+at all (an event loop: the server, AsyncLLM) compile through a ``CompilePool``
+(runtime/structured/compile_pool.py): bounded threads, a deadline from when a compile starts."""
 from __future__ import annotations
 
 import threading
@@ -43,14 +44,21 @@ class ConstraintCompiler:
         self._lock = threading.Lock()
         self.compiled = 0  # compilations done (cache misses), for tests and benchmarks
 
-    def compile(self, constraint: Constraint) -> CompiledConstraint:
-        """The constraint's compiled form, from the cache when it is there; raises
-        ``ConstraintError`` (text starting with the constraint's kind) if it cannot be compiled."""
+    def cached(self, constraint: Constraint) -> CompiledConstraint | None:
+        """The constraint's compiled form if the cache has it (cheap: callers on an event loop
+        ask this before handing a compile to a thread), else None."""
         with self._lock:
             hit = self._cache.get(constraint)
             if hit is not None:
                 self._cache.move_to_end(constraint)
-                return hit
+            return hit
+
+    def compile(self, constraint: Constraint) -> CompiledConstraint:
+        """The constraint's compiled form, from the cache when it is there; raises
+        ``ConstraintError`` (text starting with the constraint's kind) if it cannot be compiled."""
+        hit = self.cached(constraint)
+        if hit is not None:
+            return hit
         compiled = self._compile(constraint)  # outside the lock: others hit the cache meanwhile
         with self._lock:
             self._cache[constraint] = compiled
