@@ -314,6 +314,21 @@ def test_tp_medusa_gives_plain_greedy_tokens(tmp_path_factory, medusa_engine):
 
 
 @pytest.mark.slow
+def test_tp_host_drafts_give_plain_greedy_tokens(tmp_path_factory, tiny_engine):
+    """Prompt-lookup and suffix chains verified across two tensor ranks (rank 0 accepts)."""
+    from trtbuild.contract.speculation import Source
+    from trtbuild.runtime.speculation.host import SpeculationMode
+
+    tp2 = _build(tmp_path_factory, "host-tp2", parallel={"tensor": 2},
+                 speculative={"prompt_lookup": {}, "suffix": {}})
+    plain, _ = _greedy(tiny_engine, max_tokens=48)
+    for source in (Source.prompt_lookup, Source.suffix):
+        drafted, llm = _greedy(tp2, max_tokens=48, speculation=(source,), speculation_mode=SpeculationMode.always)
+        assert drafted == plain, source
+        assert llm.speculation.stats.verify_steps > 0 and llm.speculation.stats.accepted_tokens > 0
+
+
+@pytest.mark.slow
 def test_int4_gptq_tp2_gives_the_tokens_of_tp1(tmp_path_factory):
     calib = tmp_path_factory.mktemp("calib") / "calib.txt"
     calib.write_text((REPO / "tools" / "train_tiny_model.py").read_text() * 4)
