@@ -167,10 +167,9 @@ class AsyncLLM:
     def _checked(self, prompt: str | list[int], params: SamplingParams) -> ValidRequest | tuple[CheckedPrompt, SamplingParams]:
         """A request, or (its checked prompt, params) while its constraint is not compiled yet."""
         inputs, constraint = self.llm.inputs, params.constraint
+        if constraint is None or self.llm.compile_pool.compiler.cached(constraint) is not None:
+            return inputs.process(prompt, params)   # a cached constraint: no compile
         checked = inputs.prompt(prompt)
-        hit = self.llm.compile_pool.compiler.cached(constraint) if constraint is not None else None
-        if constraint is None or hit is not None:
-            return inputs.request(checked, params, compiled=hit)
         inputs.check_room(checked, params)
         return checked, params
 
