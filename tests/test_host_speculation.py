@@ -299,3 +299,25 @@ def test_real_model_greedy_output_is_plain_decodings(smollm2_engine, source):
             outputs[name] = llm.generate([template.render(m) for m in messages], params)
     assert [c.token_ids for c in outputs["drafted"]] == [c.token_ids for c in outputs["plain"]]
     assert outputs["drafted"][0].accepted_tokens >= 8   # its preamble is not in the prompt; the code is
+
+
+def test_constrained_requests_accept_only_what_the_grammar_allows(speculation_engine):
+    """A chain's tokens walk the grammar's masks: acceptance stops at a token it refuses, so
+    greedy constrained output is plain decoding's; sampled constrained output still matches."""
+    import re
+
+    from trtbuild.runtime.structured.constraint import Regex
+
+    pattern = r"(ab|cd)( (ab|cd)){11,15}\."
+    params = [SamplingParams(max_tokens=48, constraint=Regex(pattern)), SamplingParams(max_tokens=48)]
+    prompts = ["# pairs: ab cd ab cd ab cd ab cd ab cd ab cd\npairs = '", PROMPTS[3]]
+    with LLM(speculation_engine, backend="onnxruntime", speculation=(), multi_step=1) as llm:
+        expected = [c.token_ids for c in llm.generate(prompts, params)]
+    with LLM(speculation_engine, backend="onnxruntime", speculation=(Source.prompt_lookup,),
+             speculation_mode=ALWAYS, multi_step=1) as llm:
+        got = llm.generate(prompts, params)
+        sampled = llm.generate(prompts[:1] * 6, [SamplingParams(max_tokens=48, temperature=0.8, seed=s,
+                                                                constraint=Regex(pattern)) for s in range(6)])
+    assert [c.token_ids for c in got] == expected and re.fullmatch(pattern, got[0].text)
+    assert got[0].accepted_tokens > 0
+    assert all(re.fullmatch(pattern, c.text) for c in sampled)

@@ -98,7 +98,7 @@ def _build(tmp_path_factory, name: str, base: str = "tiny-code.yaml", quantizati
 
     spec = yaml.safe_load((REPO / "specs" / base).read_text())
     spec["model"]["checkpoint"] = str(TINY_CODE)
-    if "speculative" in spec:
+    if "medusa" in spec.get("speculative", {}):
         spec["speculative"]["medusa"]["heads"] = str(TINY_CODE / "medusa")
     if quantization is not None:
         spec["quantization"] = quantization
@@ -342,6 +342,21 @@ def test_medusa_on_the_last_stage_gives_plain_greedy_tokens(tmp_path_factory, me
     speculative, llm = _greedy(staged, max_tokens=32, medusa_tree_size=8)
     assert speculative == plain
     assert llm.speculation.stats.verify_steps > 0 and llm.speculation.stats.mean_accepted_per_step > 1.2
+
+
+@pytest.mark.slow
+def test_host_drafts_verified_by_the_last_stage_give_plain_greedy_tokens(tmp_path_factory, tiny_engine):
+    """Prompt-lookup and suffix chains at P=2: every stage runs the verification step, the last
+    stage's logits decide, keep_path moves each stage's caches."""
+    from trtbuild.contract.speculation import Source
+    from trtbuild.runtime.speculation.host import SpeculationMode
+
+    staged = _build(tmp_path_factory, "host-pp2", base="tiny-code-speculation.yaml", pipeline=2)
+    plain, _ = _greedy(tiny_engine, max_tokens=48)
+    for source in (Source.prompt_lookup, Source.suffix):
+        drafted, llm = _greedy(staged, max_tokens=48, speculation=(source,), speculation_mode=SpeculationMode.always)
+        assert drafted == plain, source
+        assert llm.speculation.stats.verify_steps > 0 and llm.speculation.stats.accepted_tokens > 0
 
 
 @pytest.mark.slow
