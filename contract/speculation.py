@@ -10,10 +10,11 @@ Draft sources (runtime/speculation/sources/):
 - ``medusa``: the heads' top-k guesses as a tree (needs heads built into the engine);
 - ``prompt_lookup``: the last n tokens (max_ngram down to min_ngram) found earlier in the prompt and
   output; the tokens that followed them there, as a chain;
-- ``suffix``: a suffix tree over the request's prompt and output (and over recent requests'
+- ``suffix``: a suffix trie over the request's prompt and output (and over recent requests'
   outputs, ``cross_request``), the continuation of the longest matched suffix grown by frequency,
-  as a tree.
-Each source's proposal is verified by the same step (a tree mask over S tokens a row).
+  as a chain (the greedy path of the tree SuffixDecoding would grow).
+Each source's proposal is verified by the same step (a tree mask over S tokens a row; a chain is
+the tree whose every node has one child).
 """
 from __future__ import annotations
 
