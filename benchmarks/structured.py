@@ -169,7 +169,9 @@ def main() -> None:
     results: dict = {"compile": {}, "decode": {}, "valid": {}}
     for name, make in engines(llm).items():
         results["compile"][name] = compile_times(make)
-        llm.constraints = make()   # the runtime compiles with this engine from now on
+        # The input processor compiles a request's constraint: it must hold this engine's compiler
+        # (setting llm.constraints alone left it with llguidance's).
+        llm.constraints = llm.inputs.constraints = make()
         for batch in (1, 8):
             for label, constraint in (("none", None), ("schema", SCHEMA), ("regex", REGEX)):
                 if label == "none" and name != "llguidance":
@@ -177,7 +179,7 @@ def main() -> None:
                 ms, made = decode_speed(llm, constraint, batch, args.tokens, chats)
                 results["decode"][f"{label if label == 'none' else name + ' ' + label} b{batch}"] = {
                     "ms_per_token": ms, "tokens": made}
-    llm.constraints = engines(llm)["llguidance"]()
+    llm.constraints = llm.inputs.constraints = engines(llm)["llguidance"]()
     for label, constraint in (("unconstrained", None), ("json_object", JsonObject()), ("schema", SCHEMA)):
         ok, total = valid_rate(llm, chats[:args.prompts], constraint, args.valid_tokens)
         results["valid"][label] = {"parsed": ok, "prompts": total}
