@@ -125,7 +125,10 @@ def trtbuild_run(llm, batch: int, seed: int) -> tuple[float, float]:
 def trtbuild_measure(engine: Path, threads: int, seed: int, multi_step: int | None) -> dict:
     from trtbuild.runtime.llm import LLM
 
-    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=multi_step)
+    # Plain decoding, as the peers decode: an engine dir's draft sources (specs/smollm2-135m.yaml has
+    # prompt lookup and suffix) are benchmarks/speculation.py's subject.
+    llm = LLM(engine, backend="onnxruntime", threads=threads, prefix_cache=False, multi_step=multi_step,
+              speculation=())
     trtbuild_run(llm, 1, seed=99)  # warm-up
     return {str(batch): trtbuild_run(llm, batch, seed) for batch in (1, 8)}
 
@@ -294,7 +297,7 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
 
     options = BREAKDOWN[config]
     spinning, use_decode_graph = Spinning(options.get("spinning", "always")), options.get("use_decode_graph", True)
-    llm = LLM(engine, backend="onnxruntime", prefix_cache=False, multi_step=options.get("multi_step"),
+    llm = LLM(engine, backend="onnxruntime", prefix_cache=False, multi_step=options.get("multi_step"), speculation=(),
               engine=OnnxRuntimeEngine(load(engine), threads=threads, spinning=spinning,
                                        use_decode_graph=use_decode_graph))
     session = llm.engine.session

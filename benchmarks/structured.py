@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    llm = LLM(args.engine_dir, backend="onnxruntime", multi_step=1, medusa_tree_size=0)
+    llm = LLM(args.engine_dir, backend="onnxruntime", multi_step=1, speculation=())
     template = chat_template(llm.engine_dir)
     chats = [template.render([{"role": "user", "content": ASKS[i % 2].format(THINGS[i % len(THINGS)])}])
              for i in range(max(args.prompts, 8))]
