@@ -18,22 +18,17 @@ powers of two up to max_batch × 8 tree sizes, five steps each, and one greedy r
 for the bundled model on 2 CPU cores.
 
 The step times and their calibration live in step_times.py, the acceptance estimates and the
-speculation counters in acceptance.py; this file makes the choice.
+speculation counters in acceptance.py; this file makes Medusa's choice, host drafts' is host.py's,
+and speculation.py builds both for an engine dir.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...medusa_math.acceptance import best_tree_prefix
 from .acceptance import AcceptanceModel, SpeculationStats
 from .medusa import Accepted, Tree
-from .step_times import StepTimes, calibrate
-
-if TYPE_CHECKING:
-    from ..backends.engine import Engine
-    from ..engine_dir import EngineDir
+from .step_times import StepTimes
 
 REDECIDE_EVERY = 16   # decisions between re-choosing a batch size's tree (choosing costs ~1 ms)
 # Standing aside, a batch size verifies the likeliest-to-pay tree once when the plain decoding it
@@ -143,21 +138,3 @@ class SpeculationPolicy:
                 break
             stats.head_tried[head] += 1
             stats.head_accepted[head] += len(accepted.nodes) > head
-
-
-def policy_for(engine_dir: "EngineDir", engine: "Engine", fixed: int | None, multi_step: int
-               ) -> SpeculationPolicy | None:
-    """The Medusa policy for engine dirs with heads: a pinned tree size, or adaptive from step
-    times calibrated on ``engine`` (plain decoding as ``multi_step`` runs) and the heads'
-    held-out acceptance."""
-    medusa = engine_dir.medusa
-    if medusa is None:
-        if fixed:
-            raise ValueError(f"medusa_tree_size {fixed}: {engine_dir.path} was built without Medusa heads")
-        return None
-    tree = Tree(tuple(tuple(path) for path in medusa["tree"]))
-    acceptance = AcceptanceModel(medusa["rank_accuracy"])
-    if fixed is not None:
-        return SpeculationPolicy(tree, acceptance, StepTimes(), fixed)
-    times = calibrate(engine, tree, engine_dir.max_batch_size, multi_step)
-    return SpeculationPolicy(tree, acceptance, times)
