@@ -71,12 +71,14 @@ class XGrammarCompiler:
             grammar = self.compiler.compile_regex(constraint.pattern)
         else:
             grammar = self.compiler.compile_builtin_json_grammar()
-        return _XGrammarCompiled(self, grammar)
+        return _XGrammarCompiled(self, grammar, constraint)
 
 
 class _XGrammarCompiled:
-    def __init__(self, owner: XGrammarCompiler, grammar):
-        self.owner, self.grammar = owner, grammar
+    """As runtime/structured's CompiledConstraint: the constraint it compiled, and matchers."""
+
+    def __init__(self, owner: XGrammarCompiler, grammar, constraint):
+        self.owner, self.grammar, self.constraint = owner, grammar, constraint
 
     def matcher(self):
         return _XGrammarMatcher(self.owner, self.grammar)
@@ -86,6 +88,7 @@ class _XGrammarMatcher:
     def __init__(self, owner: XGrammarCompiler, grammar):
         self.matcher = owner.xgr.GrammarMatcher(grammar)
         self.vocab_size = owner.vocab_size
+        self.failed = False   # a refused token (the runtime ends the request as "abort")
         self.bitmask = np.zeros((1, (owner.vocab_size + 31) // 32), np.int32)  # [1, ceil(V / 32)]
         import torch
 
@@ -99,8 +102,8 @@ class _XGrammarMatcher:
         return np.where(self.allowed(), logits, -np.inf).astype(logits.dtype, copy=False)
 
     def advance(self, token: int) -> bool:
-        self.matcher.accept_token(token)
-        return self.matcher.is_terminated()
+        self.failed = self.failed or not self.matcher.accept_token(token)
+        return not self.failed and self.matcher.is_terminated()
 
     def rollback(self, tokens: int) -> None:
         if tokens:
