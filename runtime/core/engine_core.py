@@ -241,10 +241,14 @@ class EngineCore:
         chains, whichever a request is expected to keep more of; then the chain length the batch
         verifies, 0 where speculating would not beat plain decoding (runtime/speculation/host.py)."""
         spec = self.speculation
+        if not heads_at and spec.host is None:  # Medusa alone drafts only from heads just computed
+            return
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
         size = spec.choose_medusa(len(decoding)) if heads_at else 0
         tree = spec.medusa.prefix(size) if size else None
-        medusa_kept = float(spec.medusa.acceptance.expected_accepted(tree)[-1]) if size else 0.0
+        # What a tree is worth beside a chain: only asked where there are host sources to weigh.
+        medusa_kept = (float(spec.medusa.acceptance.expected_accepted(tree)[-1])
+                       if size and spec.host is not None else 0.0)
         medusa: dict[str, Draft] = {}
         chains = {}
         for request in decoding:
@@ -256,7 +260,7 @@ class EngineCore:
                 medusa[rid] = Draft(tree, tuple(tree.candidates(request.last_token, heads)[1:]), Source.medusa)
             if spec.host is not None:
                 left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
-                chain = spec.host.draft(rid, request.tokens, sources, left) if left > 0 else None
+                chain = spec.host.draft(rid, request.context, sources, left) if left > 0 else None
                 if chain is not None and (rid not in medusa or chain.expected[-1] > medusa_kept):
                     chains[rid] = chain
         trees = {rid: draft for rid, draft in medusa.items() if rid not in chains}

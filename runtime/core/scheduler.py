@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Callable, Sequence
 
 from ...contract.speculation import Source
 from ..speculation.medusa import Accepted, Tree
@@ -56,9 +56,39 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def context(self) -> "TokenView":
+        """``tokens`` without copying them: what a host draft source reads after every step (its
+        length and the new tail), where ``tokens`` would copy a long prompt for every row each time."""
+        return TokenView(self.prompt, self.output)
+
+    @property
     def last_token(self) -> int:
         """``tokens[-1]`` without building ``tokens`` (a decode step needs only this, every step)."""
         return self.output[-1] if self.output else self.prompt[-1]
+
+
+class TokenView(Sequence[int]):
+    """prompt + output, read in place (int or step-1 slice indices)."""
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        n = len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return self.prompt[start:min(stop, n)] + self.output[max(start - n, 0):max(stop - n, 0)]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.prompt[index] if index < n else self.output[index - n]
 
 
 @dataclass(frozen=True)
