@@ -59,7 +59,7 @@ class EngineCore:
         """``constraint``: the request's ``params.constraint`` compiled (runtime/structured/)."""
         if (constraint is None) != (request.params.constraint is None):
             raise ValueError(f"request {request.rid}: its constraint must come compiled, and only with params.constraint")
-        sources = self.speculation.serves(request.params.speculation) if self.speculation is not None else ()
+        sources = self.speculation.sources_of(request.params.speculation) if self.speculation is not None else ()
         self.scheduler.add(request)
         self.sampling[request.rid] = Sampling(Sampler(request.params), sources=sources,
                                               matcher=constraint.matcher() if constraint is not None else None)

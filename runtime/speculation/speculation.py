@@ -30,15 +30,10 @@ class Speculation:
     medusa: SpeculationPolicy | None
     host: HostDrafting | None
 
-    def serves(self, requested: tuple[Source, ...] | None) -> tuple[Source, ...]:
-        """A request's sources: the engine's for None, else those asked (each must be served)."""
-        if requested is None:
-            return self.sources
-        missing = [s.value for s in requested if s not in self.sources]
-        if missing:
-            raise ValueError(f"speculation: {', '.join(missing)} not served here (sources: "
-                             f"{', '.join(s.value for s in self.sources)}; [] for none)")
-        return requested
+    def sources_of(self, requested: tuple[Source, ...] | None) -> tuple[Source, ...]:
+        """A request's sources: the engine's for None, else those asked (the input processor has
+        refused any the engine does not serve)."""
+        return self.sources if requested is None else requested
 
     def count_step(self, batch: int, verifies: bool, seq_len: int) -> None:
         if self.medusa is not None:
