@@ -73,14 +73,10 @@ def engine_dir(model: str, work: Path) -> Path:
     return out
 
 
-def texts(model: str, workload: str, count: int, engine: Path) -> list[str]:
-    chat = MODELS[model][1]
-    items = prompts(workload, chat)
-    if chat:
-        from trtbuild.runtime.engine_dir import load
-        from trtbuild.runtime.server.chat import chat_template
-
-        template = chat_template(load(engine))
+def texts(workload: str, count: int, template) -> list[str]:
+    """``count`` prompts of ``workload``, rendered with the chat ``template`` (None: raw text)."""
+    items = prompts(workload, template is not None)
+    if template is not None:
         items = [template.render(messages) for messages in items]
     return [items[i % len(items)] for i in range(count)]
 
@@ -116,11 +112,15 @@ def run_model(model: str, args) -> list[dict]:
     from trtbuild.runtime.engine_dir import load
 
     engine = engine_dir(model, args.work)
-    served = [s.value for s in load(engine).speculation.sources]
+    from trtbuild.runtime.server.chat import chat_template
+
+    loaded = load(engine)  # hashes every file once, not per workload
+    served = [s.value for s in loaded.speculation.sources]
+    template = chat_template(loaded) if MODELS[model][1] else None
     rows = []
     for workload in args.workloads:
-        batches = {1: [[t] for t in texts(model, workload, args.prompts, engine)],
-                   8: [texts(model, workload, 8, engine)]}
+        batches = {1: [[t] for t in texts(workload, args.prompts, template)],
+                   8: [texts(workload, 8, template)]}
         batches = {b: g for b, g in batches.items() if b in args.batches}
         first = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
         configs = [(s, (s,), "always") for s in served] + [("adaptive", None, "adaptive")]
