@@ -42,7 +42,7 @@ from quantization import TARGETS, calibration_text  # noqa: E402
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 SPEC = REPO / "specs" / "smollm2-135m.yaml"
-SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8"]
+SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8", "int4-rtn-g32-a8-all"]
 BUILD_MODES = ["float32", "float16", "int4-rtn-g64", "float32-from-dir"]
 LLAMA_KINDS = ["F32", "Q8_0", "Q4_1"]
 TRANSFORMERS = "transformers float32 (its GGUF reader)"

@@ -16,6 +16,10 @@ _INT4 = [(f"int4-{alg}-g{g}{'-a8' if a8 else ''}",
 MODES: list[tuple[str, str, dict | None]] = [("float32", "float32", None), ("float16", "float16", None),
                                                ("int8", "float32", {"mode": "int8_weight_only"})]
 MODES += [(name, "float32", fields) for name, fields in _INT4]
+# onnxruntime-genai's int4 default, our way: RTN, group 32, int8 activations and the LM head in int4
+# too (for a tied 49152 × 576 head, a fifth of the weights, which in float32 outweigh the int4 rest).
+MODES += [("int4-rtn-g32-a8-all", "float32", {"mode": "int4_weight_only", "algorithm": "rtn", "group_size": 32,
+                                               "cpu_activations": "int8", "exclude": []})]
 MODES += [("w8a8", "float32", {"mode": "w8a8"}), ("fp8", "float32", {"mode": "fp8"}),
           ("nvfp4", "float32", {"mode": "nvfp4"})]
 CALIBRATED = {"awq", "gptq"}

@@ -88,6 +88,26 @@ def test_quantize_weights_computes_what_the_quantizer_simulates(make):
     np.testing.assert_allclose(y, (x @ layer.dequantize().T).numpy(), atol=1e-4)
 
 
+def test_quantize_weights_takes_an_lm_head_exported_as_a_transposed_table():
+    """A GGUF checkpoint's LM head exports as MatMul(x, Transpose(lm_head.weight [V, H])): with the
+    head quantized (exclude: []) its codes replace the transpose, and the table goes with it."""
+    torch.manual_seed(2)
+    w, x = torch.randn(96, 64), torch.randn(4, 64)  # [V, H]
+    transpose = helper.make_node("Transpose", ["lm_head.weight"], ["w_t"], name="/model/lm_head/Transpose", perm=[1, 0])
+    matmul = helper.make_node("MatMul", ["x", "w_t"], ["y"], name="/model/lm_head/MatMul")
+    graph = helper.make_graph([transpose, matmul], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 96])],
+                              [numpy_helper.from_array(w.numpy(), "lm_head.weight")])
+    layer = rtn(w, 4, 32)
+    result = quantize_weights(gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])),
+                              PassContext(spec=None, quantized={"lm_head": layer}))
+    assert result.stats["matches"] == 1
+    model = gs.export_onnx(result.graph)
+    assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear", "MatMul"]
+    assert "lm_head.weight" not in {t.name for t in model.graph.initializer}
+    np.testing.assert_allclose(run_onnx(model, {"x": x.numpy()})["y"], (x @ layer.dequantize().T).numpy(), atol=1e-4)
+
+
 def test_fp8_quantizes_weights_and_activations_per_tensor():
     torch.manual_seed(1)
     w, x = torch.randn(16, 64), torch.randn(4, 64) * 3

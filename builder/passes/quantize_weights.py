@@ -110,6 +110,17 @@ def _quantize_embedding(graph: gs.Graph, layer, ctx: PassContext, constant) -> d
     return (ctx.quant_report or {}).get("embed_tokens", {})
 
 
+def _is_weight(weight, shape: tuple[int, ...]) -> bool:
+    """A MatMul's [in, out] weight: a constant, or a constant [out, in] transposed (the LM head as
+    exported: ``Transpose(lm_head.weight)``, the table a tied embedding shares). The codes replace
+    it either way; the Transpose and a table nothing else reads go with the cleanup."""
+    if isinstance(weight, gs.Constant):
+        return tuple(weight.shape) == shape
+    producer = weight.inputs[0] if len(weight.inputs) == 1 else None
+    return (producer is not None and producer.op == "Transpose" and list(producer.attrs.get("perm", [1, 0])) == [1, 0]
+            and isinstance(producer.inputs[0], gs.Constant) and tuple(producer.inputs[0].shape) == shape[::-1])
+
+
 def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     layers = ctx.quantized or {}
     if not layers:
@@ -126,10 +137,11 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     for node, name in targets:
         layer = layers[name]
         weight = node.inputs[1]
-        if not isinstance(weight, gs.Constant) or tuple(weight.shape) != tuple(layer.codes.shape[::-1]):
-            skipped[node.name] = f"weight is not a constant of shape {tuple(layer.codes.shape[::-1])}"
+        if not _is_weight(weight, tuple(layer.codes.shape[::-1])):
+            skipped[node.name] = (f"weight is not a constant of shape {tuple(layer.codes.shape[::-1])} "
+                                  f"(nor the transpose of one)")
             continue
-        dtype = np.dtype(weight.dtype)
+        dtype = np.dtype((weight if isinstance(weight, gs.Constant) else weight.inputs[0].inputs[0]).dtype)
         codes = None if layer.fp8 or layer.nvfp4 else layer.codes.T.contiguous().numpy()  # [in, out]
         scales = None if layer.nvfp4 else layer.scales.numpy().astype(dtype)
         if layer.nvfp4:  # FP4 codes in blocks of 16 inputs; FP8 block scales × a global scale
@@ -150,7 +162,7 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
         else:
             attrs = {"axis": 1}                                  # scales [out]
         scope = node.name.rsplit("/", 1)[0]
-        dequantized = gs.Variable(f"{name}.weight_dq", dtype=dtype, shape=list(weight.shape))
+        dequantized = gs.Variable(f"{name}.weight_dq", dtype=dtype, shape=list(layer.codes.shape[::-1]))
         graph.nodes.append(new_node("DequantizeLinear", f"{scope}/DequantizeLinear",
                                     [_constant(f"{name}.weight_q", codes) if layer.nvfp4 else constant(f"{name}.weight_q", codes),
                                      scales if layer.nvfp4 else constant(f"{name}.weight_scale", np.asarray(scales))],
