@@ -11,7 +11,7 @@ from trtbuild.contract.speculation import Source
 from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculation.chain import accept_sampled_chain, chain_tree
-from trtbuild.runtime.speculation.host import EXPLORE_AFTER, HostDrafting, SpeculationMode
+from trtbuild.runtime.speculation.host import EXPLORE_AFTER, EXPLORE_TOKENS, HostDrafting, SpeculationMode
 from trtbuild.runtime.speculation.medusa import accept_greedy
 from trtbuild.runtime.speculation.step_times import StepTimes
 
@@ -69,14 +69,14 @@ def test_a_guess_the_model_never_samples_is_never_kept():
 class _FixedSource:
     """A host source proposing a given chain (the policy's tests need no real source)."""
 
-    def __init__(self, source: Source, tokens: tuple[int, ...]):
-        self.source, self.tokens, self.closed = source, tokens, []
+    def __init__(self, source: Source, tokens: tuple[int, ...], stated: float = 0.5):
+        self.source, self.tokens, self.stated, self.closed = source, tokens, stated, []
 
     def propose(self, rid, context, max_tokens):
         from trtbuild.runtime.speculation.sources import Proposal
 
         tokens = self.tokens[:max_tokens]
-        return Proposal(tokens, (0.5,) * len(tokens))
+        return Proposal(tokens, (self.stated,) * len(tokens))
 
     def close(self, rid, context):
         self.closed.append(rid)
@@ -90,6 +90,9 @@ def _times(plain: float, per_token: float) -> StepTimes:
     return times
 
 
+HALF = (0.5,) * 8
+
+
 def _drafting(times: StepTimes, mode=SpeculationMode.adaptive) -> HostDrafting:
     return HostDrafting({Source.prompt_lookup: _FixedSource(Source.prompt_lookup, tuple(range(8)))}, 8, times, mode)
 
@@ -98,7 +101,7 @@ def test_policy_verifies_where_kept_tokens_pay_and_not_where_they_do_not():
     cheap, dear = _drafting(_times(0.010, 0.0005)), _drafting(_times(0.010, 0.010))
     for host in (cheap, dear):
         for _ in range(30):   # the request's chains have been kept whole
-            host.record("a", Source.prompt_lookup, 8, 8)
+            host.record("a", Source.prompt_lookup, HALF, 8)
     draft = cheap.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)
     assert draft.tokens == tuple(range(8)) and draft.expected[-1] > 7
     assert cheap.choose(1, {"a": draft}, 0.0, 1) == 8
@@ -109,10 +112,11 @@ def test_policy_verifies_where_kept_tokens_pay_and_not_where_they_do_not():
 def test_policy_steps_aside_for_drafts_that_are_never_kept_then_explores():
     host = _drafting(_times(0.010, 0.002))
     for _ in range(30):
-        host.record("a", Source.prompt_lookup, 8, 0)
+        host.record("a", Source.prompt_lookup, HALF, 0)
     decisions = [host.choose(1, {"a": host.draft("a", [1], (Source.prompt_lookup,), 100)}, 0.0, 1)
                  for _ in range(EXPLORE_AFTER + 1)]
-    assert decisions == [0] * EXPLORE_AFTER + [8]   # aside EXPLORE_AFTER times, then one verification
+    # aside EXPLORE_AFTER times, then one short verification: its first tokens are what is unknown
+    assert decisions == [0] * EXPLORE_AFTER + [EXPLORE_TOKENS]
 
 
 def test_always_mode_verifies_every_draft_whole_and_the_limit_caps_it():
@@ -127,10 +131,27 @@ def test_always_mode_verifies_every_draft_whole_and_the_limit_caps_it():
 def test_acceptance_is_learned_per_depth_and_per_request():
     host = _drafting(StepTimes(), ALWAYS)
     for _ in range(50):
-        host.record("a", Source.prompt_lookup, 8, 2)   # always the first two kept, the third refused
-    probs = host.probabilities(Source.prompt_lookup, "a")
-    assert probs[0] > 0.9 and probs[1] > 0.9 and probs[2] < 0.1 and probs[3] == pytest.approx(0.5)
-    assert host.probabilities(Source.prompt_lookup, "b")[2] < 0.2   # a new request starts from the shared figure
+        host.record("a", Source.prompt_lookup, HALF, 2)   # always the first two kept, the third refused
+    probs = host.probabilities(Source.prompt_lookup, "a", HALF)
+    assert probs[0] > 0.9 and probs[1] > 0.9 and probs[2] < 0.1
+    # Depth 3 was never tried: the calibration of "stated 0.5" speaks for it (100 of 150 kept, prior 0.5 × 8).
+    assert probs[3] == pytest.approx((100 + 8 * 0.5) / (150 + 8))
+    assert host.probabilities(Source.prompt_lookup, "b", HALF)[2] < 0.2   # a new request starts from the shared figure
+
+
+def test_a_sure_source_is_calibrated_at_depths_never_tried():
+    """A source stating 1.0 for every token (a suffix chain seen once does) whose first token is
+    never kept: its deep tokens, never tried, are judged by what "1.0" proved worth, not by its
+    word, and the policy steps aside (before calibration it verified 16-token chains in free chat)."""
+    host = HostDrafting({Source.suffix: _FixedSource(Source.suffix, tuple(range(8)), stated=1.0)}, 8,
+                        _times(0.010, 0.002))
+    fresh = host.draft("a", [1], (Source.suffix,), 100)
+    assert 0 < host.choose(1, {"a": fresh}, 0.0, 1) < 8   # trusted halfway at first: a short chain
+    for _ in range(10):
+        host.record("b", Source.suffix, (1.0,) * 8, 0)
+    probs = host.probabilities(Source.suffix, "a", (1.0,) * 8)
+    assert probs[7] == pytest.approx(8 * 0.75 / (10 + 8)) and probs[0] < probs[7]
+    assert host.choose(1, {"a": host.draft("a", [1], (Source.suffix,), 100)}, 0.0, 1) == 0
 
 
 # -- end to end on the bundled model (specs/tiny-code-speculation.yaml) ----------------------------

@@ -178,7 +178,7 @@ class EngineCore:
                 if draft.source == Source.medusa:
                     spec.medusa.record(tree, path)
                 else:
-                    spec.host.record(rid, draft.source, len(tree.choices), len(path.nodes))
+                    spec.host.record(rid, draft.source, draft.probabilities, len(path.nodes))
                     spec.stats.count_row(draft.source.value, len(path.nodes))
                 state.accepted_tokens += len(path.nodes)
                 if params.logprobs:
@@ -274,7 +274,7 @@ class EngineCore:
         for rid, chain in chains.items():
             k = min(n, len(chain.tokens))
             if k:
-                self.scheduler.requests[rid].draft = Draft(chain_tree(k), chain.tokens[:k], chain.source)
+                self.scheduler.requests[rid].draft = Draft(chain_tree(k), chain.tokens[:k], chain.source, chain.stated[:k])
             elif rid in medusa:  # no chain verified this step: the row's tree still may be
                 self.scheduler.requests[rid].draft = medusa[rid]
 

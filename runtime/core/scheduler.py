@@ -98,6 +98,7 @@ class Draft:
     tree: Tree
     tokens: tuple[int, ...]
     source: Source = Source.medusa
+    probabilities: tuple[float, ...] = ()  # a host chain's: its source's stated P(kept) per token
 
 
 class Scheduler:
