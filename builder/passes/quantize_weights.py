@@ -110,15 +110,18 @@ def _quantize_embedding(graph: gs.Graph, layer, ctx: PassContext, constant) -> d
     return (ctx.quant_report or {}).get("embed_tokens", {})
 
 
-def _is_weight(weight, shape: tuple[int, ...]) -> bool:
-    """A MatMul's [in, out] weight: a constant, or a constant [out, in] transposed (the LM head as
-    exported: ``Transpose(lm_head.weight)``, the table a tied embedding shares). The codes replace
-    it either way; the Transpose and a table nothing else reads go with the cleanup."""
+def _weight_table(weight, shape: tuple[int, ...]) -> gs.Constant | None:
+    """The constant behind a MatMul's [in, out] weight of ``shape``: the weight itself, or a
+    constant [out, in] it transposes (the LM head as exported: ``Transpose(lm_head.weight)``, the
+    table a tied embedding shares); None if neither. The codes replace the weight either way; the
+    Transpose and a table nothing else reads go with the cleanup."""
     if isinstance(weight, gs.Constant):
-        return tuple(weight.shape) == shape
+        return weight if tuple(weight.shape) == shape else None
     producer = weight.inputs[0] if len(weight.inputs) == 1 else None
-    return (producer is not None and producer.op == "Transpose" and list(producer.attrs.get("perm", [1, 0])) == [1, 0]
-            and isinstance(producer.inputs[0], gs.Constant) and tuple(producer.inputs[0].shape) == shape[::-1])
+    if (producer is not None and producer.op == "Transpose" and list(producer.attrs.get("perm", [1, 0])) == [1, 0]
+            and isinstance(producer.inputs[0], gs.Constant) and tuple(producer.inputs[0].shape) == shape[::-1]):
+        return producer.inputs[0]
+    return None
 
 
 def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -136,12 +139,12 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     fold = {id(node): _foldable(node, layers[name], layers) for node, name in targets}
     for node, name in targets:
         layer = layers[name]
-        weight = node.inputs[1]
-        if not _is_weight(weight, tuple(layer.codes.shape[::-1])):
-            skipped[node.name] = (f"weight is not a constant of shape {tuple(layer.codes.shape[::-1])} "
-                                  f"(nor the transpose of one)")
+        shape = tuple(layer.codes.shape[::-1])  # [in, out]
+        table = _weight_table(node.inputs[1], shape)
+        if table is None:
+            skipped[node.name] = f"weight is not a constant of shape {shape} (nor the transpose of one)"
             continue
-        dtype = np.dtype((weight if isinstance(weight, gs.Constant) else weight.inputs[0].inputs[0]).dtype)
+        dtype = np.dtype(table.dtype)
         codes = None if layer.fp8 or layer.nvfp4 else layer.codes.T.contiguous().numpy()  # [in, out]
         scales = None if layer.nvfp4 else layer.scales.numpy().astype(dtype)
         if layer.nvfp4:  # FP4 codes in blocks of 16 inputs; FP8 block scales × a global scale
@@ -162,7 +165,7 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
         else:
             attrs = {"axis": 1}                                  # scales [out]
         scope = node.name.rsplit("/", 1)[0]
-        dequantized = gs.Variable(f"{name}.weight_dq", dtype=dtype, shape=list(layer.codes.shape[::-1]))
+        dequantized = gs.Variable(f"{name}.weight_dq", dtype=dtype, shape=list(shape))
         graph.nodes.append(new_node("DequantizeLinear", f"{scope}/DequantizeLinear",
                                     [_constant(f"{name}.weight_q", codes) if layer.nvfp4 else constant(f"{name}.weight_q", codes),
                                      scales if layer.nvfp4 else constant(f"{name}.weight_scale", np.asarray(scales))],

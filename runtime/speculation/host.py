@@ -8,7 +8,7 @@ this batch size. So acceptance is learned per (source, depth): P(the token at de
 the ones before it were), from every verification across requests, and per request on top of
 that (the global figure as its prior). A depth's prior is the source's stated probability for the
 token, calibrated: how often tokens the source stated that likely were kept, at any depth
-(``Calibration``). Taking the source at its word fails where it matters: a suffix chain seen once
+(``HostDrafting.calibration``). Taking the source at its word fails where it matters: a suffix chain seen once
 states 1.0 for every token, and a chain's deep tokens are seldom tried, so their estimates stayed
 at 1.0 and free chat verified 16-token chains that kept 0.3 tokens (measured on SmolLM2: 27
 verifications, 8 tokens kept, in 256). The expected kept tokens of a chain of n are
@@ -50,47 +50,29 @@ class SpeculationMode(Enum):
 
 
 @dataclass
-class DepthCounts:
-    """Verifications of chains, by depth: tried (the tokens before were kept) and kept."""
+class KeptCounts:
+    """Tokens of verified chains, per cell (a depth, or a tenth of the probability the source
+    stated for the token: its calibration): tried (the tokens before were kept) and kept."""
     trials: np.ndarray
     hits: np.ndarray
 
     @classmethod
-    def empty(cls, depth: int) -> "DepthCounts":
-        return cls(np.zeros(depth), np.zeros(depth))
+    def empty(cls, cells: int) -> "KeptCounts":
+        return cls(np.zeros(cells), np.zeros(cells))
 
-    def record(self, length: int, kept: int) -> None:
-        self.trials[:min(kept + 1, length)] += 1
-        self.hits[:kept] += 1
+    def record(self, cells: np.ndarray, kept: int) -> None:
+        """A verified chain whose i-th token falls in ``cells[i]``; its first ``kept`` were kept."""
+        np.add.at(self.trials, cells[:kept + 1], 1)
+        np.add.at(self.hits, cells[:kept], 1)
 
-    def probabilities(self, prior: np.ndarray, weight: float) -> np.ndarray:
-        return (self.hits + weight * prior) / (self.trials + weight)
-
-
-@dataclass
-class Calibration:
-    """How often a source's token was kept, by the probability the source stated for it (in
-    tenths): P(kept | stated ≈ q), learned across depths and requests."""
-    trials: np.ndarray      # [BUCKETS]
-    hits: np.ndarray
-
-    @classmethod
-    def empty(cls) -> "Calibration":
-        return cls(np.zeros(BUCKETS), np.zeros(BUCKETS))
-
-    def record(self, stated: np.ndarray, kept: int) -> None:
-        """A verified chain whose tokens the source stated ``stated``; the first ``kept`` kept."""
-        np.add.at(self.trials, _buckets(stated[:kept + 1]), 1)
-        np.add.at(self.hits, _buckets(stated[:kept]), 1)
-
-    def probabilities(self, stated: np.ndarray) -> np.ndarray:
-        buckets = _buckets(stated)
-        prior = PRIOR + STATED_TRUST * (stated - PRIOR)
-        return (self.hits[buckets] + PRIOR_WEIGHT * prior) / (self.trials[buckets] + PRIOR_WEIGHT)
+    def probabilities(self, cells: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray:
+        """P(kept) in each of ``cells``, ``prior`` counting as ``weight`` tokens."""
+        return (self.hits[cells] + weight * prior) / (self.trials[cells] + weight)
 
 
-def _buckets(stated: np.ndarray) -> np.ndarray:
-    return np.minimum((np.asarray(stated) * BUCKETS).astype(np.int64), BUCKETS - 1)
+def _tenths(stated: np.ndarray) -> np.ndarray:
+    """The calibration cell of each stated probability."""
+    return np.minimum((stated * BUCKETS).astype(np.int64), BUCKETS - 1)
 
 
 @dataclass(frozen=True)
@@ -106,7 +88,7 @@ class HostDraft:
 
 @dataclass
 class _RequestState:
-    counts: dict[Source, DepthCounts] = field(default_factory=dict)
+    counts: dict[Source, KeptCounts] = field(default_factory=dict)  # by depth
     aside: int = 0          # decisions in a row its draft stood aside
 
 
@@ -118,8 +100,9 @@ class HostDrafting:
         if max_tokens < 1:
             raise ValueError(f"host drafting needs a verification of ≥ 2 tokens (max_tokens {max_tokens})")
         self.sources, self.max_tokens, self.times, self.mode = sources, max_tokens, times, mode
-        self.counts = {source: DepthCounts.empty(max_tokens) for source in sources}
-        self.calibration = {source: Calibration.empty() for source in sources}
+        self.counts = {source: KeptCounts.empty(max_tokens) for source in sources}         # by depth
+        self.calibration = {source: KeptCounts.empty(BUCKETS) for source in sources}      # by stated tenth
+        self._depths = np.arange(max_tokens)
         self._requests: dict[str, _RequestState] = {}
 
     def probabilities(self, source: Source, rid: str | None = None, stated: Sequence[float] = ()) -> np.ndarray:
@@ -128,10 +111,11 @@ class HostDrafting:
         PRIOR past them, calibrated; the depth's counts overrule it as verifications come in."""
         claimed = np.full(self.max_tokens, PRIOR)
         claimed[:min(len(stated), self.max_tokens)] = stated[:self.max_tokens]
-        base = self.calibration[source].probabilities(claimed)
-        shared = self.counts[source].probabilities(base, PRIOR_WEIGHT)
+        base = self.calibration[source].probabilities(_tenths(claimed), PRIOR + STATED_TRUST * (claimed - PRIOR),
+                                                      PRIOR_WEIGHT)
+        shared = self.counts[source].probabilities(self._depths, base, PRIOR_WEIGHT)
         own = self._requests.get(rid).counts.get(source) if rid in self._requests else None
-        return shared if own is None else own.probabilities(shared, REQUEST_WEIGHT)
+        return shared if own is None else own.probabilities(self._depths, shared, REQUEST_WEIGHT)
 
     def draft(self, rid: str, context: Sequence[int], allowed: Sequence[Source], limit: int) -> HostDraft | None:
         """The allowed source's chain with the most expected kept tokens, at most ``limit`` long."""
@@ -189,11 +173,11 @@ class HostDrafting:
     def record(self, rid: str, source: Source, stated: Sequence[float], kept: int) -> None:
         """One verified chain whose tokens ``source`` stated with probabilities ``stated`` (its
         length), of which the first ``kept`` were kept."""
-        length = len(stated)
-        self.calibration[source].record(np.asarray(stated, np.float64), kept)
-        self.counts[source].record(length, kept)
+        depths = self._depths[:len(stated)]
+        self.calibration[source].record(_tenths(np.asarray(stated, np.float64)), kept)
+        self.counts[source].record(depths, kept)
         state = self._requests.setdefault(rid, _RequestState())
-        state.counts.setdefault(source, DepthCounts.empty(self.max_tokens)).record(length, kept)
+        state.counts.setdefault(source, KeptCounts.empty(self.max_tokens)).record(depths, kept)
 
     def close(self, rid: str, context: Sequence[int]) -> None:
         """The request ended: its sources forget it (a suffix source keeps its output for others)."""
