@@ -36,14 +36,18 @@ CACHE_DTYPES = {name: NUMPY_DTYPES[name] for name in CPU_DTYPES}  # what ONNX Ru
 
 # rankN.cpu.onnx (the CPU step model) takes the step's inputs plus PLAIN_DECODE, a bool scalar:
 # true runs the CPU decode graph (plain decode steps, one token a row), false the rank graph or,
-# where the model has TREE_VERIFY (built with Medusa heads), the CPU verification graph when that
-# is true (a Medusa verification of one row). Its outputs add NEXT_INPUTS: the next greedy decode
+# where the model has TREE_VERIFY (built with any draft source), the CPU verification graph when
+# that is true (a verification of up to VERIFY_ROWS rows, the caches bound with their rows folded
+# into heads). Its outputs add NEXT_INPUTS: the next greedy decode
 # step's inputs, as a plain decode step leaves them. Built with Medusa heads, it also takes
 # DRAFT_HEADS: false skips the heads in a plain decode step (their logits come back as zeros), for
 # steps whose heads nobody reads (a multi-step greedy run); every other step ignores it.
 PLAIN_DECODE = "plain_decode"
 TREE_VERIFY = "tree_verify"
 DRAFT_HEADS = "draft_heads"
+# The step model's metadata key for the most rows its verification graph verifies at once (it takes
+# each step's caches as [1, B·H_kv, S_max, D]: builder/passes/cpu_group_query_attention.py).
+VERIFY_ROWS = "cpu_verify_rows"
 NEXT_INPUTS = {"input_ids": "next_input_ids", "write_index": "next_write_index", "kv_length": "next_kv_length"}
 # The step inputs the CPU decode graph reads besides the caches: a plain decode step fills only these.
 DECODE_READS = ("input_ids", "write_index", "kv_length")

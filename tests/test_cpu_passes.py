@@ -1,7 +1,8 @@
 """The CPU stage's passes hold their expected match counts: on a chain of the planted form each
 matches, and an architecture whose chain differs fails the pass, naming it and the site, rather
 than leaving a half-rewritten decode graph. Structure only (the graphs are not run here; the
-build's numerics gate runs the real ones at a decode step)."""
+build's numerics gate runs the real ones at a step of their kind, and
+tests/test_speculation_build.py runs a verification of several rows against the rank graph)."""
 from __future__ import annotations
 
 import onnx_graphsurgeon as gs
@@ -74,22 +75,62 @@ def test_group_query_attention_matches_the_chain_and_fails_a_chain_that_differs(
         run("cpu_group_query_attention", _named(attention_chain(query_norm=True), "Attention", "attention"))
 
 
-def test_verify_attention_wires_positions_and_the_tree_mask_into_group_query_attention():
+def test_verify_attention_rotates_outside_and_wires_the_tree_mask_into_group_query_attention():
     decode = next(n for n in run("cpu_group_query_attention", attention_chain()).graph.nodes
                   if n.op == "GroupQueryAttention")
     result = run("cpu_verify_attention", attention_chain())
     assert result.stats["matches"] == 1 == result.stats["expected"]
-    (verify,) = [n for n in result.graph.nodes if n.op == "GroupQueryAttention"]
-    # The decode wiring reads neither: a plain decode step does not fill them.
-    assert len(decode.inputs) == 9 and len(verify.inputs) == 11
-    positions, bias = verify.inputs[9:]
-    assert positions.inputs[0].op == "Cast" and positions.inputs[0].inputs[0].name == "position_ids"
-    where = bias.inputs[0]
-    assert where.op == "Where" and where.inputs[0].inputs[0].op == "Slice"
-    assert where.inputs[0].inputs[0].inputs[0].name == "attention_mask"
-    # Its filled length counts the step's tokens from write_index (kv_length is not read).
-    seqlens = verify.inputs[5].inputs[0]  # Cast(write_index + S - 1)
-    assert seqlens.op == "Cast" and seqlens.inputs[0].inputs[0].op == "Sub"
+    (verify,) = [n for n in result.graph.nodes if n.op == "GroupQueryAttention"]  # one row at most: no If
+    # The decode wiring rotates inside and reads no mask: a plain decode step does not fill it.
+    assert decode.attrs["do_rotary"] == 1 and len(decode.inputs) == 9
+    # Verification rotates each row at its own positions before the rows are folded into heads.
+    assert verify.attrs["do_rotary"] == 0 and len(verify.inputs) == 11
+    made_by = lambda node, i=0: node.inputs[i].inputs[0]  # noqa: E731  (the node producing an input)
+    chain, node = [], made_by(verify)
+    while node.op != "RotaryEmbedding":
+        chain.append(node.op)
+        node = made_by(node)
+    assert chain == ["Unsqueeze", "Reshape", "Transpose"]  # [B, H, S, D] → [1, S, B·H·D]
+    bias = made_by(verify, 10)  # Reshape(Expand(Where(Slice(attention_mask)))): a bias per folded head
+    where = made_by(made_by(bias))
+    assert [bias.op, made_by(bias).op, where.op, made_by(where).op] == ["Reshape", "Expand", "Where", "Slice"]
+    assert made_by(where).inputs[0].name == "attention_mask"
+    # One filled length for every row: the largest write_index plus the step's tokens (kv_length is not read).
+    seqlens = made_by(verify, 5)  # Cast(max(write_index) + S - 1)
+    start = made_by(made_by(made_by(seqlens)))
+    assert seqlens.op == "Cast" and start.op == "ReduceMax" and start.inputs[0].name == "write_index"
+
+
+def test_verify_attention_holds_one_group_query_attention_per_row_count_behind_ifs():
+    """Up to three rows: Ifs on the row count pick GroupQueryAttention over 1, 2 or 3 rows' heads;
+    the exporter's Shape(cache)[0:1] (the batch size) reads write_index, as the caches come folded."""
+    from trtbuild.builder.passes.cpu_group_query_attention import group_query_attention
+    from trtbuild.contract.step import VERIFY_ROWS
+
+    planted = attention_chain()
+    planted.graph.node.append(helper.make_node("Shape", ["past_value_0"], ["batch"], start=0, end=1, name="batch"))
+    planted.graph.output.append(helper.make_tensor_value_info("batch", TensorProto.INT64, None))
+    done = group_query_attention(planted, 2, 1, CpuGraph.verify, 3)
+    assert done.matches == 1 and done.metadata == {VERIFY_ROWS: 3}
+
+    def attentions(graph):
+        for node in graph.node:
+            if node.op_type == "GroupQueryAttention":
+                yield {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    yield from attentions(attr.g)
+
+    heads = sorted((a["num_heads"], a["kv_num_heads"]) for a in attentions(done.model.graph))
+    assert heads == [(2, 1), (4, 2), (6, 3)]
+    assert [n.op_type for n in done.model.graph.node].count("If") == 1  # rows == 1 ? … : (rows == 2 ? … : 3 rows)
+    (shape,) = [n for n in done.model.graph.node if n.name == "batch"]
+    assert list(shape.input) == ["write_index"]
+    planted = attention_chain()
+    planted.graph.node.append(helper.make_node("Shape", ["past_value_0"], ["dims"], start=1, name="dims"))
+    planted.graph.output.append(helper.make_tensor_value_info("dims", TensorProto.INT64, None))
+    refused = group_query_attention(planted, 2, 1, CpuGraph.verify, 3)
+    assert refused.matches == 0 and "beyond the batch dim" in refused.unmatched["dims"]
 
 
 def _named(model, op, name):

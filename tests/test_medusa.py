@@ -198,8 +198,7 @@ def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
     rank = ort_config.session(medusa_engine / "rank0.onnx", 1, medusa_engine)
     records = [json.loads(line) for line in (medusa_engine / "passes.jsonl").read_text().splitlines()]
     checked = [r for r in records if r["pass"].startswith("cpu_verify_")]
-    assert [r["pass"] for r in checked] == ["cpu_verify_attention", "cpu_verify_pack_qkv", "cpu_verify_drop_row_gather",
-                                            "cpu_verify_skip_norm"]
+    assert [r["pass"] for r in checked] == ["cpu_verify_attention", "cpu_verify_drop_row_gather", "cpu_verify_skip_norm"]
     assert all(r["numerics"]["step"] == "verify" and r["numerics"]["ok"] for r in checked)
     assert checked[-1]["numerics"]["greedy_path_end"] == 3  # the build's check accepts root → 1 → 3
     rng = np.random.default_rng(5)

@@ -45,8 +45,7 @@ def test_manifest_records_the_sources_and_the_runtime_reads_them(speculation_eng
     assert "medusa_logits" not in outputs
     records = [json.loads(line) for line in (speculation_engine / "passes.jsonl").read_text().splitlines()]
     checked = [r for r in records if r["pass"].startswith("cpu_verify_")]
-    assert [r["pass"] for r in checked] == ["cpu_verify_attention", "cpu_verify_pack_qkv", "cpu_verify_drop_row_gather",
-                                            "cpu_verify_skip_norm"]
+    assert [r["pass"] for r in checked] == ["cpu_verify_attention", "cpu_verify_drop_row_gather", "cpu_verify_skip_norm"]
     assert all(r["numerics"]["step"] == "verify" and r["numerics"]["ok"] for r in checked)
 
 
@@ -72,13 +71,13 @@ def _verify_logits(engine, batch: int) -> np.ndarray:
 
 
 def test_cpu_verify_graph_scores_a_chain_as_the_rank_graph_and_plain_decoding_do(speculation_engine):
-    """One row's chain runs on rank0.cpu.onnx's verification graph, two rows' on the rank graph:
-    the same logits (max_abs ≤ 1e-4, float32), and those of decoding the chain one token a step."""
+    """One row's chain runs on rank0.cpu.onnx's verification graph: the rank graph's logits
+    (max_abs ≤ 1e-4, float32), and those of decoding the chain one token a step."""
     d = load(speculation_engine)
     one = OnnxRuntimeEngine(d, threads=2)
     assert one.verifies_on_cpu_graph and not one.has_medusa
     verified = _verify_logits(one, batch=1)
-    ranked = _verify_logits(OnnxRuntimeEngine(d, threads=2), batch=2)
+    ranked = _verify_logits(OnnxRuntimeEngine(d, threads=2, use_decode_graph=False), batch=1)
     assert verified.shape == ranked.shape == (4, d.vocab_size)
     assert np.abs(verified - ranked).max() <= 1e-4
     plain = OnnxRuntimeEngine(d, threads=2)
@@ -88,6 +87,33 @@ def test_cpu_verify_graph_scores_a_chain_as_the_rank_graph_and_plain_decoding_do
                                starts=(len(PROMPT) - 1 + i,), samples=(True,))).logits[0, 0].copy()
                for i, token in enumerate([PROMPT[-1], *GUESSES])]
     assert np.abs(verified - np.stack(stepped)).max() <= 1e-4
+
+
+def test_cpu_verify_graph_verifies_rows_of_different_lengths_as_the_rank_graph(speculation_engine):
+    """Three rows in one verification, each at its own cache length (a 3-guess chain after 40
+    cached tokens, a plain row after 75, a 2-guess chain after 58), run on the CPU verification
+    graph (rows folded into heads, every row written from the longest row's start and moved back):
+    the rank graph's logits at every real token (max_abs ≤ 1e-4) and the same caches at every
+    position a row has filled."""
+    d = load(speculation_engine)
+    folded, ranked = OnnxRuntimeEngine(d, threads=2), OnnxRuntimeEngine(d, threads=2, use_decode_graph=False)
+    assert folded.verify_rows == 8 and ranked.verify_rows == 0  # the spec's max_batch_size
+    rng = np.random.default_rng(3)
+    for name, pool in folded.kv.pools.items():  # caches as if three prompts were cached
+        pool[:] = rng.standard_normal(pool.shape).astype(pool.dtype)
+        ranked.kv.pools[name][:] = pool
+    tokens = ((PROMPT[-1], *GUESSES), (PROMPT[3],), (PROMPT[5], *GUESSES[:2]))
+    trees = (CHAIN, None, Tree(((0,), (0, 0))))
+    starts = (40, 75, 58)
+    step = Step(kind=StepKind.decode, first_slot=0, rids=("a", "b", "c"), tokens=tokens, starts=starts,
+                samples=(True,) * 3, trees=trees)
+    got, want = folded.step(step).logits.copy(), ranked.step(step).logits
+    for row, row_tokens in enumerate(tokens):
+        assert np.abs(got[row, :len(row_tokens)] - want[row, :len(row_tokens)]).max() <= 1e-4
+    for name, pool in folded.kv.pools.items():
+        for row, start in enumerate(starts):
+            filled = start + len(tokens[row])
+            assert np.abs(pool[row, :, :filled] - ranked.kv.pools[name][row, :, :filled]).max() <= 1e-4, (name, row)
 
 
 def test_tensorrt_engine_sizes_its_rows_by_verify_tokens(monkeypatch, speculation_engine):

@@ -28,7 +28,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from ...contract.step import DRAFT_HEADS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY
+from ...contract.step import DRAFT_HEADS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY, VERIFY_ROWS
 from .draft_heads import heads_on_demand
 from .rank_onnx import INLINE_BELOW
 
@@ -60,31 +60,46 @@ def step_model(rank: onnx.ModelProto, decode: onnx.ModelProto, verify: onnx.Mode
     for graph in (decode, verify):
         if graph is not None and [o.name for o in graph.graph.output] != outputs:
             raise ValueError("a CPU graph's outputs differ from the rank graph's")
-    inputs = [*rank.graph.input, helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])]
+    declared_inputs, declared_outputs = _declared(rank, verify)
+    inputs = [*declared_inputs, helper.make_tensor_value_info(PLAIN_DECODE, TensorProto.BOOL, [])]
     otherwise = _branch(rank, "rank", outputs)
     if verify is not None:
         inputs.append(helper.make_tensor_value_info(TREE_VERIFY, TensorProto.BOOL, []))
-        otherwise = _choice(TREE_VERIFY, "verify_or_rank", _branch(verify, "verify", outputs), otherwise, rank)
+        otherwise = _choice(TREE_VERIFY, "verify_or_rank", _branch(verify, "verify", outputs), otherwise,
+                            declared_outputs)
     drafting = heads_on_demand(decode)
     if drafting is not decode:
         inputs.append(helper.make_tensor_value_info(DRAFT_HEADS, TensorProto.BOOL, []))
     step = helper.make_node("If", [PLAIN_DECODE], outputs, name="cpu_step",
                             then_branch=_branch(drafting, "decode", outputs), else_branch=otherwise)
-    graph = helper.make_graph([step, *_next_inputs()], "cpu_step", inputs, [*rank.graph.output, *_next_outputs()])
+    graph = helper.make_graph([step, *_next_inputs()], "cpu_step", inputs, [*declared_outputs, *_next_outputs()])
     model = helper.make_model(graph, opset_imports=list(decode.opset_import))
     model.ir_version = rank.ir_version
     model.metadata_props.extend(decode.metadata_props)
+    if verify is not None:
+        model.metadata_props.extend(p for p in verify.metadata_props if p.key == VERIFY_ROWS)
     return model
 
 
+def _declared(rank: onnx.ModelProto, verify: onnx.ModelProto | None) -> tuple[list, list]:
+    """The step's inputs and outputs as the rank graph declares them, but for the values the
+    verification graph declares otherwise: the caches, which it takes with their rows folded into
+    heads ([1, B·H_kv, S_max, D], builder/passes/cpu_group_query_attention.py)."""
+    if verify is None:
+        return list(rank.graph.input), list(rank.graph.output)
+    own = {v.name: v for v in (*verify.graph.input, *verify.graph.output)}
+    pick = lambda values: [own.get(v.name, v) for v in values]  # noqa: E731
+    return pick(rank.graph.input), pick(rank.graph.output)
+
+
 def _choice(condition: str, tag: str, then: onnx.GraphProto, otherwise: onnx.GraphProto,
-            rank: onnx.ModelProto) -> onnx.GraphProto:
+            outputs: list[onnx.ValueInfoProto]) -> onnx.GraphProto:
     """A subgraph holding one If between two branches, its outputs the step's renamed by ``tag``."""
-    names = [f"{tag}/{o.name}" for o in rank.graph.output]
+    names = [f"{tag}/{o.name}" for o in outputs]
     node = helper.make_node("If", [condition], names, name=tag, then_branch=then, else_branch=otherwise)
     graph = onnx.GraphProto(name=f"{tag}_step")
     graph.node.append(node)
-    for value, name in zip(rank.graph.output, names):
+    for value, name in zip(outputs, names):
         out = graph.output.add()
         out.CopyFrom(value)
         out.name = name

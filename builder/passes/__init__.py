@@ -19,12 +19,16 @@ from .split_pipeline_stages import split_pipeline_stages
 
 def _cpu_passes(graph: CpuGraph, attention: str, rewrite_attention, prefix: str) -> tuple[Pass, ...]:
     """One CPU graph's passes: its GroupQueryAttention wiring, then the fusions every CPU graph
-    shares, named ``prefix`` + what they do."""
+    shares, named ``prefix`` + what they do. The verification graph's q/k/v stay three MatMuls:
+    each is rotated per row before the rows are folded into heads, so there is no packed input
+    to feed (builder/passes/cpu_group_query_attention.py)."""
     gather = f"{prefix}drop_row_gather"
+    packs = (((f"{prefix}pack_qkv", cpu_pack_qkv, cpu_pack_qkv.rewrite, (attention,)),)
+             if graph is CpuGraph.decode else ())
     return tuple(Pass(name, model_pass(name, rewrite, module.expected), requires=requires, per_rank=True, cpu=graph)
                  for name, module, rewrite, requires in (
                      (attention, cpu_group_query_attention, rewrite_attention, ("fuse_attention", "fuse_rotary")),
-                     (f"{prefix}pack_qkv", cpu_pack_qkv, cpu_pack_qkv.rewrite, (attention,)),
+                     *packs,
                      (gather, cpu_drop_row_gather, cpu_drop_row_gather.rewrite, (attention,)),
                      (f"{prefix}skip_norm", cpu_skip_norm, cpu_skip_norm.rewrite, (attention, "fuse_rmsnorm", gather))))
 
@@ -44,7 +48,7 @@ PIPELINE: tuple[Pass, ...] = (
          requires=("attach_medusa",), per_rank=True, runs_with="attach_medusa"),
     Pass("plan_cuda_graphs", plan_cuda_graphs, per_rank=True),
     # The CPU stage, per rank: copies of the finished rank graph become the graphs ONNX Runtime
-    # runs at plain decode steps and, with any draft source, at verifications of one row
+    # runs at plain decode steps and, with any draft source, at verifications of up to 16 rows
     # (rankN.cpu.onnx; base.cpu_graphs_made says which a build makes).
     *_cpu_passes(CpuGraph.decode, "cpu_group_query_attention", cpu_group_query_attention.rewrite, "cpu_"),
     *_cpu_passes(CpuGraph.verify, "cpu_verify_attention", cpu_group_query_attention.rewrite_verify, "cpu_verify_"),

@@ -30,8 +30,9 @@ class CpuGraph(Enum):
     ONNX Runtime runs faster on them than on the rank graph (builder/emit/cpu_step_model.py)."""
 
     decode = "decode"  # plain decode steps: one token a row, any batch
-    # Medusa verification of one row's tree: GroupQueryAttention takes S > 1 new tokens after a
-    # cached past only at batch 1 (ONNX Runtime 1.32's CPU kernel refuses more rows).
+    # Verifications of up to VERIFY_ROWS rows' drafts (chains or trees), the rows folded into
+    # GroupQueryAttention's heads (ONNX Runtime 1.32's CPU kernel refuses S > 1 new tokens after a
+    # cached past for more than one row): builder/passes/cpu_group_query_attention.py.
     verify = "verify"
 
 

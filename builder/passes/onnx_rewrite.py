@@ -14,7 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from .base import PassContext, PassError, PassResult, copy_metadata
+from .base import PassContext, PassError, PassResult, copy_metadata, record_metadata
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Rewritten:
     model: onnx.ModelProto
     matches: int
     unmatched: dict[str, str] = field(default_factory=dict)  # node name → reason
+    metadata: dict[str, object] = field(default_factory=dict)  # recorded in the model's metadata_props
 
 
 def model_pass(name: str, rewrite: Callable[[onnx.ModelProto, PassContext], Rewritten],
@@ -45,8 +46,10 @@ def model_pass(name: str, rewrite: Callable[[onnx.ModelProto, PassContext], Rewr
                                 f"{ctx.arch.num_layers} layers has{detail}")
         if not done.matches:
             return PassResult(graph=graph, modified=False, stats=stats)
-        rewritten = gs.import_onnx(done.model).cleanup(remove_unused_graph_inputs=False)  # what nothing reads any more
-        return PassResult(graph=copy_metadata(graph, rewritten), modified=True, stats=stats)
+        rewritten = copy_metadata(graph, gs.import_onnx(done.model).cleanup(remove_unused_graph_inputs=False))
+        for key, value in done.metadata.items():
+            record_metadata(rewritten, key, value)
+        return PassResult(graph=rewritten, modified=True, stats=stats)
 
     run.__name__ = name
     return run
@@ -68,11 +71,23 @@ def replace_nodes(model: onnx.ModelProto, replacement: dict[int, list[onnx.NodeP
     return out
 
 
+def reads(node: onnx.NodeProto) -> set[str]:
+    """The names ``node`` reads: its inputs and what its subgraphs (an If's branches) read from
+    outside themselves."""
+    names = set(node.input)
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.HasField("g") else list(attr.graphs):
+            own = {name for n in graph.node for name in n.output} | {i.name for i in graph.initializer}
+            names |= {name for n in graph.node for name in reads(n)} - own
+            names |= {o.name for o in graph.output} - own
+    return names - {""}
+
+
 def prune(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the nodes whose outputs nothing reads (in place)."""
     nodes, outputs = list(model.graph.node), {o.name for o in model.graph.output}
     while True:
-        used = {name for node in nodes for name in node.input} | outputs
+        used = {name for node in nodes for name in reads(node)} | outputs
         live = [node for node in nodes if any(o in used for o in node.output)]
         if len(live) == len(nodes):
             break

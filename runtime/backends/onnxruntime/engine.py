@@ -6,8 +6,10 @@ IO binding, so the graph writes the new K/V into the pool itself: no per-step co
 Plain decode steps reuse one binding per shape (``_bind``) and run the CPU decode graph
 (GroupQueryAttention per layer, packed QKV, fused residual norms) where the engine dir has one:
 ``rankN.cpu.onnx``, built and checked by the build's CPU stage, one session holding it and the
-rank graph (runtime/backends/onnxruntime/step_graph.py); a Medusa verification of one row runs
-its CPU verification graph where it has one (built with heads). Nothing is rewritten at load.
+rank graph (runtime/backends/onnxruntime/step_graph.py); a verification of up to the model's
+VERIFY_ROWS rows runs its CPU verification graph where it has one (built with any draft source),
+the caches bound with their rows folded into heads and every row writing from one start
+(runtime/backends/onnxruntime/one_write_start.py). Nothing is rewritten at load.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from ....onnxruntime_cpu import session as ort_config
 from ....onnxruntime_cpu.session import Spinning
 from ....contract.pipeline import HIDDEN_STATES
 from ....contract.step import (CACHE_DTYPES, DRAFT_HEADS, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY,
-                             StepArrays, fill_step_arrays, step_shape)
+                             VERIFY_ROWS, StepArrays, fill_step_arrays, step_shape)
 from ....onnxruntime_cpu import fp4
 from ....onnxruntime_cpu.segments import CollectiveFn, SegmentedRank
+from .one_write_start import move_back, write_from_one_start
 from .step_graph import cpu_graph, fill_decode_inputs
 from ..engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from ...engine_dir import EngineDir
@@ -60,6 +63,7 @@ class OnnxRuntimeEngine:
         self.engine_dir, self.block_size = engine_dir, block_size
         path = engine_dir.rank_file(rank, "onnx")
         self.segments, self.decode, self.verifies_on_cpu_graph, self.drafts_on_demand = None, None, False, False
+        self.verify_rows = 0  # the most rows one verification on the CPU verification graph holds
         if engine_dir.world_size > 1:  # DistCollective nodes, or a pipeline stage: run in segments
             if collective is None:
                 raise ValueError(f"{path} is one rank of a tensor/pipeline-parallel engine: run it through the "
@@ -72,9 +76,12 @@ class OnnxRuntimeEngine:
             source, self.decode = cpu_graph(engine_dir, rank, use_decode_graph)  # self.decode: rankN.cpu.onnx or None
             self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
             outputs = [o.name for o in self.session.get_outputs()]
-            # A step model built with any draft source verifies one row's tree on its CPU verification graph.
+            # A step model built with any draft source verifies up to VERIFY_ROWS rows on its CPU
+            # verification graph (a dir built before it said how many: one row).
             names = {i.name for i in self.session.get_inputs()}
             self.verifies_on_cpu_graph = TREE_VERIFY in names
+            if self.verifies_on_cpu_graph:
+                self.verify_rows = int(self.session.get_modelmeta().custom_metadata_map.get(VERIFY_ROWS, 1))
             self.drafts_on_demand = DRAFT_HEADS in names  # a greedy run's steps skip the heads
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size, rank))
         self.has_medusa = MEDUSA_LOGITS in outputs
@@ -91,11 +98,14 @@ class OnnxRuntimeEngine:
             self.session.run_with_iobinding(bound.binding)
             skipped = self.drafts_on_demand and not draft  # the heads' logits are zeros: none to give
             return StepOutput(logits=bound.logits, medusa=None if skipped else bound.medusa)
-        if self.verifies_on_cpu_graph and len(step.rids) == 1 and step.verifies:  # one row's tree, step after step
-            key = (step.first_slot, 1, seq)
+        if (step.verifies and len(step.rids) <= self.verify_rows
+                and max(step.starts) + seq <= self.engine_dir.max_seq_len):  # the rows' drafts, step after step
+            key = (step.first_slot, len(step.rids), seq)
             bound = self._bound.get(key) or self._bind(key)
             fill_step_arrays(bound.arrays, step.tokens, step.starts, self.engine_dir.max_seq_len, step.trees)
+            shifted = write_from_one_start(bound.arrays)
             self.session.run_with_iobinding(bound.binding)
+            move_back(self.kv.pools, step.first_slot, shifted, seq)
             return StepOutput(logits=bound.logits, medusa=bound.medusa)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
@@ -103,7 +113,7 @@ class OnnxRuntimeEngine:
             binding.bind_cpu_input(name, value)
         if self.decode is not None:
             binding.bind_cpu_input(PLAIN_DECODE, _FALSE)
-        if self.verifies_on_cpu_graph:  # a verification of several rows: GroupQueryAttention verifies one
+        if self.verifies_on_cpu_graph:  # more rows than the verification graph holds: the rank graph
             binding.bind_cpu_input(TREE_VERIFY, _FALSE)
         if self.drafts_on_demand:  # read by the decode graph only
             binding.bind_cpu_input(DRAFT_HEADS, _TRUE)
@@ -143,8 +153,8 @@ class OnnxRuntimeEngine:
 
     def _bind(self, key: tuple[int, int, int]) -> _Bound:
         """Buffers and an IO binding for steps of one shape, reused every such step: plain decode
-        steps (S = 1) and, on the CPU verification graph, one row's tree verifications (S > 1,
-        logits at every node). Inputs are numpy buffers the step fills in place, caches are views
+        steps (S = 1) and, on the CPU verification graph, verifications (S > 1, logits at every
+        node; the caches bound [1, B·H_kv, S_max, D], the rows folded into heads). Inputs are numpy buffers the step fills in place, caches are views
         of the pools, the outputs land in preallocated arrays (valid until the next step, as
         StepOutput says)."""
         first_slot, batch, seq = key
@@ -171,7 +181,10 @@ class OnnxRuntimeEngine:
             medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
             binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
         for name, pool in self.kv.pools.items():
-            view = ort.OrtValue.ortvalue_from_numpy(pool[first_slot:first_slot + batch])
+            rows = pool[first_slot:first_slot + batch]  # [B, H_kv, S_max, D]
+            if seq > 1:  # a view, as the pool rows are contiguous: nothing is copied
+                rows = rows.reshape(1, -1, *rows.shape[2:])
+            view = ort.OrtValue.ortvalue_from_numpy(rows)
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
         self._bound[key] = _Bound(arrays, binding, logits, medusa, draft)
