@@ -7,15 +7,21 @@ size (1, 8), greedy, 128 new tokens: plain decoding, then each draft source veri
 draft it has (``always``: what the source alone gives), then the adaptive policy over all the
 engine's sources (what a request gets by default). Each row: draft tokens kept per verifying
 step (the mean over verified rows, the root's token included), tokens/s over plain decoding's
-in the same run (plain runs before and after the sources; the faster of the two counts), and
-whether the tokens equal plain decoding's.
+in the same round (plain runs before and after the sources; the faster of the two counts), the
+same ratio for the decode phase alone (the time less the engine's prefill steps, the tokens less
+each request's first: what speculation can change, where the b8 workloads' long prompts otherwise
+dominate), and whether the tokens equal plain decoding's. With ``--rounds N`` every configuration
+runs N times, interleaved, and the rows give the median ratio over rounds and its range: between
+two plain runs of one workload this machine varies by up to a fifth, more than the policy's
+margins.
 
     python benchmarks/speculation.py                       # all models, the table
     python benchmarks/speculation.py --models tiny --json  # one JSON list of rows
+    python benchmarks/speculation.py --models smollm2-float32 --workloads free_chat --rounds 5
 
 Batch 1 runs ``--prompts`` requests one after another; batch 8 runs 8 requests at once (the
 workload's prompts, repeated if fewer). Timings include prefill; each engine is loaded once
-per configuration and warmed with one short request. Engines are built into --work the first
+per configuration and round and warmed with one short request. Engines are built into --work the first
 time (the real model's ~2 min each on 2 cores).
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,7 +90,9 @@ def texts(workload: str, count: int, template) -> list[str]:
 
 def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: str, max_tokens: int,
             threads: int) -> dict[int, dict]:
-    """For each batch size, its groups run one after another: tokens/s, tokens, steps kept."""
+    """For each batch size, its groups run one after another: tokens/s (all of it, and of the
+    decode phase: the time less the engine's prefill steps, the tokens less each request's first),
+    tokens, steps kept."""
     from trtbuild.runtime.core.sampling import SamplingParams
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.speculation.host import SpeculationMode
@@ -96,13 +105,17 @@ def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: st
         llm.generate([first], SamplingParams(max_tokens=4))  # warm: first steps run cold
         for batch, groups in batches.items():
             before = llm.speculation.stats.as_dict() if llm.speculation is not None else None
+            prefill_before = llm.stats.prefill_s
             start = time.perf_counter()
             tokens = [c.token_ids for group in groups for c in llm.generate(group, params)]
             seconds = time.perf_counter() - start
+            decode_seconds = seconds - (llm.stats.prefill_s - prefill_before)
             after = llm.speculation.stats.as_dict() if llm.speculation is not None else None
             rows = (after["verified_rows"] - before["verified_rows"]) if after else 0
             kept = (after["accepted_tokens"] - before["accepted_tokens"]) if after else 0
-            results[batch] = {"tokens": tokens, "tokens_per_s": sum(map(len, tokens)) / seconds,
+            produced = sum(map(len, tokens))
+            results[batch] = {"tokens": tokens, "tokens_per_s": produced / seconds,
+                              "decode_tokens_per_s": (produced - len(tokens)) / decode_seconds,
                               "tokens_per_step": 1 + kept / rows if rows else 1.0}
     return results
 
@@ -122,26 +135,36 @@ def run_model(model: str, args) -> list[dict]:
         batches = {1: [[t] for t in texts(workload, args.prompts, template)],
                    8: [texts(workload, 8, template)]}
         batches = {b: g for b, g in batches.items() if b in args.batches}
-        first = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
         configs = [(s, (s,), "always") for s in served] + [("adaptive", None, "adaptive")]
-        results = {name: measure(engine, batches, tuple(Source(s) for s in sources) if sources else None, mode,
-                                 args.max_tokens, args.threads) for name, sources, mode in configs}
-        # Plain decoding again after them: the faster of its two runs is the baseline, so a slow
-        # spell of the machine during the plain run never flatters the sources.
-        again = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
-        plain = {b: max(first[b], again[b], key=lambda r: r["tokens_per_s"]) for b in first}
-        for name, got in results.items():
+        rounds = []  # per round: each config's results, and plain decoding's baseline
+        for _ in range(args.rounds):
+            first = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
+            results = {name: measure(engine, batches, tuple(Source(s) for s in sources) if sources else None, mode,
+                                     args.max_tokens, args.threads) for name, sources, mode in configs}
+            # Plain decoding again after them: the faster of its two runs is the round's baseline,
+            # so a slow spell of the machine during the plain run never flatters the sources.
+            again = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
+            plain = {b: max(first[b], again[b], key=lambda r: r["tokens_per_s"]) for b in first}
+            rounds.append((results, plain))
+        for name, _, _ in configs:
             for batch in args.batches:
+                got = [results[name][batch] for results, _ in rounds]
+                base = [plain[batch] for _, plain in rounds]
+                ratios = sorted(g["tokens_per_s"] / p["tokens_per_s"] for g, p in zip(got, base))
+                decode = sorted(g["decode_tokens_per_s"] / p["decode_tokens_per_s"] for g, p in zip(got, base))
                 row = {"model": model, "workload": workload, "source": name, "batch": batch,
-                       "tokens_per_step": round(got[batch]["tokens_per_step"], 3),
-                       "speedup": round(got[batch]["tokens_per_s"] / plain[batch]["tokens_per_s"], 3),
-                       "same_tokens": got[batch]["tokens"] == plain[batch]["tokens"],
-                       "plain_tokens_per_s": round(plain[batch]["tokens_per_s"], 1)}
+                       "tokens_per_step": round(float(np.median([g["tokens_per_step"] for g in got])), 3),
+                       "speedup": round(float(np.median(ratios)), 3),
+                       "same_tokens": all(g["tokens"] == p["tokens"] for g, p in zip(got, base)),
+                       "decode_speedup": round(float(np.median(decode)), 3),
+                       "speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+                       "plain_tokens_per_s": round(float(np.median([p["tokens_per_s"] for p in base])), 1)}
                 rows.append(row)
                 if not args.json:
+                    spread = f" [{ratios[0]:.2f}–{ratios[-1]:.2f}]" if len(ratios) > 1 else ""
                     print(f"{model:16} {workload:10} {name:14} b{batch}  {row['tokens_per_step']:5.2f} tok/step  "
-                          f"{row['speedup']:5.2f}× of plain ({row['plain_tokens_per_s']:.1f} tok/s)  "
-                          f"same tokens: {row['same_tokens']}", flush=True)
+                          f"{row['speedup']:5.2f}×{spread} of plain ({row['plain_tokens_per_s']:.1f} tok/s), "
+                          f"decode {row['decode_speedup']:5.2f}×  same tokens: {row['same_tokens']}", flush=True)
     return rows
 
 
@@ -153,6 +176,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3, help="requests run one at a time for batch 1")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of every configuration, plain runs before and after each; medians reported")
     parser.add_argument("--work", type=Path, default=REPO / "build" / "bench-speculation")
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
     args = parser.parse_args()
@@ -163,6 +188,8 @@ def main() -> None:
         unknown = [n for n in name if n not in known]
         if unknown:
             parser.error(f"{what}: {', '.join(unknown)}; valid: {', '.join(known)}")
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     if any(b not in (1, 8) for b in args.batches):
         parser.error("--batches: 1 and/or 8")
     if any(m.startswith("smollm2") for m in args.models) and not GGUF.is_file():

@@ -27,6 +27,7 @@ class RuntimeStats:
     engine_s: float = 0.0       # inside Engine.step
     loop_s: float = 0.0         # whole core steps, engine and detokenization included
     prefill_steps: int = 0
+    prefill_s: float = 0.0      # inside Engine.step for prefill chunks
     decode_steps: int = 0
     greedy_runs: int = 0        # multi-step runs (their steps count in decode_steps)
 
@@ -143,6 +144,7 @@ class EngineCore:
         self.stats.steps += steps
         if kind == StepKind.prefill:
             self.stats.prefill_steps += steps
+            self.stats.prefill_s += seconds
         else:
             self.stats.decode_steps += steps
 
