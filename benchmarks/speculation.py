@@ -21,7 +21,8 @@ margins.
 
 Batch 1 runs ``--prompts`` requests one after another; batch 8 runs 8 requests at once (the
 workload's prompts, repeated if fewer). Timings include prefill; each engine is loaded once
-per configuration and round and warmed with one short request. Engines are built into --work the first
+per configuration and round, warmed with the widest batch's prompts (8 tokens each), and runs
+without a prefix cache (so every run prefills its prompts). Engines are built into --work the first
 time (the real model's ~2 min each on 2 cores).
 """
 from __future__ import annotations
@@ -99,10 +100,15 @@ def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: st
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     results = {}
+    # No prefix cache: the warm-up's prompts are the measured ones, and a cached prompt would
+    # skip most of the prefill that the timings are meant to include.
     with LLM(engine, backend="onnxruntime", threads=threads, speculation=sources,
-             speculation_mode=SpeculationMode(mode)) as llm:
-        first = next(iter(batches.values()))[0][0]
-        llm.generate([first], SamplingParams(max_tokens=4))  # warm: first steps run cold
+             speculation_mode=SpeculationMode(mode), prefix_cache=False) as llm:
+        # Warm: a process's first steps run cold, and an engine with draft sources has run its
+        # step-time calibration at load (every batch size's steps): without the same warm-up,
+        # plain decoding's batch-8 steps ran up to a fifth slower than a no-op policy's.
+        widest = max(batches.values(), key=lambda groups: max(map(len, groups)))
+        llm.generate(max(widest, key=len), SamplingParams(max_tokens=8))
         for batch, groups in batches.items():
             before = llm.speculation.stats.as_dict() if llm.speculation is not None else None
             prefill_before = llm.stats.prefill_s

@@ -128,6 +128,27 @@ def test_always_mode_verifies_every_draft_whole_and_the_limit_caps_it():
     assert host.sources[Source.prompt_lookup].closed == ["a"]
 
 
+def test_chains_reach_twice_as_deep_as_the_longest_run_kept():
+    """A depth never reached has only its prior: a source's chains are verified twice as deep as
+    its longest kept run (at least EXPLORE_TOKENS), so the first bet is 2 tokens, not 16 (at
+    batch 8 on SmolLM2 a 17-token verification costs 7x a plain step). ``always`` is not limited."""
+    host = _drafting(_times(0.010, 0.0005))
+
+    def length() -> int:
+        return len(host.draft("a", [1], (Source.prompt_lookup,), 100).tokens)
+
+    assert length() == EXPLORE_TOKENS == 2
+    host.record("a", Source.prompt_lookup, HALF[:2], 2)   # both kept
+    assert length() == 4
+    host.record("a", Source.prompt_lookup, HALF[:4], 3)
+    assert length() == 6
+    host.record("a", Source.prompt_lookup, HALF[:6], 1)   # a shorter run does not shrink the reach
+    assert length() == 6
+    host.record("b", Source.prompt_lookup, HALF[:6], 6)   # another request's run counts too
+    assert length() == 8                                  # 12, the engine's max_tokens caps it
+    assert len(_drafting(StepTimes(), ALWAYS).draft("a", [1], (Source.prompt_lookup,), 100).tokens) == 8
+
+
 def test_acceptance_is_learned_per_depth_and_per_request():
     host = _drafting(StepTimes(), ALWAYS)
     for _ in range(50):
