@@ -206,10 +206,12 @@ def _folded_attention(chain: _Chain, num_heads: int, num_kv_heads: int, rows: in
 
 def _rows_chain(chain: _Chain, folded: list[str], heads: tuple[int, int], rows_of: tuple[int, int],
                 outputs: list[str], prefix: str, dtype: int) -> list[onnx.NodeProto]:
-    """GroupQueryAttention over ``rows`` rows' heads (``heads``: a row's query and KV heads) if
-    the step has that many rows, else the chain for one row more (the last, ``most``, without a
-    test). ``dtype``: the caches' (and the attention output's) element type."""
+    """GroupQueryAttention over ``rows`` rows' heads (``heads``: a row's query and KV heads;
+    ``rows_of``: (rows, most)) if the step has that many rows, else the chain for one row more
+    (the last, ``most``, without a test). ``dtype``: the caches' (and the attention output's)
+    element type."""
     (num_heads, num_kv_heads), (rows, most) = heads, rows_of
+
     def attention(outs: list[str]) -> onnx.NodeProto:
         return helper.make_node(
             "GroupQueryAttention", [*folded, chain.past_key, chain.past_value, SEQLENS, TOTAL, "", "", "", BIAS], outs,
