@@ -86,8 +86,9 @@ def reads(node: onnx.NodeProto) -> set[str]:
 def prune(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the nodes whose outputs nothing reads (in place)."""
     nodes, outputs = list(model.graph.node), {o.name for o in model.graph.output}
+    read = {id(node): reads(node) for node in nodes}  # once: an If chain's branches are deep
     while True:
-        used = {name for node in nodes for name in reads(node)} | outputs
+        used = set().union(*(read[id(node)] for node in nodes)) | outputs
         live = [node for node in nodes if any(o in used for o in node.output)]
         if len(live) == len(nodes):
             break

@@ -76,6 +76,10 @@ class KeptCounts:
         """P(kept) in each of ``cells``, ``prior`` counting as ``weight`` tokens."""
         return (self.hits[cells] + weight * prior) / (self.trials[cells] + weight)
 
+    def longest_kept(self) -> int:
+        """By depth: the longest run any chain had kept (kept tokens are always a prefix)."""
+        return int(np.count_nonzero(self.hits))
+
 
 def _tenths(stated: np.ndarray) -> np.ndarray:
     """The calibration cell of each stated probability."""
@@ -111,7 +115,6 @@ class HostDrafting:
         self.calibration = {source: KeptCounts.empty(BUCKETS) for source in sources}      # by stated tenth
         self._depths = np.arange(max_tokens)
         self._requests: dict[str, _RequestState] = {}
-        self.longest_kept = {source: 0 for source in sources}  # the longest run each source had kept
 
     def probabilities(self, source: Source, rid: str | None = None, stated: Sequence[float] = ()) -> np.ndarray:
         """[max_tokens]: P(the token at each depth is kept | the ones before were). ``stated``: the
@@ -129,7 +132,7 @@ class HostDrafting:
         """How deep ``source``'s chains are verified now: RAMP × its longest kept run (adaptive)."""
         if self.mode == SpeculationMode.always:
             return self.max_tokens
-        return min(self.max_tokens, max(EXPLORE_TOKENS, RAMP * self.longest_kept[source]))
+        return min(self.max_tokens, max(EXPLORE_TOKENS, RAMP * self.counts[source].longest_kept()))
 
     def draft(self, rid: str, context: Sequence[int], allowed: Sequence[Source], limit: int) -> HostDraft | None:
         """The allowed source's chain with the most expected kept tokens, at most ``limit`` long."""
@@ -188,7 +191,6 @@ class HostDrafting:
         """One verified chain whose tokens ``source`` stated with probabilities ``stated`` (its
         length), of which the first ``kept`` were kept."""
         depths = self._depths[:len(stated)]
-        self.longest_kept[source] = max(self.longest_kept[source], kept)
         self.calibration[source].record(_tenths(np.asarray(stated, np.float64)), kept)
         self.counts[source].record(depths, kept)
         state = self._requests.setdefault(rid, _RequestState())
