@@ -36,12 +36,13 @@ feeding) and ONNX Runtime's run, with multi-step runs and without; the same with
 workers sleeping between ops, and with the rank graph instead of the CPU decode graph
 (rank0.cpu.onnx, made by the build's CPU stage) — each a before/after in the same run, each configuration in a
 process of its own; the first ONNX Runtime run of a multi-step run (after the step's Python)
-against the later ones; and ONNX Runtime's profile by op type.
+against the later ones; and ONNX Runtime's profile by op type and by node (a node of every layer summed).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -340,16 +341,28 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
     if profile is None:
         measure()  # warm-up
         return {**measure(), "steps": llm.multi_step}
+    measure()  # warm-up: the first steps fault in the pools' pages (2 s of a first batch-8 prefill)
     measure()
     trace = json.loads(Path(session.end_profiling()).read_text())
-    by_op: dict[str, float] = defaultdict(float)
+    runs: dict[tuple[str, str], list[float]] = defaultdict(list)  # (node, op) → ms of each run, in order
     for event in trace:
         # The If choosing the decode graph spans its ops: count the ops, not the If.
         if (event.get("cat") == "Node" and event["name"].endswith("_kernel_time")
                 and event["args"]["op_name"] != "If"):
-            by_op[event["args"]["op_name"]] += event["dur"] / 1e3  # ms
+            runs[(event["name"][:-len("_kernel_time")], event["args"]["op_name"])].append(event["dur"] / 1e3)
+    by_op: dict[str, float] = defaultdict(float)
+    by_node: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # node family → [ms, runs]
+    for (name, op), times in runs.items():
+        measured = times[len(times) // 2:]  # the two passes ran the same steps: the second's
+        by_op[op] += sum(measured)
+        # One family for a node of every layer (layers.3/mlp/up_proj → layers.N/mlp/up_proj).
+        family = by_node[re.sub(r"layers\.\d+", "layers.N", name)]
+        family[0] += sum(measured)
+        family[1] += len(measured)
     total = sum(by_op.values())
-    return {"ops": {op: ms / total for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])}}
+    top = sorted(by_node.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"ops": {op: ms / total for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])},
+            "nodes": {name: {"share": ms / total, "us_per_run": ms / count * 1e3} for name, (ms, count) in top}}
 
 
 def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: int) -> dict:
@@ -373,7 +386,8 @@ def breakdown(engine: Path, threads: int, batch: int, workdir: Path, repeats: in
                for name in ("multi_step", "single_step")}
     figures["sleeping_loop_ms"] = statistics.median(r["loop_ms"] for r in results["sleeping"])
     figures["rank_graph_loop_ms"] = statistics.median(r["loop_ms"] for r in results["rank_graph"])
-    figures["ops"] = one("--config", "multi_step", "--profile", str(workdir / f"profile-b{batch}"))["ops"]
+    profile = one("--config", "multi_step", "--profile", str(workdir / f"profile-b{batch}"))
+    figures["ops"], figures["nodes"] = profile["ops"], profile["nodes"]
     return figures
 
 
@@ -486,6 +500,9 @@ def main() -> None:
     for b, s in steps.items():
         top = ", ".join(f"{op} {share * 100:.0f} %" for op, share in list(s["ops"].items())[:6])
         print(f"onnxruntime ops at batch {b}: {top}")
+        nodes = ", ".join(f"{name} {n['share'] * 100:.0f} % ({n['us_per_run']:.0f} us)"
+                          for name, n in list(s["nodes"].items())[:6])
+        print(f"onnxruntime nodes at batch {b} (share, time per run): {nodes}")
 
 
 if __name__ == "__main__":
