@@ -15,6 +15,7 @@ from ...contract.speculation import Source
 from ..speculation.chain import accept_sampled_chain, chain_tree
 from ..speculation.medusa import Accepted, accept_greedy, accept_typical
 from ..speculation.speculation import Speculation
+from ..speculation.step_times import Context
 from .sampling import Sampler
 from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
 from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
@@ -93,8 +94,9 @@ class EngineCore:
         if run > 1:
             done = self._greedy_run(step, run, on_token, interrupted)
             if self.speculation is not None:  # stepped aside: plain steps, in a run
-                self.speculation.times.observe_run(len(step.rids), done, time.perf_counter() - start)
-                self.speculation.stood_aside(len(step.rids), done)
+                context = Context.of(step.starts)
+                self.speculation.times.observe_run(len(step.rids), done, time.perf_counter() - start, context)
+                self.speculation.stood_aside(len(step.rids), done, context)
         elif step is not None:
             engine_start = time.perf_counter()
             out = self.engine.step(step)
@@ -102,7 +104,8 @@ class EngineCore:
             self._count(step.kind, 1, seconds)
             heads_at = self._sample_and_commit(step, out, on_token)
             if self.speculation is not None and step.kind == StepKind.decode:
-                self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start)
+                self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start,
+                                               Context.of(step.starts))
         if self.speculation is not None:
             self._draft(heads_at)
         finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
@@ -135,7 +138,7 @@ class EngineCore:
         on) nobody drafts from."""
         if (self.speculation is not None and step.kind == StepKind.decode
                 and any(Source.medusa in self.sampling[rid].sources for rid in step.rids)
-                and self.speculation.choose_medusa(len(step.rids))):
+                and self.speculation.choose_medusa(len(step.rids), Context.of(step.starts))):
             return 1, True
         return self.multi_step, False
 
@@ -246,7 +249,8 @@ class EngineCore:
         if not heads_at and spec.host is None:  # Medusa alone drafts only from heads just computed
             return
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
-        size = spec.choose_medusa(len(decoding)) if heads_at else 0
+        context = Context.of([r.computed for r in decoding])
+        size = spec.choose_medusa(len(decoding), context) if heads_at else 0
         tree = spec.medusa.prefix(size) if size else None
         # What a tree is worth beside a chain: only asked where there are host sources to weigh.
         medusa_kept = (float(spec.medusa.acceptance.expected_accepted(tree)[-1])
@@ -272,7 +276,7 @@ class EngineCore:
             return
         others = len(decoding) - len(chains)  # rows whose step yields Medusa's expected tokens or one
         n = spec.host.choose(len(decoding), chains, others + len(trees) * medusa_kept,
-                             tree.size if trees else 1)
+                             tree.size if trees else 1, context)
         for rid, chain in chains.items():
             k = min(n, len(chain.tokens))
             if k:

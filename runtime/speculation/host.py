@@ -37,7 +37,7 @@ import numpy as np
 from ...contract.speculation import Source
 from ...medusa_math.acceptance import MIN_GAIN
 from .sources.base import HostDraftSource
-from .step_times import StepTimes
+from .step_times import EMPTY, Context, StepTimes
 
 PRIOR = 0.5            # P(kept) per depth before any verification, where a source gives no estimate
 STATED_TRUST = 0.5     # before calibration, a stated probability q counts as PRIOR + STATED_TRUST·(q − PRIOR)
@@ -152,10 +152,12 @@ class HostDrafting:
                 best = draft
         return best
 
-    def choose(self, batch: int, drafts: dict[str, HostDraft], fixed_tokens: float, fixed_seq: int) -> int:
+    def choose(self, batch: int, drafts: dict[str, HostDraft], fixed_tokens: float, fixed_seq: int,
+               context: Context = EMPTY) -> int:
         """The chain length the batch verifies (0: no host chains). ``fixed_tokens``, ``fixed_seq``:
         what the rest of the batch yields in a step and the S it needs (Medusa trees already
-        chosen: their expected tokens and 1 + tree size; otherwise one token a row and 1)."""
+        chosen: their expected tokens and 1 + tree size; otherwise one token a row and 1);
+        ``context``: what the batch's rows have cached."""
         if not drafts:
             return 0
         longest = max(len(d.tokens) for d in drafts.values())
@@ -166,9 +168,9 @@ class HostDrafting:
         n = np.arange(longest + 1)  # [N + 1]
         seqs = np.maximum(fixed_seq, 1 + n)
         tokens = fixed_tokens + sum(1 + d.expected[np.minimum(n, len(d.tokens))] for d in drafts.values())
-        rates = tokens / self.times.estimates(batch, seqs)
+        rates = tokens / self.times.estimates(batch, seqs, context)
         if fixed_seq == 1:  # nothing else verifies: n = 0 is plain decoding, at its own (run) cost
-            rates[0] = batch / self.times.plain_estimate(batch)
+            rates[0] = batch / self.times.plain_estimate(batch, context)
         best = int(np.argmax(rates))
         if best and rates[best] < MIN_GAIN * rates[0]:
             best = 0

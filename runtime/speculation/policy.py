@@ -28,7 +28,7 @@ import numpy as np
 from ...medusa_math.acceptance import best_tree_prefix
 from .acceptance import AcceptanceModel, SpeculationStats
 from .medusa import Accepted, Tree
-from .step_times import StepTimes
+from .step_times import EMPTY, Context, StepTimes
 
 REDECIDE_EVERY = 16   # decisions between re-choosing a batch size's tree (choosing costs ~1 ms)
 # Standing aside, a batch size verifies the likeliest-to-pay tree once when the plain decoding it
@@ -68,39 +68,40 @@ class SpeculationPolicy:
             self._trees[choices] = Tree(choices)
         return self._trees[choices]
 
-    def choose(self, batch: int) -> int:
-        """Number of tree choices to verify for a decode batch of ``batch`` rows (0: plain)."""
+    def choose(self, batch: int, context: Context = EMPTY) -> int:
+        """Number of tree choices to verify for a decode batch of ``batch`` rows that have
+        ``context`` cached (0: plain)."""
         if self.fixed is not None or batch == 0:
             return self.fixed or 0
         size, left = self._decided.get(batch, (0, 0))
         if left > 0:
             self._decided[batch] = (size, left - 1)
             return size
-        size, likeliest = self._best(batch)
+        size, likeliest = self._best(batch, context)
         self._decided[batch] = (size, REDECIDE_EVERY)
         budget = self._aside_seconds.get(batch, 0.0)
-        if size == 0 and likeliest and budget >= EXPLORE_AFTER * self._explore_cost(batch, likeliest):
+        if size == 0 and likeliest and budget >= EXPLORE_AFTER * self._explore_cost(batch, likeliest, context):
             # This choice and the next (the step's drafting) say ``likeliest``: one verification.
             self._aside_seconds[batch] = 0.0
             self._decided[batch] = (likeliest, 1)
             return likeliest
         return size
 
-    def _explore_cost(self, batch: int, size: int) -> float:
+    def _explore_cost(self, batch: int, size: int, context: Context) -> float:
         """What exploring costs: the verification, and a single plain step that computes the heads
         (to draft its tree) in place of a run's step."""
-        extra = max(0.0, self.times.estimate(batch, 1) - self.times.plain_estimate(batch))
-        return self.times.estimate(batch, 1 + size) + extra
+        extra = max(0.0, self.times.estimate(batch, 1, context) - self.times.plain_estimate(batch, context))
+        return self.times.estimate(batch, 1 + size, context) + extra
 
-    def _best(self, batch: int) -> tuple[int, int]:
+    def _best(self, batch: int, context: Context) -> tuple[int, int]:
         """(the tree prefix to verify, 0 for plain; the prefix of the highest expected rate)."""
         expected = self.acceptance.expected_accepted(self.prefix(len(self._order)))  # [N + 1]
         if len(expected) == 1:
             return 0, 0
-        seconds = self.times.estimates(batch, 1 + np.arange(len(expected)))  # [N + 1] a step of 1 + n tokens a row
+        seconds = self.times.estimates(batch, 1 + np.arange(len(expected)), context)  # [N + 1] a step of 1 + n tokens a row
         likeliest = 1 + int(np.argmax((1 + expected[1:]) / seconds[1:]))
         return best_tree_prefix(list(expected), lambda tokens: float(seconds[tokens - 1]),
-                                plain_seconds=self.times.plain_estimate(batch))[0], likeliest
+                                plain_seconds=self.times.plain_estimate(batch, context))[0], likeliest
 
     def _reorder(self) -> None:
         probs = self.acceptance.path_probabilities(self.tree.choices)
@@ -116,11 +117,12 @@ class SpeculationPolicy:
         else:
             self.stood_aside(batch, 1)
 
-    def stood_aside(self, batch: int, steps: int) -> None:
-        """``steps`` plain decode steps of ``batch`` rows (one, or a multi-step run's)."""
+    def stood_aside(self, batch: int, steps: int, context: Context = EMPTY) -> None:
+        """``steps`` plain decode steps of ``batch`` rows (one, or a multi-step run's) from ``context``."""
         self.stats.plain_steps += steps
         if self.fixed is None and self.times.table:  # a pinned tree size never explores
-            self._aside_seconds[batch] = self._aside_seconds.get(batch, 0.0) + steps * self.times.plain_estimate(batch)
+            self._aside_seconds[batch] = (self._aside_seconds.get(batch, 0.0)
+                                          + steps * self.times.plain_estimate(batch, context))
 
     def record(self, tree: Tree, accepted: Accepted) -> None:
         """One row's verification: acceptance estimates and the per-head metrics."""

@@ -13,7 +13,7 @@ from .host import HostDrafting, SpeculationMode
 from .medusa import Tree
 from .policy import SpeculationPolicy
 from .sources import sources_for
-from .step_times import StepTimes, calibrate
+from .step_times import EMPTY, Context, StepTimes, calibrate
 
 if TYPE_CHECKING:
     from ..backends.engine import Engine
@@ -44,15 +44,15 @@ class Speculation:
         else:
             self.stats.plain_steps += 1
 
-    def stood_aside(self, batch: int, steps: int) -> None:
+    def stood_aside(self, batch: int, steps: int, context: Context = EMPTY) -> None:
         if self.medusa is not None:
-            self.medusa.stood_aside(batch, steps)
+            self.medusa.stood_aside(batch, steps, context)
         else:
             self.stats.plain_steps += steps
 
-    def choose_medusa(self, batch: int) -> int:
-        """Medusa's tree prefix for a decode batch (0: none, or no heads)."""
-        return self.medusa.choose(batch) if self.medusa is not None else 0
+    def choose_medusa(self, batch: int, context: Context = EMPTY) -> int:
+        """Medusa's tree prefix for a decode batch whose rows have ``context`` cached (0: none, or no heads)."""
+        return self.medusa.choose(batch, context) if self.medusa is not None else 0
 
 
 def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[Source, ...] | None,
@@ -83,7 +83,8 @@ def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[So
     adaptive = mode == SpeculationMode.adaptive
     # A pinned Medusa tree alone decides nothing from step times: no calibration to wait for.
     decides = adaptive and (medusa_tree_size is None or bool(host_sources))
-    times = calibrate(engine, widest, engine_dir.max_batch_size, multi_step) if decides else StepTimes()
+    times = (calibrate(engine, widest, engine_dir.max_batch_size, engine_dir.max_seq_len, multi_step) if decides
+             else StepTimes())
     medusa = None
     if tree is not None:
         fixed = medusa_tree_size if medusa_tree_size is not None else None if adaptive else len(tree.choices)
