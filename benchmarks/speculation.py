@@ -122,18 +122,7 @@ def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: st
                         for arm in arms}
                 for g, group in enumerate(groups):
                     for arm in (("plain", "spec") if (g + r) % 2 == 0 else ("spec", "plain")):
-                        run = runs[arm]
-                        before = llm.speculation.stats.as_dict() if llm.speculation is not None else None
-                        prefill_before = llm.stats.prefill_s
-                        start = time.perf_counter()
-                        run["tokens"] += [c.token_ids for c in llm.generate(group, [arms[arm]] * len(group))]
-                        seconds = time.perf_counter() - start
-                        run["seconds"] += seconds
-                        run["decode_seconds"] += seconds - (llm.stats.prefill_s - prefill_before)
-                        if before is not None:
-                            after = llm.speculation.stats.as_dict()
-                            run["rows"] += after["verified_rows"] - before["verified_rows"]
-                            run["kept"] += after["accepted_tokens"] - before["accepted_tokens"]
+                        _generate_into(runs[arm], llm, group, arms[arm])
                 results[batch] = {}
                 for arm, run in runs.items():
                     produced = sum(map(len, run["tokens"]))
@@ -143,6 +132,22 @@ def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: st
                         "tokens_per_step": 1 + run["kept"] / run["rows"] if run["rows"] else 1.0}
             out.append(results)
     return out
+
+
+def _generate_into(run: dict, llm, group: list[str], params) -> None:
+    """``group`` generated at once with ``params``; its tokens, seconds (all, and less the engine's
+    prefill steps) and verified rows and kept tokens added to ``run``."""
+    before = llm.speculation.stats.as_dict() if llm.speculation is not None else None
+    prefill_before = llm.stats.prefill_s
+    start = time.perf_counter()
+    run["tokens"] += [c.token_ids for c in llm.generate(group, [params] * len(group))]
+    seconds = time.perf_counter() - start
+    run["seconds"] += seconds
+    run["decode_seconds"] += seconds - (llm.stats.prefill_s - prefill_before)
+    if before is not None:
+        after = llm.speculation.stats.as_dict()
+        run["rows"] += after["verified_rows"] - before["verified_rows"]
+        run["kept"] += after["accepted_tokens"] - before["accepted_tokens"]
 
 
 def run_model(model: str, args) -> list[dict]:

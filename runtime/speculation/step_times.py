@@ -173,14 +173,15 @@ def calibrate(engine, tree: Tree, max_batch: int, max_seq_len: int, run_steps: i
                     tokens=((0,) * (1 + n),) * batch, starts=(start,) * batch, samples=(True,) * batch,
                     trees=(tree.prefix(n),) * batch if n else ())
 
-    def median_seconds(s: Step) -> float:
-        engine.step(s)  # warm-up
+    def timed(s: Step) -> list[float]:
+        """Seconds of each of ``repeats`` runs of ``s``, after one to warm up."""
+        engine.step(s)
         seconds = []
         for _ in range(repeats):
             begin = time.perf_counter()
             engine.step(s)
             seconds.append(time.perf_counter() - begin)
-        return statistics.median(seconds)
+        return seconds
 
     # Powers of four, and the ends: times are interpolated between points, and each point costs
     # load time (a real model's batch-8 verification of 17 tokens takes ~0.3 s on 2 cores).
@@ -197,15 +198,13 @@ def calibrate(engine, tree: Tree, max_batch: int, max_seq_len: int, run_steps: i
         near_step, far_step = step(widest, n), step(widest, n, far)
         extra = (Context.of(far_step.starts).attended(widest, 1 + n)
                  - Context.of(near_step.starts).attended(widest, 1 + n))
-        times.per_attended[n > 0] = max(0.0, (median_seconds(far_step) - median_seconds(near_step)) / float(extra))
+        far_seconds, near_seconds = statistics.median(timed(far_step)), statistics.median(timed(near_step))
+        times.per_attended[n > 0] = max(0.0, (far_seconds - near_seconds) / float(extra))
     for batch in batches:
         for n in sizes:
             s = step(batch, n)
-            engine.step(s)
-            for _ in range(repeats):  # each repeat counts: one slow step later moves the median less
-                start = time.perf_counter()
-                engine.step(s)
-                times.observe(batch, 1 + n, time.perf_counter() - start, context=Context.of(s.starts))
+            for seconds in timed(s):  # each repeat counts: one slow step later moves the median less
+                times.observe(batch, 1 + n, seconds, context=Context.of(s.starts))
     if run_steps > 1:
         for batch in batches:
             for _ in range(2 + repeats):
