@@ -316,6 +316,28 @@ def test_smoothquant_folds_into_the_norm_and_quantizes_activations():
         np.testing.assert_allclose(out[name], expected.numpy(), atol=2e-3, rtol=1e-3)
 
 
+def test_activations_past_the_calibrated_range_saturate_as_quantize_linear_does():
+    """Inputs outside calibration's range (the build's numerics check feeds random cached K/V)
+    saturate: int8 QuantizeLinear clamps to [-128, 127], and the simulation must clamp the same
+    (at -127 it drifted 10 % from the graph on SmolLM2 and failed the w8a8 build)."""
+    from trtbuild.builder.quant.algorithms import smoothquant
+
+    torch.manual_seed(4)
+    w1, w2, g = torch.randn(8, 32), torch.randn(16, 32), torch.rand(32) + 0.5
+    x = torch.randn(4, 32)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g
+    (l1, l2), _ = smoothquant([w1, w2], h.abs().amax(0) / 4, alpha=0.5)  # calibrated on a quarter of the range
+    codes = torch.round(h / l1.input_scale / l1.activation_scale)
+    assert (codes < -128).any() and (codes > 127).any()
+    ctx = PassContext(spec=None, quantized={"layers.0.self_attn.q_proj": l1, "layers.0.self_attn.k_proj": l2})
+    model = gs.export_onnx(quantize_weights(norm_then_two_matmuls(w1.T.contiguous().numpy(), w2.T.contiguous().numpy(),
+                                                                   g.numpy()), ctx).graph)
+    out = run_onnx(model, {"x": x.numpy()})
+    for name, layer in (("y1", l1), ("y2", l2)):
+        expected = layer.fake_quantize_input(h) @ layer.dequantize().T
+        np.testing.assert_allclose(out[name], expected.numpy(), atol=2e-3, rtol=1e-3)
+
+
 def test_group_size_refusal_names_the_group_sizes_that_divide_every_width(tmp_path):
     """A SmolLM-135M-shaped config: hidden 576 = 4.5 × 128, intermediate 1536, 9 heads × 64."""
     import json

@@ -48,8 +48,8 @@ class QuantizedLinear:
             a = self.activation_scale
             if self.fp8:  # QuantizeLinear saturates to ±448, then rounds to the nearest E4M3 value
                 smoothed = torch.clamp(smoothed / a, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * a
-            else:
-                smoothed = torch.clamp(torch.round(smoothed / a), -127, 127) * a
+            else:  # int8 QuantizeLinear saturates to [-128, 127] (ONNX and TensorRT alike)
+                smoothed = torch.clamp(torch.round(smoothed / a), -128, 127) * a
         return smoothed * self.input_scale if self.input_scale is not None else smoothed
 
     def dequantize(self) -> torch.Tensor:
