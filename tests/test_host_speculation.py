@@ -11,7 +11,8 @@ from trtbuild.contract.speculation import Source
 from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculation.chain import accept_sampled_chain, chain_tree
-from trtbuild.runtime.speculation.host import EXPLORE_AFTER, EXPLORE_TOKENS, HostDrafting, SpeculationMode
+from trtbuild.runtime.speculation.host import (DRAFT_SHARE, EXPLORE_AFTER, EXPLORE_TOKENS, HostDrafting,
+                                                     SpeculationMode)
 from trtbuild.runtime.speculation.medusa import accept_greedy
 from trtbuild.runtime.speculation.step_times import StepTimes
 
@@ -173,6 +174,45 @@ def test_a_sure_source_is_calibrated_at_depths_never_tried():
     probs = host.probabilities(Source.suffix, "a", (1.0,) * 8)
     assert probs[7] == pytest.approx(8 * 0.75 / (10 + 8)) and probs[0] < probs[7]
     assert host.choose(1, {"a": host.draft("a", [1], (Source.suffix,), 100)}, 0.0, 1) == 0
+
+
+def test_drafting_backs_off_after_a_decision_that_verified_nothing():
+    """A drafting call that verified nothing costing 1 ms: the next waits until the engine has
+    stepped 1 ms / DRAFT_SHARE; a request never drafted for is due at once; a verification drafts
+    again at the next step."""
+    host = _drafting(_times(0.010, 0.002))
+    assert host.due(["a"])
+    host.drafted(["a"], 0.001, verifies=False)
+    wait = 0.001 / DRAFT_SHARE
+    host.stepped(0.9 * wait)
+    assert not host.due(["a"]) and host.due(["a", "b"])
+    host.stepped(0.2 * wait)
+    assert host.due(["a"])
+    host.drafted(["a"], 0.001, verifies=True)
+    assert host.due(["a"])
+    host.drafted(["a"], 0.001, verifies=False)
+    host.close("a", [1])
+    assert host.due(["a"])   # a new request may reuse an ended one's id
+    always = _drafting(StepTimes(), ALWAYS)
+    always.drafted(["a"], 0.001, verifies=False)
+    assert always.due(["a"])
+
+
+def test_a_verification_is_priced_with_the_drafting_after_it():
+    """Kept whole, an 8-token chain pays against 10 ms plain steps; not once drafting for the
+    next step costs 100 ms a row (the bundled model's steps are 0.5 ms, its drafting 1 ms)."""
+    host = _drafting(_times(0.010, 0.0005))
+    for _ in range(30):
+        host.record("a", Source.prompt_lookup, HALF, 8)
+
+    def choice() -> int:
+        return host.choose(1, {"a": host.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)}, 0.0, 1)
+
+    assert choice() == 8
+    for _ in range(3):
+        host.drafted(["a"], 0.100, verifies=True)
+    assert host.drafting_estimate(2) == pytest.approx(0.200)
+    assert choice() == 0
 
 
 # -- end to end on the bundled model (specs/tiny-code-speculation.yaml) ----------------------------

@@ -107,6 +107,8 @@ class EngineCore:
                 self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start,
                                                Context.of(step.starts))
         if self.speculation is not None:
+            if self.speculation.host is not None:
+                self.speculation.host.stepped(time.perf_counter() - start)
             self._draft(heads_at)
         finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
         if self.speculation is not None and self.speculation.host is not None:
@@ -246,17 +248,19 @@ class EngineCore:
         chains, whichever a request is expected to keep more of; then the chain length the batch
         verifies, 0 where speculating would not beat plain decoding (runtime/speculation/host.py)."""
         spec = self.speculation
-        if not heads_at and spec.host is None:  # Medusa alone drafts only from heads just computed
-            return
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
+        host = spec.host if spec.host is not None and spec.host.due([r.rid for r in decoding]) else None
+        if not heads_at and host is None:  # Medusa alone drafts only from heads just computed
+            return
         context = Context.of([r.computed for r in decoding])
         size = spec.choose_medusa(len(decoding), context) if heads_at else 0
         tree = spec.medusa.prefix(size) if size else None
         # What a tree is worth beside a chain: only asked where there are host sources to weigh.
         medusa_kept = (float(spec.medusa.acceptance.expected_accepted(tree)[-1])
-                       if size and spec.host is not None else 0.0)
+                       if size and host is not None else 0.0)
         medusa: dict[str, Draft] = {}
         chains = {}
+        host_start = time.perf_counter()
         for request in decoding:
             if request.phase != Phase.decoding or request.draft is not None:
                 continue
@@ -264,19 +268,21 @@ class EngineCore:
             heads = heads_at.get(rid)
             if tree is not None and heads is not None and Source.medusa in sources:
                 medusa[rid] = Draft(tree, tuple(tree.candidates(request.last_token, heads)[1:]), Source.medusa)
-            if spec.host is not None:
+            if host is not None:
                 left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
-                chain = spec.host.draft(rid, request.context, sources, left) if left > 0 else None
+                chain = host.draft(rid, request.context, sources, left) if left > 0 else None
                 if chain is not None and (rid not in medusa or chain.expected[-1] > medusa_kept):
                     chains[rid] = chain
         trees = {rid: draft for rid, draft in medusa.items() if rid not in chains}
         for rid, draft in trees.items():
             self.scheduler.requests[rid].draft = draft
-        if not chains:
-            return
         others = len(decoding) - len(chains)  # rows whose step yields Medusa's expected tokens or one
-        n = spec.host.choose(len(decoding), chains, others + len(trees) * medusa_kept,
-                             tree.size if trees else 1, context)
+        n = host.choose(len(decoding), chains, others + len(trees) * medusa_kept,
+                        tree.size if trees else 1, context) if chains else 0
+        if host is not None:
+            # (Medusa's share of the loop above is small: its trees come from heads already computed.)
+            host.drafted([r.rid for r in decoding if r.phase == Phase.decoding],
+                         time.perf_counter() - host_start, verifies=n > 0)
         for rid, chain in chains.items():
             k = min(n, len(chain.tokens))
             if k:

@@ -25,9 +25,20 @@ EXPLORE_TOKENS): a depth never reached has no count, only its prior, and at batc
 prior is dear (SmolLM2 float32, code_edit: three verifications of 8 rows × 17 tokens at 316 ms
 each, against a 38 ms plain step, kept 3.6 tokens a row). The reach doubles with each run kept
 in full, so a source that copies long spans verifies long chains after a few steps.
+
+Drafting has a price of its own: the sources' proposals, the estimates and the decision take
+~1 ms a call on 2 CPU cores, which on the bundled model is a quarter of an 8-step greedy run
+(0.46 ms a step), and lost it 0.56–0.89× of plain decoding at batch 1 while nothing was verified.
+So a verification's cost counts the drafting that follows it (the recent median, per row), and
+where a decision verified nothing, drafting backs off: the next call waits until the engine has
+stepped for 1 / DRAFT_SHARE times what that call cost (a request not yet drafted for is due at
+once). On SmolLM2 a run takes ~160 ms and drafting never waits; on the bundled model it drafts
+about every tenth run while nothing pays.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Sequence
@@ -47,6 +58,8 @@ REQUEST_WEIGHT = 4.0   # the global estimate counts as this many of a request's 
 EXPLORE_AFTER = 16     # decisions a request's drafts stand aside before one is verified anyway
 EXPLORE_TOKENS = 2     # how much of its chain such a verification checks
 RAMP = 2               # a source's chains reach RAMP × its longest kept run so far (≥ EXPLORE_TOKENS)
+DRAFT_SHARE = 0.03     # where nothing is verified, drafting takes at most this share of the engine's time
+RECENT_DRAFTS = 15     # drafting calls whose per-row seconds are kept (their median prices a verification)
 
 
 class SpeculationMode(Enum):
@@ -115,6 +128,32 @@ class HostDrafting:
         self.calibration = {source: KeptCounts.empty(BUCKETS) for source in sources}      # by stated tenth
         self._depths = np.arange(max_tokens)
         self._requests: dict[str, _RequestState] = {}
+        self._draft_seconds: deque = deque([0.0], maxlen=RECENT_DRAFTS)  # per row
+        self._owed = 0.0            # engine seconds to pass before drafting again (backing off)
+        self._drafted: set[str] = set()  # requests drafted for at least once
+
+    def due(self, rids: Sequence[str]) -> bool:
+        """Whether the decoding requests ``rids`` are drafted for after this step: unless the last
+        decision verified nothing and the engine has not yet stepped for long enough since
+        (``stepped``), or any of them was never drafted for."""
+        return (self._owed <= 0.0 or self.mode == SpeculationMode.always
+                or not self._drafted.issuperset(rids))
+
+    def drafted(self, rids: Sequence[str], seconds: float, verifies: bool) -> None:
+        """A drafting call for ``rids`` took ``seconds`` (proposals, estimates, decision) and its
+        decision verifies a chain or not (then drafting backs off)."""
+        if rids:
+            self._draft_seconds.append(seconds / len(rids))
+        self._drafted.update(rids)
+        self._owed = 0.0 if verifies else seconds / DRAFT_SHARE
+
+    def stepped(self, seconds: float) -> None:
+        """The engine stepped (or ran) for ``seconds`` since the last drafting call."""
+        self._owed -= seconds
+
+    def drafting_estimate(self, rows: int) -> float:
+        """Seconds a drafting call for ``rows`` requests takes (the recent median)."""
+        return rows * statistics.median(self._draft_seconds)
 
     def probabilities(self, source: Source, rid: str | None = None, stated: Sequence[float] = ()) -> np.ndarray:
         """[max_tokens]: P(the token at each depth is kept | the ones before were). ``stated``: the
@@ -168,7 +207,8 @@ class HostDrafting:
         n = np.arange(longest + 1)  # [N + 1]
         seqs = np.maximum(fixed_seq, 1 + n)
         tokens = fixed_tokens + sum(1 + d.expected[np.minimum(n, len(d.tokens))] for d in drafts.values())
-        rates = tokens / self.times.estimates(batch, seqs, context)
+        # A verification is followed by drafting for its rows; plain decoding mostly is not (backing off).
+        rates = tokens / (self.times.estimates(batch, seqs, context) + self.drafting_estimate(len(drafts)))
         if fixed_seq == 1:  # nothing else verifies: n = 0 is plain decoding, at its own (run) cost
             rates[0] = batch / self.times.plain_estimate(batch, context)
         best = int(np.argmax(rates))
@@ -201,5 +241,6 @@ class HostDrafting:
     def close(self, rid: str, context: Sequence[int]) -> None:
         """The request ended: its sources forget it (a suffix source keeps its output for others)."""
         self._requests.pop(rid, None)
+        self._drafted.discard(rid)
         for host in self.sources.values():
             host.close(rid, context)
