@@ -13,13 +13,14 @@ Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are mad
 1. Quality: perplexity on CPython's Language Reference as shipped with Python
    (pydoc_data/topics.py, the prose of its topics), the first --eval-tokens tokens in windows of
    512, for each build mode (real_model_quality.MODES: float32, float16, int8 weight-only, int4
-   RTN/AWQ/GPTQ at group 64 and 32 with float and int8 activations, W8A8, FP8 and NVFP4 simulated)
-   built from the GGUF file; beside them transformers (its own GGUF reader) and llama.cpp
+   RTN/AWQ/GPTQ at group 64 and 32 with float and int8 activations, W8A8, FP8 and NVFP4 simulated,
+   and the file's own Q4_1 codes kept with their block offsets) built from the GGUF file; beside them transformers (its own GGUF reader) and llama.cpp
    (llama-cpp-python) on the file and its F32/Q8_0 rewrites, all on the same token ids.
    Calibration (AWQ, GPTQ, W8A8) reads stdlib text with pydoc_data/topics.py kept out.
 2. Speed: benchmarks/cpu_decode.py's measurement (a process per engine, rounds with rotation,
    64-token random prompts, 128 greedy new tokens, decode tok/s at batch 1 and 8, batch-1 prefill)
-   for trtbuild float32, int4 RTN g64 and the same with int8 activations, onnxruntime-genai float32
+   for trtbuild float32, int4 RTN g64 and the same with int8 activations, RTN g32 with the LM head
+   in int4 too, the file's Q4_1 codes kept (int8 activations), onnxruntime-genai float32
    and int4 (its defaults) built from the dequantized dir, llama.cpp F32/Q8_0/Q4_1 (batch 1 and 8
    through its C API, benchmarks/llama_cpp_decode.py).
 3. Build: seconds per stage and peak RSS per process (`trtbuild build --json`) for the float32,
@@ -42,7 +43,7 @@ from quantization import TARGETS, calibration_text  # noqa: E402
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 SPEC = REPO / "specs" / "smollm2-135m.yaml"
-SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8", "int4-rtn-g32-a8-all"]
+SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8", "int4-rtn-g32-a8-all", "int4-q4_1-kept-a8"]
 BUILD_MODES = ["float32", "float16", "int4-rtn-g64", "float32-from-dir"]
 LLAMA_KINDS = ["F32", "Q8_0", "Q4_1"]
 TRANSFORMERS = "transformers float32 (its GGUF reader)"
@@ -80,7 +81,6 @@ def run_quality(modes: list[str], gguf: Path, work: Path, args) -> dict:
         path, _ = engine(name, gguf, work)
         rows[f"trtbuild {name}"] = quality.engine_perplexity(path, text, args.eval_tokens, args.threads)
         print(f"  trtbuild {name}: {rows[f'trtbuild {name}']:.4f}", file=sys.stderr, flush=True)
-    rows.update({f"trtbuild {name}": why for name, why in quality.NOT_BUILT.items()})
     ids = quality.token_ids(engine("float32", gguf, work)[0], text)
     if not args.peers:
         return {"text": f"pydoc_data/topics.py prose, first {min(args.eval_tokens, len(ids))} of {len(ids)} tokens",

@@ -9,8 +9,11 @@ import numpy as np
 
 EVAL_CONTEXT = 512
 
+# RTN rows round the file's values afresh (keep_gguf_codes: false): at group 32 the default keeps Q4_1 codes,
+# which the int4-q4_1-kept rows measure.
 _INT4 = [(f"int4-{alg}-g{g}{'-a8' if a8 else ''}",
-          {"mode": "int4_weight_only", "algorithm": alg, "group_size": g, **({"cpu_activations": "int8"} if a8 else {})})
+          {"mode": "int4_weight_only", "algorithm": alg, "group_size": g, **({"cpu_activations": "int8"} if a8 else {}),
+           **({"keep_gguf_codes": False} if alg == "rtn" else {})})
          for a8 in (False, True) for g in (64, 32) for alg in ("rtn", "awq", "gptq")]
 # (row name, model.dtype, quantization fields); 128 does not divide the model's 576 channels.
 MODES: list[tuple[str, str, dict | None]] = [("float32", "float32", None), ("float16", "float16", None),
@@ -19,12 +22,13 @@ MODES += [(name, "float32", fields) for name, fields in _INT4]
 # onnxruntime-genai's int4 default, our way: RTN, group 32, int8 activations and the LM head in int4
 # too (for a tied 49152 × 576 head, a fifth of the weights, which in float32 outweigh the int4 rest).
 MODES += [("int4-rtn-g32-a8-all", "float32", {"mode": "int4_weight_only", "algorithm": "rtn", "group_size": 32,
-                                               "cpu_activations": "int8", "exclude": []})]
+                                               "cpu_activations": "int8", "exclude": [], "keep_gguf_codes": False})]
+# Quantized in, quantized out: the file's own Q4_1 codes, scales and block offsets (builder/quant/gguf_codes.py).
+MODES += [("int4-q4_1-kept", "float32", {"mode": "int4_weight_only", "group_size": 32}),
+          ("int4-q4_1-kept-a8", "float32", {"mode": "int4_weight_only", "group_size": 32, "cpu_activations": "int8"})]
 MODES += [("w8a8", "float32", {"mode": "w8a8"}), ("fp8", "float32", {"mode": "fp8"}),
           ("nvfp4", "float32", {"mode": "nvfp4"})]
 CALIBRATED = {"awq", "gptq"}
-# Keeping the file's own Q4_1 codes (quantized-in) is not a build mode of the product yet.
-NOT_BUILT = {"file-q4_1-codes": "not built: Q4_1's offset is no int4 zero point TensorRT takes (Q4_0 codes are kept)"}
 
 
 def token_ids(engine: Path, text: Path) -> list[int]:

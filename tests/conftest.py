@@ -73,7 +73,7 @@ def smollm2_gguf() -> Path:
 # Fixtures that build engine dirs: every test that uses one (directly or through another
 # fixture) is slow, so `-m "not slow"` stays well under a minute.
 ENGINE_FIXTURES = {"tiny_engine", "medusa_engine", "speculation_engine", "tp_engines", "pp_engines", "smollm2_engine", "smollm2_tp3_engine",
-                   "smollm2_medusa_engine"}
+                   "smollm2_medusa_engine", "smollm2_int4_engine"}
 
 
 def pytest_collection_modifyitems(items):
@@ -193,6 +193,12 @@ def _build_smollm2(tmp_path_factory, gguf: Path, name: str, spec_file: str = "sm
 def smollm2_engine(smollm2_gguf, tmp_path_factory) -> Path:
     """The real model's engine dir (specs/smollm2-135m.yaml), built once per test process."""
     return _build_smollm2(tmp_path_factory, smollm2_gguf, "smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4_engine(smollm2_gguf, tmp_path_factory) -> Path:
+    """specs/smollm2-135m-int4.yaml: int4 keeping the file's Q4_1 codes and block offsets."""
+    return _build_smollm2(tmp_path_factory, smollm2_gguf, "smollm2-int4", spec_file="smollm2-135m-int4.yaml")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Quantized in, quantized out: a GGUF file's Q4_0 blocks under int4 group 32 keep their codes
-and scales bit for bit (the engine computes the file's weights), Q8_0 under int8 only where a
-row has one scale, and everything else (Q4_1, other groups, keep_gguf_codes: false) is
-re-quantized with the reason in the pass log. The oracle for the codes is the `gguf` package
+and scales bit for bit (the engine computes the file's weights), Q4_1's too with one offset per
+block (to float32 rounding), Q8_0 under int8 only where a row has one scale, and everything else
+(other groups, keep_gguf_codes: false, Q4_1 across tensor ranks) is re-quantized with the reason
+in the pass log. The oracle for the codes is the `gguf` package
 quantizing the Hugging Face-order weights: quantization is per row, so it equals the file's
 blocks with llama.cpp's q/k row permutation undone."""
 from __future__ import annotations
@@ -15,11 +16,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from trtbuild.builder.quant.gguf_codes import kept_codes
+from trtbuild.builder.quant.gguf_codes import KEPT_WITH_OFFSETS, kept_codes
 from trtbuild.builder.quant.quantize import load_quantized, quantize_checkpoint
 from trtbuild.builder.spec.resolve import spec_from_dict
 from trtbuild.builder.spec.document import QuantizationSection
-from trtbuild.checkpoint.gguf_blocks import block_codes
+from trtbuild.checkpoint.gguf_blocks import block_codes, offset_block_codes
 from trtbuild.checkpoint.gguf_weights import GGUFWeightMap
 
 from conftest import REPO, TINY_CODE
@@ -29,8 +30,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gguf_export import export  # noqa: E402
 
 LINEARS = 42  # 6 decoder layers × 7 linears (lm_head excluded by default)
-Q4_1_REASON = ("re-quantized GGUF Q4_1: x = d·q + m and m is no integer zero point; TensorRT's int4 weight-only "
-               "DequantizeLinear takes none (a non-zero zero point is refused)")
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +90,10 @@ def test_q4_0_codes_are_kept_bit_for_bit(gguf_files, tmp_path):
 @pytest.mark.parametrize("kind, quantization, source", [
     ("q4_0", {"group_size": 32, "keep_gguf_codes": False}, "re-quantized GGUF Q4_0: quantization.keep_gguf_codes is false"),
     ("q4_0", {"group_size": 64}, "re-quantized GGUF Q4_0: group_size 64 is not Q4_0's block of 32"),
-    ("q4_1", {"group_size": 32}, Q4_1_REASON),
+    ("q4_1", {"group_size": 64}, "re-quantized GGUF Q4_1: group_size 64 is not Q4_1's block of 32"),
+    ("q4_1", {"group_size": 32, "keep_gguf_codes": False}, "re-quantized GGUF Q4_1: quantization.keep_gguf_codes is false"),
     ("q8_0", {"group_size": 32}, "re-quantized GGUF Q8_0: Q8_0's 8-bit codes do not fit int4"),
-], ids=["keep-off", "group-64", "q4_1", "q8_0-as-int4"])
+], ids=["keep-off", "group-64", "q4_1-group-64", "q4_1-keep-off", "q8_0-as-int4"])
 def test_a_block_tensor_the_mode_cannot_hold_is_requantized_with_the_reason(gguf_files, tmp_path, kind, quantization,
                                                                           source):
     layers, report = quantize(gguf_files[kind], tmp_path, mode="int4_weight_only", **quantization)
@@ -102,6 +102,51 @@ def test_a_block_tensor_the_mode_cannot_hold_is_requantized_with_the_reason(gguf
     assert codes.abs().max() == 7  # our RTN's symmetric range, not Q4_0's −8
     if kind == "q4_0" and quantization["group_size"] == 32:  # re-rounding the file's values moves codes
         assert not np.array_equal(codes.numpy(), file_codes("layers.0.mlp.up_proj")[0])
+
+
+def test_q4_1_blocks_are_q4_0_codes_plus_one_offset_each(tmp_path):
+    """d·(q − 8) + (m + 8d) against the gguf package's d·q + m: within one float32 rounding of
+    the offset; rows the file holds permuted (a q projection) move with their offsets."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((256, 256)) + 0.5).astype(np.float32)  # off-centre: the minimums matter
+    path = write_llama(tmp_path / "m.gguf", {"blk.0.attn_q.weight": (w, "Q4_1"), "blk.0.ffn_up.weight": (w, "Q4_1")})
+    weights = GGUFWeightMap.from_gguf(path)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        kind, raw = weights.blocks(name)
+        codes, scales, offsets = offset_block_codes(raw)
+        assert kind == "Q4_1" and codes.shape == (256, 256) and scales.shape == offsets.shape == (256, 8)
+        assert (codes.min(), codes.max()) == (-8, 7)
+        kept = (codes.astype(np.float32).reshape(256, 8, 32) * scales[:, :, None] + offsets[:, :, None]).reshape(256, 256)
+        reference = weights.tensor(name).numpy()
+        assert np.abs(kept - reference).max() <= 2 * np.finfo(np.float32).eps * np.abs(reference).max(), name
+
+
+def test_q4_1_codes_and_offsets_are_kept_under_int4_group_32(gguf_files, tmp_path):
+    """The engine's weights are the file's: the report's weight error is float32 rounding, not
+    the ~10 % of re-rounding Q4_1's asymmetric grid onto a symmetric one."""
+    layers, report = quantize(gguf_files["q4_1"], tmp_path, mode="int4_weight_only", group_size=32)
+    assert len(report) == LINEARS and {entry["source"] for entry in report.values()} == {KEPT_WITH_OFFSETS}
+    assert max(entry["weight_rel_error"] for entry in report.values()) < 1e-6
+    weights = GGUFWeightMap.from_gguf(gguf_files["q4_1"])
+    for name in ("layers.0.self_attn.k_proj", "layers.5.mlp.down_proj"):
+        layer = layers[name]
+        assert layer.offsets is not None and layer.offsets.shape == layer.scales.shape
+        reference = weights.tensor(f"model.{name}.weight")
+        assert torch.allclose(layer.dequantize(), reference, rtol=0, atol=1e-6 * reference.abs().max().item()), name
+    _, requantized = quantize(gguf_files["q4_1"], tmp_path / "rtn", mode="int4_weight_only", group_size=32,
+                              keep_gguf_codes=False)
+    assert min(entry["weight_rel_error"] for entry in requantized.values()) > 0.01
+
+
+def test_q4_1_is_requantized_where_its_offsets_cannot_go(gguf_files):
+    weights = GGUFWeightMap.from_gguf(gguf_files["q4_1"])
+    key = "model.layers.0.mlp.up_proj.weight"
+    int4 = QuantizationSection(mode="int4_weight_only", group_size=32)
+    layer, source = kept_codes(weights, key, int4, 4, 32, tensor_parallel=2)
+    assert layer is None and source == ("re-quantized GGUF Q4_1: its block offsets' correction is not sharded across "
+                                        "ranks (parallel.tensor 2; keeping them needs 1)")
+    layer, source = kept_codes(weights, key, QuantizationSection(mode="int8_weight_only"), 8, None)
+    assert layer is None and source == "re-quantized GGUF Q4_1: Q4_1's block offsets are kept by int4_weight_only only"
 
 
 def test_q8_0_is_kept_as_int8_only_where_a_row_has_one_scale(tmp_path):
@@ -160,6 +205,44 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
         assert np.array_equal(scales.T, expected_scales), name
 
     built("float")  # the same file, dequantized, no quantization
+    prompts = [prompt_ids("def f(x):\n    return"), prompt_ids("class Node:\n")]
+    params = SamplingParams(max_tokens=16)
+    kept = [c.token_ids for c in LLM(tmp_path / "kept", backend="onnxruntime").generate(prompts, params)]
+    floats = [c.token_ids for c in LLM(tmp_path / "float", backend="onnxruntime").generate(prompts, params)]
+    assert kept == floats and all(len(tokens) == 16 for tokens in kept)
+
+
+@pytest.mark.slow
+def test_a_q4_1_engine_adds_its_offsets_and_decodes_as_its_float_build(gguf_files, tmp_path):
+    """Each linear of the rank graph is MatMul(x, DQ(codes)) + MatMul(block sums of x, offsets),
+    one block sum per input tensor (q/k/v share theirs); the build's numerics check finds its
+    logits within 1e-4 (max relative) of the float model of the same file, and greedy tokens are
+    the float32 build's."""
+    import onnx
+
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.llm import LLM
+
+    from test_quantization import prompt_ids
+
+    def built(name: str, **quantization):
+        spec = spec_from_dict({"model": {"checkpoint": str(gguf_files["q4_1"]), "dtype": "float32"},
+                               "build": {"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 128, "targets": ["sm89"]},
+                               "quantization": quantization})
+        return build(spec, BuildOptions(out=tmp_path / name), Progress(Verbosity.error))
+
+    summary = built("kept", mode="int4_weight_only", group_size=32)
+    record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
+    assert record["matches"] == LINEARS and record["numerics"]["ok"]
+    assert record["numerics"]["vs_torch_float"]["max_rel"] < 1e-4   # the float model of the same file
+    graph = onnx.load(tmp_path / "kept" / "rank0.onnx", load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert sum(n.name.endswith("/OffsetMatMul") for n in graph.node) == LINEARS
+    assert ops.count("ReduceSum") == 6 * 4   # per layer: the attention input, o_proj's, the MLP input, down_proj's
+
+    built("float")
     prompts = [prompt_ids("def f(x):\n    return"), prompt_ids("class Node:\n")]
     params = SamplingParams(max_tokens=16)
     kept = [c.token_ids for c in LLM(tmp_path / "kept", backend="onnxruntime").generate(prompts, params)]

@@ -1,6 +1,7 @@
 """The real pretrained model end to end: SmolLM2-135M-Instruct built from llama.cpp's GGUF file
 (specs/smollm2-135m.yaml) gives transformers' greedy tokens on the same file, through the Python
-API, `trtbuild run`, the chat endpoint with the file's own template, and tensor parallelism 3."""
+API, `trtbuild run`, the chat endpoint with the file's own template, and tensor parallelism 3; so
+does its int4 build keeping the file's Q4_1 weights (specs/smollm2-135m-int4.yaml)."""
 from __future__ import annotations
 
 import json
@@ -105,3 +106,13 @@ def test_tensor_parallel_3_gives_the_same_tokens(smollm2_tp3_engine, reference):
     manifest = json.loads((smollm2_tp3_engine / "manifest.json").read_text())
     assert [rank["num_kv_heads"] for rank in manifest["ranks"]] == [1, 1, 1]
     assert _generate(smollm2_tp3_engine, PROMPTS[:2]) == [_expected(reference, p) for p in PROMPTS[:2]]
+
+
+def test_int4_keeping_the_files_q4_1_weights_gives_transformers_greedy_tokens(smollm2_int4_engine, reference):
+    """Quantized in, quantized out: every linear keeps the file's codes and block offsets (210 =
+    30 layers × 7; the tied LM head stays float), so int4 decodes as the float model of the file."""
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(smollm2_int4_engine)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "gguf codes   kept GGUF Q4_1 codes and block offsets: 210 layers" in proc.stdout
+    assert _generate(smollm2_int4_engine, PROMPTS) == [_expected(reference, p) for p in PROMPTS]

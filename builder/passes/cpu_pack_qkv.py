@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
+from ..quant.gguf_codes import KEPT_WITH_OFFSETS
 from .base import PassContext
 from .onnx_rewrite import Rewritten, attribute, replace_nodes
 
@@ -140,5 +141,7 @@ def rewrite(model: onnx.ModelProto, ctx: PassContext) -> Rewritten:
 def expected(ctx: PassContext) -> int | None:
     if ctx.spec is not None and ctx.spec.quantization.mode not in PACKED_MODES:
         return None
+    if any(entry.get("source") == KEPT_WITH_OFFSETS for entry in (ctx.quant_report or {}).values()):
+        return None  # a GGUF Q4_1 file's projections end in their offsets' Add: not this pattern
     # Biased projections (Qwen2's MatMul → Add) are not this pattern: they stay three MatMuls.
     return 0 if ctx.arch.attention_bias else ctx.arch.num_layers

@@ -9,6 +9,10 @@ calibration amax); TensorRT runs those as FP8 GEMMs on sm89+, ONNX Runtime liter
 the simulated quantization `trtbuild eval` measures). NVFP4 (weight-only): FLOAT4E2M1 codes,
 block_size 16, whose scales are themselves DequantizeLinear(FP8 block scales, global scale);
 ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (onnxruntime_cpu/fp4.py).
+INT4 kept from a GGUF Q4_1 file also has one offset per block (W = DQ(codes, scales) + offsets):
+TensorRT's int4 DequantizeLinear takes no zero point, so y = MatMul(x, DQ) + MatMul(S(x), Oᵀ), S(x)
+summing x over each block of inputs (Reshape → ReduceSum; one per input tensor, shared by the
+linears reading it).
 
 ``ctx.quantized`` may be lazy (quant/store.py: layers memory-mapped from disk). With a weights
 dir, codes and scales are appended to an external-data file there as each layer is rewritten
@@ -110,6 +114,36 @@ def _quantize_embedding(graph: gs.Graph, layer, ctx: PassContext, constant) -> d
     return (ctx.quant_report or {}).get("embed_tokens", {})
 
 
+def _block_sums(graph: gs.Graph, x: gs.Variable, group: int, scope: str, shared: dict) -> gs.Variable:
+    """S(x) [..., in / group]: x [..., in] summed over each block of ``group`` inputs."""
+    key = (x.name, group)
+    if key not in shared:
+        if x.shape is None or not isinstance(x.shape[-1], int):
+            raise PassError(f"quantize_weights: {x.name} has no known last dimension to sum blocks of")
+        rank, width = len(x.shape), x.shape[-1]
+        blocks = gs.Variable(f"{x.name}.blocks", dtype=x.dtype)
+        sums = gs.Variable(f"{x.name}.block_sums", dtype=x.dtype)
+        shape = gs.Constant(f"{x.name}.blocks_shape", np.array([0] * (rank - 1) + [width // group, group], np.int64))
+        graph.nodes.append(new_node("Reshape", f"{scope}/BlockSplit", [x, shape], outputs=[blocks]))
+        graph.nodes.append(new_node("ReduceSum", f"{scope}/BlockSum",
+                                    [blocks, gs.Constant(f"{x.name}.blocks_axis", np.array([-1], np.int64))],
+                                    {"keepdims": 0}, [sums]))
+        shared[key] = sums
+    return shared[key]
+
+
+def _add_offsets(graph: gs.Graph, node: gs.Node, name: str, layer, dtype, scope: str, shared: dict, constant) -> None:
+    """The MatMul's output becomes MatMul + S(x)·Oᵀ: the block offsets' share of x·Wᵀ."""
+    sums = _block_sums(graph, node.inputs[0], layer.group, scope, shared)
+    offsets = constant(f"{name}.weight_offsets", np.ascontiguousarray(layer.offsets.T.numpy()).astype(dtype))  # [in/g, out]
+    output = node.outputs[0]
+    main, correction = gs.Variable(f"{name}.dq_matmul", dtype=output.dtype), gs.Variable(f"{name}.offset_matmul",
+                                                                                        dtype=output.dtype)
+    node.outputs[0] = main
+    graph.nodes.append(new_node("MatMul", f"{scope}/OffsetMatMul", [sums, offsets], outputs=[correction]))
+    graph.nodes.append(new_node("Add", f"{scope}/AddOffsets", [main, correction], outputs=[output]))
+
+
 def _weight_table(weight, shape: tuple[int, ...]) -> gs.Constant | None:
     """The constant behind a MatMul's [in, out] weight of ``shape``: the weight itself, or a
     constant [out, in] it transposes (the LM head as exported: ``Transpose(lm_head.weight)``, the
@@ -131,6 +165,7 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
     done, skipped = {}, {}
     folded: set[int] = set()
     shared_qdq: dict[tuple[str, float], gs.Variable] = {}
+    shared_sums: dict[tuple[str, int], gs.Variable] = {}
     constant = _sink(ctx)
     if "embed_tokens" in layers:
         done["embed_tokens"] = _quantize_embedding(graph, layers["embed_tokens"], ctx, constant)
@@ -182,6 +217,8 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
         if layer.activation_scale is not None:  # W8A8 / FP8: activations with a static per-tensor scale
             node.inputs[0] = _fake_quantized(graph, node.inputs[0], layer.activation_scale, dtype, scope, shared_qdq,
                                              ml_dtypes.float8_e4m3fn if layer.fp8 else np.int8)
+        if layer.offsets is not None:
+            _add_offsets(graph, node, name, layer, dtype, scope, shared_sums, constant)
         done[name] = (ctx.quant_report or {}).get(name, {})
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     if len(done) != len(layers):

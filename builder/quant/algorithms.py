@@ -26,6 +26,7 @@ class QuantizedLinear:
     input_scale: torch.Tensor | None = None  # AWQ/SmoothQuant: x is divided by it, W was multiplied by it
     activation_scale: float | None = None    # W8A8/FP8: x / input_scale is quantized with this scale
     global_scale: float | None = None        # NVFP4: codes are FP4 values, scales FP8 values × this
+    offsets: torch.Tensor | None = None      # int4 kept from GGUF Q4_1: W = codes·scales + offsets, [out, in // group]
 
     @property
     def nvfp4(self) -> bool:
@@ -39,7 +40,8 @@ class QuantizedLinear:
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
         """Output rows ``[start, stop)`` (a view): codes and per-row or per-block scales sliced,
         per-tensor and per-input-channel scales shared."""
-        return replace(self, codes=self.codes[start:stop], scales=self.scales if self.fp8 else self.scales[start:stop])
+        return replace(self, codes=self.codes[start:stop], scales=self.scales if self.fp8 else self.scales[start:stop],
+                       offsets=None if self.offsets is None else self.offsets[start:stop])
 
     def fake_quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the engine feeds the GEMM, expressed in the original input space (W8A8, FP8)."""
@@ -60,7 +62,10 @@ class QuantizedLinear:
             w = self.codes.float() * self.scales[:, None]
         else:
             out_features, in_features = self.codes.shape
-            w = (self.codes.float().view(out_features, -1, self.group) * self.scales[:, :, None]).view(out_features, in_features)
+            w = self.codes.float().view(out_features, -1, self.group) * self.scales[:, :, None]
+            if self.offsets is not None:
+                w = w + self.offsets[:, :, None]
+            w = w.view(out_features, in_features)
         return w / self.input_scale[None, :] if self.input_scale is not None else w
 
 

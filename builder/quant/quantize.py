@@ -51,7 +51,8 @@ def quantize_checkpoint(weights: WeightMap, spec: Spec, out: Path, progress=prin
         shared = _shared_scale_layers(members, stats, weight_of, spec)
         for name in members:
             group = q.group_size if q.bits == 4 else None
-            result, source = kept_codes(weights, linear_key(spec, name), q, q.bits, group)
+            result, source = kept_codes(weights, linear_key(spec, name), q, q.bits, group,
+                                        tensor_parallel=spec.parallel.tensor)
             if result is None and q.mode in ("int8_weight_only", "int4_weight_only") and q.algorithm == "rtn":
                 result = _rtn_by_rows(weights, spec, name, q.bits, group)
             elif result is None:

@@ -3,7 +3,7 @@
 Layout of the directory ``quantize_checkpoint`` writes (inside the build's workdir):
 
     index.json                 bits, group, the error report, and layer name → its file
-    layers.0.safetensors       codes, scales (and input/activation/global scales) of that
+    layers.0.safetensors       codes, scales (and input/activation/global scales, block offsets) of that
     ...                        decoder layer's quantized linears
     lm_head.safetensors        (when quantized)
     embed_tokens.safetensors   (quantize_embeddings)
@@ -54,6 +54,8 @@ class QuantizedWriter:
                 tensors[f"{name}.activation_scale"] = torch.tensor([layer.activation_scale])
             if layer.global_scale is not None:
                 tensors[f"{name}.global_scale"] = torch.tensor([layer.global_scale], dtype=torch.float64)
+            if layer.offsets is not None:
+                tensors[f"{name}.offsets"] = layer.offsets.contiguous()
             self.layers[name] = {"file": file, "bits": layer.bits, "group": layer.group, "codes": _codes_kind(layer)}
         save_file(tensors, str(self.directory / file))
 
@@ -93,7 +95,8 @@ class QuantizedLayers(Mapping):
                                scales=self.weights.tensor(f"{name}.scales"), bits=info["bits"], group=info["group"],
                                input_scale=optional(f"{name}.input_scale"),
                                activation_scale=None if activation is None else float(activation[0]),
-                               global_scale=None if global_scale is None else float(global_scale[0]))
+                               global_scale=None if global_scale is None else float(global_scale[0]),
+                               offsets=optional(f"{name}.offsets"))
 
     def __contains__(self, name) -> bool:  # Mapping's would build the layer to find out
         return name in self.layers
