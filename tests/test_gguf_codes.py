@@ -51,10 +51,10 @@ def file_codes(name: str, type_name: str = "Q4_0") -> tuple[np.ndarray, np.ndarr
     return np.rint(values / scales[:, :, None]).reshape(rows, -1).astype(np.int8), scales
 
 
-def quantize(path: Path, tmp_path: Path, **quantization) -> tuple[dict, dict]:
+def quantize(path: Path, tmp_path: Path, tensor: int = 1, **quantization) -> tuple[dict, dict]:
     spec = spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"},
                            "build": {"max_seq_len": 256, "max_input_len": 32, "targets": ["sm89"]},
-                           "quantization": quantization})
+                           "parallel": {"tensor": tensor}, "quantization": quantization})
     report = quantize_checkpoint(GGUFWeightMap.from_gguf(path), spec, tmp_path / "quantized", progress=lambda m: None)
     return load_quantized(tmp_path / "quantized")[0], report
 
@@ -138,13 +138,13 @@ def test_q4_1_codes_and_offsets_are_kept_under_int4_group_32(gguf_files, tmp_pat
     assert min(entry["weight_rel_error"] for entry in requantized.values()) > 0.01
 
 
-def test_q4_1_is_requantized_where_its_offsets_cannot_go(gguf_files):
+def test_q4_1_is_requantized_where_its_offsets_cannot_go(gguf_files, tmp_path):
+    _, report = quantize(gguf_files["q4_1"], tmp_path, tensor=2, mode="int4_weight_only", group_size=32)
+    assert {entry["source"] for entry in report.values()} == {
+        "re-quantized GGUF Q4_1: its block offsets' correction is not sharded across ranks (parallel.tensor 2; "
+        "keeping them needs 1)"}
     weights = GGUFWeightMap.from_gguf(gguf_files["q4_1"])
     key = "model.layers.0.mlp.up_proj.weight"
-    int4 = QuantizationSection(mode="int4_weight_only", group_size=32)
-    layer, source = kept_codes(weights, key, int4, 4, 32, tensor_parallel=2)
-    assert layer is None and source == ("re-quantized GGUF Q4_1: its block offsets' correction is not sharded across "
-                                        "ranks (parallel.tensor 2; keeping them needs 1)")
     layer, source = kept_codes(weights, key, QuantizationSection(mode="int8_weight_only"), 8, None)
     assert layer is None and source == "re-quantized GGUF Q4_1: Q4_1's block offsets are kept by int4_weight_only only"
 
