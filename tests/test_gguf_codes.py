@@ -164,6 +164,30 @@ def test_q8_0_is_kept_as_int8_only_where_a_row_has_one_scale(tmp_path):
                                         "scale per output channel; this tensor's rows have more than one")
 
 
+def built(checkpoint: Path, out: Path, **quantization):
+    """The build summary of ``checkpoint`` (a tiny GGUF file) at float32, quantized as given."""
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+
+    spec = spec_from_dict({"model": {"checkpoint": str(checkpoint), "dtype": "float32"},
+                           "build": {"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 128, "targets": ["sm89"]},
+                           "quantization": quantization})
+    return build(spec, BuildOptions(out=out), Progress(Verbosity.error))
+
+
+def same_greedy_tokens(one: Path, other: Path) -> bool:
+    """Whether two engine dirs decode two code prompts to the same 16 greedy tokens."""
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.llm import LLM
+
+    from test_quantization import prompt_ids
+
+    prompts = [prompt_ids("def f(x):\n    return"), prompt_ids("class Node:\n")]
+    params = SamplingParams(max_tokens=16)
+    tokens = [[c.token_ids for c in LLM(d, backend="onnxruntime").generate(prompts, params)] for d in (one, other)]
+    return tokens[0] == tokens[1] and all(len(t) == 16 for t in tokens[0])
+
+
 @pytest.mark.slow
 def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf_files, tmp_path):
     """The rank graph's int4 DequantizeLinear holds the file's codes and scales; the pass log and
@@ -172,22 +196,10 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
     from click.testing import CliRunner
     from onnx import numpy_helper
 
-    from trtbuild.builder.build import BuildOptions, build
     from trtbuild.cli.main import main
     from trtbuild.builder.passes.quantize_weights import module_of
-    from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.core.sampling import SamplingParams
 
-    from test_quantization import prompt_ids
-
-    def built(name: str, **quantization):
-        spec = spec_from_dict({"model": {"checkpoint": str(gguf_files["q4_0"]), "dtype": "float32"},
-                               "build": {"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 128, "targets": ["sm89"]},
-                               "quantization": quantization})
-        return build(spec, BuildOptions(out=tmp_path / name), Progress(Verbosity.error))
-
-    summary = built("kept", mode="int4_weight_only", group_size=32)
+    summary = built(gguf_files["q4_0"], tmp_path / "kept", mode="int4_weight_only", group_size=32)
     record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
     assert record["matches"] == LINEARS and record["numerics"]["ok"]
     assert {entry["source"] for entry in record["layers"].values()} == {"kept GGUF Q4_0 codes"}
@@ -204,12 +216,8 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
         assert np.array_equal(codes.astype(np.int8).T, expected_codes), name
         assert np.array_equal(scales.T, expected_scales), name
 
-    built("float")  # the same file, dequantized, no quantization
-    prompts = [prompt_ids("def f(x):\n    return"), prompt_ids("class Node:\n")]
-    params = SamplingParams(max_tokens=16)
-    kept = [c.token_ids for c in LLM(tmp_path / "kept", backend="onnxruntime").generate(prompts, params)]
-    floats = [c.token_ids for c in LLM(tmp_path / "float", backend="onnxruntime").generate(prompts, params)]
-    assert kept == floats and all(len(tokens) == 16 for tokens in kept)
+    built(gguf_files["q4_0"], tmp_path / "float")  # the same file, dequantized, no quantization
+    assert same_greedy_tokens(tmp_path / "kept", tmp_path / "float")
 
 
 @pytest.mark.slow
@@ -220,20 +228,7 @@ def test_a_q4_1_engine_adds_its_offsets_and_decodes_as_its_float_build(gguf_file
     the float32 build's."""
     import onnx
 
-    from trtbuild.builder.build import BuildOptions, build
-    from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.runtime.core.sampling import SamplingParams
-    from trtbuild.runtime.llm import LLM
-
-    from test_quantization import prompt_ids
-
-    def built(name: str, **quantization):
-        spec = spec_from_dict({"model": {"checkpoint": str(gguf_files["q4_1"]), "dtype": "float32"},
-                               "build": {"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 128, "targets": ["sm89"]},
-                               "quantization": quantization})
-        return build(spec, BuildOptions(out=tmp_path / name), Progress(Verbosity.error))
-
-    summary = built("kept", mode="int4_weight_only", group_size=32)
+    summary = built(gguf_files["q4_1"], tmp_path / "kept", mode="int4_weight_only", group_size=32)
     record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
     assert record["matches"] == LINEARS and record["numerics"]["ok"]
     assert record["numerics"]["vs_torch_float"]["max_rel"] < 1e-4   # the float model of the same file
@@ -242,12 +237,8 @@ def test_a_q4_1_engine_adds_its_offsets_and_decodes_as_its_float_build(gguf_file
     assert sum(n.name.endswith("/OffsetMatMul") for n in graph.node) == LINEARS
     assert ops.count("ReduceSum") == 6 * 4   # per layer: the attention input, o_proj's, the MLP input, down_proj's
 
-    built("float")
-    prompts = [prompt_ids("def f(x):\n    return"), prompt_ids("class Node:\n")]
-    params = SamplingParams(max_tokens=16)
-    kept = [c.token_ids for c in LLM(tmp_path / "kept", backend="onnxruntime").generate(prompts, params)]
-    floats = [c.token_ids for c in LLM(tmp_path / "float", backend="onnxruntime").generate(prompts, params)]
-    assert kept == floats and all(len(tokens) == 16 for tokens in kept)
+    built(gguf_files["q4_1"], tmp_path / "float")
+    assert same_greedy_tokens(tmp_path / "kept", tmp_path / "float")
 
 
 def test_keep_gguf_codes_is_a_strict_boolean(gguf_files):
