@@ -223,9 +223,9 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
 @pytest.mark.slow
 def test_a_q4_1_engine_adds_its_offsets_and_decodes_as_its_float_build(gguf_files, tmp_path):
     """Each linear of the rank graph is MatMul(x, DQ(codes)) + MatMul(block sums of x, offsets),
-    one block sum per input tensor (q/k/v share theirs); the build's numerics check finds its
-    logits within 1e-4 (max relative) of the float model of the same file, and greedy tokens are
-    the float32 build's."""
+    one block sum per input tensor (q/k/v share theirs), and the CPU graph packs q/k/v with their
+    offsets; the build's numerics check finds its logits within 1e-4 (max relative) of the float
+    model of the same file, and greedy tokens are the float32 build's."""
     import onnx
 
     summary = built(gguf_files["q4_1"], tmp_path / "kept", mode="int4_weight_only", group_size=32)
@@ -236,6 +236,8 @@ def test_a_q4_1_engine_adds_its_offsets_and_decodes_as_its_float_build(gguf_file
     ops = [n.op_type for n in graph.node]
     assert sum(n.name.endswith("/OffsetMatMul") for n in graph.node) == LINEARS
     assert ops.count("ReduceSum") == 6 * 4   # per layer: the attention input, o_proj's, the MLP input, down_proj's
+    packed = next(r for r in summary.pass_records if r["pass"] == "cpu_pack_qkv")   # offsets packed with q/k/v
+    assert packed["matches"] == 6 and packed["numerics"]["ok"]
 
     built(gguf_files["q4_1"], tmp_path / "float")
     assert same_greedy_tokens(tmp_path / "kept", tmp_path / "float")

@@ -2,7 +2,9 @@
 weights concatenated, fed to GroupQueryAttention as its packed QKV input: float weights by a
 Concat of initializers, which ONNX Runtime folds once; quantized ones (DequantizeLinear →
 MatMul) by one DequantizeLinear over codes and scales concatenated here (ONNX has no Concat of
-int4), which ONNX Runtime turns into one n-bit GEMM. The packed tensors are new: the engine dir
+int4), which ONNX Runtime turns into one n-bit GEMM; int4 kept from a GGUF Q4_1 file (each
+projection MatMul + MatMul(block sums, offsets), builder/passes/quantize_weights.py) packs its
+three offset tables as well, one MatMul and one Add. The packed tensors are new: the engine dir
 holds them in rankN.cpu.onnx's own data file, every other weight in the rank's
 (builder/emit/cpu_step_model.py).
 
@@ -17,7 +19,6 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
-from ..quant.gguf_codes import KEPT_WITH_OFFSETS
 from .base import PassContext
 from .onnx_rewrite import Rewritten, attribute, replace_nodes
 
@@ -44,6 +45,9 @@ def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> Rewritt
         if attention.op_type != "GroupQueryAttention" or not all(attention.input[:3]):
             continue
         projections = [producer.get(name) for name in attention.input[:3]]
+        offsets = _offset_form(projections, producer, weights, readers)
+        if offsets is not None:  # int4 kept from a GGUF Q4_1 file: each projection is MatMul + offsets
+            adds, projections, corrections = offsets
         if any(p is None or p.op_type != "MatMul" or readers[p.output[0]] != 1 for p in projections) \
                 or len({p.input[0] for p in projections}) != 1:
             unmatched[attention.name] = "q/k/v are not three MatMuls of one input, each read by the attention only"
@@ -67,11 +71,35 @@ def pack_qkv(model: onnx.ModelProto, weights_dir: Path | None = None) -> Rewritt
         fused.input[0], fused.input[1], fused.input[2] = packed, "", ""
         for p in projections:
             replacement[id(p)] = []
-        replacement[id(attention)] = [*nodes, helper.make_node("MatMul", [projections[0].input[0], weight], [packed],
-                                                               name=packed), fused]
+        matmul = packed if offsets is None else f"{packed}/dq_matmul"
+        nodes.append(helper.make_node("MatMul", [projections[0].input[0], weight], [matmul], name=matmul))
+        if offsets is not None:
+            # One MatMul of the shared block sums by the three offset tables side by side, then one Add.
+            table = _concat([weights[c.input[1]] for c in corrections], 1, f"{attention.name}/qkv_offsets",
+                            weights_dir)
+            packed_weights.append(table)
+            nodes += [helper.make_node("MatMul", [corrections[0].input[0], table.name], [f"{packed}/offsets"],
+                                       name=f"{packed}/offsets"),
+                      helper.make_node("Add", [matmul, f"{packed}/offsets"], [packed], name=f"{packed}/add_offsets")]
+            replacement.update({id(n): [] for n in (*adds, *corrections)})
+        replacement[id(attention)] = [*nodes, fused]
     out = replace_nodes(model, replacement)
     out.graph.initializer.extend(packed_weights)
     return Rewritten(out, sum(1 for nodes in replacement.values() if nodes), unmatched)
+
+
+def _offset_form(projections: list, producer: dict, weights: dict, readers: dict) -> tuple[list, list, list] | None:
+    """(the three Adds, their MatMuls of x, their offset MatMuls) where each projection is
+    Add(MatMul(x, W), MatMul(block sums of x, offsets)) with the sums shared and the offsets
+    initializers, each intermediate read once (quantize_weights' form of kept Q4_1 codes); else None."""
+    if any(p is None or p.op_type != "Add" for p in projections):
+        return None
+    mains = [producer.get(p.input[0]) for p in projections]
+    corrections = [producer.get(p.input[1]) for p in projections]
+    if any(n is None or n.op_type != "MatMul" or readers[n.output[0]] != 1 for n in (*mains, *corrections)) \
+            or len({c.input[0] for c in corrections}) != 1 or any(c.input[1] not in weights for c in corrections):
+        return None
+    return projections, mains, corrections
 
 
 def _packed_dequantize(nodes: list[onnx.NodeProto | None], weights: dict[str, onnx.TensorProto],
@@ -141,7 +169,5 @@ def rewrite(model: onnx.ModelProto, ctx: PassContext) -> Rewritten:
 def expected(ctx: PassContext) -> int | None:
     if ctx.spec is not None and ctx.spec.quantization.mode not in PACKED_MODES:
         return None
-    if any(entry.get("source") == KEPT_WITH_OFFSETS for entry in (ctx.quant_report or {}).values()):
-        return None  # a GGUF Q4_1 file's projections end in their offsets' Add: not this pattern
     # Biased projections (Qwen2's MatMul → Add) are not this pattern: they stay three MatMuls.
     return 0 if ctx.arch.attention_bias else ctx.arch.num_layers
