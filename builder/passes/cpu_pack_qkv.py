@@ -92,7 +92,7 @@ def _offset_form(projections: list, producer: dict, weights: dict, readers: dict
     """(the three Adds, their MatMuls of x, their offset MatMuls) where each projection is
     Add(MatMul(x, W), MatMul(block sums of x, offsets)) with the sums shared and the offsets
     initializers, each intermediate read once (quantize_weights' form of kept Q4_1 codes); else None."""
-    if any(p is None or p.op_type != "Add" for p in projections):
+    if any(p is None or p.op_type != "Add" or readers[p.output[0]] != 1 for p in projections):
         return None
     mains = [producer.get(p.input[0]) for p in projections]
     corrections = [producer.get(p.input[1]) for p in projections]
