@@ -16,7 +16,7 @@ Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are mad
    RTN/AWQ/GPTQ at group 64 and 32 with float and int8 activations, W8A8, FP8 and NVFP4 simulated,
    and the file's own Q4_1 codes kept with their block offsets) built from the GGUF file; beside them transformers (its own GGUF reader) and llama.cpp
    (llama-cpp-python) on the file and its F32/Q8_0 rewrites, all on the same token ids.
-   Calibration (AWQ, GPTQ, W8A8) reads stdlib text with pydoc_data/topics.py kept out.
+   Calibration (AWQ, GPTQ, W8A8, FP8) reads stdlib text with pydoc_data/topics.py kept out.
 2. Speed: benchmarks/cpu_decode.py's measurement (a process per engine, rounds with rotation,
    64-token random prompts, 128 greedy new tokens, decode tok/s at batch 1 and 8, batch-1 prefill)
    for trtbuild float32, int4 RTN g64 and the same with int8 activations, RTN g32 with the LM head
@@ -63,7 +63,7 @@ def engine(name: str, gguf: Path, work: Path) -> tuple[Path, dict]:
     spec.write_text(SPEC.read_text().replace("dtype: float32", f"dtype: {dtype}", 1))
     if fields:
         fields = dict(fields)
-        if fields.get("algorithm") in quality.CALIBRATED or fields["mode"] == "w8a8":
+        if fields.get("algorithm") in quality.CALIBRATED or fields["mode"] in quality.STATIC_ACTIVATIONS:
             text = calibration_text(work / "calibration.txt", skip=frozenset({"pydoc_data/topics.py"}))
             fields["calibration"] = {"data": [str(text)], "samples": 32, "seq_len": 256}
         if fields["mode"] in TARGETS:  # FP8 and NVFP4 need newer targets than the spec's

@@ -29,6 +29,7 @@ MODES += [("int4-q4_1-kept", "float32", {"mode": "int4_weight_only", "group_size
 MODES += [("w8a8", "float32", {"mode": "w8a8"}), ("fp8", "float32", {"mode": "fp8"}),
           ("nvfp4", "float32", {"mode": "nvfp4"})]
 CALIBRATED = {"awq", "gptq"}
+STATIC_ACTIVATIONS = {"w8a8", "fp8"}  # modes whose activation scales come from calibration text
 
 
 def token_ids(engine: Path, text: Path) -> list[int]:
