@@ -12,7 +12,7 @@ from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculation.chain import accept_sampled_chain, chain_tree
 from trtbuild.runtime.speculation.host import (DRAFT_SHARE, EXPLORE_AFTER, EXPLORE_TOKENS, HostDrafting,
-                                                     SpeculationMode)
+                                              SpeculationMode)
 from trtbuild.runtime.speculation.medusa import accept_greedy
 from trtbuild.runtime.speculation.step_times import StepTimes
 

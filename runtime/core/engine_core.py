@@ -248,9 +248,12 @@ class EngineCore:
         chains, whichever a request is expected to keep more of; then the chain length the batch
         verifies, 0 where speculating would not beat plain decoding (runtime/speculation/host.py)."""
         spec = self.speculation
+        if not heads_at and spec.host is None:  # Medusa alone drafts only from heads just computed
+            return
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
-        host = spec.host if spec.host is not None and spec.host.due([r.rid for r in decoding]) else None
-        if not heads_at and host is None:  # Medusa alone drafts only from heads just computed
+        rids = [r.rid for r in decoding if r.phase == Phase.decoding]
+        host = spec.host if spec.host is not None and spec.host.due(rids) else None
+        if not heads_at and host is None:  # host drafting is backing off
             return
         context = Context.of([r.computed for r in decoding])
         size = spec.choose_medusa(len(decoding), context) if heads_at else 0
@@ -281,8 +284,7 @@ class EngineCore:
                         tree.size if trees else 1, context) if chains else 0
         if host is not None:
             # (Medusa's share of the loop above is small: its trees come from heads already computed.)
-            host.drafted([r.rid for r in decoding if r.phase == Phase.decoding],
-                         time.perf_counter() - host_start, verifies=n > 0)
+            host.drafted(rids, time.perf_counter() - host_start, verifies=n > 0)
         for rid, chain in chains.items():
             k = min(n, len(chain.tokens))
             if k:
