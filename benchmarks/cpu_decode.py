@@ -288,8 +288,8 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
     the same steps summed by op type instead."""
     import onnxruntime as ort
 
-    from trtbuild.onnxruntime_cpu import session as ort_config
-    from trtbuild.onnxruntime_cpu.session import Spinning
+    from trtbuild.plugins.onnxruntime import session as ort_config
+    from trtbuild.plugins.onnxruntime.session import Spinning
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.backends.onnxruntime.step_graph import cpu_graph

@@ -49,7 +49,7 @@ def bound_step(engine: Path, model: str, batch: int, threads: int):
     import onnx
 
     from trtbuild.builder.emit.cpu_step_model import decode_branch, feeding_decode_model
-    from trtbuild.onnxruntime_cpu import session as ort_config
+    from trtbuild.plugins.onnxruntime import session as ort_config
     from trtbuild.contract.step import DRAFT_HEADS, PLAIN_DECODE, StepArrays
     from trtbuild.runtime.backends.onnxruntime.step_graph import cpu_graph, fill_decode_inputs
     from trtbuild.runtime.engine_dir import load

@@ -6,7 +6,7 @@
 Builds tiny-code unquantized, per weight-only mode/algorithm, W8A8 SmoothQuant (alpha 0.5) and
 FP8 (E4M3 per-tensor weights and activations, sm89+ targets; ONNX Runtime runs its Q/DQ pairs
 literally, i.e. simulated FP8 at the engine's scales) and NVFP4 weights (sm120; ONNX Runtime runs
-the FP4 weights folded to float by onnxruntime_cpu/fp4.py, i.e. simulated), then measures, in this run:
+the FP4 weights folded to float by plugins/onnxruntime/fp4.py, i.e. simulated), then measures, in this run:
 held-out perplexity (trtbuild eval: the rank ONNX in ONNX Runtime, windows of 512 tokens) and
 its change vs unquantized, greedy (top-1) agreement with the unquantized checkpoint, weight
 bytes (float tensors counted at 16 bit, integer codes as stored) vs fp16, build time, and ONNX

@@ -42,6 +42,12 @@ class BuildOptions:
     jobs: int = 1
     ignore_memory_check: bool = False  # build even where a rank's engine would need more RAM than the machine has
 
+    def __post_init__(self):
+        # The Python API takes a path as str or Path, as the CLI does.
+        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "dump_after", frozenset(self.dump_after))
+        object.__setattr__(self, "disable", frozenset(self.disable))
+
 
 @dataclass
 class BuildSummary:

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..contract.gpu_targets import describe
-from ..contract.manifest import ManifestError, check_engine_dir, has_cpu_graphs, read_manifest
+from ..contract.manifest import ManifestError, has_cpu_graphs, read_manifest
 from ..contract.speculation import SpeculationConfig
 from .errors import UserError
 from .progress import dir_size, human_bytes, table
@@ -24,15 +24,6 @@ def load_engine_dir(out: Path) -> tuple[dict, list[dict]]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise UserError(f"{log}: not a pass log (JSON lines)") from None
     return manifest, records
-
-
-def integrity(out: Path, manifest: dict) -> str | None:
-    """None when every file checks out (listed, inside the dir, hashes), else what is wrong."""
-    try:
-        check_engine_dir(Path(out), manifest)
-    except ManifestError as exc:
-        return str(exc)
-    return None
 
 
 def select(records: list[dict], rank: int | None, pass_name: str | None) -> list[dict]:

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
-from ..common.processes import die_with_parent
+from ..contract.processes import die_with_parent
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import torch
 
-from ..onnxruntime_cpu import session as ort_config
-from ..onnxruntime_cpu.session import CpuActivations
+from ..plugins.onnxruntime import session as ort_config
+from ..plugins.onnxruntime.session import CpuActivations
 from ..contract.step import CACHE_DTYPES, CacheShape, cache_names, step_arrays
 from .spec.dtype import DType
 from .spec.model import Spec

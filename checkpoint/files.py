@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..contract.paths import path_inside
 from .errors import CheckpointError
 
 
 def checkpoint_file(checkpoint: Path, name: str) -> Path | None:
-    """``checkpoint/name`` if it exists, as a regular file directly inside the dir; None if absent."""
+    """``checkpoint/name`` if it exists, as a regular file inside the dir; None if absent."""
     path = Path(checkpoint) / name
     if not path.exists():
         return None
-    if not path.is_file() or path.resolve().parent != Path(checkpoint).resolve():
+    inside = path_inside(checkpoint, name)
+    if inside is None or not inside.is_file():
         raise CheckpointError(f"{path}: not a regular file inside the checkpoint dir {checkpoint}; "
                               "copy the file into it")
-    return path
+    return inside

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.errors import first_line
+from ..contract.errors import first_line
 from .errors import CheckpointError
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFile, read_gguf

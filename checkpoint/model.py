@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..common.errors import first_line
+from ..contract.errors import first_line
 from .errors import CheckpointError
 from .gguf_config import is_gguf
 from .source import hf_config, open_weights

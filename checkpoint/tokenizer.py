@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..common.errors import first_line
+from ..contract.errors import first_line
 from .errors import CheckpointError
 from .files import checkpoint_file
 from .gguf_config import is_gguf

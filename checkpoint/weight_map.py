@@ -24,6 +24,7 @@ import torch
 from .errors import CheckpointError
 from .safetensors_files import INDEX_FILE, read_index, weight_files
 from .safetensors_header import DTYPES, TensorEntry, read_header
+from ..contract.paths import path_inside
 
 # The tables indexed by token id: the numerics check of a large model keeps only their first rows.
 VOCAB_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -48,10 +49,9 @@ class WeightMap:
     @classmethod
     def from_files(cls, directory: Path, files: list[Path]) -> "WeightMap":
         """The tensors of ``files``, each a regular file directly inside ``directory``."""
-        root = Path(directory).resolve()
         entries: dict[str, TensorEntry] = {}
         for path in files:
-            if path.resolve().parent != root:
+            if not Path(path).is_relative_to(directory) or path_inside(directory, Path(path).relative_to(directory)) is None:
                 raise CheckpointError(f"{path}: leads outside the dir {directory}; copy the file into it")
             if not path.is_file():
                 raise CheckpointError(f"{path}: not a file (a safetensors file is expected)")

@@ -96,7 +96,7 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
       trtbuild inspect build/tiny-code --pass fuse_attention
       trtbuild inspect build/tiny-code --node /model/layers.0/self_attn/Attention
     """
-    from ..builder.inspect import integrity, load_engine_dir, node_origin, render, select
+    from ..builder.inspect import load_engine_dir, node_origin, render, select
 
     manifest, records = load_engine_dir(out)
     bad = integrity(out, manifest)
@@ -110,6 +110,19 @@ def inspect(out: Path, rank: int | None, pass_name: str | None, node: str | None
     if bad:  # shown, and the exit code says so: scripts must not ship a dir that fails its hashes
         click.echo(f"error: {bad}", err=True)
         sys.exit(1)
+
+
+def integrity(out: Path, manifest: dict) -> str | None:
+    """None when every file checks out (listed, inside the dir, hashes), else what is wrong: the same
+    check the runtime makes before it loads a dir."""
+    from ..contract.manifest import ManifestError
+    from ..runtime.engine_dir_check import check_engine_dir
+
+    try:
+        check_engine_dir(Path(out), manifest)
+    except ManifestError as exc:
+        return str(exc)
+    return None
 
 
 @click.command()

@@ -107,7 +107,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     """
     import uvicorn
 
-    from ..onnxruntime_cpu.session import Spinning
+    from ..plugins.onnxruntime.session import Spinning
     from ..runtime.async_llm import AsyncLLM
     from ..runtime.engine_dir import EngineDirError
     from ..runtime.llm import LLM

@@ -1,11 +1,11 @@
-"""The engine-dir format shared by builder and runtime (DESIGN.md, "The engine contract").
+"""What builder and runtime must agree on (DESIGN.md, "The engine contract"), and nothing that
+only one side runs: the step's input/output names, dtypes and shapes and the host arrays of one
+step (the build's numerics check feeds a graph the arrays the runtime will), the manifest schema
+and file hashing, GPU targets, the pipeline stages' layers, the speculation entry and Medusa's
+acceptance arithmetic (`trtbuild plan` and the runtime policy agree), and three rules every
+package follows: which file names lead inside a dir (paths), errors in one line (errors), child
+processes that die with their parent (processes). It imports no other trtbuild package.
 
-Only what both sides must agree on: the step's input/output names, dtypes and shapes (and the
-CPU step model's extra ones), the host arrays of one step, the manifest schema and its trust
-check, GPU targets and the pipeline stages' layers. Behaviour lives with its user: the
-builder's tensor-parallel sharding arithmetic in trtbuild.builder.sharding; what both sides run
-in small shared packages (trtbuild.onnxruntime_cpu: ONNX Runtime sessions and segments, so
-what the build's numerics check accepted is what the CPU runtime serves; trtbuild.medusa_math:
-the acceptance arithmetic of `trtbuild plan` and the runtime policy). The checkpoint reader
-both sides use is a package of its own (checkpoint/).
+The runtime's trust check of an engine dir is runtime/engine_dir_check.py; running graphs in ONNX
+Runtime is trtbuild.plugins.onnxruntime; the checkpoint reader is checkpoint/.
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.errors import first_line
+from .errors import first_line
 
 # Far deeper than any manifest or config.json, far shallower than the depth at which Python's
 # parser raises RecursionError (about 1000).

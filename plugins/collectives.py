@@ -7,7 +7,7 @@ TensorRT wants them: all_reduce ``reduce_op="sum", root=-1``; all_gather ``reduc
 root=-1, nb_rank=N``, gathering along axis 0.
 
 CPU side: ONNX Runtime has no such op, so rank graphs are cut at their collectives
-(onnxruntime_cpu/segments.py) and the collective runs between the pieces: in numpy here (the
+(plugins/onnxruntime/segments.py) and the collective runs between the pieces: in numpy here (the
 numerics check, all ranks in one process) or over torch.distributed (the runtime).
 """
 from __future__ import annotations

@@ -5,10 +5,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract.json_file import read_json_object
-from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError, check_engine_dir,
+from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError,
                                  eos_token_ids, has_cpu_graphs, read_manifest)
 from ..contract.speculation import Source, SpeculationConfig
-from ..onnxruntime_cpu.session import CpuActivations
+from ..plugins.onnxruntime.session import CpuActivations
+from .engine_dir_check import check_engine_dir
 
 
 class EngineDirError(ValueError):

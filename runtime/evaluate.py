@@ -11,10 +11,10 @@ import numpy as np
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.gguf_config import is_gguf
 from ..checkpoint.tokenizer import checkpoint_tokenizer, tokenizer_from
-from ..onnxruntime_cpu import session as ort_config
+from ..plugins.onnxruntime import session as ort_config
 from ..contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT, stage_cache_names
 from ..contract.step import CACHE_DTYPES, CacheShape, step_arrays
-from ..onnxruntime_cpu import fp4
+from ..plugins.onnxruntime import fp4
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _rank_runner(d, threads: int):
     if d.world_size == 1:
         session = ort_config.session(fp4.ort_source(d.rank_file(0, "onnx")), threads, activations=d.cpu_activations)
         return lambda feeds: [ort_config.run(session, feeds[0])]
-    from ..onnxruntime_cpu.segments import LocalRanks
+    from ..plugins.onnxruntime.segments import LocalRanks
 
     tensor = d.tensor_parallel
     stages = [LocalRanks([fp4.cpu_model(d.rank_file(rank, "onnx")) for rank in range(start, start + tensor)],

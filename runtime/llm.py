@@ -18,7 +18,7 @@ from typing import Iterator
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.tokenizer import tokenizer_from
-from ..onnxruntime_cpu.session import CpuActivations, Spinning
+from ..plugins.onnxruntime.session import CpuActivations, Spinning
 from .detokenize import Detokenizer
 from .backends.engine import Engine
 from .core.engine_core import EngineCore, RuntimeStats

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trtbuild.onnxruntime_cpu import session as ort_config
+from trtbuild.plugins.onnxruntime import session as ort_config
 from trtbuild.contract.step import CacheShape, cache_names, step_arrays
 
 

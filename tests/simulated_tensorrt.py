@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from trtbuild.onnxruntime_cpu import session as ort_config
+from trtbuild.plugins.onnxruntime import session as ort_config
 from trtbuild.contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from trtbuild.contract.step import CACHE_DTYPES, INPUT_NAMES, LOGITS, MEDUSA_LOGITS
-from trtbuild.onnxruntime_cpu import fp4
-from trtbuild.onnxruntime_cpu.segments import SegmentedRank
+from trtbuild.plugins.onnxruntime import fp4
+from trtbuild.plugins.onnxruntime.segments import SegmentedRank
 
 INPUT_DTYPES = {"input_ids": np.int32, "position_ids": np.int32, "write_index": np.int64, "kv_length": np.int64,
                 "attention_mask": np.bool_, "logits_index": np.int64}

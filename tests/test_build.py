@@ -10,7 +10,7 @@ import pytest
 
 from trtbuild.builder.build import BuildOptions, build
 from trtbuild.builder.emit.cpu_step_model import decode_branch
-from trtbuild.contract.manifest import check_engine_dir
+from trtbuild.runtime.engine_dir_check import check_engine_dir
 from trtbuild.contract.step import DECODE_READS, io_cache_names
 from trtbuild.builder.progress import Progress, Verbosity
 from trtbuild.builder.spec.resolve import load_spec

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from trtbuild.common.errors import first_line
+from trtbuild.contract.errors import first_line
 
 
 @pytest.mark.parametrize("exc, line", [
@@ -27,7 +27,7 @@ def test_first_line_is_the_first_line_or_the_type(exc, line):
 # test kills the parent with SIGKILL (no cleanup runs) and expects the child gone.
 _PARENT = """
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "from trtbuild.common.processes import die_with_parent; "
+child = subprocess.Popen([sys.executable, "-c", "from trtbuild.contract.processes import die_with_parent; "
                           "die_with_parent(); print('ready', flush=True); import time; time.sleep(60)"],
                          stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline() == "ready\\n"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtbuild.onnxruntime_cpu import session as ort_config
+from trtbuild.plugins.onnxruntime import session as ort_config
 from trtbuild.builder.passes.cpu_drop_row_gather import drop_row_gather
 from trtbuild.builder.passes.cpu_pack_qkv import pack_qkv
 from trtbuild.builder.passes.cpu_skip_norm import skip_norm

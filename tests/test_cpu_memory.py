@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtbuild.onnxruntime_cpu.session import session
+from trtbuild.plugins.onnxruntime.session import session
 from trtbuild.runtime.backends import choose as engines
 from trtbuild.runtime.backends.onnxruntime import memory
 from trtbuild.runtime.engine_dir import EngineDir, EngineDirError
@@ -96,7 +96,7 @@ def test_the_server_runs_onnx_runtime_threads_sleeping(tiny_engine, monkeypatch)
     from click.testing import CliRunner
 
     from trtbuild.cli.main import main
-    from trtbuild.onnxruntime_cpu.session import Spinning
+    from trtbuild.plugins.onnxruntime.session import Spinning
     from trtbuild.runtime import llm as llm_module
 
     def spinning_of(llm) -> str:

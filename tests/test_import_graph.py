@@ -1,8 +1,8 @@
 """No import circles among trtbuild's modules: every package reads top-down (a module's imports
 never lead back to it); the CLI (cli/) sits above the builder and the runtime and imports both;
 builder and runtime never import each other nor the CLI; and the packages both of them share
-(contract/, the engine-dir format; checkpoint/, reading a user's checkpoint; plugins/; the small
-shared packages) import none of the three; common/ (helpers every package uses) imports no other
+(contract/, the engine-dir format; checkpoint/, reading a user's checkpoint; plugins/, ops and how
+each executor runs them) import none of the three; contract/ sits at the bottom and imports no other
 trtbuild package. Every import counts: those inside functions, and those
 under ``if TYPE_CHECKING:`` (a type that names its user back is a circle too, one the interpreter
 just does not run into)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The packages below the builder and the runtime that both may import.
-SHARED = ("contract", "checkpoint", "plugins", "medusa_math", "onnxruntime_cpu", "common")
+SHARED = ("contract", "checkpoint", "plugins")
 PACKAGES = ("cli", "builder", "runtime", *SHARED)
 
 
@@ -137,8 +137,18 @@ def test_the_cli_imports_the_builder_and_the_runtime_normally():
     assert {"builder", "runtime"} <= reached
 
 
-def test_common_imports_no_other_trtbuild_package():
+def test_the_contract_imports_no_other_trtbuild_package():
     graph = import_graph()
     reaching = sorted((m, t) for m, targets in graph.items() for t in targets
-                      if m.split(".")[0] == "common" and t.split(".")[0] != "common")
-    assert graph.keys() >= {"common.errors", "common.processes"} and reaching == []
+                      if m.split(".")[0] == "contract" and t.split(".")[0] != "contract")
+    assert graph.keys() >= {"contract.errors", "contract.processes", "contract.paths"} and reaching == []
+
+
+def test_every_root_package_is_installed():
+    """setup.py discovers the packages; a root folder of Python modules without __init__.py would
+    silently stay out of the wheel."""
+    for package in PACKAGES:
+        folders = {p.parent for p in (REPO / package).rglob("*.py")}
+        assert all((f / "__init__.py").is_file() for f in folders), sorted(f for f in folders if not (f / "__init__.py").is_file())
+
+

@@ -187,7 +187,7 @@ def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
     greedy acceptance ends at (max_abs 1e-4; trees whose path is accepted 0 to 3 deep), and the
     tree's K/V written to the same cache positions (max_abs 1e-5), for trees of 2 to 64 nodes."""
     from trtbuild.builder.emit.cpu_step_model import verify_branch
-    from trtbuild.onnxruntime_cpu import session as ort_config
+    from trtbuild.plugins.onnxruntime import session as ort_config
     from trtbuild.contract.step import step_arrays
     from trtbuild.runtime.speculation.medusa import Tree, accept_greedy
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trtbuild.builder.medusa.tree import default_tree, ordered, rank_accuracy
-from trtbuild.medusa_math.acceptance import tree_problem
+from trtbuild.contract.medusa_acceptance import tree_problem
 from trtbuild.runtime.backends.engine import step_arrays
 from trtbuild.runtime.speculation.medusa import Accepted, Tree, accept_greedy, accept_typical
 from trtbuild.runtime.core.kv_pools import HostPools, PoolShape

@@ -29,7 +29,7 @@ from trtbuild.builder.passes.manager import PassManager
 from trtbuild.builder.passes.numerics_gate import NumericsGate
 from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, quantize_checkpoint
 from trtbuild.builder.spec.resolve import spec_from_dict
-from trtbuild.onnxruntime_cpu import fp4
+from trtbuild.plugins.onnxruntime import fp4
 
 from conftest import REPO, TINY_CODE, make_checkpoint
 from ort_greedy import greedy

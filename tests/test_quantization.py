@@ -130,7 +130,7 @@ def test_nvfp4_blocks_of_16_with_fp8_scales_and_a_simulated_cpu_path():
     import ml_dtypes
 
     from trtbuild.builder.quant.algorithms import nvfp4
-    from trtbuild.onnxruntime_cpu import fp4
+    from trtbuild.plugins.onnxruntime import fp4
 
     torch.manual_seed(2)
     w, x = torch.randn(16, 64), torch.randn(4, 64)
@@ -210,7 +210,7 @@ def dequantized_greedy(spec: Spec, prompt: list[int], steps: int, workdir) -> li
     {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64},
     {"mode": "w8a8", "smoothquant_alpha": 0.5},
     {"mode": "fp8"},  # E4M3 weights and activations: builds for sm89 with TensorRT-RTX, runs in ORT
-    {"mode": "nvfp4"},  # FP4 weights: builds for sm120; ORT runs it simulated (onnxruntime_cpu/fp4.py)
+    {"mode": "nvfp4"},  # FP4 weights: builds for sm120; ORT runs it simulated (plugins/onnxruntime/fp4.py)
 ], ids=["int4-gptq-g64", "w8a8", "fp8", "nvfp4"])
 def test_quantized_build_keeps_most_greedy_tokens(tmp_path, quantization):
     from trtbuild.builder.build import BuildOptions, build
@@ -244,7 +244,7 @@ def test_int8_cpu_activations_reach_every_onnx_runtime_session(tmp_path):
 
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
-    from trtbuild.onnxruntime_cpu.session import CpuActivations
+    from trtbuild.plugins.onnxruntime.session import CpuActivations
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.evaluate import evaluate, score_engine, windows
     from trtbuild.runtime.llm import LLM

@@ -20,7 +20,7 @@ from conftest import REPO, TINY_CODE
 from trtbuild.builder.errors import SpecError
 from trtbuild.builder.spec.resolve import spec_from_dict
 from trtbuild.builder.sharding import gather_caches, kv_heads, query_heads, shard_caches
-from trtbuild.onnxruntime_cpu.segments import run_ranks, split
+from trtbuild.plugins.onnxruntime.segments import run_ranks, split
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "    def __init__(self, items):"]
 

@@ -1,7 +1,7 @@
 """The spec's Medusa section against its heads dir: checked once at resolution, the tree fixed."""
 from __future__ import annotations
 
-from ...medusa_math.acceptance import tree_problem
+from ...contract.medusa_acceptance import tree_problem
 from ..errors import SpecError, UserError
 from ..frontend.checkpoint import ArchConfig
 from ..spec.document import MedusaSection

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 
-from ...medusa_math.acceptance import path_probability
+from ...contract.medusa_acceptance import path_probability
 
 # Heads without measured accuracy (public checkpoints that record none): a conservative
 # guess per head of the chance that its rank-r token is right, decaying with distance.

@@ -24,15 +24,15 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ...common.errors import first_line
-from ...onnxruntime_cpu import session as ort_config
-from ...onnxruntime_cpu.session import CpuActivations
+from ...contract.errors import first_line
+from ...plugins.onnxruntime import session as ort_config
+from ...plugins.onnxruntime.session import CpuActivations
 from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from ...contract.step import MEDUSA_LOGITS
 from ..sharding import gather_caches, shard_caches
-from ...onnxruntime_cpu import fp4
+from ...plugins.onnxruntime import fp4
 from ...plugins.collectives import OP
-from ...onnxruntime_cpu.segments import run_ranks
+from ...plugins.onnxruntime.segments import run_ranks
 from .. import numerics
 from .base import CpuGraph, PassError, after
 from .instruments import Instrument

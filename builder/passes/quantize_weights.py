@@ -8,7 +8,7 @@ with one per-tensor weight scale, and a float8 Q/DQ pair on x (static per-tensor
 calibration amax); TensorRT runs those as FP8 GEMMs on sm89+, ONNX Runtime literally (which is
 the simulated quantization `trtbuild eval` measures). NVFP4 (weight-only): FLOAT4E2M1 codes,
 block_size 16, whose scales are themselves DequantizeLinear(FP8 block scales, global scale);
-ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (onnxruntime_cpu/fp4.py).
+ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (plugins/onnxruntime/fp4.py).
 INT4 kept from a GGUF Q4_1 file also has one offset per block (W = DQ(codes, scales) + offsets):
 TensorRT's int4 DequantizeLinear takes no zero point, so y = MatMul(x, DQ) + MatMul(S(x), Oᵀ), S(x)
 summing x over each block of inputs (Reshape → ReduceSum; one per input tensor, shared by the
@@ -17,7 +17,7 @@ linears reading it).
 ``ctx.quantized`` may be lazy (quant/store.py: layers memory-mapped from disk). With a weights
 dir, codes and scales are appended to an external-data file there as each layer is rewritten
 (``quantize_weights.data``), so the pass holds one layer's codes at a time; NVFP4's stay in the
-graph (onnxruntime_cpu/fp4.py folds them for ONNX Runtime from in-memory values). Hand-built graphs
+graph (plugins/onnxruntime/fp4.py folds them for ONNX Runtime from in-memory values). Hand-built graphs
 without a weights dir get in-memory constants.
 """
 from __future__ import annotations

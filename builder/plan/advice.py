@@ -3,7 +3,7 @@ Medusa, whether tensor parallelism pays, prefix caching; each with the figure be
 from __future__ import annotations
 
 from ...contract.gpu_targets import RTX_TARGETS, TENSORRT_ONLY
-from ...medusa_math.acceptance import MIN_GAIN
+from ...contract.medusa_acceptance import MIN_GAIN
 from ..gpus import GB
 from .estimate import TYPICAL_TREE, Plan
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...medusa_math.acceptance import MIN_GAIN, best_tree_prefix, expected_accepted, path_probability
+from ...contract.medusa_acceptance import MIN_GAIN, best_tree_prefix, expected_accepted, path_probability
 from ..sharding import kv_heads_per_rank
 from ..frontend.checkpoint import ArchConfig
 from ..gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from ...contract.gpu_targets import TENSORRT_TARGETS
 from ...contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
 from ...contract.speculation import PromptLookupConfig, SuffixConfig
-from ...onnxruntime_cpu.session import CpuActivations
+from ...plugins.onnxruntime.session import CpuActivations
 from .dtype import DType
 from .errors import FieldError
 

@@ -2,7 +2,7 @@
 per rank for tensor- and pipeline-parallel dirs."""
 from __future__ import annotations
 
-from ...onnxruntime_cpu.session import Spinning
+from ...plugins.onnxruntime.session import Spinning
 from .engine import Engine
 from ..engine_dir import EngineDir, EngineDirError
 

@@ -28,7 +28,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from ...common.processes import die_with_parent
+from ...contract.processes import die_with_parent
 from ..backends.engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from ..engine_dir import EngineDir, load
 from .rank_engines import RankEngine, rank_engine, run_message, serve_rank

@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from ...contract.speculation import Source
-from ...medusa_math.acceptance import MIN_GAIN
+from ...contract.medusa_acceptance import MIN_GAIN
 from .sources.base import HostDraftSource
 from .step_times import EMPTY, Context, StepTimes
 

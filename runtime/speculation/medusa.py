@@ -13,7 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ...medusa_math.acceptance import tree_problem
+from ...contract.medusa_acceptance import tree_problem
 
 # Typical acceptance (Medusa paper, §2.3.1): accept a guess whose probability under the base
 # model exceeds min(epsilon, delta * exp(-entropy)); Medusa's defaults.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...medusa_math.acceptance import best_tree_prefix
+from ...contract.medusa_acceptance import best_tree_prefix
 from .acceptance import AcceptanceModel, SpeculationStats
 from .medusa import Accepted, Tree
 from .step_times import EMPTY, Context, StepTimes

@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ...common.errors import first_line
+from ...contract.errors import first_line
 from .constraint import Constraint, ConstraintError
 from .matcher import GrammarMatcher
 

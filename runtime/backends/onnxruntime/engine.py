@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from ....onnxruntime_cpu import session as ort_config
-from ....onnxruntime_cpu.session import Spinning
+from ....plugins.onnxruntime import session as ort_config
+from ....plugins.onnxruntime.session import Spinning
 from ....contract.pipeline import HIDDEN_STATES
 from ....contract.step import (CACHE_DTYPES, DRAFT_HEADS, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY,
                              VERIFY_ROWS, StepArrays, fill_step_arrays, step_shape)
-from ....onnxruntime_cpu import fp4
-from ....onnxruntime_cpu.segments import CollectiveFn, SegmentedRank
+from ....plugins.onnxruntime import fp4
+from ....plugins.onnxruntime.segments import CollectiveFn, SegmentedRank
 from .one_write_start import move_back, write_from_one_start
 from .step_graph import cpu_graph, fill_decode_inputs
 from ..engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays

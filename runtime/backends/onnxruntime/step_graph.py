@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ....contract.step import DECODE_READS  # noqa: F401  (what fill_decode_inputs fills: API)
-from ....onnxruntime_cpu import fp4
+from ....plugins.onnxruntime import fp4
 from ...engine_dir import EngineDir
 
 # The decode graph's kernels prepack the weights again (a second copy in memory): worth it for

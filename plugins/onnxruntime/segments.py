@@ -18,7 +18,7 @@ from onnx import helper
 
 from . import session as ort_config
 from .session import CpuActivations, Spinning
-from ..plugins.collectives import OP, Collective
+from ..collectives import OP, Collective
 
 
 @dataclass
