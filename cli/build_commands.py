@@ -140,10 +140,13 @@ def integrity(out: Path, manifest: dict) -> str | None:
               help="Pipeline stages (default: the spec's parallel.pipeline, else 1).")
 @click.option("--network", type=click.Choice(["infiniband-ndr", "infiniband-hdr", "ethernet-400g", "ethernet-100g"]),
               default="infiniband-ndr", show_default=True, help="The link between nodes (pipeline stages).")
+@click.option("--kv-cache-memory", "kv_cache_memory", default=None, metavar="BUDGET",
+              help="KV-cache budget per rank: bytes (\"1GiB\") or a share in (0, 1] of the memory free once the "
+                   "weights are loaded (default: the spec's runtime.kv_cache_memory; unset: every row's whole context).")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU table and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, network: str, list_gpus: bool,
-         as_json: bool):
+def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, network: str, kv_cache_memory,
+         list_gpus: bool, as_json: bool):
     """Diagnose the bottleneck before building: memory per rank and the roofline of prefill and decode.
 
     SOURCE is a spec (YAML), a checkpoint dir holding at least config.json (no weights needed), a .gguf file,
@@ -207,7 +210,8 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
     if tp * pp > gpus:
         raise UserError(f"--tp × --pp: {tp * pp} ranks are more than --gpus {gpus}")
     result = Plan(arch=arch, gpu=find_gpu(gpu), gpus=gpus, tp=tp, precision=precision,
-                  workload=workload_for(spec, arch, batch, seq_len, precision), counts=param_counts(arch),
+                  workload=workload_for(spec, arch, batch, seq_len, precision, kv_budget(kv_cache_memory)),
+                  counts=param_counts(arch),
                   medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
                   speculation=speculation_plan(spec) if spec is not None and spec.speculation is not None else None,
                   backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
@@ -224,6 +228,16 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
         click.echo("\n".join([render(result), "", *render_pipeline(pipe, layout)]))
 
 
+
+
+def kv_budget(value: str | None):
+    """--kv-cache-memory as a budget (contract.kv_budget), or a one-line error naming the option."""
+    from ..contract.kv_budget import parse_kv_cache_memory
+
+    try:
+        return None if value is None else parse_kv_cache_memory(value)
+    except ValueError as exc:
+        raise UserError(f"--kv-cache-memory: {exc}") from None
 
 
 def _stand_in_arch(checkpoint: Path):

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract.json_file import read_json_object
+from ..contract.kv_budget import DEFAULT_BLOCK_SIZE, KvBudget, block_size_problem, parse_kv_cache_memory
 from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError,
                                  eos_token_ids, has_cpu_graphs, read_manifest)
 from ..contract.speculation import Source, SpeculationConfig
@@ -142,6 +143,26 @@ class EngineDir:
                                  "integer ≥ 1")
         return value
 
+    @property
+    def kv_cache_memory(self) -> KvBudget | None:
+        """The spec's KV budget (runtime.kv_cache_memory): bytes, a share of free memory, or None
+        (dirs built before the field, or unset: every row's whole context)."""
+        value = self.runtime_defaults.get("kv_cache_memory")
+        try:
+            return None if value is None else parse_kv_cache_memory(value)
+        except ValueError as exc:
+            raise EngineDirError(f"{self.path / 'manifest.json'}: spec.runtime.kv_cache_memory: {exc}") from None
+
+    @property
+    def kv_block_size(self) -> int:
+        """Token positions per KV block (spec runtime.kv_block_size)."""
+        value = self.runtime_defaults.get("kv_block_size", DEFAULT_BLOCK_SIZE)
+        problem = ("not an integer" if not isinstance(value, int) or isinstance(value, bool)
+                   else block_size_problem(value, self.max_seq_len))
+        if problem is not None:
+            raise EngineDirError(f"{self.path / 'manifest.json'}: spec.runtime.kv_block_size {value!r}: {problem}")
+        return value
+
     def require_cpu_graphs(self, why: str = "") -> None:
         """Refuses, in one line, to run on ONNX Runtime a dir built without its ONNX graphs
         (build.cpu_graphs: false); ``why`` says what wanted them."""
@@ -214,4 +235,6 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
     engine_dir.cpu_activations  # noqa: B018
     engine_dir.multi_step  # noqa: B018
     engine_dir.speculation  # noqa: B018
+    engine_dir.kv_cache_memory  # noqa: B018
+    engine_dir.kv_block_size  # noqa: B018
     return engine_dir

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...contract.kv_budget import (DEFAULT_BLOCK_SIZE, KvBudget, blocks_for_tokens, budget_bytes,
+                                   num_blocks)
 from ...contract.medusa_acceptance import MIN_GAIN, best_tree_prefix, expected_accepted, path_probability
 from ..sharding import kv_heads_per_rank
 from ..frontend.checkpoint import ArchConfig
@@ -34,6 +36,8 @@ class Workload:
     max_input_len: int
     kv_element_bytes: int
     prefix_cache: bool
+    kv_budget: KvBudget | None = None   # runtime.kv_cache_memory (None: every row's whole context)
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
 
 
 TYPICAL_TREE = 8  # tokens per Medusa verification when no heads are given (the advice's example)
@@ -101,6 +105,37 @@ class Plan:
 
     def fits(self, precision: str | None = None, tp: int | None = None) -> bool:
         return self.per_rank(precision, tp) <= HEADROOM * self.gpu.memory_bytes
+
+    # -- the KV budget (runtime.kv_cache_memory) ----------------------------------------------------
+    @property
+    def kv_per_token_rank(self) -> float:
+        return self.kv_per_token * self.kv_share(self.tp)
+
+    @property
+    def kv_free_at_load(self) -> float:
+        """What a rank has free once its weights and workspace are loaded (within the headroom):
+        what a share-of-free-memory budget is a share of."""
+        return HEADROOM * self.gpu.memory_bytes - self.weights() / self.tp - self.workspace
+
+    @property
+    def kv_budget_bytes(self) -> float:
+        """One rank's KV budget: the spec's bytes, its share of the memory free at load, or (unset)
+        every row's whole context, as slots reserved."""
+        budget = self.workload.kv_budget
+        if budget is None:
+            return self.kv_total * self.kv_share(self.tp)
+        return budget_bytes(budget, max(0, int(self.kv_free_at_load)))
+
+    @property
+    def kv_blocks(self) -> int:
+        return num_blocks(int(self.kv_budget_bytes), self.workload.kv_block_size, int(self.kv_per_token_rank))
+
+    def requests_in_budget(self, tokens: int) -> tuple[int, int]:
+        """(paged, slots): how many requests of ``tokens`` positions the budget holds at once when
+        blocks are given out as tokens arrive, and when each request reserves max_seq_len."""
+        paged = self.kv_blocks // blocks_for_tokens(tokens, self.workload.kv_block_size)
+        slots = int(self.kv_budget_bytes // (self.workload.max_seq_len * self.kv_per_token_rank))
+        return paged, slots
 
     def min_gpus(self, precision: str) -> int | None:
         """Fewest GPUs (a tensor parallelism the spec accepts, up to 64) whose ranks fit."""
@@ -216,6 +251,10 @@ class Plan:
             "weight_bytes": {p: round(self.weights(p)) for p in PRECISIONS},
             "kv_bytes_per_token": self.kv_per_token, "kv_bytes_total": round(self.kv_total),
             "workspace_bytes": round(self.workspace),
+            "kv_budget": {"bytes_per_rank": round(self.kv_budget_bytes), "block_size": self.workload.kv_block_size,
+                          "blocks": self.kv_blocks,
+                          "requests": {str(n): dict(zip(("paged", "slots"), self.requests_in_budget(n)))
+                                       for n in typical_lengths(self.workload.max_seq_len)}},
             "per_rank_bytes": {p: round(self.per_rank(p)) for p in PRECISIONS},
             "fits": {p: self.fits(p) for p in PRECISIONS},
             "min_gpus": {p: self.min_gpus(p) for p in PRECISIONS},
@@ -256,17 +295,24 @@ def speculation_plan(spec) -> SpeculationPlan:
                            verify_tokens=config.verify_tokens)
 
 
+def typical_lengths(max_seq_len: int) -> list[int]:
+    """Request lengths (prompt + output) the plan's KV table shows: short chat to the limit."""
+    return sorted({n for n in (512, 2048, 8192) if n < max_seq_len} | {max_seq_len})
+
+
 def workload_for(spec=None, arch: ArchConfig | None = None, batch: int | None = None,
-                 seq_len: int | None = None, precision: str = "fp16") -> Workload:
-    """The spec's limits, or for a bare checkpoint one sequence of its full context."""
+                 seq_len: int | None = None, precision: str = "fp16", kv_budget: KvBudget | None = None) -> Workload:
+    """The spec's limits, or for a bare checkpoint one sequence of its full context; ``kv_budget``
+    (--kv-cache-memory) overrides the spec's runtime.kv_cache_memory."""
     kv_bytes = 4 if precision == "fp32" else 2
     if spec is not None:
-        b = spec.build
+        b, r = spec.build, spec.runtime
         return Workload(max_batch=batch or b.max_batch_size, max_seq_len=seq_len or b.max_seq_len,
                         max_input_len=min(b.max_input_len, seq_len or b.max_seq_len), kv_element_bytes=kv_bytes,
-                        prefix_cache=spec.runtime.prefix_cache)
+                        prefix_cache=r.prefix_cache, kv_budget=kv_budget if kv_budget is not None else r.kv_cache_memory,
+                        kv_block_size=r.kv_block_size)
     seq = seq_len or arch.max_position_embeddings
     return Workload(max_batch=batch or 1, max_seq_len=seq, max_input_len=min(512, seq), kv_element_bytes=kv_bytes,
-                    prefix_cache=True)
+                    prefix_cache=True, kv_budget=kv_budget)
 
 

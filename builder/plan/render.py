@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..gpus import GB
-from .estimate import Plan
+from .estimate import Plan, typical_lengths
 from .model_size import PRECISIONS
 from .advice import deployment, recommendations
 from ..progress import table
@@ -37,6 +37,7 @@ def render(plan: Plan) -> str:
     lines += [
         f"KV cache: {plan.kv_per_token / 1024:.1f} KiB per token; {plan.kv_total / GB:.2f} GB for "
         f"{w.max_batch} × {w.max_seq_len}; workspace ≈ {plan.workspace / GB:.2f} GB",
+        *render_kv_budget(plan),
         "",
         "roofline",
         f"  prefill: {plan.prefill_flops_per_token / 1e9:.3f} GFLOP per token (+ "
@@ -68,6 +69,25 @@ def render(plan: Plan) -> str:
             lines.append(f"  batch {batch}: a verification of {spec.verify_tokens} tokens a row costs {cost:.2f}x a "
                          f"plain decode step; it pays above {needed:.2f} accepted guesses per step")
     return "\n".join(lines)
+
+
+def render_kv_budget(plan: Plan) -> list[str]:
+    """What the KV budget buys on a rank: blocks, and requests of typical lengths at once when blocks
+    are given out as tokens arrive, against slots that each reserve max_seq_len."""
+    w = plan.workload
+    if w.kv_budget is None:
+        source = f"unset: {w.max_batch} × {w.max_seq_len} tokens"
+    elif isinstance(w.kv_budget, float):
+        source = f"{w.kv_budget:g} of the {max(plan.kv_free_at_load, 0) / GB:.2f} GB free at load"
+    else:
+        source = f"{w.kv_budget} bytes"
+    lines = [f"KV budget: {plan.kv_budget_bytes / GB:.2f} GB a rank ({source}) = {plan.kv_blocks} blocks of "
+             f"{w.kv_block_size} tokens ({plan.kv_blocks * w.kv_block_size} tokens in flight)"]
+    rows = [[str(n), str(paged), str(slots), str(min(paged, w.max_batch))]
+            for n in typical_lengths(w.max_seq_len) for paged, slots in [plan.requests_in_budget(n)]]
+    lines += ["  " + line for line in table(rows, ["request tokens", "at once (blocks)", "at once (slots)",
+                                                   f"rows a step (max_batch_size {w.max_batch})"]).splitlines()]
+    return lines
 
 
 def render_build(b) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from ...contract.kv_budget import block_size_problem, blocks_for_tokens
 from ...contract.speculation import Source
 from ..errors import SpecError
 from ..frontend.checkpoint import ArchConfig
@@ -26,6 +27,7 @@ def check_against_checkpoint(spec: Spec) -> None:
                                              "not implement; use at most that")
     _check_quantization(spec)
     _check_verification(spec)
+    _check_kv_budget(spec)
     if spec.model.dtype.value == "float32" and "sm75" in spec.build.targets:
         raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
                                          "float16 or drop sm75")
@@ -42,6 +44,22 @@ def _check_verification(spec: Spec) -> None:
         if tokens > spec.build.max_seq_len:
             raise SpecError(VERIFY_FIELDS[source], f"{tokens} tokens per verification exceed "
                                                    f"build.max_seq_len={spec.build.max_seq_len}")
+
+
+def _check_kv_budget(spec: Spec) -> None:
+    """A block size that tiles the cache, and a byte budget that holds one request of max_seq_len on
+    each rank (a share of free memory is checked where it is known: at load)."""
+    r, b = spec.runtime, spec.build
+    problem = block_size_problem(r.kv_block_size, b.max_seq_len)
+    if problem is not None:
+        raise SpecError("runtime.kv_block_size", problem)
+    if isinstance(r.kv_cache_memory, int):
+        need = blocks_for_tokens(b.max_seq_len, r.kv_block_size) * r.kv_block_size * spec.kv_bytes_per_token
+        if r.kv_cache_memory < need:
+            raise SpecError("runtime.kv_cache_memory", f"{r.kv_cache_memory} bytes hold less than one request of "
+                                                       f"build.max_seq_len={b.max_seq_len} tokens "
+                                                       f"({spec.kv_bytes_per_token} bytes a token on a rank); "
+                                                       f"give at least {need} bytes ({need / 2**20:.1f} MiB)")
 
 
 def _check_tensor_parallel(spec: Spec) -> None:

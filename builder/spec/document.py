@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from ...contract.gpu_targets import TENSORRT_TARGETS
+from ...contract.kv_budget import DEFAULT_BLOCK_SIZE, parse_kv_cache_memory
 from ...contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
 from ...contract.speculation import PromptLookupConfig, SuffixConfig
 from ...plugins.onnxruntime.session import CpuActivations
@@ -214,6 +215,15 @@ class RuntimeSection(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     prefix_cache: StrictBool = True
     multi_step: StrictInt = Field(DEFAULT_MULTI_STEP, ge=1)
+    kv_cache_memory: int | float | None = Field(None, description=(
+        "KV-cache budget: bytes (an integer or \"1GiB\") or a share in (0, 1] of the memory free at load; "
+        "unset: max_batch_size × max_seq_len tokens (every row's whole context)"))
+    kv_block_size: StrictInt = Field(DEFAULT_BLOCK_SIZE, description="token positions per KV block (a power of two)")
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _budget(cls, value):
+        return None if value is None else parse_kv_cache_memory(value)
 
 
 class SpecDocument(_Section):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from ...contract.kv_budget import kv_bytes_per_token
 from ...contract.pipeline import RankPosition, balanced_layers, rank_positions, stage_layers
 from ...contract.speculation import Source, SpeculationConfig
 from ..sharding import kv_heads_per_rank
@@ -92,6 +93,14 @@ class Spec:
     def kv_heads_per_rank(self) -> int:
         """KV heads in each rank's caches (split, or one replicated head when TP exceeds them)."""
         return kv_heads_per_rank(self.parallel.tensor, self.arch.num_kv_heads)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token position on the fullest rank: its stage's layers, its KV heads, the
+        model's dtype (the caches' element type)."""
+        layers = max(len(stage) for stage in self.stages)
+        return kv_bytes_per_token(layers, self.kv_heads_per_rank, self.arch.head_dim,
+                                  self.model.dtype.numpy.itemsize)
 
     @property
     def max_step_tokens(self) -> int:
