@@ -28,9 +28,10 @@ DEFAULT_ALIGNMENT = 32
 MAX_ALIGNMENT = 1 << 16
 MAX_KEY_BYTES = 1024
 MAX_STRING_BYTES = 16 * 2**20      # a chat template is kilobytes; a whole file's worth is hostile
-MAX_ARRAY_ITEMS = 16 * 2**20       # a vocabulary is ~10^5 tokens, its merges as many
+MAX_ARRAY_ITEMS = 4 * 2**20        # a vocabulary is ~10^5 tokens (Gemma's 2.6·10^5), its merges as many
 # Items of all arrays together: each string item becomes a Python object (~50 bytes), so the
-# budget bounds the header's memory (≈ 0.4 GB at worst) whatever the file's size.
+# budget bounds the header's memory (≈ 0.4 GB at worst) whatever the file's size. Above
+# MAX_ARRAY_ITEMS, so each bound refuses something the other lets through.
 MAX_TOTAL_ITEMS = 8 * 2**20
 MAX_ITEMS = 65536                  # metadata keys, tensors
 MAX_DIMS = 4                       # GGML_MAX_DIMS
@@ -176,7 +177,10 @@ class _Parser:
         if item not in SCALARS and item != STRING:
             raise self.fail(f"metadata {key}: array item type {item} is not a GGUF type (0-12)")
         width = 8 if item == STRING else np.dtype(SCALARS[item][1]).itemsize
-        length = self.count(f"length of {key}", min(MAX_ARRAY_ITEMS, self.items_left), width)
+        length = self.count(f"length of {key}", MAX_ARRAY_ITEMS, width)
+        if length > self.items_left:
+            raise self.fail(f"length of {key} is {length}, more than the {self.items_left} items left of the "
+                            f"{MAX_TOTAL_ITEMS} all of the header's arrays may hold")
         self.items_left -= length
         if item == STRING:
             return [self.string(f"item {index} of {key}") for index in range(length)]

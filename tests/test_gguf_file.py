@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trtbuild.checkpoint.gguf_weights import GGUFWeightMap
-from trtbuild.checkpoint.gguf_file import SUPPORTED_TYPES, read_gguf
+from trtbuild.checkpoint.gguf_file import MAX_ARRAY_ITEMS, MAX_TOTAL_ITEMS, SUPPORTED_TYPES, read_gguf
 from trtbuild.checkpoint.errors import CheckpointError
 
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # gguf.quants.quantize does these
@@ -152,10 +152,36 @@ HOSTILE = {
     "overlap": (_file([ARCH], [_tensor("a", [16]), _tensor("b", [16], offset=32)], b"\0" * 96), "tensors a and b overlap"),
     "duplicate tensor": (_file([ARCH], [_tensor("a", [8]), _tensor("a", [8], offset=32)], b"\0" * 64),
                          "tensor a appears twice"),
-    # Two arrays within the per-array bound, over the whole header's: ~0.4 GB of objects otherwise.
-    "arrays over the total": (_file([_s(f"x{i}") + struct.pack("<IIQ", 9, 0, 5 * 2**20) + b"\0" * (5 * 2**20)
-                                     for i in range(2)], []), "length of x1 is 5242880, more than 3145728"),
 }
+
+
+def _u8_array(key: str, length: int) -> bytes:
+    return _s(key) + struct.pack("<IIQ", 9, 0, length) + b"\0" * length
+
+
+@pytest.mark.parametrize("lengths, expected", [
+    # one array over its own bound, though the file holds its items and the total has room
+    ([MAX_ARRAY_ITEMS + 1], f"length of x0 is {MAX_ARRAY_ITEMS + 1}, more than {MAX_ARRAY_ITEMS}"),
+    # arrays each within their bound, together over the header's: ~0.4 GB of objects otherwise
+    ([MAX_ARRAY_ITEMS, MAX_ARRAY_ITEMS, 1], f"length of x2 is 1, more than the 0 items left of the "
+                                            f"{MAX_TOTAL_ITEMS} all of the header's arrays may hold"),
+    ([MAX_ARRAY_ITEMS, MAX_ARRAY_ITEMS // 2, MAX_ARRAY_ITEMS // 2 + 7],
+     f"length of x2 is {MAX_ARRAY_ITEMS // 2 + 7}, more than the {MAX_ARRAY_ITEMS // 2} items left"),
+])
+def test_each_array_bound_refuses_on_its_own(tmp_path, lengths, expected):
+    assert MAX_ARRAY_ITEMS < MAX_TOTAL_ITEMS
+    path = tmp_path / "arrays.gguf"
+    path.write_bytes(_file([_u8_array(f"x{i}", n) for i, n in enumerate(lengths)], []))
+    with pytest.raises(CheckpointError) as error:
+        read_gguf(path)
+    assert str(error.value).startswith(f"{path}: {expected}") and "\n" not in str(error.value)
+
+
+def test_arrays_up_to_both_bounds_are_read(tmp_path):
+    path = tmp_path / "arrays.gguf"
+    path.write_bytes(_file([_u8_array("x0", MAX_ARRAY_ITEMS), _u8_array("x1", MAX_TOTAL_ITEMS - MAX_ARRAY_ITEMS)], []))
+    metadata = read_gguf(path).metadata
+    assert (metadata["x0"].size, metadata["x1"].size) == (MAX_ARRAY_ITEMS, MAX_TOTAL_ITEMS - MAX_ARRAY_ITEMS)
 
 
 @pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
@@ -198,7 +224,7 @@ def test_a_spec_naming_a_hostile_gguf_is_refused_at_model_checkpoint(tmp_path):
     path.write_bytes(HOSTILE["huge array"][0])
     with pytest.raises(SpecError) as error:
         spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"}})
-    assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than 8388608"
+    assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than {MAX_ARRAY_ITEMS}"
 
 
 @pytest.mark.parametrize("case", ["huge array", "past the end"])
