@@ -3,6 +3,7 @@ rows read block-wise, llama.cpp's rotary permutation undone, and hostile headers
 line naming the file and what is wrong."""
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -21,11 +22,11 @@ LLAMA = {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_le
          "llama.vocab_size": 16}
 
 
-def write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
+def write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, str]], block_count: int = 1) -> Path:
     """A llama GGUF of ``tensors`` {GGUF name: (values [rows, cols] float32, GGML type name)}; the
     K-quant types take ``values`` as their raw blocks (uint8), since the package cannot quantize them."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in LLAMA.items():
+    for key, value in {**LLAMA, "llama.block_count": block_count}.items():
         writer.add_uint32(key, value)
     for name, (values, type_name) in tensors.items():
         kind = gguf.GGMLQuantizationType[type_name]
@@ -98,6 +99,79 @@ def test_no_output_tensor_means_tied_embeddings_and_names_map_to_hugging_face(tm
     assert (arch.tie_word_embeddings, arch.vocab_size, arch.head_dim, arch.num_kv_heads) == (True, 16, 64, 2)
     path = write_llama(tmp_path / "untied.gguf", {"token_embd.weight": (table, "F32"), "output.weight": (table, "F32")})
     assert arch_config(path).tie_word_embeddings is False
+
+
+def _layers(*layers: int) -> dict[str, tuple[np.ndarray, str]]:
+    """A norm vector for each of ``layers``, and the embedding table."""
+    return {"token_embd.weight": (np.ones((16, 256), np.float32), "F32"),
+            **{f"blk.{i}.attn_norm.weight": (np.full(256, i, np.float32), "F32") for i in layers}}
+
+
+@pytest.mark.parametrize("block_count, layers, found", [
+    (1, (0, 1), "0-1"),        # more layers than the metadata counts: a model cut short otherwise
+    (3, (0, 1), "0-1"),        # fewer: refused before any layer is read, not at the missing one
+    (3, (0, 1, 3), "0-1, 3"),  # as many, but not 0 .. N − 1
+])
+def test_layers_other_than_block_count_are_refused(tmp_path, block_count, layers, found):
+    from trtbuild.checkpoint.source import open_weights
+
+    path = write_llama(tmp_path / "m.gguf", _layers(*layers), block_count=block_count)
+    with pytest.raises(CheckpointError) as error:
+        open_weights(path)
+    expected = "0" if block_count == 1 else f"0-{block_count - 1}"
+    assert str(error.value) == (f"{path}: llama.block_count is {block_count}, so the tensors should be of layers "
+                                f"{expected}; those in m.gguf are of layers {found}")
+    assert open_weights(write_llama(tmp_path / "ok.gguf", _layers(*range(block_count)), block_count)).names[-1] == \
+        f"model.layers.{block_count - 1}.input_layernorm.weight"
+
+
+def _replace(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    """Another GGUF moved over ``path`` (as a new download would be)."""
+    write_llama(path.with_name("new.gguf"), tensors)
+    path.with_name("new.gguf").replace(path)
+
+
+SWAPS = {
+    # a smaller file: the old reader's memmap raised numpy's "mmap length is greater than file size"
+    "replaced by a smaller file": lambda p: _replace(p, {"blk.0.ffn_up.weight": (np.ones((2, 256), np.float32), "F32")}),
+    # the same layout, other values: the old reader returned the new file's bytes as the old header's tensors
+    "replaced by another of the same size": lambda p: _replace(p, SWAP_TENSORS(2.0)),
+    "truncated in place": lambda p: os.truncate(p, p.stat().st_size - 1024),
+}
+
+
+def SWAP_TENSORS(value: float) -> dict[str, tuple[np.ndarray, str]]:  # noqa: N802
+    return {"blk.0.ffn_up.weight": (np.full((8, 256), value, np.float32), "F32"),
+            "blk.0.ffn_down.weight": (np.full((8, 256), value, np.float32), "Q8_0")}
+
+
+@pytest.mark.parametrize("swap", SWAPS)
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"])
+def test_a_file_changed_after_its_header_was_read_is_refused(tmp_path, swap, name):
+    path = write_llama(tmp_path / "m.gguf", SWAP_TENSORS(1.0))
+    weights = GGUFWeightMap.from_gguf(path)
+    # before: 1.0 (Q8_0's down_proj within its f16 scale's rounding)
+    assert (weights.tensor(name, torch.float32) - 1.0).abs().max() < 1e-3
+    SWAPS[swap](path)
+    with pytest.raises(CheckpointError) as error:
+        weights.tensor(name)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and "since its header was read" in message and "\n" not in message
+    with pytest.raises(CheckpointError, match="since its header was read"):
+        weights.blocks("model.layers.0.mlp.down_proj.weight")
+    if swap == "replaced by another of the same size":  # opened again, the map reads the file there now
+        assert (GGUFWeightMap.from_gguf(path).tensor(name, torch.float32) - 2.0).abs().max() < 1e-2
+
+
+def test_a_write_to_a_read_tensor_stays_private(tmp_path):
+    """Float tensors are mapped copy-on-write: a caller's in-place write (fake quantization)
+    reaches neither the file nor the next read of the tensor."""
+    path = write_llama(tmp_path / "m.gguf", SWAP_TENSORS(1.0))
+    before = path.read_bytes()
+    weights = GGUFWeightMap.from_gguf(path)
+    weights.tensor("model.layers.0.mlp.up_proj.weight").mul_(3.0)
+    assert torch.equal(weights.tensor("model.layers.0.mlp.up_proj.weight"), torch.ones(8, 256))
+    assert path.read_bytes() == before
 
 
 # --- hostile files -------------------------------------------------------------------------------
