@@ -109,20 +109,21 @@ def test_a_malformed_step_is_refused_by_name(edit, message):
     assert _refusal(*_relabelled(payload)) == f"rank 2 refused a message from rank 0: {message}"
 
 
-# VERIFY's payload: header words 0-4; rows at 5-9 ("plain", 1 token, -1) and 10-14 ("tree-ü", 4 tokens,
-# 3 choices); rid bytes 15-26; tokens 27-31; the tree's choices 32-38.
+# DECODE's payload (test_a_step_is_plain_words): header words 0-4, its row 5-9, rid 10, token 11.
 @pytest.mark.parametrize("edit, message", [
     # has_trees 1 with no tree on any row: encode never sends it (a step that verifies nothing has no trees)
     (lambda p: [*p[:4], 1, *p[5:]], "step: has_trees 1 but no row has a tree"),
     (lambda p: [0, 0, 0, 1, 1], "step: has_trees 1 but no row has a tree"),
     (lambda p: [*p[:-1], -5], "step: row 0 has token id -5 (token ids are ≥ 0)"),
-    (lambda p: [*p[:6], 0, *p[7:11]], "step: row 0 has no tokens (each row has at least one)"),
+    (lambda p: [*p[:6], 0, *p[7:11]], "step: row 0 has no tokens (each row has at least one)"),  # its token dropped
 ])
 def test_a_step_encode_never_makes_is_refused(edit, message):
     payload = edit(encode(DECODE)[1].tolist())
     assert _refusal(*_relabelled(payload)) == f"rank 2 refused a message from rank 0: {message}"
 
 
+# VERIFY's payload: header words 0-4; rows at 5-9 ("plain", 1 token, -1) and 10-14 ("tree-ü", 4 tokens,
+# 3 choices); rid bytes 15-26; tokens 27-31; the tree's choices 32-38.
 @pytest.mark.parametrize("edit, message", [
     # the tree row's 4 tokens say 3 (or 5): its tree has the root and 3 choices
     (lambda p: [*p[:11], 3, *p[12:29], *p[30:]], "step: row 1 has 3 tokens for a tree of 4 nodes "
