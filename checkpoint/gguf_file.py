@@ -94,7 +94,8 @@ def _parsed(path: Path, identity: FileIdentity) -> GGUFFile:
     opened = OpenedFile(path)
     if opened.identity != identity:
         opened.close()
-        raise CheckpointError(f"{path}: changed while its header was being read; leave the file unchanged during a build")
+        raise CheckpointError(f"{path}: changed while its header was being read; "
+                              "leave the file unchanged during a build")
     try:
         with mmap.mmap(opened.fileno(), 0, access=mmap.ACCESS_READ) as view:
             metadata, tensors = _Parser(path, view, size).file()

@@ -133,7 +133,8 @@ def _replace(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
 
 SWAPS = {
     # a smaller file: the old reader's memmap raised numpy's "mmap length is greater than file size"
-    "replaced by a smaller file": lambda p: _replace(p, {"blk.0.ffn_up.weight": (np.ones((2, 256), np.float32), "F32")}),
+    "replaced by a smaller file": lambda p: _replace(p, {"blk.0.ffn_up.weight": (np.ones((2, 256), np.float32),
+                                                                                  "F32")}),
     # the same layout, other values: the old reader returned the new file's bytes as the old header's tensors
     "replaced by another of the same size": lambda p: _replace(p, SWAP_TENSORS(2.0)),
     "truncated in place": lambda p: os.truncate(p, p.stat().st_size - 1024),

@@ -177,7 +177,8 @@ def _well_formed(message) -> bool:
     return (message.first_slot >= 0 and all(s >= 0 for s in message.starts)
             and all(tokens and min(tokens) >= 0 for tokens in message.tokens)
             and (not trees or (message.kind == StepKind.decode and any(t is not None for t in trees)
-                               and all(t is None or t.size == len(tokens) for t, tokens in zip(trees, message.tokens)))))
+                               and all(t is None or t.size == len(tokens)
+                                       for t, tokens in zip(trees, message.tokens)))))
 
 
 def _mutants(payload: list[int], rng, count: int):
