@@ -49,7 +49,16 @@ def weight_bytes(spec: Spec) -> int:
 def export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -> Exported:
     """Runs in a subprocess: the step's structure from a meta-device model with the weights
     streamed from the checkpoint, the numerics check's graph and torch reference (the model
-    itself when small, else its first layers), and the weight quantization the spec asks for."""
+    itself when small, else its first layers), and the weight quantization the spec asks for.
+    A checkpoint refused while its tensors are read (one changed since its header was read)
+    is the user's one-line error, as one refused when opened is."""
+    try:
+        return _export_stage(spec, workdir, check)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -> Exported:
     with sample_peak("export") as peak:
         weights = weight_map(spec)
         exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype,

@@ -7,7 +7,8 @@ reader is the trust boundary: every count is checked against the bytes left befo
 strings and arrays have a ceiling, arrays do not nest, each tensor's type is one this builder
 dequantizes, its dims are sane, its bytes lie aligned inside the file and overlap no other
 tensor's. What passes is plain Python data; the `gguf` package supplies only the format's
-constants (type ids, block sizes) and, later, the dequantization.
+constants (type ids, block sizes) and, later, the dequantization. The file stays open
+(checkpoint/opened_file.py): its tensors are read through the handle the header was read from.
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import functools
 import math
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .errors import CheckpointError
+from .opened_file import FileIdentity, OpenedFile
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 had 32-bit counts; llama.cpp writes 3
@@ -28,9 +30,10 @@ DEFAULT_ALIGNMENT = 32
 MAX_ALIGNMENT = 1 << 16
 MAX_KEY_BYTES = 1024
 MAX_STRING_BYTES = 16 * 2**20      # a chat template is kilobytes; a whole file's worth is hostile
-MAX_ARRAY_ITEMS = 16 * 2**20       # a vocabulary is ~10^5 tokens, its merges as many
+MAX_ARRAY_ITEMS = 4 * 2**20        # a vocabulary is ~10^5 tokens (Gemma's 2.6·10^5), its merges as many
 # Items of all arrays together: each string item becomes a Python object (~50 bytes), so the
-# budget bounds the header's memory (≈ 0.4 GB at worst) whatever the file's size.
+# budget bounds the header's memory (≈ 0.4 GB at worst) whatever the file's size. Above
+# MAX_ARRAY_ITEMS, so each bound refuses something the other lets through.
 MAX_TOTAL_ITEMS = 8 * 2**20
 MAX_ITEMS = 65536                  # metadata keys, tensors
 MAX_DIMS = 4                       # GGML_MAX_DIMS
@@ -68,6 +71,7 @@ class GGUFFile:
     path: Path
     metadata: dict[str, object]
     tensors: dict[str, GGUFTensor]
+    opened: OpenedFile = field(compare=False, repr=False)  # the file the header was read from, still open
 
 
 def read_gguf(path: Path) -> GGUFFile:
@@ -77,17 +81,28 @@ def read_gguf(path: Path) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file does not exist")
-    status = path.stat()
-    return _parsed(path, status.st_size, status.st_mtime_ns)
+    return _parsed(path, FileIdentity.of(path.stat()))
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed(path: Path, size: int, mtime_ns: int) -> GGUFFile:
-    """The header as read when the file had this size and time (a changed file is read again)."""
+def _parsed(path: Path, identity: FileIdentity) -> GGUFFile:
+    """The header of the file ``path`` named as ``identity`` (another file there, or this one
+    changed, is read again), read from the handle its tensors will be read through."""
+    size = identity.size
     if size < 24:
         raise CheckpointError(f"{path}: not a GGUF file ({size} bytes, shorter than its header)")
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        return _Parser(path, view, size).file()
+    opened = OpenedFile(path)
+    if opened.identity != identity:
+        opened.close()
+        raise CheckpointError(f"{path}: changed while its header was being read; "
+                              "leave the file unchanged during a build")
+    try:
+        with mmap.mmap(opened.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            metadata, tensors = _Parser(path, view, size).file()
+    except BaseException:
+        opened.close()
+        raise
+    return GGUFFile(path, metadata, tensors, opened)
 
 
 class _Parser:
@@ -128,7 +143,8 @@ class _Parser:
             raise self.fail(f"{what} is {value}, more than {'the file can hold' if value <= limit else limit}")
         return value
 
-    def file(self) -> GGUFFile:
+    def file(self) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
+        """The metadata and the tensor table."""
         if bytes(self.view[:4]) != MAGIC:
             raise self.fail(f"not a GGUF file (starts with {bytes(self.view[:4])!r}, not {MAGIC!r})")
         self.pos = 4
@@ -160,7 +176,7 @@ class _Parser:
                                 f"the file ({self.size} bytes)")
             tensors[name] = GGUFTensor(name, type_name, dims, data_start + relative, nbytes)
         _check_disjoint(self, sorted(tensors.values(), key=lambda t: t.offset))
-        return GGUFFile(self.path, metadata, tensors)
+        return metadata, tensors
 
     def value(self, kind: int, key: str):
         if kind in SCALARS:
@@ -176,7 +192,10 @@ class _Parser:
         if item not in SCALARS and item != STRING:
             raise self.fail(f"metadata {key}: array item type {item} is not a GGUF type (0-12)")
         width = 8 if item == STRING else np.dtype(SCALARS[item][1]).itemsize
-        length = self.count(f"length of {key}", min(MAX_ARRAY_ITEMS, self.items_left), width)
+        length = self.count(f"length of {key}", MAX_ARRAY_ITEMS, width)
+        if length > self.items_left:
+            raise self.fail(f"length of {key} is {length}, more than the {self.items_left} items left of the "
+                            f"{MAX_TOTAL_ITEMS} all of the header's arrays may hold")
         self.items_left -= length
         if item == STRING:
             return [self.string(f"item {index} of {key}") for index in range(length)]

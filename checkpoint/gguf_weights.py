@@ -109,8 +109,7 @@ class GGUFWeightMap(WeightMap):
             raise ValueError(f"{name}: blocks are read for 2-D tensors; shape {entry.shape}")
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[source.type_name]]
         rows, row_bytes = entry.shape[0], entry.shape[1] // block * type_size
-        raw = np.array(np.memmap(self.gguf.path, dtype=np.uint8, mode="r", offset=source.offset,
-                                 shape=(rows, row_bytes)))
+        raw = self.gguf.opened.bytes_at(source.offset, rows * row_bytes).reshape(rows, row_bytes).copy()
         head = self.rotary_rows.get(name)
         return source.type_name, raw if head is None else _unpermute(raw, head)
 
@@ -127,13 +126,14 @@ class GGUFWeightMap(WeightMap):
         kind = GGMLQuantizationType[source.type_name]
         block, type_size = GGML_QUANT_SIZES[kind]
         row_bytes = row // block * type_size
-        if source.type_name in FLOAT_TYPES:
-            values = np.memmap(self.gguf.path, dtype=DTYPES[source.type_name][1], mode="c",
-                               offset=source.offset + start * row_bytes, shape=((stop - start) * row,))
+        # Through the handle the header was read from (checkpoint/opened_file.py), never the path again.
+        float_type = source.type_name in FLOAT_TYPES
+        raw = self.gguf.opened.bytes_at(source.offset + start * row_bytes, (stop - start) * row_bytes,
+                                        writable=float_type)
+        if float_type:
+            values = raw.view(DTYPES[source.type_name][1])  # copy-on-write, as the safetensors map's
         else:
-            raw = np.memmap(self.gguf.path, dtype=np.uint8, mode="r", offset=source.offset + start * row_bytes,
-                            shape=(stop - start, row_bytes))
-            values = quants.dequantize(raw, kind).reshape(-1)
+            values = quants.dequantize(raw.reshape(stop - start, row_bytes), kind).reshape(-1)
         return values if cut is None else values[cut[0]:cut[1]]
 
 

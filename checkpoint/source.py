@@ -8,6 +8,7 @@ from .errors import CheckpointError
 from .files import checkpoint_file
 from .gguf_config import gguf_config, is_gguf
 from .gguf_file import read_gguf
+from .layer_count import check_layer_count
 
 
 def config_dict(checkpoint: Path) -> dict:
@@ -27,11 +28,23 @@ def config_dict(checkpoint: Path) -> dict:
 
 def open_weights(checkpoint: Path):
     """The checkpoint's weight map (tensors by Hugging Face name): a GGUF file's (dequantized as
-    read) or a checkpoint dir's safetensors files'."""
+    read) or a checkpoint dir's safetensors files', holding the layers its config counts."""
     from .gguf_weights import GGUFWeightMap  # torch: imported by the readers of weights only
     from .weight_map import WeightMap
 
-    return GGUFWeightMap.from_gguf(checkpoint) if is_gguf(checkpoint) else WeightMap.from_checkpoint(checkpoint)
+    checkpoint = Path(checkpoint)
+    if is_gguf(checkpoint):
+        weights = GGUFWeightMap.from_gguf(checkpoint)
+        config, where = gguf_config(weights.gguf), checkpoint
+        field = f"{weights.gguf.metadata['general.architecture']}.block_count"
+        files = [checkpoint.name]
+    else:
+        weights = WeightMap.from_checkpoint(checkpoint)
+        config, where, field = config_dict(checkpoint), checkpoint / "config.json", "num_hidden_layers"
+        files = sorted({entry.file.name for entry in weights.entries.values()})
+    held = ", ".join(files) if len(files) <= 2 else f"its {len(files)} safetensors files"
+    check_layer_count(weights.names, config.get("num_hidden_layers"), str(where), field, held)
+    return weights
 
 
 def hf_config(checkpoint: Path):

@@ -3,6 +3,7 @@ rows read block-wise, llama.cpp's rotary permutation undone, and hostile headers
 line naming the file and what is wrong."""
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from trtbuild.checkpoint.gguf_weights import GGUFWeightMap
-from trtbuild.checkpoint.gguf_file import SUPPORTED_TYPES, read_gguf
+from trtbuild.checkpoint.gguf_file import MAX_ARRAY_ITEMS, MAX_TOTAL_ITEMS, SUPPORTED_TYPES, read_gguf
 from trtbuild.checkpoint.errors import CheckpointError
 
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # gguf.quants.quantize does these
@@ -21,11 +22,11 @@ LLAMA = {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_le
          "llama.vocab_size": 16}
 
 
-def write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
+def write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, str]], block_count: int = 1) -> Path:
     """A llama GGUF of ``tensors`` {GGUF name: (values [rows, cols] float32, GGML type name)}; the
     K-quant types take ``values`` as their raw blocks (uint8), since the package cannot quantize them."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in LLAMA.items():
+    for key, value in {**LLAMA, "llama.block_count": block_count}.items():
         writer.add_uint32(key, value)
     for name, (values, type_name) in tensors.items():
         kind = gguf.GGMLQuantizationType[type_name]
@@ -100,6 +101,80 @@ def test_no_output_tensor_means_tied_embeddings_and_names_map_to_hugging_face(tm
     assert arch_config(path).tie_word_embeddings is False
 
 
+def _layers(*layers: int) -> dict[str, tuple[np.ndarray, str]]:
+    """A norm vector for each of ``layers``, and the embedding table."""
+    return {"token_embd.weight": (np.ones((16, 256), np.float32), "F32"),
+            **{f"blk.{i}.attn_norm.weight": (np.full(256, i, np.float32), "F32") for i in layers}}
+
+
+@pytest.mark.parametrize("block_count, layers, found", [
+    (1, (0, 1), "0-1"),        # more layers than the metadata counts: a model cut short otherwise
+    (3, (0, 1), "0-1"),        # fewer: refused before any layer is read, not at the missing one
+    (3, (0, 1, 3), "0-1, 3"),  # as many, but not 0 .. N − 1
+])
+def test_layers_other_than_block_count_are_refused(tmp_path, block_count, layers, found):
+    from trtbuild.checkpoint.source import open_weights
+
+    path = write_llama(tmp_path / "m.gguf", _layers(*layers), block_count=block_count)
+    with pytest.raises(CheckpointError) as error:
+        open_weights(path)
+    expected = "0" if block_count == 1 else f"0-{block_count - 1}"
+    assert str(error.value) == (f"{path}: llama.block_count is {block_count}, so the tensors should be of layers "
+                                f"{expected}; those in m.gguf are of layers {found}")
+    assert open_weights(write_llama(tmp_path / "ok.gguf", _layers(*range(block_count)), block_count)).names[-1] == \
+        f"model.layers.{block_count - 1}.input_layernorm.weight"
+
+
+def _replace(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    """Another GGUF moved over ``path`` (as a new download would be)."""
+    write_llama(path.with_name("new.gguf"), tensors)
+    path.with_name("new.gguf").replace(path)
+
+
+SWAPS = {
+    # a smaller file: the old reader's memmap raised numpy's "mmap length is greater than file size"
+    "replaced by a smaller file": lambda p: _replace(p, {"blk.0.ffn_up.weight": (np.ones((2, 256), np.float32),
+                                                                                  "F32")}),
+    # the same layout, other values: the old reader returned the new file's bytes as the old header's tensors
+    "replaced by another of the same size": lambda p: _replace(p, SWAP_TENSORS(2.0)),
+    "truncated in place": lambda p: os.truncate(p, p.stat().st_size - 1024),
+}
+
+
+def SWAP_TENSORS(value: float) -> dict[str, tuple[np.ndarray, str]]:  # noqa: N802
+    return {"blk.0.ffn_up.weight": (np.full((8, 256), value, np.float32), "F32"),
+            "blk.0.ffn_down.weight": (np.full((8, 256), value, np.float32), "Q8_0")}
+
+
+@pytest.mark.parametrize("swap", SWAPS)
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"])
+def test_a_file_changed_after_its_header_was_read_is_refused(tmp_path, swap, name):
+    path = write_llama(tmp_path / "m.gguf", SWAP_TENSORS(1.0))
+    weights = GGUFWeightMap.from_gguf(path)
+    # before: 1.0 (Q8_0's down_proj within its f16 scale's rounding)
+    assert (weights.tensor(name, torch.float32) - 1.0).abs().max() < 1e-3
+    SWAPS[swap](path)
+    with pytest.raises(CheckpointError) as error:
+        weights.tensor(name)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and "since its header was read" in message and "\n" not in message
+    with pytest.raises(CheckpointError, match="since its header was read"):
+        weights.blocks("model.layers.0.mlp.down_proj.weight")
+    if swap == "replaced by another of the same size":  # opened again, the map reads the file there now
+        assert (GGUFWeightMap.from_gguf(path).tensor(name, torch.float32) - 2.0).abs().max() < 1e-2
+
+
+def test_a_write_to_a_read_tensor_stays_private(tmp_path):
+    """Float tensors are mapped copy-on-write: a caller's in-place write (fake quantization)
+    reaches neither the file nor the next read of the tensor."""
+    path = write_llama(tmp_path / "m.gguf", SWAP_TENSORS(1.0))
+    before = path.read_bytes()
+    weights = GGUFWeightMap.from_gguf(path)
+    weights.tensor("model.layers.0.mlp.up_proj.weight").mul_(3.0)
+    assert torch.equal(weights.tensor("model.layers.0.mlp.up_proj.weight"), torch.ones(8, 256))
+    assert path.read_bytes() == before
+
+
 # --- hostile files -------------------------------------------------------------------------------
 
 def _s(text: str | bytes) -> bytes:
@@ -152,10 +227,36 @@ HOSTILE = {
     "overlap": (_file([ARCH], [_tensor("a", [16]), _tensor("b", [16], offset=32)], b"\0" * 96), "tensors a and b overlap"),
     "duplicate tensor": (_file([ARCH], [_tensor("a", [8]), _tensor("a", [8], offset=32)], b"\0" * 64),
                          "tensor a appears twice"),
-    # Two arrays within the per-array bound, over the whole header's: ~0.4 GB of objects otherwise.
-    "arrays over the total": (_file([_s(f"x{i}") + struct.pack("<IIQ", 9, 0, 5 * 2**20) + b"\0" * (5 * 2**20)
-                                     for i in range(2)], []), "length of x1 is 5242880, more than 3145728"),
 }
+
+
+def _u8_array(key: str, length: int) -> bytes:
+    return _s(key) + struct.pack("<IIQ", 9, 0, length) + b"\0" * length
+
+
+@pytest.mark.parametrize("lengths, expected", [
+    # one array over its own bound, though the file holds its items and the total has room
+    ([MAX_ARRAY_ITEMS + 1], f"length of x0 is {MAX_ARRAY_ITEMS + 1}, more than {MAX_ARRAY_ITEMS}"),
+    # arrays each within their bound, together over the header's: ~0.4 GB of objects otherwise
+    ([MAX_ARRAY_ITEMS, MAX_ARRAY_ITEMS, 1], f"length of x2 is 1, more than the 0 items left of the "
+                                            f"{MAX_TOTAL_ITEMS} all of the header's arrays may hold"),
+    ([MAX_ARRAY_ITEMS, MAX_ARRAY_ITEMS // 2, MAX_ARRAY_ITEMS // 2 + 7],
+     f"length of x2 is {MAX_ARRAY_ITEMS // 2 + 7}, more than the {MAX_ARRAY_ITEMS // 2} items left"),
+])
+def test_each_array_bound_refuses_on_its_own(tmp_path, lengths, expected):
+    assert MAX_ARRAY_ITEMS < MAX_TOTAL_ITEMS
+    path = tmp_path / "arrays.gguf"
+    path.write_bytes(_file([_u8_array(f"x{i}", n) for i, n in enumerate(lengths)], []))
+    with pytest.raises(CheckpointError) as error:
+        read_gguf(path)
+    assert str(error.value).startswith(f"{path}: {expected}") and "\n" not in str(error.value)
+
+
+def test_arrays_up_to_both_bounds_are_read(tmp_path):
+    path = tmp_path / "arrays.gguf"
+    path.write_bytes(_file([_u8_array("x0", MAX_ARRAY_ITEMS), _u8_array("x1", MAX_TOTAL_ITEMS - MAX_ARRAY_ITEMS)], []))
+    metadata = read_gguf(path).metadata
+    assert (metadata["x0"].size, metadata["x1"].size) == (MAX_ARRAY_ITEMS, MAX_TOTAL_ITEMS - MAX_ARRAY_ITEMS)
 
 
 @pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
@@ -198,7 +299,7 @@ def test_a_spec_naming_a_hostile_gguf_is_refused_at_model_checkpoint(tmp_path):
     path.write_bytes(HOSTILE["huge array"][0])
     with pytest.raises(SpecError) as error:
         spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"}})
-    assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than 8388608"
+    assert str(error.value) == f"model.checkpoint: {path}: length of x is 1099511627776, more than {MAX_ARRAY_ITEMS}"
 
 
 @pytest.mark.parametrize("case", ["huge array", "past the end"])

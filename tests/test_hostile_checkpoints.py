@@ -205,3 +205,74 @@ def test_build_refuses_a_hostile_checkpoint_with_exit_2_and_writes_nothing(tmp_p
     last = proc.stderr.strip().splitlines()[-1]
     assert f"{checkpoint / 'model.safetensors'}: " in last and CORPUS[case][2] in last and "Traceback" not in proc.stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "spec.yaml"]
+
+
+# --- the layers the tensors hold against the config's count ----------------------------------------
+
+def _tiny_code_saying(tmp_path, num_hidden_layers: int):
+    """tiny-code's six layers of tensors under a config.json counting ``num_hidden_layers``."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        shutil.copy(TINY_CODE / name, checkpoint / name)
+    config = json.loads((TINY_CODE / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_hidden_layers}))
+    return checkpoint
+
+
+@pytest.mark.parametrize("layers, expected", [(5, "0-4"), (7, "0-6")])
+def test_safetensors_layers_other_than_num_hidden_layers_are_refused(tmp_path, layers, expected):
+    """Five: a model cut to five layers without a word otherwise; seven: refused when opened, not
+    when the missing layer is read."""
+    from trtbuild.checkpoint.source import open_weights
+
+    checkpoint = _tiny_code_saying(tmp_path, layers)
+    message = (f"{checkpoint / 'config.json'}: num_hidden_layers is {layers}, so the tensors should be of layers "
+               f"{expected}; those in model.safetensors are of layers 0-5")
+    with pytest.raises(CheckpointError) as info:
+        open_weights(checkpoint)
+    assert _one_line(info.value) == message
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint_model(checkpoint, torch.float32)  # eval's (and --reference's) loader
+    assert str(info.value) == message
+
+
+def test_build_refuses_more_layers_than_the_config_counts_with_exit_2(tmp_path):
+    checkpoint = _tiny_code_saying(tmp_path, 5)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {{checkpoint: {checkpoint}, dtype: float32}}\nbuild: {{max_seq_len: 1024}}\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-800:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"error: {checkpoint / 'config.json'}: num_hidden_layers is 5, so the tensors should be of "
+                    "layers 0-4; those in model.safetensors are of layers 0-5") and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_a_gguf_replaced_while_the_export_reads_it_is_the_users_one_line_error(tmp_path, monkeypatch):
+    """The export stage opens the file, then reads its tensors: a file moved over it in between is
+    refused as the checkpoint error it is (the CLI's exit 2), not numpy's mmap error."""
+    from trtbuild.builder import export_stage as export_module
+    from trtbuild.builder.spec.resolve import spec_from_dict
+
+    sys.path.insert(0, str(TINY_CODE.parents[1] / "benchmarks"))
+    from gguf_export import export
+
+    path = export(TINY_CODE, tmp_path / "tiny.gguf", "f32")
+    spec = spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"},
+                           "build": {"max_seq_len": 256, "max_input_len": 32, "targets": ["sm89"]}})
+    export_step = export_module.export_step
+
+    def replaced_then_exported(*args):
+        shutil.copy(path, tmp_path / "new.gguf")  # the same bytes, but another file
+        (tmp_path / "new.gguf").replace(path)
+        return export_step(*args)
+
+    monkeypatch.setattr(export_module, "export_step", replaced_then_exported)
+    (tmp_path / "work").mkdir()
+    with pytest.raises(UserError) as info:
+        export_module.export_stage(spec, tmp_path / "work", None)
+    assert _one_line(info.value) == (f"{path}: replaced by another file since its header was read; "
+                                     "leave the file unchanged during a build")

@@ -3,13 +3,14 @@ decode exactly, and a malformed one is refused in one line naming the receiving 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from trtbuild.runtime.speculation.medusa import Tree
-from trtbuild.runtime.parallel.protocol import (HEADER_WORDS, MAGIC, MAX_PAYLOAD_WORDS, VERSION, MessageKind,
+from trtbuild.runtime.parallel.protocol import (HEADER_WORDS, MAGIC, MAX_KEEP_NODES, MAX_PAYLOAD_WORDS, VERSION, MessageKind,
                                             RankProtocolError, Stop, decode, encode)
 from trtbuild.runtime.core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
 
@@ -106,6 +107,118 @@ def test_every_truncation_is_refused(message):
 def test_a_malformed_step_is_refused_by_name(edit, message):
     payload = edit(encode(DECODE)[1].tolist())
     assert _refusal(*_relabelled(payload)) == f"rank 2 refused a message from rank 0: {message}"
+
+
+# DECODE's payload (test_a_step_is_plain_words): header words 0-4, its row 5-9, rid 10, token 11.
+@pytest.mark.parametrize("edit, message", [
+    # has_trees 1 with no tree on any row: encode never sends it (a step that verifies nothing has no trees)
+    (lambda p: [*p[:4], 1, *p[5:]], "step: has_trees 1 but no row has a tree"),
+    (lambda p: [0, 0, 0, 1, 1], "step: has_trees 1 but no row has a tree"),
+    (lambda p: [*p[:-1], -5], "step: row 0 has token id -5 (token ids are ≥ 0)"),
+    (lambda p: [*p[:6], 0, *p[7:11]], "step: row 0 has no tokens (each row has at least one)"),  # its token dropped
+])
+def test_a_step_encode_never_makes_is_refused(edit, message):
+    payload = edit(encode(DECODE)[1].tolist())
+    assert _refusal(*_relabelled(payload)) == f"rank 2 refused a message from rank 0: {message}"
+
+
+# VERIFY's payload: header words 0-4; rows at 5-9 ("plain", 1 token, -1) and 10-14 ("tree-ü", 4 tokens,
+# 3 choices); rid bytes 15-26; tokens 27-31; the tree's choices 32-38.
+@pytest.mark.parametrize("edit, message", [
+    # the tree row's 4 tokens say 3 (or 5): its tree has the root and 3 choices
+    (lambda p: [*p[:11], 3, *p[12:29], *p[30:]], "step: row 1 has 3 tokens for a tree of 4 nodes "
+                                                  "(its root and 3 choices, one token each)"),
+    (lambda p: [*p[:11], 5, *p[12:31], 13, *p[31:]], "step: row 1 has 5 tokens for a tree of 4 nodes "
+                                                      "(its root and 3 choices, one token each)"),
+    (lambda p: [*p[:27], -1, *p[28:]], "step: row 0 has token id -1 (token ids are ≥ 0)"),
+    (lambda p: [0, *p[1:]], "step: a prefill step with trees (only a decode step verifies)"),
+])
+def test_a_tree_step_encode_never_makes_is_refused(edit, message):
+    payload = edit(encode(VERIFY)[1].tolist())
+    assert _refusal(*_relabelled(payload)) == f"rank 2 refused a message from rank 0: {message}"
+
+
+@pytest.mark.parametrize("message, problem", [
+    (KeepPath(0, 3, (1, -2)), "node 1 -2 is negative"),
+    (CopySlot(0, -1, 3), "dst -1 is negative"),
+    (LoadBlock(-1, 0, 0), "block -1 is negative"),
+])
+def test_rank_0_refuses_to_send_a_negative_index(message, problem):
+    with pytest.raises(ValueError, match=f"rank 0 cannot send {type(message).__name__}: {problem}"):
+        encode(message)
+
+
+@pytest.mark.parametrize("step, problem", [
+    (replace(DECODE, trees=(None,)), "trees on no row (a step that verifies nothing has none)"),
+    (replace(DECODE, tokens=((-3,),)), "row 0 has token id -3 (token ids are ≥ 0)"),
+    (replace(VERIFY, tokens=((7,), (9, 10))), "row 1 has 2 tokens for a tree of 4 nodes (its root and 3 choices, "
+                                               "one token each)"),
+    (replace(VERIFY, kind=StepKind.prefill), "a prefill step with trees (only a decode step verifies)"),
+    (replace(DECODE, tokens=((),)), "row 0 has no tokens (each row has at least one)"),
+    (replace(DECODE, starts=(1, 2)), "1 rids, 1 token rows, 2 starts, 1 samples; one of each per row"),
+])
+def test_rank_0_refuses_to_send_a_step_no_rank_accepts(step, problem):
+    with pytest.raises(ValueError, match=re.escape(f"rank 0 cannot send Step: {problem}")):
+        encode(step)
+
+
+def test_rank_0_refuses_to_send_more_than_a_rank_receives():
+    with pytest.raises(ValueError, match=re.escape(f"rank 0 cannot send KeepPath: {3 + MAX_KEEP_NODES + 1} words; "
+                                                   f"a rank receives at most {3 + MAX_KEEP_NODES}")):
+        encode(KeepPath(0, 0, (1,) * (MAX_KEEP_NODES + 1)))
+
+
+def _well_formed(message) -> bool:
+    """The messages rank 0 sends, written out independently of the protocol's own checks."""
+    if not isinstance(message, Step):
+        return all(value >= 0 for value in (list(vars(message).values()) if not isinstance(message, KeepPath)
+                                            else [message.slot, message.start, *message.nodes]))
+    trees = message.trees
+    return (message.first_slot >= 0 and all(s >= 0 for s in message.starts)
+            and all(tokens and min(tokens) >= 0 for tokens in message.tokens)
+            and (not trees or (message.kind == StepKind.decode and any(t is not None for t in trees)
+                               and all(t is None or t.size == len(tokens)
+                                       for t, tokens in zip(trees, message.tokens)))))
+
+
+def _mutants(payload: list[int], rng, count: int):
+    """Payloads one to three edits away from ``payload``: a word set to a boundary or random value,
+    a word dropped, or a word inserted."""
+    values = [-2, -1, 0, 1, 2, 3, 4, 5, 255, 256, 2**40, -2**40]
+    for _ in range(count):
+        words = list(payload)
+        for _ in range(rng.integers(1, 4)):
+            at = int(rng.integers(0, len(words) + 1))
+            value = int(rng.choice(values)) if rng.random() < 0.8 else int(rng.integers(-2**62, 2**62))
+            edit = rng.integers(0, 4)
+            if edit <= 1 and at < len(words):
+                words[at] = value
+            elif edit == 2 and at < len(words):
+                del words[at]
+            else:
+                words.insert(at, value)
+        yield words
+
+
+@pytest.mark.parametrize("message", MESSAGES[:-1], ids=lambda m: type(m).__name__)
+def test_decode_accepts_exactly_what_encode_makes(message):
+    """Fuzz: every edit of a message is refused in one line, or is a well-formed message whose
+    encoding is exactly the words received (no second spelling of a message, none rank 0 never sends)."""
+    header, payload = encode(message)
+    kind = MessageKind(int(header[2]))
+    rng = np.random.default_rng(int(kind) * 7 + len(payload))
+    accepted = 0
+    for words in _mutants(payload.tolist(), rng, 1500):
+        try:
+            decoded = decode(*(np.asarray(w, np.int64) for w in _relabelled(words, kind)), rank=2)
+        except RankProtocolError as refused:
+            assert str(refused).startswith("rank 2 refused a message from rank 0: ") and "\n" not in str(refused)
+            continue
+        accepted += 1
+        assert _well_formed(decoded), (words, decoded)
+        again_header, again = encode(decoded)
+        assert again_header.tolist() == _relabelled(words, kind)[0] and again.tolist() == words
+    assert accepted > 0  # the fuzz reaches past the parser: some edits are other valid messages
 
 
 def test_a_tree_out_of_order_is_refused():

@@ -5,9 +5,12 @@ message: a fixed header [MAGIC, VERSION, kind, payload words] and a payload of i
 broadcast over torch.distributed as two tensors. ``encode``/``decode`` are pure functions;
 ``decode`` checks every length against what follows (and each kind's payload size before a
 rank allocates for it), so a malformed, truncated, oversized or unknown message is refused in
-one line naming the receiving rank, never run. Values are checked for sign and structure (tree
-parents first), not against the engine's limits (slots, max_seq_len, vocabulary): rank 0 is the
-same job's trusted peer, and the engine bounds its own inputs as it does for rank 0's steps.
+one line naming the receiving rank, never run. It accepts exactly what ``encode`` makes of a
+well-formed message (``message_problem``: indices and token ids ≥ 0, every row a token, trees
+only on a decode step, on some row, each row's tree as many nodes as its tokens), so any word
+accepted re-encodes to itself; ``encode`` refuses an ill-formed message before it is sent.
+Values are not checked against the engine's limits (slots, max_seq_len, vocabulary): rank 0 is
+the same job's trusted peer, and the engine bounds its own inputs as it does for rank 0's steps.
 
 Step payload: kind, first_slot, rows, draft_heads, has_trees; per row (rid bytes, tokens,
 start, sample, tree choices or −1 for no tree); then every row's rid as UTF-8 bytes, its
@@ -57,7 +60,11 @@ class RankProtocolError(ValueError):
 
 
 def encode(message: Message) -> tuple[np.ndarray, np.ndarray]:
-    """``message`` as (header [HEADER_WORDS], payload [N]) int64 arrays."""
+    """``message`` as (header [HEADER_WORDS], payload [N]) int64 arrays; ValueError for a
+    message no rank would accept (``message_problem``, or more words than a rank receives)."""
+    problem = message_problem(message)
+    if problem is not None:
+        raise ValueError(f"rank 0 cannot send {type(message).__name__}: {problem}")
     if isinstance(message, Step):
         kind, words = MessageKind.step, _step_words(message)
     elif isinstance(message, CopySlot):
@@ -73,7 +80,52 @@ def encode(message: Message) -> tuple[np.ndarray, np.ndarray]:
     else:
         raise TypeError(f"no rank message for {type(message).__name__}")
     payload = np.asarray(words, np.int64)
+    if payload.size > _payload_limit(kind):
+        raise ValueError(f"rank 0 cannot send {type(message).__name__}: {payload.size} words; "
+                         f"a rank receives at most {_payload_limit(kind)}")
     return np.array([MAGIC, VERSION, kind, payload.size], np.int64), payload
+
+
+def message_problem(message: Message) -> str | None:
+    """What makes ``message`` one rank 0 never sends (so no rank runs it), or None."""
+    if isinstance(message, Step):
+        return _step_problem(message)
+    if isinstance(message, KeepPath):
+        fields = {"slot": message.slot, "start": message.start, **{f"node {i}": n for i, n in enumerate(message.nodes)}}
+    elif isinstance(message, (CopySlot, SaveBlock, LoadBlock)):
+        fields = vars(message)
+    else:
+        return None
+    return next((f"{name} {value} is negative" for name, value in fields.items() if value < 0), None)
+
+
+def _step_problem(step: Step) -> str | None:
+    rows = len(step.rids)
+    if len(step.tokens) != rows or len(step.starts) != rows or len(step.samples) != rows:
+        return (f"{rows} rids, {len(step.tokens)} token rows, {len(step.starts)} starts, {len(step.samples)} samples; "
+                f"one of each per row")
+    if step.first_slot < 0:
+        return f"first_slot {step.first_slot} is negative"
+    for row, (tokens, start) in enumerate(zip(step.tokens, step.starts)):
+        if not tokens:
+            return f"row {row} has no tokens (each row has at least one)"
+        if min(tokens) < 0:
+            return f"row {row} has token id {min(tokens)} (token ids are ≥ 0)"
+        if start < 0:
+            return f"row {row} starts at {start} (starts are ≥ 0)"
+    if not step.trees:
+        return None
+    if step.kind != StepKind.decode:
+        return f"a {step.kind.name} step with trees (only a decode step verifies)"
+    if len(step.trees) != rows:
+        return f"{len(step.trees)} trees for {rows} rows (one per row, or none)"
+    if all(tree is None for tree in step.trees):
+        return "trees on no row (a step that verifies nothing has none)"
+    for row, (tokens, tree) in enumerate(zip(step.tokens, step.trees)):
+        if tree is not None and len(tokens) != tree.size:
+            return (f"row {row} has {len(tokens)} tokens for a tree of {tree.size} nodes "
+                    f"(its root and {tree.size - 1} choices, one token each)")
+    return None
 
 
 def _step_words(step: Step) -> list[int]:
@@ -104,11 +156,15 @@ def payload_words(header: np.ndarray, rank: int) -> int:
         raise _refused(rank, f"protocol version {version}; this rank speaks {VERSION}")
     if kind not in MessageKind._value2member_map_:
         raise _refused(rank, f"unknown message kind {kind} (known: {', '.join(f'{k.value} {k.name}' for k in MessageKind)})")
-    limit = {MessageKind.stop: 0, MessageKind.copy_slot: 3, MessageKind.save_block: 3, MessageKind.load_block: 3,
-             MessageKind.keep_path: 3 + MAX_KEEP_NODES}.get(MessageKind(kind), MAX_PAYLOAD_WORDS)
+    limit = _payload_limit(MessageKind(kind))
     if not 0 <= length <= limit:
         raise _refused(rank, f"{MessageKind(kind).name} payload of {length} words (0 to {limit})")
     return length
+
+
+def _payload_limit(kind: MessageKind) -> int:
+    return {MessageKind.stop: 0, MessageKind.copy_slot: 3, MessageKind.save_block: 3, MessageKind.load_block: 3,
+            MessageKind.keep_path: 3 + MAX_KEEP_NODES}.get(kind, MAX_PAYLOAD_WORDS)
 
 
 def decode(header: np.ndarray, payload: np.ndarray, rank: int) -> Message:
@@ -131,6 +187,9 @@ def decode(header: np.ndarray, payload: np.ndarray, rank: int) -> Message:
         message = {MessageKind.copy_slot: CopySlot, MessageKind.save_block: SaveBlock,
                    MessageKind.load_block: LoadBlock}[kind](a, b, c)
     words.end()
+    problem = message_problem(message)
+    if problem is not None:
+        raise _refused(rank, f"{kind.name}: {problem}")
     return message
 
 
@@ -148,6 +207,7 @@ def _step(words: _Words) -> Step:
                     f"row {row}: rid bytes {rid_bytes}, tokens {tokens}, start {start}, sample {sample}, "
                     f"tree choices {choices}")
         words.check(has_trees or choices == -1, f"row {row} has a tree in a step without trees")
+    words.check(not has_trees or any(row[4] != -1 for row in table), "has_trees 1 but no row has a tree")
     rids = []
     for row, (rid_bytes, *_) in enumerate(table):
         raw = words.take(rid_bytes, f"row {row}'s rid")
