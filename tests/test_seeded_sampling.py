@@ -187,3 +187,20 @@ def test_sampled_speculation_gives_plain_samplings_tokens_for_every_seed(specula
     assert [c.token_ids for c in outs[(Source.prompt_lookup,)]] == [c.token_ids for c in outs[()]]
     assert sum(c.accepted_tokens for c in outs[(Source.prompt_lookup,)]) > 24
     assert len({tuple(c.token_ids) for c in outs[()]}) > 12   # the seeds do sample different text
+
+
+def test_constrained_sampled_chains_give_plain_samplings_tokens(speculation_engine):
+    """A grammar's masked rows: verified chains give the seeded constrained tokens plain steps do."""
+    from trtbuild.runtime.structured import Regex
+
+    prompt = "import os\n" * 6 + "import"
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, constraint=Regex(r"( (os|sys|re)\nimport)+"))
+              for s in range(6)]
+    outs = {}
+    for speculation in ((), (Source.prompt_lookup,)):
+        with LLM(speculation_engine, backend="onnxruntime", speculation=speculation,
+                 speculation_mode=SpeculationMode.always) as llm:
+            outs[speculation] = llm.generate([prompt] * 6, params)
+    assert [c.token_ids for c in outs[(Source.prompt_lookup,)]] == [c.token_ids for c in outs[()]]
+    assert sum(c.accepted_tokens for c in outs[(Source.prompt_lookup,)]) > 0
+    assert len({c.text for c in outs[()]}) > 1
