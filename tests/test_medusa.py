@@ -170,7 +170,7 @@ def test_the_core_asks_for_heads_only_where_it_will_draft(medusa_engine, prompts
             return engine_step(step)
 
         llm.engine.step = spy
-        # Sampled rows: a typical acceptance that ends off the greedy path drafts nothing, so plain
+        # Sampled rows: an accepted path that ends off the greedy path drafts nothing, so plain
         # steps come between verifications.
         params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=1)
         llm.generate(prompts[:2], params)
@@ -253,22 +253,24 @@ def test_near_max_seq_len_falls_back_and_stays_exact(medusa_engine, prompts):
     assert llm.speculation.stats.plain_steps > 0 and llm.speculation.stats.verify_steps > 0
 
 
-def test_sampling_with_typical_acceptance(medusa_engine, prompts):
-    params = SamplingParams(max_tokens=48, temperature=0.7, seed=3, ignore_eos=True, logprobs=True)
-    llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16)
-    first = llm.generate(prompts[:4], params)
-    again = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16).generate(prompts[:4], params)
-    assert [c.token_ids for c in first] == [c.token_ids for c in again]  # seeded: reproducible
+def test_sampled_trees_give_plain_samplings_tokens(medusa_engine, prompts):
+    """Seeded sampled requests verifying trees (exact acceptance, from the seeded per-position
+    draws) produce plain sampling's tokens for the same seeds, batched and one at a time."""
+    params = [SamplingParams(max_tokens=48, temperature=0.7, seed=3 + i, ignore_eos=True, logprobs=True)
+              for i in range(4)]
+    plain = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=0).generate(prompts[:4], params)
+    first = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16).generate(prompts[:4], params)
+    assert [c.token_ids for c in first] == [c.token_ids for c in plain]
     for completion in first:
         assert len(completion.token_ids) == 48 and len(completion.logprobs) == 48
         assert all(lp <= 0 for lp in completion.logprobs) and min(completion.logprobs) > -30
     assert sum(c.accepted_tokens for c in first) > 0
     # One request at a time: its trees verify on the CPU verification graph, whose heads ran at
-    # the greedy path's end; a row whose typical acceptance ends elsewhere drafts after a plain step.
-    alone = [[LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16).generate([p], params)[0] for p in prompts[:2]]
-             for _ in range(2)]
-    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in alone[1]]  # seeded: reproducible
-    assert all(len(c.token_ids) == 48 for c in alone[0]) and sum(c.accepted_tokens for c in alone[0]) > 0
+    # the greedy path's end; a row whose sampled path ends elsewhere drafts after a plain step.
+    alone = [LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=16).generate([p], params[i])[0]
+             for i, p in enumerate(prompts[:2])]
+    assert [c.token_ids for c in alone] == [c.token_ids for c in plain[:2]]
+    assert sum(c.accepted_tokens for c in alone) > 0
 
 
 def test_plain_engine_refuses_a_medusa_tree_size(tiny_engine):

@@ -10,9 +10,9 @@ import pytest
 from trtbuild.builder.medusa.tree import default_tree, ordered, rank_accuracy
 from trtbuild.contract.medusa_acceptance import tree_problem
 from trtbuild.runtime.backends.engine import step_arrays
-from trtbuild.runtime.speculation.medusa import Accepted, Tree, accept_greedy, accept_typical
+from trtbuild.runtime.speculation.medusa import Accepted, Tree, accept_greedy, accept_sampled
 from trtbuild.runtime.core.kv_pools import HostPools, PoolShape
-from trtbuild.runtime.core.sampling import SamplingParams
+from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Phase, Request, Scheduler
 from trtbuild.runtime.core.step import KeepPath, StepKind
 from trtbuild.runtime.speculation.acceptance import AcceptanceModel
@@ -89,18 +89,27 @@ def test_greedy_acceptance_walks_the_longest_agreeing_path():
     assert Accepted((1, 3, 6), (1, 3, 2)).last_node == 6 and Accepted((), ()).last_node == 0
 
 
-def test_typical_acceptance_takes_likely_guesses_only():
+def test_sampled_acceptance_follows_the_seeded_tokens_through_a_tree():
+    """Temperature 1 over rows that favour the tree's tokens: for 300 seeds the walk takes a child
+    exactly when the request's seeded token at that position (plain sampling's) is the child's,
+    and stops where that token is no child's; both root children, and depth 3, are reached."""
     tokens = [9, 1, 2, 3, 0, 3, 2]
-    logits = np.full((7, 10), -10.0)
-    logits[0, 1], logits[0, 2] = 5.0, 4.0    # root: both children likely; 1 is likelier
-    logits[1, :] = 0.0                        # node 1: flat (high entropy), threshold low...
-    logits[1, 3] = -30.0                      # ...but child 3's token is very unlikely
-    logits[1, 0] = 3.0                        # child 4's token (0) likely
-    path = accept_typical(TREE, tokens, logits, temperature=1.0)
-    assert path.nodes == (1, 4)
-    cold = np.full((7, 10), -10.0)
-    cold[0, 7] = 10.0                         # root sure of a token no child holds
-    assert accept_typical(TREE, tokens, cold, temperature=0.7).nodes == ()
+    logits = np.zeros((7, 10))
+    logits[0, 1], logits[0, 2] = 1.5, 1.0    # root: children 1 and 2 likely, nothing sure
+    logits[1, 3], logits[1, 0] = 1.5, 1.0
+    logits[2, 3] = logits[3, 2] = 2.0
+    reached = set()
+    for seed in range(300):
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+        path = accept_sampled(TREE, tokens, logits, sampler, 10)
+        node = 0
+        for depth, child in enumerate(path.nodes):
+            assert TREE.parents[child] == node and tokens[child] == sampler.sample(logits[node], 10 + depth)[0]
+            node = child
+        end = sampler.sample(logits[node], 10 + len(path.nodes))[0]
+        assert end not in [tokens[c] for c in TREE.children[node]]
+        reached.update(path.nodes)
+    assert {1, 2, 6} <= reached
 
 
 def test_verification_step_arrays():

@@ -12,8 +12,8 @@ from typing import Callable
 
 from ..backends.engine import Engine, StepOutput
 from ...contract.speculation import Source
-from ..speculation.chain import accept_sampled_chain, chain_tree
-from ..speculation.medusa import Accepted, accept_greedy, accept_typical
+from ..speculation.chain import chain_tree
+from ..speculation.medusa import Accepted, accept_greedy, accept_sampled
 from ..speculation.speculation import Speculation
 from ..speculation.step_times import Context
 from .sampling import Sampler
@@ -169,7 +169,8 @@ class EngineCore:
                 continue
             state = self.sampling[rid]
             sampler, params = state.sampler, state.sampler.params
-            node, walk, rejected = 0, None, None
+            node, walk = 0, None
+            position = len(self.scheduler.requests[rid].output)  # of the first token this row decides
             if tree is not None:
                 draft = self.scheduler.requests[rid].draft
                 tokens, logits = list(step.tokens[row]), out.logits[row, :tree.size]
@@ -177,11 +178,10 @@ class EngineCore:
                 walk = TreeWalk(state.matcher, tree, tokens, logits) if state.matcher is not None else logits
                 if params.greedy:
                     path = accept_greedy(tree, tokens, walk)
-                elif draft.source == Source.medusa:
-                    path = accept_typical(tree, tokens, walk, params.temperature)
-                else:  # a host chain: exact speculative sampling
-                    path, rejected = accept_sampled_chain(tree, tokens, walk, sampler)
+                else:  # any source: exact speculative sampling, from the seeded per-position draws
+                    path = accept_sampled(tree, tokens, walk, sampler, position)
                 accepted[rid], node = path, path.last_node
+                position += len(path.nodes)  # the sampled token follows the accepted ones
                 if draft.source == Source.medusa:
                     spec.medusa.record(tree, path)
                 else:
@@ -201,10 +201,10 @@ class EngineCore:
                 token, logprob = argmax[row], None
             elif state.matcher is not None:  # the masked row; logprobs stay the model's
                 masked = walk.finish(path.nodes) if tree is not None else state.matcher.masked(out.logits[row, node])
-                token = sampler.sample(masked, excluding=rejected)[0]
+                token = sampler.sample(masked, position)[0]
                 logprob = sampler.logprob(out.logits[row, node], token) if params.logprobs else None
             else:
-                token, logprob = sampler.sample(out.logits[row, node], excluding=rejected)
+                token, logprob = sampler.sample(out.logits[row, node], position)
             if logprob is not None:
                 state.logprobs.append(logprob)
                 if params.top_logprobs:

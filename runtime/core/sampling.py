@@ -34,6 +34,8 @@ class SamplingParams:
             problems.append(f"max_tokens must be an integer ≥ 1 (got {self.max_tokens!r})")
         if not self.temperature >= 0:
             problems.append(f"temperature must be ≥ 0 (got {self.temperature!r})")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            problems.append(f"seed must be None or an integer ≥ 0 (got {self.seed!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be an integer ≥ 0 (got {self.top_k!r})")
         if not 0 < self.top_p <= 1:
@@ -70,33 +72,39 @@ class SamplingParams:
 
 @dataclass
 class Sampler:
-    """Draws one token from a row of logits; owns the request's RNG so seeds reproduce."""
+    """Draws one token from a row of logits. The randomness of output position t (the index of
+    the output token being decided, 0 first) is one uniform keyed by (seed, t) alone, so a seeded
+    request's token at t depends on nothing but the seed, t and the row's distribution: not on
+    how many drafts were tried before, how many steps ran, nor the batch around it. Speculative
+    acceptance draws from the same key (runtime/speculation/medusa.py ``accept_sampled``), so a
+    drafted position gets the token plain sampling would. An unseeded request draws its key once
+    from the OS: random, by the same rule."""
 
     params: SamplingParams
-    rng: np.random.Generator = field(init=False)
+    key: int = field(init=False)
 
     def __post_init__(self):
-        self.rng = np.random.default_rng(self.params.seed)
+        self.key = self.params.seed if self.params.seed is not None else int(np.random.SeedSequence().entropy)
         self.takes_argmax = self.params.takes_argmax  # read every token: an attribute, not a property
 
-    def sample(self, logits: np.ndarray, excluding: int | None = None) -> tuple[int, float | None]:
-        """(token, its log-probability under the model's distribution if asked). ``excluding``: a
-        draft token just rejected at this position; the token comes from the distribution with
-        it removed, as exact speculative sampling requires (runtime/speculation/chain.py)."""
+    def sample(self, logits: np.ndarray, position: int) -> tuple[int, float | None]:
+        """(token at output ``position``, its log-probability under the model's distribution if asked)."""
         p = self.params
-        if self.takes_argmax and excluding is None:  # the argmax needs no float64 copy of the row
+        if self.takes_argmax:  # the argmax needs no float64 copy of the row
             return int(logits.argmax()), None
         logits = logits.astype(np.float64)  # [V]
-        if p.greedy:
-            token = int(np.argmax(logits))
-        else:
-            probs = self.distribution(logits)
-            if excluding is not None:
-                probs[excluding] = 0.0
-                probs /= probs.sum()
-            token = int(self.rng.choice(len(probs), p=probs))
+        token = int(np.argmax(logits)) if p.greedy else self.draw(self.distribution(logits), position)
         logprob = float(np.log(_softmax(logits)[token])) if p.logprobs else None
         return token, logprob
+
+    def draw(self, probs: np.ndarray, position: int) -> int:
+        """The token at output ``position`` from ``probs`` [V]: the inverse CDF at its uniform."""
+        return inverse_cdf(probs, self.uniform(position))
+
+    def uniform(self, position: int) -> float:
+        """U[0, 1) for output ``position``: 53 bits of a hash of (key, position)."""
+        bits = np.random.SeedSequence((self.key, position)).generate_state(1, np.uint64)[0]
+        return float(bits >> np.uint64(11)) * 2.0 ** -53
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
         """[V] float64: what a sampled row draws from (temperature, then top-k, then top-p)."""
@@ -129,6 +137,16 @@ class Sampler:
         best = np.argpartition(-log_probs, count - 1)[:count]
         best = best[np.argsort(-log_probs[best], kind="stable")]
         return tuple((int(t), float(log_probs[t])) for t in best)
+
+
+def inverse_cdf(probs: np.ndarray, u: float | np.ndarray) -> int | np.ndarray:
+    """The first token whose cumulative probability exceeds ``u`` × the total (``u`` in [0, 1),
+    a scalar or an array of them): token i for u in [P(< i), P(≤ i)), so never a token of
+    probability 0; the last such token where rounding leaves ``u`` past the total."""
+    cumulative = np.cumsum(probs)  # [V]
+    token = np.searchsorted(cumulative, np.asarray(u) * cumulative[-1], side="right")
+    last = int(np.flatnonzero(probs)[-1])
+    return np.minimum(token, last) if np.ndim(token) else int(min(token, last))
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

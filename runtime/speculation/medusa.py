@@ -14,11 +14,7 @@ from functools import cached_property
 import numpy as np
 
 from ...contract.medusa_acceptance import tree_problem
-
-# Typical acceptance (Medusa paper, §2.3.1): accept a guess whose probability under the base
-# model exceeds min(epsilon, delta * exp(-entropy)); Medusa's defaults.
-TYPICAL_EPSILON = 0.09
-TYPICAL_DELTA = 0.3
+from ..core.sampling import Sampler
 
 
 @dataclass(frozen=True)
@@ -121,20 +117,28 @@ def accept_greedy(tree: Tree, tokens: list[int], logits: np.ndarray) -> Accepted
         node = match
 
 
-def accept_typical(tree: Tree, tokens: list[int], logits: np.ndarray, temperature: float,
-                   epsilon: float = TYPICAL_EPSILON, delta: float = TYPICAL_DELTA) -> Accepted:
-    """Typical acceptance for temperature > 0: a guess passes if it is likely enough under the
-    base model's tempered distribution; among passing children the likeliest is taken."""
+def accept_sampled(tree: Tree, tokens: list[int], logits, sampler: Sampler, position: int) -> Accepted:
+    """Walks from the root while a child holds the token the request samples there: at depth d
+    the token plain sampling gives output position ``position + d`` (the sampler's seeded draw
+    from its distribution at the parent's row, ``logits[node]``: [V], masked rows for a
+    constrained request). The caller then samples position ``position + len(path)`` at the
+    path's end, which gives the token that matched no child.
+
+    For a point-mass draft x this is the exact rule of speculative sampling (Leviathan et al.
+    2023, Chen et al. 2023) with q = δ(x): x is kept with probability p(x) = min(1, p(x)/q(x)),
+    and at a rejection the token comes from norm(max(0, p − δ(x))), p without x. A node's
+    children hold distinct tokens (ranks of one head, or a chain's one child), each a point mass,
+    so the token at every position is plain sampling's for the same seed, token for token, and
+    distributed as p whether or not the position was drafted. (A draft drawn at random from a q
+    would keep the same output only if accepted exactly when it equals the seeded token:
+    probability Σ p·q, below the rule's Σ min(p, q) unless the draft shares the position's
+    randomness.)"""
     node, nodes = 0, []
     while tree.children[node]:
-        scaled = logits[node].astype(np.float64) / temperature
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
-        entropy = float(-(probs * np.log(probs + 1e-12)).sum())
-        threshold = min(epsilon, delta * np.exp(-entropy))
-        passing = [c for c in tree.children[node] if probs[tokens[c]] > threshold]
-        if not passing:
+        target = sampler.draw(sampler.distribution(np.asarray(logits[node])), position + len(nodes))
+        match = next((c for c in tree.children[node] if tokens[c] == target), None)
+        if match is None:
             break
-        node = max(passing, key=lambda c: probs[tokens[c]])
-        nodes.append(node)
+        nodes.append(match)
+        node = match
     return Accepted(tuple(nodes), tuple(tokens[n] for n in nodes))
