@@ -1,6 +1,7 @@
 """The constraint compile pool (runtime/structured/compile_pool.py): bounded threads and wait,
-a deadline counted from a compile's start, shared compiles, cache hits that skip the pool; and
-AsyncLLM.submit, which never compiles on the event loop."""
+a deadline counted from a compile's start, shared compiles, cache hits that skip the pool, a
+close() that ends every waiter; and AsyncLLM.submit, which never compiles on the event loop, and
+whose groups end when the LLM closes, compiling or not."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer
 from conftest import TINY_CODE
 from trtbuild.runtime.structured import (CompilePool, CompileTimeout, CompilerBusy, ConstraintCompiler, ConstraintError,
                                          JsonSchema, Regex)
+from trtbuild.runtime.structured.compile_pool import CompilePoolClosed
 
 
 class GatedCompiler(ConstraintCompiler):
@@ -81,6 +83,37 @@ def test_a_constraint_that_cannot_compile_reaches_its_waiter():
     with pytest.raises(ConstraintError, match=r"^regex: "):
         asyncio.run(pool.compile(Regex("((")))
     pool.close()
+
+
+def test_close_ends_every_waiter_and_later_submits_refuse():
+    """close() with one compile running (held) and one queued: both waiters raise
+    CompilePoolClosed at once (the queued one's used to see a cancellation, the running one's
+    to wait for its compile); later submits raise it too (one used to leave a job no thread
+    would run, and the next submit of that constraint waited on it forever); the running
+    compile still ends in its thread, cached."""
+    held, queued, late = Regex("[0-9]+"), Regex("[a-z]+"), Regex("b+")
+    compiler = GatedCompiler({held})
+    pool = CompilePool(compiler, workers=1, max_waiting=1)
+
+    async def close_while_pending():
+        running = asyncio.ensure_future(pool.compile(held))
+        waiting = asyncio.ensure_future(pool.compile(queued))
+        await asyncio.wrap_future(pool.submit(held).started)   # the held one has its thread
+        pool.close()
+        return await asyncio.wait_for(asyncio.gather(running, waiting, return_exceptions=True), 5)
+
+    ended = asyncio.run(close_while_pending())
+    assert [(type(e), str(e)) for e in ended] == [(CompilePoolClosed, "the constraint compile pool is closed")] * 2
+    for _ in range(2):
+        with pytest.raises(CompilePoolClosed, match="^the constraint compile pool is closed$"):
+            pool.submit(late)
+    assert pool.pending == 0
+    compiler.gate.set()
+    for _ in range(500):
+        if compiler.cached(held) is not None:
+            break
+        time.sleep(0.01)
+    assert compiler.cached(held) is not None and compiler.cached(queued) is None   # the queued one never ran
 
 
 @pytest.mark.slow
