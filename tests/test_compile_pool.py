@@ -117,6 +117,66 @@ def test_close_ends_every_waiter_and_later_submits_refuse():
 
 
 @pytest.mark.slow
+def test_llm_close_ends_every_async_group_whatever_its_state(tiny_engine):
+    """LLM.close() while groups are compiling (one running, one queued behind it), queued for the
+    engine (submitted during a step) and running (in that step): every read ends with
+    EngineFailure "the LLM is closed", none hangs (the group whose compile was queued used to:
+    the pool cancelled it and the CancelledError escaped), and a polled request's next step
+    raises it."""
+    from trtbuild.runtime.async_llm import AsyncLLM, EngineFailure
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.llm import LLM
+
+    llm = LLM(tiny_engine, backend="onnxruntime")
+    compiler = GatedCompiler({Regex("[0-9]+")})
+    llm.constraints = llm.inputs.constraints = compiler
+    llm.compile_pool.close()
+    llm.compile_pool = CompilePool(compiler, workers=1, max_waiting=1)
+    engine, long = AsyncLLM(llm), SamplingParams(max_tokens=600, ignore_eos=True)
+    entered, release = threading.Event(), threading.Event()
+    on_token = llm.outputs.on_token
+
+    def held_token(request, token):   # the next step waits here, holding the step lock
+        entered.set()
+        release.wait(30)
+        return on_token(request, token)
+
+    async def ending(group) -> str:
+        try:
+            async for _ in group:
+                pass
+        except EngineFailure as exc:
+            return str(exc)
+        return "ended without an error"
+
+    async def run():
+        running = engine.submit([("def f(x):", long)], ["running"])
+        llm.submit("import os", long, rid="polled")
+        await anext(running)
+        llm.outputs.on_token = held_token
+        assert await asyncio.to_thread(entered.wait, 30)
+        queued = engine.submit([("class A:", long)], ["queued"])
+        compiling = engine.submit([("x", SamplingParams(max_tokens=4, constraint=Regex("[0-9]+")))], ["compiling"])
+        waiting = engine.submit([("x", SamplingParams(max_tokens=4, constraint=Regex("[a-z]+")))], ["waiting"])
+        await asyncio.sleep(0.1)   # the compile task waits on its job
+        closing = asyncio.ensure_future(asyncio.to_thread(llm.close))
+        await asyncio.sleep(0.3)   # close() has dropped the compiles and waits for the step
+        release.set()
+        await asyncio.wait_for(closing, 30)
+        return await asyncio.wait_for(asyncio.gather(*(ending(g) for g in (running, queued, compiling, waiting))), 10)
+
+    try:
+        ended = asyncio.run(run())
+    finally:
+        release.set()
+        compiler.gate.set()
+    assert ended == ["generation failed: RuntimeError: the LLM is closed"] * 4
+    with pytest.raises(RuntimeError, match="^the LLM is closed$"):
+        llm.step()
+    assert llm.loop.open_rids() == set()
+
+
+@pytest.mark.slow
 def test_async_submit_never_compiles_on_the_event_loop(tiny_engine):
     """A constrained AsyncLLM request whose compile is held leaves the loop free: submit returns
     at once, a free request streams to its end meanwhile, and the constrained one runs once its

@@ -300,6 +300,26 @@ def test_a_request_the_core_refuses_ends_alone(llm, monkeypatch):
     assert _until_no_loop_thread() == [] and llm.loop.open_rids() == set()
 
 
+def test_generated_ids_never_take_a_callers_own(tiny_engine):
+    """A polled request holds "req-0" and "req-1", the ids the engine would give first:
+    generate(), stream() and an AsyncLLM stream still run (they used to raise "request id
+    'req-0' is already in use"), and the polled ones keep theirs."""
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
+    solo = LLM(tiny_engine, backend="onnxruntime")
+    expected = [solo.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]]
+    for rid in ("req-0", "req-1"):
+        llm.submit(PROMPTS[0], GREEDY, rid=rid)
+    assert llm.generate([PROMPTS[1]], GREEDY)[0].token_ids == expected[1]
+    assert [d for d in llm.stream(PROMPTS[2], GREEDY)][-1].completion.token_ids == expected[2]
+
+    async def streamed():
+        return [d async for d in AsyncLLM(llm).stream(PROMPTS[1], GREEDY)]
+
+    assert asyncio.run(asyncio.wait_for(streamed(), 60))[-1].completion.token_ids == expected[1]
+    assert [(c.rid, c.token_ids) for c in llm.run_until_done()] == [("req-0", expected[0]), ("req-1", expected[0])]
+    llm.close()
+
+
 def _waited(waiter, seconds: float = 60):
     """What ``waiter.wait()`` returns or raises, failing the test if it is still waiting after ``seconds``."""
     done: list = []
