@@ -8,9 +8,11 @@ reader: the engine loop's thread hands it each request's delta of a step (a gree
 joined) through the event loop's mailbox, one wake-up of the event loop per step for all its
 groups, so a token passes one queue between the engine and the response. Submitting never waits
 for a running step, a group that is left early (a client disconnects, a task is cancelled)
-aborts what still runs, and a failing step ends every open group with that error. Nor does it
-compile a constraint on the event loop: one not cached goes to the LLM's compile pool, and the
-group reaches the engine once it has compiled (runtime/structured/compile_pool.py)."""
+aborts what still runs, and a failure that touches a group's requests ends it with that error.
+Nor does it compile a constraint on the event loop: one not cached goes to the LLM's compile
+pool, and the group reaches the engine once it has compiled (runtime/structured/compile_pool.py).
+Whatever state a group is in when the LLM closes (compiling, queued, running), its reads end with
+``EngineFailure`` ("the LLM is closed")."""
 from __future__ import annotations
 
 import asyncio
@@ -22,12 +24,17 @@ from .input_processor import CheckedPrompt, ValidRequest
 from .llm import LLM
 from .outputs import Delta
 from .core.sampling import SamplingParams
+from .structured.compile_pool import CompilePoolClosed
 
 __all__ = ["AsyncLLM", "EngineFailure", "RequestGroup"]
 
 
 class EngineFailure(RuntimeError):
     """A step failed (or the LLM was closed) while the group's requests were open."""
+
+    @classmethod
+    def of(cls, error: BaseException) -> "EngineFailure":
+        return cls(f"generation failed: {type(error).__name__}: {error}")
 
 
 class _StepFailed:
@@ -69,8 +76,8 @@ class RequestGroup:
     make them (the index: the request's place in the submission); it ends when each has sent
     its finished delta. ``close()`` (or leaving ``async with``) aborts those still running."""
 
-    def __init__(self, llm: LLM, rids: list[str], mailbox: _Mailbox):
-        self.rids, self._llm, self._mailbox = rids, llm, mailbox
+    def __init__(self, llm: LLM, rids: list[str | None], mailbox: _Mailbox):
+        self.rids, self._llm, self._mailbox = list(rids), llm, mailbox   # a None: named at submission
         # (index, Delta); (-1, an exception interrupt() raises); or (-1, _StepFailed)
         self.queue: asyncio.Queue = asyncio.Queue()
         self._open = set(range(len(rids)))
@@ -97,7 +104,7 @@ class RequestGroup:
             raise StopAsyncIteration
         index, item = await self.queue.get()
         if isinstance(item, _StepFailed):
-            raise EngineFailure(f"generation failed: {type(item.error).__name__}: {item.error}") from item.error
+            raise EngineFailure.of(item.error) from item.error
         if isinstance(item, BaseException):
             raise item
         if item.finished:
@@ -117,7 +124,8 @@ class RequestGroup:
         if not self._closed:
             self._closed = True
             for index in self._open:
-                self._llm.abort(self.rids[index])  # the slot is freed at the next step
+                if self.rids[index] is not None:   # None: never submitted (still compiling)
+                    self._llm.abort(self.rids[index])  # the slot is freed at the next step
 
     # -- the engine loop's side (its thread): a Subscriber -------------------------------------
     def put(self, index: int, pieces: list[Delta]) -> None:
@@ -140,9 +148,11 @@ class AsyncLLM:
         self.llm = llm
         self._mailbox: _Mailbox | None = None
 
-    def submit(self, jobs: list[ValidRequest | tuple[str | list[int], SamplingParams]], rids: list[str]) -> RequestGroup:
+    def submit(self, jobs: list[ValidRequest | tuple[str | list[int], SamplingParams]],
+               rids: list[str | None]) -> RequestGroup:
         """Submits every job, all or none: a ``(prompt, params)`` pair is checked here (an
         InputRefused, a ValueError, if one cannot run), a ValidRequest (the server's) is not.
+        A ``None`` rid is given one by the engine loop when the job is submitted (``group.rids``).
 
         A constraint the compiler has not cached is never compiled here, on the event loop: it
         goes to the LLM's compile pool (``CompilerBusy`` here if the pool is full), and the
@@ -174,6 +184,8 @@ class AsyncLLM:
         return checked, params
 
     async def _submit_compiled(self, group: RequestGroup, checked: list, compiling: dict) -> None:
+        """Every reader hears how this ends (nothing was submitted unless it entered): a compile
+        error as raised, the LLM's close as EngineFailure, this task's cancellation too."""
         pool = self.llm.compile_pool
         try:
             compiled = {constraint: await job.wait(pool.timeout_s) for constraint, job in compiling.items()}
@@ -181,17 +193,22 @@ class AsyncLLM:
                 self._enter(group, [job if isinstance(job, ValidRequest) else
                                     self.llm.inputs.request(*job, compiled=compiled[job[1].constraint])
                                     for job in checked])
+        except CompilePoolClosed:
+            group.refuse(EngineFailure.of(RuntimeError("the LLM is closed")))
         except Exception as exc:  # noqa: BLE001  (the reader gets it: nothing was submitted)
-            group.refuse(exc)
+            group.refuse(EngineFailure.of(exc) if self.llm.loop.closed else exc)
+        except BaseException as exc:  # cancelled (the event loop shuts down): its reader must not wait on
+            group.refuse(EngineFailure.of(exc))
+            raise
 
     def _enter(self, group: RequestGroup, requests: list[ValidRequest]) -> None:
-        self.llm.loop.submit([(rid, request, Sink(group, index))
-                              for index, (rid, request) in enumerate(zip(group.rids, requests))])
+        group.rids = self.llm.loop.submit([(rid, request, Sink(group, index))
+                                           for index, (rid, request) in enumerate(zip(group.rids, requests))])
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                      rid: str | None = None) -> AsyncIterator[Delta]:
-        """Yields one request's deltas; the last one (finished) carries its Completion."""
-        rid = rid or self.llm.new_rid()
+        """Yields one request's deltas; the last one (finished) carries its Completion. ``rid``:
+        the request's id (None: one the engine loop gives)."""
         async with self.submit([(prompt, params or self.llm.default_params())], [rid]) as group:
             async for _, delta in group:
                 yield delta

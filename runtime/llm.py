@@ -12,7 +12,6 @@ and block on them, whoever else uses the LLM; async streaming is runtime/async_l
 counts steps itself (tests, benchmarks): it gets the outputs of the requests it submitted so."""
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Iterator
 
@@ -105,7 +104,6 @@ class LLM:
         self.core = EngineCore(engine, scheduler, speculation, multi_step)
         self.outputs = OutputProcessor(Detokenizer(self.tokenizer, d.vocab_size), self.core.sampling)
         self.loop = EngineLoop(self.core, self.outputs, self.inputs)
-        self._ids = itertools.count()
 
     # -- the parts, for callers that read them ---------------------------------------------------
     @property
@@ -142,9 +140,12 @@ class LLM:
     def close(self) -> None:
         """Releases the engine (device memory; a tensor-parallel engine's rank processes) once
         any running step has ended, ends the loop thread, and fails open requests; later
-        submits and steps raise."""
-        self.compile_pool.close()
-        self.loop.close()
+        submits and steps raise. Constraint compiles still queued or running are dropped first
+        (their AsyncLLM groups end then, as the others do)."""
+        try:
+            self.compile_pool.close()
+        finally:
+            self.loop.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -163,14 +164,9 @@ class LLM:
     def submit(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> str:
         """Queues one request for the polling API (its outputs come back from ``step`` and
         ``run_until_done``) without waiting for a running step; raises ValueError (and changes
-        nothing) if it cannot run."""
-        rid = rid or self.new_rid()
-        self.loop.submit([(rid, self.inputs.process(prompt, params), None)])
-        return rid
-
-    def new_rid(self) -> str:
-        """A request id no other request of this LLM has been given."""
-        return f"req-{next(self._ids)}"
+        nothing) if it cannot run. ``rid``: the request's id (ValueError if an open request
+        holds it); None: one the engine loop gives (``req-N``, never one an open request holds)."""
+        return self.loop.submit([(rid, self.inputs.process(prompt, params), None)])[0]
 
     def abort(self, rid: str) -> None:
         """Ends a request at the next step (its KV slot is freed then); its completion has
@@ -194,9 +190,8 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
         requests = [self.inputs.process(p, q, f"prompt {i}") for i, (p, q) in enumerate(zip(prompts, params_list))]
-        rids = [self.new_rid() for _ in requests]
         waiter = CompletionWaiter(len(requests))
-        self.loop.submit([(rid, request, Sink(waiter, i)) for i, (rid, request) in enumerate(zip(rids, requests))])
+        rids = self.loop.submit([(None, request, Sink(waiter, i)) for i, request in enumerate(requests)])
         try:
             return waiter.wait()
         finally:  # interrupted (or failed): what still runs is aborted
@@ -215,8 +210,8 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[Delta]:
         """Yields text pieces of one request as they are produced (one a token; other requests
         run too, their pieces go to their own readers). Leaving the loop early aborts it."""
-        rid, mine = self.new_rid(), DeltaQueue()
-        self.loop.submit([(rid, self.inputs.process(prompt, params or self.default_params()), Sink(mine))])
+        mine = DeltaQueue()
+        [rid] = self.loop.submit([(None, self.inputs.process(prompt, params or self.default_params()), Sink(mine))])
         finished = False
         try:
             while not finished:

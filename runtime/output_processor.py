@@ -101,14 +101,28 @@ class OutputProcessor:
         self._deltas.append(delta)
         return stopped
 
+    def pending(self) -> set[str]:
+        """The requests with pieces made since the last ``finish`` (kept if ``finish`` raised)."""
+        return {delta.rid for delta in self._deltas}
+
+    def drop(self, rids: set[str]) -> None:
+        """Forgets these requests (a failure ended them): their text and their pieces not yet
+        finished; unknown ids are ignored."""
+        for rid in rids:
+            self.texts.pop(rid, None)
+        if rids and self._deltas:
+            self._deltas = [delta for delta in self._deltas if delta.rid not in rids]
+
     def finish(self, finished: list[tuple[Request, Sampling]]) -> tuple[list[Delta], list[Completion]]:
         """This step's deltas and completions. Each finishing request's last delta carries its
         completion; one that made no token this step (an abort) gets a closing delta with the
         text still held back, so its pieces too join to its completion's text."""
-        deltas, self._deltas = self._deltas, []
+        deltas = self._deltas
         if not finished:  # most steps
+            self._deltas = []
             return deltas, []
         completions = {r.rid: self.texts[r.rid].complete(r, s) for r, s in finished}
+        self._deltas = []   # only now: had a completion failed, ``pending`` names whose pieces were lost
         closed = set()
         for index, delta in enumerate(deltas):
             if delta.finished and delta.rid in completions:

@@ -1,6 +1,7 @@
 """The constraint compile pool (runtime/structured/compile_pool.py): bounded threads and wait,
-a deadline counted from a compile's start, shared compiles, cache hits that skip the pool; and
-AsyncLLM.submit, which never compiles on the event loop."""
+a deadline counted from a compile's start, shared compiles, cache hits that skip the pool, a
+close() that ends every waiter; and AsyncLLM.submit, which never compiles on the event loop, and
+whose groups end when the LLM closes, compiling or not."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer
 from conftest import TINY_CODE
 from trtbuild.runtime.structured import (CompilePool, CompileTimeout, CompilerBusy, ConstraintCompiler, ConstraintError,
                                          JsonSchema, Regex)
+from trtbuild.runtime.structured.compile_pool import CompilePoolClosed
 
 
 class GatedCompiler(ConstraintCompiler):
@@ -81,6 +83,97 @@ def test_a_constraint_that_cannot_compile_reaches_its_waiter():
     with pytest.raises(ConstraintError, match=r"^regex: "):
         asyncio.run(pool.compile(Regex("((")))
     pool.close()
+
+
+def test_close_ends_every_waiter_and_later_submits_refuse():
+    """close() with one compile running (held) and one queued: both waiters raise
+    CompilePoolClosed at once (the queued one's used to see a cancellation, the running one's
+    to wait for its compile); later submits raise it too (one used to leave a job no thread
+    would run, and the next submit of that constraint waited on it forever); the running
+    compile still ends in its thread, cached."""
+    held, queued, late = Regex("[0-9]+"), Regex("[a-z]+"), Regex("b+")
+    compiler = GatedCompiler({held})
+    pool = CompilePool(compiler, workers=1, max_waiting=1)
+
+    async def close_while_pending():
+        running = asyncio.ensure_future(pool.compile(held))
+        waiting = asyncio.ensure_future(pool.compile(queued))
+        await asyncio.wrap_future(pool.submit(held).started)   # the held one has its thread
+        pool.close()
+        return await asyncio.wait_for(asyncio.gather(running, waiting, return_exceptions=True), 5)
+
+    ended = asyncio.run(close_while_pending())
+    assert [(type(e), str(e)) for e in ended] == [(CompilePoolClosed, "the constraint compile pool is closed")] * 2
+    for _ in range(2):
+        with pytest.raises(CompilePoolClosed, match="^the constraint compile pool is closed$"):
+            pool.submit(late)
+    assert pool.pending == 0
+    compiler.gate.set()
+    for _ in range(500):
+        if compiler.cached(held) is not None:
+            break
+        time.sleep(0.01)
+    assert compiler.cached(held) is not None and compiler.cached(queued) is None   # the queued one never ran
+
+
+@pytest.mark.slow
+def test_llm_close_ends_every_async_group_whatever_its_state(tiny_engine):
+    """LLM.close() while groups are compiling (one running, one queued behind it), queued for the
+    engine (submitted during a step) and running (in that step): every read ends with
+    EngineFailure "the LLM is closed", none hangs (the group whose compile was queued used to:
+    the pool cancelled it and the CancelledError escaped), and a polled request's next step
+    raises it."""
+    from trtbuild.runtime.async_llm import AsyncLLM, EngineFailure
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.llm import LLM
+
+    llm = LLM(tiny_engine, backend="onnxruntime")
+    compiler = GatedCompiler({Regex("[0-9]+")})
+    llm.constraints = llm.inputs.constraints = compiler
+    llm.compile_pool.close()
+    llm.compile_pool = CompilePool(compiler, workers=1, max_waiting=1)
+    engine, long = AsyncLLM(llm), SamplingParams(max_tokens=600, ignore_eos=True)
+    entered, release = threading.Event(), threading.Event()
+    on_token = llm.outputs.on_token
+
+    def held_token(request, token):   # the next step waits here, holding the step lock
+        entered.set()
+        release.wait(30)
+        return on_token(request, token)
+
+    async def ending(group) -> str:
+        try:
+            async for _ in group:
+                pass
+        except EngineFailure as exc:
+            return str(exc)
+        return "ended without an error"
+
+    async def run():
+        running = engine.submit([("def f(x):", long)], ["running"])
+        llm.submit("import os", long, rid="polled")
+        await anext(running)
+        llm.outputs.on_token = held_token
+        assert await asyncio.to_thread(entered.wait, 30)
+        queued = engine.submit([("class A:", long)], ["queued"])
+        compiling = engine.submit([("x", SamplingParams(max_tokens=4, constraint=Regex("[0-9]+")))], ["compiling"])
+        waiting = engine.submit([("x", SamplingParams(max_tokens=4, constraint=Regex("[a-z]+")))], ["waiting"])
+        await asyncio.sleep(0.1)   # the compile task waits on its job
+        closing = asyncio.ensure_future(asyncio.to_thread(llm.close))
+        await asyncio.sleep(0.3)   # close() has dropped the compiles and waits for the step
+        release.set()
+        await asyncio.wait_for(closing, 30)
+        return await asyncio.wait_for(asyncio.gather(*(ending(g) for g in (running, queued, compiling, waiting))), 10)
+
+    try:
+        ended = asyncio.run(run())
+    finally:
+        release.set()
+        compiler.gate.set()
+    assert ended == ["generation failed: RuntimeError: the LLM is closed"] * 4
+    with pytest.raises(RuntimeError, match="^the LLM is closed$"):
+        llm.step()
+    assert llm.loop.open_rids() == set()
 
 
 @pytest.mark.slow

@@ -75,15 +75,17 @@ def test_generate_threads_and_two_async_llms_on_one_engine_each_get_their_own_to
     assert _until_no_loop_thread() == [] and not llm.has_work()  # idle: no thread is held
 
 
-def test_one_failing_step_ends_every_open_request_sync_and_async(tiny_engine):
+def test_one_failing_step_ends_every_request_it_ran_sync_and_async_and_frees_their_ids(tiny_engine):
     """The engine raises once, in a step that runs every open request: generate() and stream()
-    in other threads raise that error, an async group an EngineFailure naming it, none hangs, and
-    the LLM serves on (a caller used to hear only of failures in the steps it ran itself)."""
+    in other threads raise that error, an async group an EngineFailure naming it, none hangs,
+    their ids are free at once (no later step needed), and the LLM serves on."""
     llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
     engine_step, all_in = llm.engine.step, threading.Event()
 
     def fails_once(step):
-        all_in.wait(timeout=60)  # every request below is open when the step fails
+        all_in.wait(timeout=60)
+        if len(llm.scheduler.requests) < 5:   # fails once every request below is in the core
+            return engine_step(step)
         llm.engine.step = engine_step
         raise RuntimeError("device lost")
 
@@ -91,6 +93,7 @@ def test_one_failing_step_ends_every_open_request_sync_and_async(tiny_engine):
     checked, process = [], llm.inputs.process
     llm.inputs.process = lambda *args: checked.append(args) or process(*args)   # each request, just before its submit
     errors: dict[str, str] = {}
+    long = SamplingParams(max_tokens=200, ignore_eos=True)   # none ends before the failing step
 
     def run(name: str, call) -> None:
         try:
@@ -99,10 +102,10 @@ def test_one_failing_step_ends_every_open_request_sync_and_async(tiny_engine):
             errors[name] = f"{type(exc).__name__}: {exc}"
 
     async def grouped():
-        group = AsyncLLM(llm).submit([(PROMPTS[3], GREEDY), (PROMPTS[4], GREEDY)], ["a-0", "a-1"])
-        threads = [threading.Thread(target=run, args=("generate", lambda: llm.generate(PROMPTS[:2], GREEDY)),
+        group = AsyncLLM(llm).submit([(PROMPTS[3], long), (PROMPTS[4], long)], ["a-0", "a-1"])
+        threads = [threading.Thread(target=run, args=("generate", lambda: llm.generate(PROMPTS[:2], long)),
                                     daemon=True),
-                   threading.Thread(target=run, args=("stream", lambda: list(llm.stream(PROMPTS[2], GREEDY))),
+                   threading.Thread(target=run, args=("stream", lambda: list(llm.stream(PROMPTS[2], long))),
                                     daemon=True)]
         for thread in threads:
             thread.start()
@@ -116,7 +119,8 @@ def test_one_failing_step_ends_every_open_request_sync_and_async(tiny_engine):
 
     async def run_async(group) -> None:
         try:
-            await anext(group)
+            async for _ in group:
+                pass
         except EngineFailure as exc:
             errors["async"] = f"{type(exc).__name__}: {exc}"
 
@@ -124,10 +128,15 @@ def test_one_failing_step_ends_every_open_request_sync_and_async(tiny_engine):
     assert errors == {"generate": "RuntimeError: device lost", "stream": "RuntimeError: device lost",
                       "async": "EngineFailure: generation failed: RuntimeError: device lost"}
     assert _until_no_loop_thread() == []
+    # Free now, before any other step: the core, the output processor and the loop let go of them.
+    assert llm.loop.open_rids() == set() and not llm.scheduler.requests and not llm.outputs.texts
+    assert llm.submit(PROMPTS[3], GREEDY, rid="a-0") == "a-0"
     solo = LLM(tiny_engine, backend="onnxruntime")
+    assert [(c.rid, c.token_ids) for c in llm.run_until_done()] == \
+        [("a-0", solo.generate([PROMPTS[3]], GREEDY)[0].token_ids)]
     assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == \
         [solo.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:2]]
-    assert not llm.scheduler.requests and llm.scheduler.slots.num_active == 0  # the failed ones left the core
+    assert llm.scheduler.slots.num_active == 0 and llm.loop.open_rids() == set()
     llm.close()
 
 
@@ -183,24 +192,142 @@ def test_a_server_request_is_checked_once(llm, monkeypatch):
     assert checks == [prompt]  # once for the body, not again per choice at submission
 
 
-def test_a_failure_after_the_step_reaches_the_waiting_generate(tiny_engine):
-    """The core lets go of a finished request before its completion is made: a failure there (the
-    output processor, a reader's queue) must reach generate(), not leave it waiting forever."""
-    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
-    finish = llm.loop.outputs.finish
+def _fails_once_at(llm: LLM, rid: str) -> None:
+    """The LLM's output processor raises once, at the step where request ``rid`` finishes (the
+    core has already let go of it then)."""
+    finish = llm.outputs.finish
 
     def failing(finished):
-        if finished:
+        if any(request.rid == rid for request, _ in finished):
+            llm.outputs.finish = finish
             raise RuntimeError("output processor broke")
         return finish(finished)
 
-    llm.loop.outputs.finish = failing
-    result: list = []
-    thread = threading.Thread(target=lambda: result.append(_outcome(llm.generate, [PROMPTS[0]], GREEDY)))
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive() and "output processor broke" in repr(result[0])
+    llm.outputs.finish = failing
+
+
+def test_an_output_processor_failure_reaches_every_reader_it_touched_and_frees_their_ids(tiny_engine):
+    """The output processor raises once, in the thread's step where a polled request finishes
+    beside a generate() request: generate() raises it, the polling caller's next step raises it
+    (its completion was lost: it used to vanish, run_until_done returning nothing), and both ids
+    are free at once (they used to stay taken forever)."""
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
+    solo = {p: llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:2]}
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    _fails_once_at(llm, "polled")
+    llm.submit(PROMPTS[0], one, rid="polled")   # the thread, started by generate(), steps it too
+    assert "output processor broke" in repr(_outcome(llm.generate, [PROMPTS[1]], GREEDY))
+    assert llm.loop.open_rids() == set() and not llm.outputs.texts and not llm.scheduler.requests
+    with pytest.raises(RuntimeError, match="^output processor broke$"):
+        llm.run_until_done()
+    assert llm.run_until_done() == []   # told once
+    assert llm.submit(PROMPTS[0], one, rid="polled") == "polled"
+    assert [(c.rid, c.token_ids) for c in llm.run_until_done()] == [("polled", solo[PROMPTS[0]][:1])]
+    assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == [solo[p] for p in PROMPTS[:2]]
     llm.close()
+
+
+def test_an_output_processor_failure_raised_to_the_polling_caller_frees_the_ids(tiny_engine):
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
+    _fails_once_at(llm, "job")
+    llm.submit(PROMPTS[0], GREEDY, rid="job")
+    llm.submit(PROMPTS[1], GREEDY, rid="other")   # finishes in that step too: touched, ended
+    with pytest.raises(RuntimeError, match="^output processor broke$"):
+        llm.run_until_done()
+    assert llm.loop.open_rids() == set() and not llm.has_work()
+    llm.submit(PROMPTS[0], GREEDY, rid="job")   # was: ValueError, request id 'job' is already in use
+    assert [c.rid for c in llm.run_until_done()] == ["job"]
+    llm.close()
+
+
+class _BrokenReader:
+    """A reader whose ``put`` raises (at its first piece, or at a finished one); it records the
+    failures it is told of."""
+
+    def __init__(self, at_finish: bool):
+        self.at_finish, self.puts, self.failures = at_finish, 0, []
+
+    def put(self, index: int, pieces) -> None:
+        self.puts += 1
+        if pieces[-1].finished or not self.at_finish:
+            raise RuntimeError("reader broke")
+
+    def fail(self, error: Exception) -> None:
+        self.failures.append(str(error))
+
+
+@pytest.mark.parametrize("at_finish", [False, True], ids=["first-piece", "finished-piece"])
+def test_a_reader_whose_put_raises_ends_only_its_own_requests(llm, at_finish):
+    """Two requests of a broken reader and one of a generate() waiter run in the same steps and
+    finish in the same one: the broken reader is told once and both its requests end (ids
+    free); the waiter still gets its completion (it used to get the broken reader's error, or,
+    its completion taken out before the put that raised, wait forever)."""
+    from trtbuild.runtime.engine_loop import Sink
+    from trtbuild.runtime.waiters import CompletionWaiter
+
+    expected = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    broken, waiter = _BrokenReader(at_finish), CompletionWaiter(1)
+    request = llm.inputs.process(PROMPTS[0], GREEDY)
+    llm.loop.submit([("broken-0", request, Sink(broken, 0)), ("broken-1", request, Sink(broken, 1)),
+                     ("kept", request, Sink(waiter, 0))])
+    assert [c.token_ids for c in _waited(waiter)] == [expected]
+    assert broken.failures == ["reader broke"]   # told once, for both its requests
+    if not at_finish:
+        assert broken.puts == 1   # its other request's piece of that step was not put to it
+    assert _until_no_loop_thread() == [] and llm.loop.open_rids() == set() and not llm.scheduler.requests
+
+
+def test_a_request_the_core_refuses_ends_alone(llm, monkeypatch):
+    """The core refuses one request of a step's arrivals: that reader gets the error, the request
+    submitted with it runs to its end (it used to fail with it), and its id is free."""
+    from trtbuild.runtime.engine_loop import Sink
+    from trtbuild.runtime.waiters import CompletionWaiter
+
+    expected = llm.generate([PROMPTS[1]], GREEDY)[0].token_ids
+    add = llm.core.add
+
+    def refuses_one(request, constraint=None):
+        if request.rid == "refused":
+            raise ValueError("request refused: no room")
+        return add(request, constraint)
+
+    monkeypatch.setattr(llm.core, "add", refuses_one)
+    refused, kept = CompletionWaiter(1), CompletionWaiter(1)
+    llm.loop.submit([("refused", llm.inputs.process(PROMPTS[0], GREEDY), Sink(refused)),
+                     ("kept", llm.inputs.process(PROMPTS[1], GREEDY), Sink(kept))])   # arrive in one step
+    assert repr(_waited(refused)) == "ValueError('request refused: no room')"
+    assert [c.token_ids for c in _waited(kept)] == [expected]
+    assert _until_no_loop_thread() == [] and llm.loop.open_rids() == set()
+
+
+def test_generated_ids_never_take_a_callers_own(tiny_engine):
+    """A polled request holds "req-0" and "req-1", the ids the engine would give first:
+    generate(), stream() and an AsyncLLM stream still run (they used to raise "request id
+    'req-0' is already in use"), and the polled ones keep theirs."""
+    llm = LLM(tiny_engine, backend="onnxruntime", threads=2)
+    solo = LLM(tiny_engine, backend="onnxruntime")
+    expected = [solo.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]]
+    for rid in ("req-0", "req-1"):
+        llm.submit(PROMPTS[0], GREEDY, rid=rid)
+    assert llm.generate([PROMPTS[1]], GREEDY)[0].token_ids == expected[1]
+    assert [d for d in llm.stream(PROMPTS[2], GREEDY)][-1].completion.token_ids == expected[2]
+
+    async def streamed():
+        return [d async for d in AsyncLLM(llm).stream(PROMPTS[1], GREEDY)]
+
+    assert asyncio.run(asyncio.wait_for(streamed(), 60))[-1].completion.token_ids == expected[1]
+    assert [(c.rid, c.token_ids) for c in llm.run_until_done()] == [("req-0", expected[0]), ("req-1", expected[0])]
+    llm.close()
+
+
+def _waited(waiter, seconds: float = 60):
+    """What ``waiter.wait()`` returns or raises, failing the test if it is still waiting after ``seconds``."""
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(_outcome(waiter.wait)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "a reader was left waiting"
+    return done[0]
 
 
 def _outcome(fn, *args):

@@ -69,8 +69,23 @@ class EngineCore:
             self.constrained.add(request.rid)
 
     def abort(self, rid: str) -> None:
+        """Ends a request at the next step, which reports it finished ("abort"); unknown ids are ignored."""
         if rid in self.sampling:
             self.scheduler.finish(rid, "abort")
+
+    def drop(self, rids: set[str]) -> None:
+        """Ends these requests now and forgets them, wherever they are (waiting, running, finished
+        in a step that then failed): a failure ended them, and no step will report them. Their
+        slots free at the next schedule; unknown ids are ignored."""
+        for rid in rids:
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                self.scheduler.finish(rid, "abort")
+                del self.scheduler.requests[rid]
+            if self.sampling.pop(rid, None) is not None and self.speculation is not None \
+                    and self.speculation.host is not None:
+                self.speculation.host.close(rid, request.tokens if request is not None else [])
+            self.constrained.discard(rid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -8,13 +8,14 @@ once and at most ``max_waiting`` more wait for a thread; past that, ``submit`` r
 (``CompilerBusy``) instead of queueing work nobody bounds. A waiting compile's deadline starts
 when its thread picks it up, so a request is never refused as "too complex" for time it spent
 queued behind others. Equal constraints asked for while one compiles share that compile.
-Cache hits never touch the pool."""
+Cache hits never touch the pool. ``close()`` ends every waiter at once (``CompilePoolClosed``),
+queued or compiling, and later submits raise it."""
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from .compiler import CompiledConstraint, ConstraintCompiler
 from .constraint import Constraint, ConstraintError
@@ -30,6 +31,10 @@ class CompilerBusy(RuntimeError):
 
 class CompileTimeout(ConstraintError):
     """The constraint's compile ran past its deadline (it finishes in its thread, cached)."""
+
+
+class CompilePoolClosed(RuntimeError):
+    """The pool was closed (its LLM was) before the compile was asked for, or before it ended."""
 
 
 class CompileJob:
@@ -67,6 +72,7 @@ class CompilePool:
         self._threads = ThreadPoolExecutor(workers, "trtbuild-compile")
         self._lock = threading.Lock()
         self._jobs: dict[Constraint, CompileJob] = {}   # queued or running, until they end
+        self._closed = False
         self.refused = 0   # submits refused busy since start (the server's /metrics)
 
     @property
@@ -77,8 +83,11 @@ class CompilePool:
 
     def submit(self, constraint: Constraint) -> CompileJob:
         """The constraint's compile job: a new one, or the one already compiling it; raises
-        ``CompilerBusy`` when ``workers + max_waiting`` compiles are already pending."""
-        with self._lock:
+        ``CompilerBusy`` when ``workers + max_waiting`` compiles are already pending,
+        ``CompilePoolClosed`` once closed."""
+        with self._lock:   # held while the job is queued too: a close() between would strand it
+            if self._closed:
+                raise CompilePoolClosed("the constraint compile pool is closed")
             job = self._jobs.get(constraint)
             if job is not None:
                 return job
@@ -87,7 +96,7 @@ class CompilePool:
                 raise CompilerBusy(f"constraint compiler busy: {self.workers} compiling and {self.max_waiting} waiting; "
                                    "retry shortly")
             job = self._jobs[constraint] = CompileJob(constraint)
-        self._threads.submit(self._run, job)
+            self._threads.submit(self._run, job)
         return job
 
     async def compile(self, constraint: Constraint, timeout_s: float | None = None) -> CompiledConstraint:
@@ -99,23 +108,41 @@ class CompilePool:
         return await self.submit(constraint).wait(self.timeout_s if timeout_s is None else timeout_s)
 
     def close(self) -> None:
-        """Drops queued compiles (their waiters see them cancelled); running ones end in their threads."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """Ends every pending compile's waiters now with ``CompilePoolClosed`` (an exception, not
+        a cancellation, which an ``except Exception`` would miss): queued compiles never run, and
+        running ones end in their threads, their results cached for nobody waiting."""
+        closed = CompilePoolClosed("the constraint compile pool is closed")
         with self._lock:
+            self._closed = True
+            self._threads.shutdown(wait=False, cancel_futures=True)
             jobs, self._jobs = list(self._jobs.values()), {}
+            for job in jobs:   # under the lock: _run starts a job under it too
+                if not job.started.done():
+                    job.started.set_exception(closed)
         for job in jobs:
-            if job.started.cancel():   # False for a started job: its result still comes
-                job.result.cancel()
+            _settle(job.result, exception=closed)
 
     def _run(self, job: CompileJob) -> None:
-        if not job.started.set_running_or_notify_cancel():
-            return
-        job.started.set_result(time.monotonic())
+        with self._lock:
+            if job.started.done():   # the pool closed before a thread picked it up
+                return
+            job.started.set_result(time.monotonic())
         try:
-            job.result.set_result(self.compiler.compile(job.constraint))
+            _settle(job.result, result=self.compiler.compile(job.constraint))
         except BaseException as exc:  # noqa: BLE001  (every failure reaches the waiters)
-            job.result.set_exception(exc)
+            _settle(job.result, exception=exc)
         finally:
             with self._lock:
                 if self._jobs.get(job.constraint) is job:
                     del self._jobs[job.constraint]
+
+
+def _settle(future: Future, result=None, exception: BaseException | None = None) -> None:
+    """Sets the future's outcome unless it has one (the pool's close() may have set it first)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
