@@ -99,7 +99,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
-    \\b
+    \b
     Example:
       trtbuild serve build/tiny-code --port 8000
       curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
