@@ -7,6 +7,7 @@ inbox and readers are the engine loop's (runtime/engine_loop.py), its only calle
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -181,13 +182,16 @@ class EngineCore:
                     path = accept_typical(tree, tokens, walk, params.temperature)
                 else:  # a host chain: exact speculative sampling
                     path, rejected = accept_sampled_chain(tree, tokens, walk, sampler)
+                # A draft may run past the grammar's end (or into a token it refuses): cut there.
+                keep = walk.kept(path.nodes) if state.matcher is not None else len(path.nodes)
+                if keep < len(path.nodes):
+                    path, rejected = Accepted(path.nodes[:keep], path.tokens[:keep]), None
                 accepted[rid], node = path, path.last_node
                 if draft.source == Source.medusa:
                     spec.medusa.record(tree, path)
                 else:
                     spec.host.record(rid, draft.source, draft.probabilities, len(path.nodes))
                     spec.stats.count_row(draft.source.value, len(path.nodes))
-                state.accepted_tokens += len(path.nodes)
                 if params.logprobs:
                     state.logprobs += [sampler.logprob(logits[tree.parents[n]], tokens[n]) for n in path.nodes]
                 if params.logprobs and params.top_logprobs:
@@ -217,7 +221,10 @@ class EngineCore:
                 unmasked_greedy = tree is None or (params.greedy and state.matcher is None)
                 if tree is None or node == (node if unmasked_greedy else accept_greedy(tree, tokens, logits).last_node):
                     heads_at[rid] = out.medusa[row, 0]
-        self.scheduler.commit(step, sampled, accepted, on_token)
+        emitted = Counter(request.rid for request, _ in self.scheduler.commit(step, sampled, accepted, on_token))
+        for rid, path in accepted.items():
+            # Only the guesses committed: a row that ended on a path's token (eos, a stop string) took no more.
+            self.sampling[rid].accepted_tokens += min(len(path.nodes), emitted[rid])
         return heads_at
 
     def _greedy_run(self, step: Step, steps: int, on_token: TokenSink, interrupted: Callable[[], bool]) -> int:
