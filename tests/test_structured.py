@@ -125,6 +125,37 @@ def test_tree_walk_accepts_the_masked_argmax_and_rolls_back(compiler, tokenizer)
     assert not matcher.allowed()[0]                     # rolled back to the root: eos not yet allowed
 
 
+@pytest.mark.parametrize("rule", ["greedy", "typical", "sampled chain"])
+def test_a_draft_past_the_grammars_end_is_cut_there(compiler, tokenizer, rule):
+    """A chain drafting "c", "d", eos, "c" where the grammar (a choice of "cd") ends after "d",
+    the model agreeing all along: every acceptance rule (Medusa's greedy and typical, a host
+    chain's exact sampling) takes the eos the ended grammar allows, and the walk keeps "c", "d"
+    only. llguidance takes an eos after the end without counting it: taken into the matcher,
+    the rollback would undo one token too many and the commit would find the grammar broken."""
+    from trtbuild.runtime.core.sampling import Sampler
+    from trtbuild.runtime.speculation.chain import accept_sampled_chain, chain_tree
+    from trtbuild.runtime.speculation.medusa import accept_typical
+
+    c, d = tokenizer.token_to_id("c"), tokenizer.token_to_id("d")
+    tree, tokens = chain_tree(4), [d, c, d, 0, c]       # root, then nodes 1..4
+    logits = np.zeros((5, 4096), np.float32)            # [T, V]
+    for node, token in enumerate(tokens[1:]):
+        logits[node, token] = 30.0                      # each node's row: its child's token, by far
+    matcher = compiler.compile(Choice(("cd", "ab"))).matcher()
+    walk = TreeWalk(matcher, tree, tokens, logits)
+    if rule == "greedy":
+        path = accept_greedy(tree, tokens, walk)
+    elif rule == "typical":
+        path = accept_typical(tree, tokens, walk, temperature=1.0)
+    else:
+        path, _ = accept_sampled_chain(tree, tokens, walk, Sampler(SamplingParams(temperature=1.0, seed=0)))
+    assert path.nodes == (1, 2, 3)                      # the eos too: the masked row after "cd" allows only it
+    assert walk.kept(path.nodes) == 2
+    row = walk.finish(path.nodes[:2])
+    assert np.flatnonzero(np.isfinite(row)).tolist() == [0]     # after "cd": the grammar has ended
+    assert not matcher.advance(c) and matcher.advance(d)        # back at the root, in step with the commit
+
+
 # -- generation on the bundled model ----------------------------------------------------------------
 def _valid(constraint, text: str) -> bool:
     if isinstance(constraint, JsonSchema):

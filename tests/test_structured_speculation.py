@@ -96,15 +96,18 @@ def _accounted(used: dict, speculation: list[str]) -> None:
     assert accepted <= used["completion_tokens"] and (accepted == 0 or speculation)
 
 
+@pytest.mark.parametrize("stop", [None, "Paris"], ids=["no-stop", "stop-string"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("speculation", SOURCES, ids=lambda s: "+".join(s) or "none")
-def test_json_whose_draft_runs_past_its_end(server, speculation, stream):
-    """The completions case: the prompt holds the answer twice, each time followed by eos."""
+def test_json_whose_draft_runs_past_its_end(server, speculation, stream, stop):
+    """The completions case: the prompt holds the answer twice, each time followed by eos. A
+    stop string inside a verified draft ends the answer there, and the draft tokens after it
+    count as accepted nowhere (usage: never more accepted than completion tokens)."""
     body = {"model": "tiny", "prompt": f"{ANSWER}<|endoftext|>\n" * 2, "max_tokens": 40, "temperature": 0,
-            "speculation": speculation,
+            "speculation": speculation, "stop": stop,
             "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}}
     message, finish, used = _answer(server, "completions", body, stream)
-    assert (message["content"], finish) == (ANSWER, "stop")
+    assert (message["content"], finish) == (ANSWER if stop is None else '{"city": "', "stop")
     _accounted(used, speculation)
 
 
