@@ -98,6 +98,34 @@ def test_a_refused_token_fails_the_matcher_and_never_ends_it(compiler, tokenizer
     assert matcher.failed
 
 
+@pytest.mark.parametrize("constraint", [
+    JsonSchema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+    JsonSchema({"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                          "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}, "$ref": "#/$defs/a"}),
+    Grammar('start: ("a" start)'), Grammar('start: "x" rest\nrest: "ab" rest')],
+    ids=["self-recursive", "ref-cycle", "lark", "lark-rule"])
+def test_constraints_with_no_finite_text_are_refused(tokenizer, constraint):
+    """llguidance compiles these and fails mid-answer; the compiler refuses them, saying why."""
+    compiler = ConstraintCompiler(tokenizer, 4096, (0,), max_tokens=1024)
+    with pytest.raises(ConstraintError) as caught:
+        compiler.compile(constraint)
+    assert str(caught.value).startswith(f"{constraint.kind}: no text of under 1024 tokens (the engine's max_seq_len) "
+                                        "matches it: it forces at least ")
+    # Recursion that may end compiles: an optional property, a grammar with a way out.
+    for fine in (JsonSchema({"type": "object", "properties": {"a": {"$ref": "#"}}}), Grammar('start: "a" | "a" start')):
+        assert compiler.compile(fine).matcher().allowed().any()
+
+
+def test_a_grammar_that_fails_mid_answer_ends_as_length(llm, caplog):
+    """One that cannot be told in advance (no text forced at its start, then forced without end)
+    ends as "length", the text so far kept, llguidance's error logged: never as "abort"."""
+    grammar = Grammar('start: "qqqzzz" | "d" rest\nrest: "a" rest')
+    with caplog.at_level("WARNING", logger="trtbuild.runtime.core.engine_core"):
+        [out] = llm.generate(["def f(x):"], SamplingParams(max_tokens=20, constraint=grammar))
+    assert (out.text, out.finish_reason) == ("da", "length")
+    assert "its constraint failed after 2 tokens, ended as length: parser error: Too many items" in caplog.text
+
+
 @pytest.mark.parametrize("text", ['root ::= "yes" | "no"', 'start: "yes" | "no"'], ids=["gbnf", "lark"])
 def test_grammars_in_either_syntax(compiler, tokenizer, text):
     matcher = compiler.compile(Grammar(text)).matcher()

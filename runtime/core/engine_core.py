@@ -6,6 +6,7 @@ the ``on_token`` callback of ``step`` and may end a request there (a stop string
 inbox and readers are the engine loop's (runtime/engine_loop.py), its only caller."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,8 @@ from .sampling import Sampler
 from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
 from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 from ..structured import CompiledConstraint, GrammarMatcher, TreeWalk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,13 +125,18 @@ class EngineCore:
 
     def _grammar_sink(self, on_token: TokenSink) -> TokenSink:
         """``on_token`` after advancing the request's grammar: a token that ends the grammar
-        finishes the request ("stop") before the output processor sees it; a token the grammar
-        refused (its matcher failed) ends it as "abort", never as a successful stop."""
+        finishes the request ("stop") before the output processor sees it. A grammar that fails
+        (llguidance's limits, met by a grammar that cannot end: its matcher refuses what comes
+        next) ends it as "length", the text cut short, logged with llguidance's error: never as
+        a successful stop, nor as "abort", which is a client's."""
         def sink(request: Request, token: int) -> bool:
             matcher = self.sampling[request.rid].matcher
             if matcher is not None:
                 ended = matcher.advance(token)
-                reason = "abort" if matcher.failed else "stop" if ended else None
+                reason = "length" if matcher.failed else "stop" if ended else None
+                if matcher.failed:
+                    log.warning("request %s: its constraint failed after %d tokens, ended as length: %s",
+                                request.rid, len(request.output), matcher.error)
                 if reason is not None:
                     self.scheduler.end_at_token(request.rid, reason)
             return on_token(request, token)
