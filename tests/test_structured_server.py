@@ -221,6 +221,22 @@ def test_tool_calls_whole_and_streamed(client, tool_choice):
         assert choice.finish_reason == "tool_calls" and _checked_call(choice.message)[0] in PARAMETERS
 
 
+@pytest.mark.parametrize("cut, finish", [({"stop": ['"b"']}, "stop"), ({"max_tokens": 12}, "length")],
+                         ids=["stop-string", "max-tokens"])
+def test_a_cut_call_is_content_streamed_as_whole(client, cut, finish):
+    """A call cut by a stop string or max_tokens is no call: its text comes back as content with
+    that finish_reason, and a stream says exactly that (no tool_calls deltas of a broken call)."""
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "What is 2 plus 3?"}], tools=TOOLS,
+               tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, **{"max_tokens": 60, **cut})
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == finish and whole.message.tool_calls is None
+    assert whole.message.content.startswith('{"name": "add", "arguments": {') and '"b"' not in whole.message.content
+    chunks = [chunk.choices[0] for chunk in client.chat.completions.create(**ask, stream=True) if chunk.choices]
+    assert not any(c.delta.tool_calls for c in chunks)
+    assert "".join(c.delta.content or "" for c in chunks) == whole.message.content
+    assert [c.finish_reason for c in chunks if c.finish_reason] == [finish]
+
+
 def test_tool_choice_none_ignores_the_tools_and_bad_tools_are_400(server, client):
     messages = [{"role": "user", "content": "x"}]
     free = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",
