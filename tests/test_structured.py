@@ -221,7 +221,7 @@ def test_greedy_constrained_output_is_the_same_on_every_path(tiny_engine, llm):
     from trtbuild.runtime.llm import LLM
 
     constrained = [SamplingParams(max_tokens=60, constraint=c) for c in (JsonSchema(SCHEMA), Regex(REGEX))]
-    free = SamplingParams(max_tokens=30, ignore_eos=True)
+    free = SamplingParams(max_tokens=90, ignore_eos=True)   # outlives the constrained rows: runs follow them
     prompts = [LONG_PROMPT, "def f(x):"]
     alone = [llm.generate([p], c)[0] for p, c in zip(prompts, constrained)]
     free_alone = llm.generate(["class A:"], free)[0].token_ids
@@ -230,10 +230,16 @@ def test_greedy_constrained_output_is_the_same_on_every_path(tiny_engine, llm):
     assert list(json.loads(alone[0].text)) == ["name", "kind", "size"]   # the schema's order
     for multi_step in (1, 4):
         runner = llm if multi_step == 1 else LLM(tiny_engine, backend="onnxruntime", multi_step=4)
+        runs = runner.stats.greedy_runs
         mixed = runner.generate([prompts[0], "class A:", prompts[1]], [constrained[0], free, constrained[1]])
         assert [m.token_ids for m in (mixed[0], mixed[2])] == [o.token_ids for o in alone]
         assert mixed[1].token_ids == free_alone
-    assert runner.generate(["class A:"], free)[0].token_ids == free_alone and runner.stats.greedy_runs > 0
+        # The same generate ran multi-step runs (the free row, once the constrained ones ended) ...
+        assert (runner.stats.greedy_runs > runs) == (multi_step > 1)
+    # ... and never with a constrained row in flight: runs take the raw argmax, which no mask touches.
+    runs = runner.stats.greedy_runs
+    assert [o.token_ids for o in runner.generate(prompts, constrained)] == [o.token_ids for o in alone]
+    assert runner.stats.greedy_runs == runs
 
 
 def test_medusa_acceptance_follows_the_grammar(medusa_engine):
