@@ -85,7 +85,8 @@ class LLM:
         except CheckpointError as exc:
             raise EngineDirError(str(exc)) from None
         # Constraints compile (cached) where a request is checked: the caller's thread, never a step.
-        self.constraints = ConstraintCompiler(self.tokenizer, d.vocab_size, d.eos_token_ids())
+        self.constraints = ConstraintCompiler(self.tokenizer, d.vocab_size, d.eos_token_ids(),
+                                              max_tokens=d.max_seq_len)
         # What event loops compile through (AsyncLLM, the server): a few threads, bounded waits.
         self.compile_pool = CompilePool(self.constraints)
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)

@@ -167,7 +167,8 @@ def test_max_queue_holds_for_a_burst_and_refuses_what_can_never_fit(server):
     ("stream", 1), ("seed", -1), ("seed", True), ("stop_token_ids", [4096]), ("stop_token_ids", list(range(65))),
     ("stop_token_ids", ["1"]), ("n", "2"), ("logprobs", True), ("echo", True), ("frequency_penalty", 0.5),
     ("logit_bias", {"1": 5}), ("best_of", 2), ("suffix", "x"), ("prompt", []), ("prompt", [[]]), ("prompt", ""),
-    ("prompt", [1, "a"]), ("stop", ["x" * 300]),
+    ("prompt", [1, "a"]), ("stop", ["x" * 300]), ("top_k", -2),
+    ("stream_options", {"include_usage": True}),   # without stream: true it would be dropped
 ])
 def test_fields_are_strictly_typed_and_ranged(server, field, value):
     body = {"model": "tiny", "prompt": "x = ", "max_tokens": 2, field: value}
@@ -187,6 +188,25 @@ def test_neutral_openai_fields_and_exact_types_are_accepted(server):
     chat = httpx.post(f"{server.base}/v1/chat/completions", headers=AUTH, json={
         "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     assert chat.status_code == 400 and chat.json()["error"]["param"].startswith("messages.0.content")
+
+
+def test_top_k_minus_one_is_off_as_vllm_reads_it(server):
+    body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    answers = [httpx.post(f"{server.base}/v1/completions", headers=AUTH, json={**body, "top_k": k}) for k in (-1, 0)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+
+
+def test_a_body_nested_too_deep_says_the_limit(server):
+    """A schema 100 properties deep (over 200 levels of objects in the body) is over the JSON parser's depth:
+    the 400 says so, not that the body is not JSON."""
+    schema: dict = {"type": "string"}
+    for _ in range(100):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "structured_outputs": {"json": schema}}
+    error = _openai_shaped(httpx.post(f"{server.base}/v1/completions", headers=AUTH, json=body), 400)
+    assert error["code"] == "body_too_deep" and error["message"] == (
+        "the body nests objects and arrays over 200 levels below its top level (this server's JSON parser's limit)")
 
 
 def _openai_shaped(response: httpx.Response, status: int) -> dict:

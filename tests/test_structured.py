@@ -98,6 +98,34 @@ def test_a_refused_token_fails_the_matcher_and_never_ends_it(compiler, tokenizer
     assert matcher.failed
 
 
+@pytest.mark.parametrize("constraint", [
+    JsonSchema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+    JsonSchema({"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                          "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}, "$ref": "#/$defs/a"}),
+    Grammar('start: ("a" start)'), Grammar('start: "x" rest\nrest: "ab" rest')],
+    ids=["self-recursive", "ref-cycle", "lark", "lark-rule"])
+def test_constraints_with_no_finite_text_are_refused(tokenizer, constraint):
+    """llguidance compiles these and fails mid-answer; the compiler refuses them, saying why."""
+    compiler = ConstraintCompiler(tokenizer, 4096, (0,), max_tokens=1024)
+    with pytest.raises(ConstraintError) as caught:
+        compiler.compile(constraint)
+    assert str(caught.value).startswith(f"{constraint.kind}: no text of under 1024 tokens (the engine's max_seq_len) "
+                                        "matches it: it forces at least ")
+    # Recursion that may end compiles: an optional property, a grammar with a way out.
+    for fine in (JsonSchema({"type": "object", "properties": {"a": {"$ref": "#"}}}), Grammar('start: "a" | "a" start')):
+        assert compiler.compile(fine).matcher().allowed().any()
+
+
+def test_a_grammar_that_fails_mid_answer_ends_as_length(llm, caplog):
+    """One that cannot be told in advance (no text forced at its start, then forced without end)
+    ends as "length", the text so far kept, llguidance's error logged: never as "abort"."""
+    grammar = Grammar('start: "qqqzzz" | "d" rest\nrest: "a" rest')
+    with caplog.at_level("WARNING", logger="trtbuild.runtime.core.engine_core"):
+        [out] = llm.generate(["def f(x):"], SamplingParams(max_tokens=20, constraint=grammar))
+    assert (out.text, out.finish_reason) == ("da", "length")
+    assert "its constraint failed after 2 tokens, ended as length: parser error: Too many items" in caplog.text
+
+
 @pytest.mark.parametrize("text", ['root ::= "yes" | "no"', 'start: "yes" | "no"'], ids=["gbnf", "lark"])
 def test_grammars_in_either_syntax(compiler, tokenizer, text):
     matcher = compiler.compile(Grammar(text)).matcher()
@@ -123,6 +151,35 @@ def test_tree_walk_accepts_the_masked_argmax_and_rolls_back(compiler, tokenizer)
     row = walk.finish(path.nodes)                       # the row after "7", masked: "5" or eos may follow
     assert int(np.argmax(row)) == five and np.isfinite(row[0]) and np.isneginf(row[letter])
     assert not matcher.allowed()[0]                     # rolled back to the root: eos not yet allowed
+
+
+@pytest.mark.parametrize("rule", ["greedy", "sampled"])
+def test_a_draft_past_the_grammars_end_is_cut_there(compiler, tokenizer, rule):
+    """A chain drafting "c", "d", eos, "c" where the grammar (a choice of "cd") ends after "d",
+    the model agreeing all along: every acceptance rule (greedy, and the seeded exact sampling every
+    source's sampled rows use) takes the eos the ended grammar allows, and the walk keeps "c", "d"
+    only. llguidance takes an eos after the end without counting it: taken into the matcher,
+    the rollback would undo one token too many and the commit would find the grammar broken."""
+    from trtbuild.runtime.core.sampling import Sampler
+    from trtbuild.runtime.speculation.chain import chain_tree
+    from trtbuild.runtime.speculation.medusa import accept_sampled
+
+    c, d = tokenizer.token_to_id("c"), tokenizer.token_to_id("d")
+    tree, tokens = chain_tree(4), [d, c, d, 0, c]       # root, then nodes 1..4
+    logits = np.zeros((5, 4096), np.float32)            # [T, V]
+    for node, token in enumerate(tokens[1:]):
+        logits[node, token] = 30.0                      # each node's row: its child's token, by far
+    matcher = compiler.compile(Choice(("cd", "ab"))).matcher()
+    walk = TreeWalk(matcher, tree, tokens, logits)
+    if rule == "greedy":
+        path = accept_greedy(tree, tokens, walk)
+    else:
+        path = accept_sampled(tree, tokens, walk, Sampler(SamplingParams(temperature=1.0, seed=0)), position=0)
+    assert path.nodes == (1, 2, 3)                      # the eos too: the masked row after "cd" allows only it
+    assert walk.kept(path.nodes) == 2
+    row = walk.finish(path.nodes[:2])
+    assert np.flatnonzero(np.isfinite(row)).tolist() == [0]     # after "cd": the grammar has ended
+    assert not matcher.advance(c) and matcher.advance(d)        # back at the root, in step with the commit
 
 
 # -- generation on the bundled model ----------------------------------------------------------------
@@ -162,7 +219,7 @@ def test_greedy_constrained_output_is_the_same_on_every_path(tiny_engine, llm):
     from trtbuild.runtime.llm import LLM
 
     constrained = [SamplingParams(max_tokens=60, constraint=c) for c in (JsonSchema(SCHEMA), Regex(REGEX))]
-    free = SamplingParams(max_tokens=30, ignore_eos=True)
+    free = SamplingParams(max_tokens=90, ignore_eos=True)   # outlives the constrained rows: runs follow them
     prompts = [LONG_PROMPT, "def f(x):"]
     alone = [llm.generate([p], c)[0] for p, c in zip(prompts, constrained)]
     free_alone = llm.generate(["class A:"], free)[0].token_ids
@@ -171,10 +228,16 @@ def test_greedy_constrained_output_is_the_same_on_every_path(tiny_engine, llm):
     assert list(json.loads(alone[0].text)) == ["name", "kind", "size"]   # the schema's order
     for multi_step in (1, 4):
         runner = llm if multi_step == 1 else LLM(tiny_engine, backend="onnxruntime", multi_step=4)
+        runs = runner.stats.greedy_runs
         mixed = runner.generate([prompts[0], "class A:", prompts[1]], [constrained[0], free, constrained[1]])
         assert [m.token_ids for m in (mixed[0], mixed[2])] == [o.token_ids for o in alone]
         assert mixed[1].token_ids == free_alone
-    assert runner.generate(["class A:"], free)[0].token_ids == free_alone and runner.stats.greedy_runs > 0
+        # The same generate ran multi-step runs (the free row, once the constrained ones ended) ...
+        assert (runner.stats.greedy_runs > runs) == (multi_step > 1)
+    # ... and never with a constrained row in flight: runs take the raw argmax, which no mask touches.
+    runs = runner.stats.greedy_runs
+    assert [o.token_ids for o in runner.generate(prompts, constrained)] == [o.token_ids for o in alone]
+    assert runner.stats.greedy_runs == runs
 
 
 def test_medusa_acceptance_follows_the_grammar(medusa_engine):

@@ -81,6 +81,32 @@ def test_bad_constraints_are_400_naming_the_field(server, extra, param):
     assert error["param"] == param and error["message"].startswith(param + ":"), error
 
 
+SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+CYCLE = {"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                   "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}},
+         "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("extra, param, kind", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF}}},
+     "response_format.json_schema.schema", "json schema"),
+    ({"structured_outputs": {"json": CYCLE}}, "structured_outputs.json", "json schema"),
+    ({"structured_outputs": {"grammar": 'start: ("a" start)'}}, "structured_outputs.grammar", "grammar"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": SELF}}], "tool_choice": "required"},
+     "tools", "json schema"),
+], ids=["self-recursive", "ref-cycle", "grammar", "tool"])
+def test_constraints_no_finite_text_matches_are_400(server, extra, param, kind):
+    """A constraint whose every text is infinite is refused when it compiles, saying why, rather
+    than generating until llguidance gives up mid-answer."""
+    response = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30,
+                          json={"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: {kind}: no text of under 1024 tokens (the engine's max_seq_len) "
+                                       "matches it: it forces at least "), error
+
+
 def _slow_schema(variant: int) -> dict:
     """SLOW_SCHEMA's size, its values different per variant (a compile each: no cache hit, no sharing)."""
     return {"enum": [f"value-{i}-{(i * 7919 + variant) % 10007}" for i in range(60_000)]}
@@ -193,6 +219,22 @@ def test_tool_calls_whole_and_streamed(client, tool_choice):
     sampled = client.chat.completions.create(**{**ask, "temperature": 1.0, "seed": 3, "n": 4})
     for choice in sampled.choices:
         assert choice.finish_reason == "tool_calls" and _checked_call(choice.message)[0] in PARAMETERS
+
+
+@pytest.mark.parametrize("cut, finish", [({"stop": ['"b"']}, "stop"), ({"max_tokens": 12}, "length")],
+                         ids=["stop-string", "max-tokens"])
+def test_a_cut_call_is_content_streamed_as_whole(client, cut, finish):
+    """A call cut by a stop string or max_tokens is no call: its text comes back as content with
+    that finish_reason, and a stream says exactly that (no tool_calls deltas of a broken call)."""
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "What is 2 plus 3?"}], tools=TOOLS,
+               tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, **{"max_tokens": 60, **cut})
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == finish and whole.message.tool_calls is None
+    assert whole.message.content.startswith('{"name": "add", "arguments": {') and '"b"' not in whole.message.content
+    chunks = [chunk.choices[0] for chunk in client.chat.completions.create(**ask, stream=True) if chunk.choices]
+    assert not any(c.delta.tool_calls for c in chunks)
+    assert "".join(c.delta.content or "" for c in chunks) == whole.message.content
+    assert [c.finish_reason for c in chunks if c.finish_reason] == [finish]
 
 
 def test_tool_choice_none_ignores_the_tools_and_bad_tools_are_400(server, client):

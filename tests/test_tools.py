@@ -1,6 +1,6 @@
 """Function tools (runtime/server/tools.py, tool_calls.py): what tools and tool_choice ask for,
 the call's grammar (references inside a tool's parameters still resolve), and a call's text
-turned into OpenAI's tool_calls, whole and streamed piece by piece."""
+turned into OpenAI's tool_calls, whole and streamed (only a whole call is one)."""
 from __future__ import annotations
 
 import json
@@ -100,6 +100,31 @@ def test_a_streamed_call_joins_to_the_whole_one(size):
     assert all(c["index"] == 0 for c in calls) and all("id" not in c for c in calls[1:])
     arguments = "".join(c["function"]["arguments"] for c in calls)
     assert arguments == json.dumps({"city": "Oslo", "unit": "c"})
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", "length"])
+def test_only_a_whole_call_is_a_call_streamed_exactly_as_whole(finish_reason):
+    """Whatever ended the answer (its grammar, max_tokens, a stop string: each says "stop" or
+    "length"), it is a call only when its text is the whole call; a cut one is content with its
+    finish_reason. Streamed in any pieces, the answer is the same."""
+    for cut in range(len(CALL) + 1):
+        text = CALL[:cut]
+        message, finish = tool_call(text, finish_reason)
+        if cut == len(CALL):
+            assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"])
+        else:
+            assert (message, finish) == ({"role": "assistant", "content": text}, finish_reason)
+        for size in (1, 5, len(CALL)):
+            stream = ToolCallStream()
+            deltas = [d for start in range(0, len(text), size) for d in stream.feed(text[start:start + size])]
+            last, streamed_finish = stream.finish(finish_reason)
+            content = "".join(d.get("content", "") for d in deltas + last)
+            calls = [c for d in deltas + last for c in d.get("tool_calls", [])]
+            assert streamed_finish == finish
+            if finish == "tool_calls":
+                assert not content and [c["function"] for c in calls] == [message["tool_calls"][0]["function"]]
+            else:
+                assert content == text and not calls
 
 
 def test_a_stream_cut_before_its_call_began_is_content():

@@ -6,7 +6,9 @@ the ``on_token`` callback of ``step`` and may end a request there (a stop string
 inbox and readers are the engine loop's (runtime/engine_loop.py), its only caller."""
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -20,6 +22,8 @@ from .sampling import Sampler
 from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
 from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 from ..structured import CompiledConstraint, GrammarMatcher, TreeWalk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,13 +140,18 @@ class EngineCore:
 
     def _grammar_sink(self, on_token: TokenSink) -> TokenSink:
         """``on_token`` after advancing the request's grammar: a token that ends the grammar
-        finishes the request ("stop") before the output processor sees it; a token the grammar
-        refused (its matcher failed) ends it as "abort", never as a successful stop."""
+        finishes the request ("stop") before the output processor sees it. A grammar that fails
+        (llguidance's limits, met by a grammar that cannot end: its matcher refuses what comes
+        next) ends it as "length", the text cut short, logged with llguidance's error: never as
+        a successful stop, nor as "abort", which is a client's."""
         def sink(request: Request, token: int) -> bool:
             matcher = self.sampling[request.rid].matcher
             if matcher is not None:
                 ended = matcher.advance(token)
-                reason = "abort" if matcher.failed else "stop" if ended else None
+                reason = "length" if matcher.failed else "stop" if ended else None
+                if matcher.failed:
+                    log.warning("request %s: its constraint failed after %d tokens, ended as length: %s",
+                                request.rid, len(request.output), matcher.error)
                 if reason is not None:
                     self.scheduler.end_at_token(request.rid, reason)
             return on_token(request, token)
@@ -195,6 +204,10 @@ class EngineCore:
                     path = accept_greedy(tree, tokens, walk)
                 else:  # any source: exact speculative sampling, from the seeded per-position draws
                     path = accept_sampled(tree, tokens, walk, sampler, position)
+                # A draft may run past the grammar's end (or into a token it refuses): cut there.
+                keep = walk.kept(path.nodes) if state.matcher is not None else len(path.nodes)
+                if keep < len(path.nodes):
+                    path = Accepted(path.nodes[:keep], path.tokens[:keep])
                 accepted[rid], node = path, path.last_node
                 position += len(path.nodes)  # the sampled token follows the accepted ones
                 if draft.source == Source.medusa:
@@ -202,7 +215,6 @@ class EngineCore:
                 else:
                     spec.host.record(rid, draft.source, draft.probabilities, len(path.nodes))
                     spec.stats.count_row(draft.source.value, len(path.nodes))
-                state.accepted_tokens += len(path.nodes)
                 if params.logprobs:
                     state.logprobs += [sampler.logprob(logits[tree.parents[n]], tokens[n]) for n in path.nodes]
                 if params.logprobs and params.top_logprobs:
@@ -232,7 +244,10 @@ class EngineCore:
                 unmasked_greedy = tree is None or (params.greedy and state.matcher is None)
                 if tree is None or node == (node if unmasked_greedy else accept_greedy(tree, tokens, logits).last_node):
                     heads_at[rid] = out.medusa[row, 0]
-        self.scheduler.commit(step, sampled, accepted, on_token)
+        emitted = Counter(request.rid for request, _ in self.scheduler.commit(step, sampled, accepted, on_token))
+        for rid, path in accepted.items():
+            # Only the guesses committed: a row that ended on a path's token (eos, a stop string) took no more.
+            self.sampling[rid].accepted_tokens += min(len(path.nodes), emitted[rid])
         return heads_at
 
     def _greedy_run(self, step: Step, steps: int, on_token: TokenSink, interrupted: Callable[[], bool]) -> int:

@@ -258,8 +258,9 @@ def _chunk_choice(index: int, delta, finish: str | None, prepared: Prepared) -> 
 
 
 def _tool_chunks(calls: ToolCallStream, index: int, delta, prepared: Prepared) -> list[dict]:
-    """A tool-calling choice's chunk choices for one delta: its call's pieces (the openai client
-    joins them), the delta's logprobs with the first, the finish reason with the last."""
+    """A tool-calling choice's chunk choices for one delta: the answer as ``ToolCallStream`` gives
+    it (the whole call, or the text as content, at the end), the delta's logprobs with the first,
+    the finish reason with the last."""
     pieces = calls.feed(delta.text)
     finish = None
     if delta.finished:

@@ -148,7 +148,7 @@ class Inputs:
             raise ApiError(400, f"speculation: {body.speculation!r}; valid: a list of "
                                 f"{', '.join(s.value for s in Source)} ([] for none)", param="speculation") from None
         try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
                                     seed=None if body.seed is None else body.seed + index, stop=tuple(body.stop or ()),
                                     stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
                                     logprobs=logprobs, top_logprobs=alternatives if logprobs else 0,

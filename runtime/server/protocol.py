@@ -16,6 +16,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+MAX_JSON_DEPTH = 200   # pydantic's JSON parser (jiter) refuses a body nested deeper, below its top level
 
 # OpenAI fields with no implementation here, and the values that ask for nothing (accepted, so
 # clients that always send them work). Any other value is refused naming the field.
@@ -60,7 +61,7 @@ class SamplingRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1)   # 0 and -1 (vLLM's "disabled"): every token
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field([], max_length=MAX_STOP_TOKEN_IDS)
@@ -95,7 +96,11 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def unsupported(self) -> ApiError | None:
-        """The first OpenAI field sent with a value that asks for something not implemented."""
+        """The first OpenAI field sent with a value that asks for something not implemented, or
+        that would be silently dropped (``stream_options`` without ``stream``)."""
+        if self.stream_options is not None and not self.stream:
+            return ApiError(400, "stream_options: only with stream: true (send both, or leave stream_options out)",
+                            param="stream_options", code="unsupported_parameter")
         for name, value in (self.model_extra or {}).items():
             if name in GUIDED and value is not None:
                 return ApiError(400, f"{name}: not read by this server; send the constraint as structured_outputs "
@@ -174,6 +179,10 @@ def parse(raw: bytes, kind: type[SamplingRequest]) -> SamplingRequest:
         return kind.model_validate_json(raw)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid" and "recursion limit exceeded" in err["msg"]:
+            raise ApiError(400, f"the body nests objects and arrays over {MAX_JSON_DEPTH} levels below its top "
+                                "level (this server's JSON parser's limit)",
+                           code="body_too_deep") from None
         if err["type"] == "json_invalid":
             raise ApiError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
         # Union members add their type name to the location (prompt.list[int].0): drop those.

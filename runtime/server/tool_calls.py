@@ -1,9 +1,12 @@
 """A constrained tool call's text → OpenAI's ``tool_calls``, whole or streamed.
 
 The grammar (runtime/server/tools.py) makes the text ``{"name": "<name>", "arguments": <JSON>}``
-in that key order; ``arguments`` goes out as the exact JSON text the model wrote. A call cut
-short (``length``, or an abort) is no call: its text comes back as ``content`` with that
-finish_reason, as OpenAI's own truncated answers do."""
+in that key order; ``arguments`` goes out as the exact JSON text the model wrote. An answer is
+a call only when its text is one whole call, complete JSON, whatever ended it: one cut short
+(max_tokens, a stop string, a grammar that failed) is no call, and its text comes back as
+``content`` with its finish_reason, as OpenAI's own truncated answers do. Streamed, the call is
+held back until the answer ends (only then is it known to be whole), so a stream says exactly
+what the whole answer says."""
 from __future__ import annotations
 
 import json
@@ -19,58 +22,46 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_call(text: str, finish_reason: str) -> tuple[dict, str]:
-    """The assistant message and finish_reason for a whole answer."""
+def whole_call(text: str) -> dict | None:
+    """The call's ``function`` (its name and arguments' JSON text) when ``text`` is one whole
+    call; None for anything else (cut short, not a call)."""
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
     head = HEAD.match(text)
-    if finish_reason != "stop" or head is None:
+    if (head is None or not isinstance(call, dict) or list(call) != ["name", "arguments"]
+            or not isinstance(call["name"], str) or not isinstance(call["arguments"], dict)):
+        return None
+    # What follows the head, less the call's closing brace: the arguments as the model wrote them.
+    return {"name": call["name"], "arguments": text[head.end():].rstrip()[:-1].rstrip()}
+
+
+def tool_call(text: str, finish_reason: str, id_: str | None = None) -> tuple[dict, str]:
+    """The assistant message and finish_reason for a whole answer."""
+    function = whole_call(text)
+    if function is None:
         return {"role": "assistant", "content": text}, finish_reason
-    function = {"name": json.loads(head.group(1)), "arguments": _arguments(text, head.end())}
     return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": call_id(), "type": "function", "function": function}]}, "tool_calls"
-
-
-def _arguments(text: str, start: int) -> str:
-    """The arguments' JSON text: what follows the head, less the call's closing brace."""
-    return text[start:].rstrip()[:-1].rstrip()
+            "tool_calls": [{"id": id_ or call_id(), "type": "function", "function": function}]}, "tool_calls"
 
 
 class ToolCallStream:
-    """One choice's streamed call: ``feed`` each delta's text, ``finish`` at the end; each gives
-    the chunk deltas to send (``{"tool_calls": [...]}`` pieces the openai client joins: the id,
-    type and name first, then the arguments text in order)."""
+    """One choice's streamed answer: ``feed`` each delta's text (nothing goes out yet),
+    ``finish`` at the end: the chunk deltas to send, as ``tool_call`` reads the whole text
+    (one ``{"tool_calls": [...]}`` delta with the whole call, or the text as ``content``)."""
 
     def __init__(self):
-        self.text, self.sent = "", None   # sent: the index in text up to which arguments went out
+        self.text = ""
         self.id = call_id()
 
     def feed(self, text: str) -> list[dict]:
         self.text += text
-        deltas = []
-        if self.sent is None:
-            head = HEAD.match(self.text)
-            if head is None:
-                return []
-            self.sent = head.end()
-            deltas.append(self._delta({"name": json.loads(head.group(1)), "arguments": ""}, opening=True))
-        # Hold back the last non-blank character: it may be the call's closing brace.
-        end = len(self.text.rstrip()) - 1
-        if end > self.sent:
-            deltas.append(self._delta({"arguments": self.text[self.sent:end]}))
-            self.sent = end
-        return deltas
+        return []
 
     def finish(self, finish_reason: str) -> tuple[list[dict], str]:
         """The last deltas and the choice's finish_reason ("tool_calls" for a whole call)."""
-        if self.sent is None:   # no call began: what came is plain content
-            return ([{"content": self.text}] if self.text else []), finish_reason
-        if finish_reason != "stop":   # cut short: the arguments so far, as they are
-            rest = self.text[self.sent:]
-            return ([self._delta({"arguments": rest})] if rest else []), finish_reason
-        arguments_end = self.sent + len(_arguments(self.text[self.sent:], 0))
-        rest = self.text[self.sent:arguments_end]
-        return ([self._delta({"arguments": rest})] if rest else []), "tool_calls"
-
-    def _delta(self, function: dict, opening: bool = False) -> dict:
-        call = {"index": 0, "id": self.id, "type": "function", "function": function} if opening else \
-            {"index": 0, "function": function}
-        return {"tool_calls": [call]}
+        message, finish = tool_call(self.text, finish_reason, self.id)
+        if message["content"] is not None:
+            return ([{"content": message["content"]}] if message["content"] else []), finish
+        return [{"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}], finish

@@ -36,8 +36,12 @@ class ConstraintCompiler:
     """Compiles constraints for one tokenizer (a ``tokenizers.Tokenizer``) whose logits rows are
     ``vocab_size`` wide (the engine's; ids past the tokenizer's are never allowed). Thread-safe."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = CACHE_SIZE,
+                 max_tokens: int | None = None):
+        """``max_tokens``: the longest text a request can hold (the engine's max_seq_len); a
+        constraint that forces more tokens than that before it can end is refused."""
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, tuple(eos_token_ids)
+        self.max_tokens = max_tokens
         self.cache_size = cache_size
         self._llg_tokenizer = None
         self._cache: OrderedDict[Constraint, CompiledConstraint] = OrderedDict()
@@ -78,7 +82,27 @@ class ConstraintCompiler:
         matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"{constraint.kind}: {first_line(ConstraintError(matcher.get_error()))}")
+        self._check_finite(constraint, matcher)
         return CompiledConstraint(constraint, matcher, self.vocab_size)
+
+    def _check_finite(self, constraint: Constraint, matcher) -> None:
+        """Refuses a constraint no answer can complete. llguidance compiles a grammar with no
+        finite text (a required property whose schema is its own, a $ref cycle, ``start: "a"
+        start``) without complaint, then fails mid-answer; such a grammar forces its text on and
+        on from the start, so the tokens it forces there (llguidance stops counting at its own
+        limit, over 10000) are checked against the longest answer this engine can hold. One that
+        branches forever without forcing anything runs to max_tokens ("length")."""
+        if self.max_tokens is None:
+            return
+        probe = matcher.deep_copy()
+        forced = len(probe.compute_ff_tokens())
+        if probe.is_error():
+            raise ConstraintError(f"{constraint.kind}: {first_line(ConstraintError(probe.get_error()))}")
+        if forced >= self.max_tokens:
+            raise ConstraintError(f"{constraint.kind}: no text of under {self.max_tokens} tokens (the engine's "
+                                  f"max_seq_len) matches it: it forces at least {forced} tokens "
+                                  "before it can end (a required property, item or rule that contains "
+                                  "itself has no finite text)")
 
     def _tokenizer(self):
         with self._lock:
