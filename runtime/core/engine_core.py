@@ -18,7 +18,7 @@ from ..speculation.speculation import Speculation
 from ..speculation.step_times import Context
 from .sampling import Sampler
 from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
-from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
+from .step import CopySlot, Discard, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 from ..structured import CompiledConstraint, GrammarMatcher, TreeWalk
 
 
@@ -303,4 +303,6 @@ class EngineCore:
                 self.engine.load_block(op.block, op.slot, op.index)
             elif isinstance(op, KeepPath):
                 self.engine.keep_path(op.slot, op.start, op.nodes)
+            elif isinstance(op, Discard):
+                self.engine.discard(op.slots, op.blocks)
 
