@@ -116,6 +116,8 @@ class EngineCore:
                 self.speculation.host.close(request.rid, request.tokens)
         if self.constrained:
             self.constrained.difference_update(r.rid for r, _ in finished)
+        if not self.scheduler.has_work():
+            self._apply(Plan(self.scheduler.flush(), None))
         self.stats.loop_s += time.perf_counter() - start
         return finished
 

@@ -191,6 +191,13 @@ class Scheduler:
         ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
         return Plan(ops=ops, step=step)
 
+    def flush(self) -> list[CacheOp]:
+        """With nothing left to run: the pending cache operations (the last requests' slots to
+        discard), so an idle engine holds no row's pages."""
+        self._discard()
+        ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
+        return ops
+
     def _next_step(self) -> Step | None:
         decode_first = self.slots.num_decoding and (not self.slots.prefilling()
                                                      or self._last_kind == StepKind.prefill)  # alternate
