@@ -11,6 +11,7 @@ from trtbuild.runtime.core.kv_budget import kv_bytes_per_token
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.engine_dir import load
 from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.server.metrics import Metrics
 from trtbuild.runtime.speculation.host import SpeculationMode
 from trtbuild.runtime.structured import JsonSchema, Regex
 
@@ -87,6 +88,13 @@ def test_a_shared_prefix_is_served_from_the_same_cached_blocks(tiny_engine):
         done.update({c.rid: c for c in llm.run_until_done()})
         assert (kv.stats.hits, done[b].cached_tokens, done[a].cached_tokens) == (2, 32, 0)
         assert [done[a].token_ids, done[b].token_ids] == transformers_greedy(TINY_CODE, [first, second], 12)
+        metrics = Metrics()                                   # what the server's /metrics shows
+        metrics.observe_engine(llm)
+        samples = {line.split()[0]: float(line.split()[1]) for line in metrics.text().decode().splitlines()
+                   if line.startswith("trtbuild:")}
+        assert samples["trtbuild:prefix_cache_hit_blocks"] == 2 and samples["trtbuild:num_preemptions"] == 0
+        assert samples["trtbuild:kv_blocks_used"] == kv.num_cached == 2   # B shares A's two blocks
+        assert samples["trtbuild:kv_blocks_free"] == kv.num_blocks - 2
 
 
 def test_rows_cost_the_pages_they_write(tiny_engine):
