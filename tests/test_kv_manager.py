@@ -7,11 +7,12 @@ import re
 import numpy as np
 import pytest
 
-from trtbuild.runtime.core.kv_budget import parse_kv_memory
+from trtbuild.runtime.core import kv_budget
+from trtbuild.runtime.core.kv_budget import kv_manager_for, parse_kv_memory
 from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Phase, Request, Scheduler
-from trtbuild.runtime.core.step import Discard, StepKind
+from trtbuild.runtime.core.step import Discard, LoadBlock, StepKind
 from trtbuild.runtime.speculation.medusa import Tree
 
 
@@ -208,3 +209,47 @@ def test_multi_step_runs_stop_at_the_blocks_a_row_can_hold():
     assert step.starts == (3, 5)
     # 6 steps by max_tokens; A takes blocks 3, 4 for positions 3..8, B holds positions up to 7: 3 steps
     assert s.run_length(step, 16) == 3 and kv.row("A") == [0, 3, 4] and kv.row("B") == [1, 2]
+
+
+def test_a_lone_request_may_evict_the_blocks_it_hit_once_loaded():
+    kv = KVManager(4, 2)
+    s = Scheduler(capacity=2, max_seq_len=16, max_chunk=8, kv=kv)
+    kv.save("old", [1, 1, 2, 2])
+    kv.release("old")                        # blocks 0, 1 cached and unused; 2, 3 free
+    s.add(Request("A", [1, 1, 2, 2, 3, 3], SamplingParams(max_tokens=1)))
+    plan = s.schedule()                      # hits 0, 1; its row needs 3 blocks: 2, 3 and the LRU cached one
+    assert plan.ops == [LoadBlock(0, 0, 0), LoadBlock(1, 0, 1), Discard((), (0,))]
+    assert plan.step.tokens == ((3, 3),) and plan.step.starts == (4,) and kv.row("A") == [2, 3, 0]
+    assert kv.uses("A") == [1] and kv.cached_blocks() == [1]
+
+
+class _Dir:
+    """The engine-dir fields the budget reads: 2 layers, 2 KV heads of 8, float32 (256 bytes a token)."""
+    num_kv_heads, head_dim, dtype, max_batch_size, max_seq_len = 2, 8, "float32", 4, 64
+
+    def __init__(self, runtime=None):
+        self.runtime_defaults = runtime or {}
+
+    def rank_layers(self, rank):
+        return range(2)
+
+
+def test_budget_in_blocks_from_bytes_share_spec_or_default(monkeypatch):
+    monkeypatch.setattr(kv_budget, "available_memory", lambda: 100_000)
+    block = 16 * 256
+    assert kv_manager_for(_Dir(), 10 * block + 5, 16, True, False).num_blocks == 10
+    assert kv_manager_for(_Dir(), 0.5, 16, True, False).num_blocks == 50_000 // block
+    assert kv_manager_for(_Dir({"kv_cache_memory": "16KiB"}), None, 16, True, False).num_blocks == 4
+    assert kv_manager_for(_Dir(), None, 16, True, False).num_blocks == 4 * 4 + 2 * 64 // 16  # every slot full + cache
+    with pytest.raises(ValueError, match=re.escape("kv_cache_memory 100 = 100 bytes holds no KV block of 16 tokens "
+                                                   "(4096 bytes); give at least 4096")):
+        kv_manager_for(_Dir(), 100, 16, True, False)
+
+
+def test_tensorrt_budget_covers_the_reserved_slots_or_is_refused():
+    reserved = 5 * 64 * 256                  # 4 slots + scratch of 64 tokens, reserved on the device
+    kv = kv_manager_for(_Dir(), reserved + 3 * 16 * 256, 16, True, rows_reserved=True)
+    assert kv.num_blocks == 3 and kv.grow("a", 64) and kv.row("a") == []   # rows take no blocks
+    with pytest.raises(ValueError, match=re.escape(f"TensorRT reserves every KV slot in full (4 + 1 scratch × "
+                                                   f"max_seq_len 64 = {reserved} bytes)")):
+        kv_manager_for(_Dir(), reserved - 1, 16, True, rows_reserved=True)

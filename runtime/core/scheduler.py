@@ -242,7 +242,9 @@ class Scheduler:
             request.phase = Phase.prefilling
             self.kv.hit(request.rid, request.prompt, hit)
             self._pending += [LoadBlock(block, slot, index) for index, block in enumerate(hit)]
-            self.kv.grow(request.rid, computed + first_chunk, evict_used=False)
+            # Free and unused blocks sufficed before the hit took its own; the row may evict those
+            # (loaded already: the eviction's Discard comes after the LoadBlocks).
+            self.kv.grow(request.rid, computed + first_chunk)
             request.computed = computed
             if not request.preemptions:
                 request.cached_tokens = computed
