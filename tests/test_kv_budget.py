@@ -156,3 +156,14 @@ def test_a_budget_that_cannot_hold_a_request_refuses_it_in_one_line(tiny_engine)
         LLM(tiny_engine, backend="onnxruntime", kv_cache_memory="lots")
     with pytest.raises(ValueError, match="block_size 12: must be a power of two"):
         LLM(tiny_engine, backend="onnxruntime", block_size=12)
+
+
+def test_medusa_trees_keep_their_tokens_under_preemption(medusa_engine):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(medusa_engine, backend="onnxruntime", threads=2, medusa_tree_size=0, multi_step=1) as llm:
+        expected = [o.token_ids for o in llm.generate(TEXTS, params)]
+    with LLM(medusa_engine, backend="onnxruntime", threads=2, medusa_tree_size=8, multi_step=1,
+             kv_cache_memory=_budget(medusa_engine, 10), block_size=BLOCK) as llm:
+        got = llm.generate(TEXTS, params)
+        assert llm.scheduler.kv.stats.preemptions > 0 and sum(o.accepted_tokens for o in got) > 0
+    assert [o.token_ids for o in got] == expected
