@@ -11,7 +11,7 @@ from trtbuild.runtime.core import kv_budget
 from trtbuild.runtime.core.kv_budget import kv_manager_for, parse_kv_memory
 from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.sampling import SamplingParams
-from trtbuild.runtime.core.scheduler import Draft, Phase, Request, Scheduler
+from trtbuild.runtime.core.scheduler import Draft, Request, Scheduler
 from trtbuild.runtime.core.step import Discard, LoadBlock, StepKind
 from trtbuild.runtime.speculation.medusa import Tree
 
