@@ -112,8 +112,8 @@ def run(llm: LLM, workload: Workload) -> BenchResult:
     for item in workload.warmup:
         llm.submit(item.prompt, SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
     llm.run_until_done()
-    cache = llm.scheduler.prefix_cache
-    hits0, misses0 = (cache.stats.hits, cache.stats.misses) if cache else (0, 0)
+    stats = llm.scheduler.kv.stats
+    hits0, misses0 = stats.hits, stats.misses
     engine0, loop0 = llm.stats.engine_s, llm.stats.loop_s
     start = time.perf_counter()
     rids = [llm.submit(i.prompt, SamplingParams(max_tokens=i.max_tokens, ignore_eos=True)) for i in workload.items]
@@ -133,8 +133,8 @@ def run(llm: LLM, workload: Workload) -> BenchResult:
         workload=workload.name, requests=len(rids), seconds=seconds,
         output_tokens=sum(len(c.token_ids) for c in completions), ttft_ms=_p50_p99(ttft), itl_ms=_p50_p99(itl),
         engine_share=(llm.stats.engine_s - engine0) / loop if loop else 0.0,
-        prefix_hits=(cache.stats.hits - hits0) if cache else 0,
-        prefix_misses=(cache.stats.misses - misses0) if cache else 0)
+        prefix_hits=stats.hits - hits0,
+        prefix_misses=stats.misses - misses0)
 
 
 def _p50_p99(values: list[float]) -> tuple[float, float]:

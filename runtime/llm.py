@@ -23,11 +23,11 @@ from .backends.engine import Engine
 from .core.engine_core import EngineCore, RuntimeStats
 from .engine_dir import EngineDirError, load
 from .engine_loop import EngineLoop, Sink
-from .backends.choose import make_engine
+from .backends.choose import make_engine, resolve_backend
 from .input_processor import InputProcessor, checked_multi_step
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
-from .core.prefix_cache import PrefixCache
+from .core.kv_budget import DEFAULT_BLOCK_SIZE, check_block_size, kv_manager_for
 from .core.sampling import SamplingParams
 from .core.scheduler import Batching, Scheduler
 from ..contract.speculation import Source
@@ -39,11 +39,6 @@ from .waiters import CompletionWaiter, DeltaQueue
 __all__ = ["LLM", "RuntimeStats"]
 
 
-def default_prefix_blocks(engine_dir, block_size: int) -> int:
-    """The prefix store's size unless the caller gives one: as many tokens as two full slots."""
-    return 2 * engine_dir.max_seq_len // block_size
-
-
 class LLM:
     """Loads an engine dir and generates with in-flight batching.
 
@@ -52,7 +47,8 @@ class LLM:
     """
 
     def __init__(self, engine_dir: str | Path, backend: str = "auto", threads: int = 0,
-                 prefix_cache: bool | None = None, prefix_cache_blocks: int | None = None, block_size: int = 16,
+                 prefix_cache: bool | None = None, kv_cache_memory: int | str | float | None = None,
+                 block_size: int | None = None,
                  batching: Batching = Batching.inflight, token_budget: int | None = None,
                  verify: bool = True, medusa_tree_size: int | None = None, multi_step: int | None = None,
                  engine: Engine | None = None, spinning: Spinning = Spinning.always,
@@ -68,17 +64,24 @@ class LLM:
         ``multi_step``: decode steps a batch of greedy requests runs back to back, each row fed
         its own argmax, before the scheduler, detokenizer and stop strings see the tokens (1:
         every step goes through them; None: the spec's runtime.multi_step). Greedy tokens are
-        the same either way. ``engine``: run this Engine (made for this dir, with
-        ``prefix_cache_blocks`` blocks of ``block_size``) instead of the backend's; tests and
-        benchmarks pass a configured one in. ``spinning``: whether the CPU engine's threads spin
+        the same either way. ``kv_cache_memory``: the KV budget (runtime/core/kv_manager.py):
+        bytes, a size such as "1GiB", or a float in (0, 1], that share of the memory available
+        now (None: the spec's runtime.kv_cache_memory, else enough for every slot to reach
+        max_seq_len); ``block_size``: its blocks' tokens, a power of two (None: the spec's
+        runtime.kv_block_size, else 16). ``engine``: run this Engine (made for this dir, with a
+        prefix store of the budget's blocks) instead of the backend's; tests and benchmarks pass
+        a configured one in. ``spinning``: whether the CPU engine's threads spin
         between ops (contract.onnxruntime.Spinning); a server, whose event loop shares the cores
         with the engine, runs them sleeping."""
         if multi_step is not None:
             checked_multi_step(multi_step)
         d = self.engine_dir = load(Path(engine_dir), verify_hashes=verify)
         use_prefix = d.runtime_defaults.get("prefix_cache", True) if prefix_cache is None else prefix_cache
-        blocks = (prefix_cache_blocks if prefix_cache_blocks is not None
-                  else default_prefix_blocks(d, block_size)) if use_prefix else 0
+        block_size = check_block_size(d.runtime_defaults.get("kv_block_size", DEFAULT_BLOCK_SIZE)
+                                      if block_size is None else block_size)
+        backend = engine.name if engine is not None else resolve_backend(d, backend)
+        kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=backend.startswith("tensorrt"))
+        blocks = kv.num_blocks if use_prefix else 0  # the engine's prefix store: one block per budget block
         try:
             path = d.side_file("tokenizer.json")
             self.tokenizer = tokenizer_from(path.read_bytes(), str(path))
@@ -92,7 +95,7 @@ class LLM:
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
             capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
-            token_budget=token_budget, prefix_cache=PrefixCache(block_size, blocks) if use_prefix else None,
+            token_budget=token_budget, kv=kv,
             eos_token_ids=d.eos_token_ids(), batching=batching)
         multi_step = multi_step or d.multi_step
         try:

@@ -115,7 +115,7 @@ def test_greedy_output_is_identical_with_and_without_medusa(medusa_engine, promp
     outputs = {}
     for size in (0, 63, None):  # plain, the full tree, the adaptive choice
         llm = LLM(medusa_engine, backend="onnxruntime", medusa_tree_size=size, threads=2)
-        assert llm.scheduler.prefix_cache is not None
+        assert llm.scheduler.kv.prefix_caching
         assert llm.engine.verifies_on_cpu_graph  # batch 1 verifies on rank0.cpu.onnx's verification graph
         outputs[size] = [c.token_ids for i in range(0, len(prompts), batch)
                          for c in llm.generate(prompts[i:i + batch], params)]

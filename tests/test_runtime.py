@@ -69,7 +69,7 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(tiny_engine, prefix_cache)
     assert [o.token_ids for o in first + rest] == transformers_greedy(TINY_CODE, ids, GREEDY.max_tokens)
     cached = [o.cached_tokens for o in rest]
     if prefix_cache:
-        assert all(c >= 32 for c in cached) and llm.scheduler.prefix_cache.stats.hits >= 4
+        assert all(c >= 32 for c in cached) and llm.scheduler.kv.stats.hits >= 4
     else:
         assert cached == [0, 0]
 

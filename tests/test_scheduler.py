@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from trtbuild.runtime.core.prefix_cache import PrefixCache
+from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.core.scheduler import Batching, Phase, Request, Scheduler
-from trtbuild.runtime.core.step import CopySlot, LoadBlock, SaveBlock, StepKind
+from trtbuild.runtime.core.step import CopySlot, Discard, LoadBlock, SaveBlock, StepKind
 
 
 def req(rid: str, n: int, max_tokens: int, first: int = 0) -> Request:
@@ -33,7 +33,8 @@ def test_inflight_batching_exact_schedule():
     assert emitted[0].rid == "B" and emitted[1] == 100 and s.requests["B"].phase == Phase.decoding
 
     plan = s.schedule()  # B swaps to slot 0 through scratch slot 2; decode goes first after a prefill
-    assert plan.ops == [CopySlot(1, 2, 3), CopySlot(0, 1, 8), CopySlot(2, 0, 3)]  # B's 3 cached, A's 8
+    # B's 3 cached, A's 8; then the scratch slot's pages go back
+    assert plan.ops == [CopySlot(1, 2, 3), CopySlot(0, 1, 8), CopySlot(2, 0, 3), Discard((2,), ())]
     assert plan.step.kind == StepKind.decode and plan.step.rids == ("B",)
     assert plan.step.tokens == ((100,),) and plan.step.starts == (3,) and plan.step.first_slot == 0
     s.commit(plan.step, {"B": 101})
@@ -51,7 +52,7 @@ def test_inflight_batching_exact_schedule():
         ("A", [200, 201], "length"), ("B", [100, 101, 102], "length")]
 
     plan = s.schedule()  # C takes slot 0 as soon as slots free
-    assert plan.ops == [CopySlot(1, 0, 0)] and plan.step.rids == ("C",)  # A moved, then finished: nothing to copy and plan.step.tokens == ((80, 81),)
+    assert plan.ops == [CopySlot(1, 0, 0), Discard((0, 1), ())] and plan.step.rids == ("C",)  # A moved, then finished: nothing to copy and plan.step.tokens == ((80, 81),)
 
 
 def test_long_prompt_is_chunked_at_max_chunk():
@@ -89,18 +90,21 @@ def test_static_batching_waits_for_the_whole_wave():
 
 
 def test_prefix_cache_saves_prompt_blocks_and_loads_them_for_a_later_request():
-    s = Scheduler(capacity=2, max_seq_len=32, max_chunk=8, prefix_cache=PrefixCache(block_size=2, capacity=8))
+    s = Scheduler(capacity=2, max_seq_len=32, max_chunk=8, kv=KVManager(num_blocks=16, block_size=2))
     s.add(Request("A", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1)))
     step = s.schedule().step
     s.commit(step, {"A": 42})
     s.pop_finished()
     s.add(Request("B", [1, 2, 3, 4, 6], SamplingParams(max_tokens=1)))
     plan = s.schedule()
-    # A's two full prompt blocks are saved from its slot before the slot is reused, then loaded for B.
-    assert plan.ops == [SaveBlock(0, 0, 0), SaveBlock(0, 1, 1), LoadBlock(0, 0, 0), LoadBlock(1, 0, 1)]
+    # A's row held blocks 0-2; its two full prompt blocks were saved into blocks 3 and 4 from its
+    # slot before the slot's pages are returned and it is reused; then they load for B.
+    assert plan.ops == [SaveBlock(0, 0, 3), SaveBlock(0, 1, 4), Discard((0,), ()), LoadBlock(3, 0, 0),
+                        LoadBlock(4, 0, 1)]
     assert plan.step.tokens == ((6,),) and plan.step.starts == (4,)
     assert s.requests["B"].cached_tokens == 4
-    assert (s.prefix_cache.stats.hits, s.prefix_cache.stats.misses) == (2, 2)
+    assert (s.kv.stats.hits, s.kv.stats.misses) == (2, 2)
+    assert s.kv.row("B") == [5, 6, 7] and s.kv.uses("B") == [3, 4] and s.kv.ref_count(3) == 1
 
 
 @pytest.mark.parametrize("prompt, max_tokens, message", [

@@ -1,15 +1,16 @@
-"""Randomized workloads through the scheduler, slot table and prefix cache against a cache
-model that records which token sits at each slot position: before every step, each row's
-slot must hold exactly its request's history, whatever moves, saves and loads came before."""
+"""Randomized workloads through the scheduler, slot table and KV manager (prefix cache, block
+budget) against a cache model that records which token sits at each slot position: before every
+step, each row's slot must hold exactly its request's history, whatever moves, saves, loads,
+discards and preemptions came before, and every position a step writes lies in blocks the row holds."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from trtbuild.runtime.core.prefix_cache import PrefixCache
+from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.core.scheduler import Request, Scheduler
-from trtbuild.runtime.core.step import CopySlot, LoadBlock, SaveBlock
+from trtbuild.runtime.core.step import CopySlot, Discard, LoadBlock, SaveBlock
 
 
 class TokenCache:
@@ -27,20 +28,25 @@ class TokenCache:
             self.blocks[op.block] = self.pool[op.slot, op.index * self.bs:(op.index + 1) * self.bs]
         elif isinstance(op, LoadBlock):
             self.pool[op.slot, op.index * self.bs:(op.index + 1) * self.bs] = self.blocks[op.block]
+        elif isinstance(op, Discard):  # what the engine hands back reads as nothing
+            self.pool[list(op.slots)] = -1
+            self.blocks[list(op.blocks)] = -1
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix", [True, False])
 @pytest.mark.parametrize("multi_step", [1, 4])
-def test_every_step_sees_exactly_its_history(seed, prefix, multi_step):
+@pytest.mark.parametrize("num_blocks", [96 + 12, 24])
+def test_every_step_sees_exactly_its_history(seed, prefix, multi_step, num_blocks):
     """With ``multi_step`` > 1, greedy decode steps run back to back (scheduler.run_length), each
-    row fed its previous token, sometimes cut short (as an arrival or a stop id cuts the LLM's)."""
+    row fed its previous token, sometimes cut short (as an arrival or a stop id cuts the LLM's).
+    108 blocks: every slot fits max_seq_len and the cache 12 blocks; 24: requests are preempted."""
     rng = np.random.default_rng(seed)
     capacity, s_max, bs = 4, 96, 4
-    cache = PrefixCache(bs, 12) if prefix else None
-    sched = Scheduler(capacity=capacity, max_seq_len=s_max, max_chunk=16, token_budget=24, prefix_cache=cache,
+    cache = KVManager(num_blocks, bs, prefix_caching=prefix)
+    sched = Scheduler(capacity=capacity, max_seq_len=s_max, max_chunk=16, token_budget=24, kv=cache,
                       eos_token_ids=(0,))
-    model = TokenCache(capacity, s_max, 12 if prefix else 0, bs)
+    model = TokenCache(capacity, s_max, num_blocks, bs)
     shared = rng.integers(1, 50, size=20).tolist()
     expected_lengths, pending, finished = {}, 30, []
     for step_index in range(5000):
@@ -72,6 +78,7 @@ def test_every_step_sees_exactly_its_history(seed, prefix, multi_step):
                     start = step.starts[row] + i
                     if i == 0:
                         assert model.pool[row, :start].tolist() == sched.requests[rid].tokens[:start]
+                    assert start < cache.held_positions(rid)
                     model.pool[row, start] = fed[row][0]
                 fed = [[int(rng.integers(1, 50))] for _ in step.rids]
                 produced.append([t[0] for t in fed])
@@ -86,6 +93,7 @@ def test_every_step_sees_exactly_its_history(seed, prefix, multi_step):
             history = request.tokens[:start]
             assert model.pool[slot, :start].tolist() == history, (seed, step_index, rid)
             assert start + step.seq_len <= s_max        # padded writes stay inside the cache
+            assert start + step.seq_len <= cache.held_positions(rid)  # ... and in the row's blocks
             model.pool[slot, start:start + len(tokens)] = tokens
             if step.samples[row]:
                 sampled[rid] = int(rng.integers(1, 50))
@@ -96,3 +104,5 @@ def test_every_step_sees_exactly_its_history(seed, prefix, multi_step):
     assert all(len(r.output) == expected_lengths[r.rid] and r.finish_reason == "length" for r in finished)
     if prefix:
         assert cache.stats.hits > 0
+    assert (cache.stats.preemptions > 0) == (num_blocks == 24)
+    assert cache.num_used == cache.num_cached  # rows gave every block back; only the cache holds some

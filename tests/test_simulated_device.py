@@ -69,7 +69,7 @@ def test_prefix_cache_hits_load_saved_blocks_and_match_cpu(device, tiny_engine):
     llm = gpu(tiny_engine, prefix_cache=True)
     outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
     assert [c.token_ids for c in outs] == cpu_tokens(tiny_engine, prompts, prefix_cache=False)
-    assert all(c.cached_tokens >= 32 for c in outs[1:]) and llm.scheduler.prefix_cache.stats.hits >= 4
+    assert all(c.cached_tokens >= 32 for c in outs[1:]) and llm.scheduler.kv.stats.hits >= 4
 
 
 def test_medusa_verification_and_keep_path_match_plain_decoding(device, medusa_engine):

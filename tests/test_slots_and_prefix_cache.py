@@ -1,9 +1,10 @@
-"""Slot table and prefix cache: exact slot ids, moves, block ids and eviction order."""
+"""Slot table and prefix hashes: exact slot ids and moves (the prefix cache's block ids and
+eviction order: tests/test_kv_manager.py)."""
 from __future__ import annotations
 
 import pytest
 
-from trtbuild.runtime.core.prefix_cache import PrefixCache, block_hashes
+from trtbuild.runtime.core.kv_manager import block_hashes
 from trtbuild.runtime.core.slots import Move, SlotTable
 
 
@@ -54,30 +55,3 @@ def test_block_hashes_chain_over_the_whole_prefix():
     b = block_hashes([9, 2, 3, 4], 2)
     assert len(a) == 3 and len(b) == 2
     assert a[1] != b[1]  # same block tokens, different prefix
-
-
-def test_match_leaves_the_last_prompt_token_to_compute():
-    cache = PrefixCache(block_size=2, capacity=8)
-    assert cache.insert([1, 2, 3, 4, 5]) == [(0, 0), (1, 1)]
-    assert cache.match([1, 2, 3, 4, 9]) == [0, 1]
-    assert cache.match([1, 2, 3, 4]) == [0]            # block 1 would leave nothing to compute
-    assert cache.match([1, 2, 7, 7, 7]) == [0]
-    assert cache.match([5, 5, 5]) == []
-    assert (cache.stats.hits, cache.stats.misses) == (4, 2)
-
-
-def test_insert_skips_cached_blocks_and_evicts_least_recently_used():
-    cache = PrefixCache(block_size=2, capacity=3)
-    assert cache.insert([1, 1, 2, 2]) == [(0, 0), (1, 1)]
-    assert cache.insert([1, 1, 2, 2, 3, 3]) == [(2, 2)]   # first two blocks already cached
-    assert cache.match([1, 1, 9]) == [0]                  # touches block 0: LRU order is now 1, 2, 0
-    assert cache.insert([7, 7, 8, 8]) == [(0, 1), (1, 2)]  # evicts block 1 then block 2
-    assert cache.stats.evictions == 2
-    assert cache.match([1, 1, 2, 2, 3, 3, 0]) == [0]       # its second block is gone
-    assert cache.match([7, 7, 8, 8, 0]) == [1, 2]
-
-
-def test_blocks_of_one_insert_never_evict_each_other():
-    cache = PrefixCache(block_size=1, capacity=2)
-    assert cache.insert([1, 2, 3, 4]) == [(0, 0), (1, 1)]  # no room for a third: stops, evicts none of its own
-    assert len(cache) == 2 and cache.stats.evictions == 0

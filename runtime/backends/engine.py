@@ -46,6 +46,10 @@ class Engine(Protocol):
 
     def load_block(self, block: int, slot: int, index: int) -> None: ...
 
+    def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+        """Those slots and prefix blocks hold nothing now: return their memory where the pools
+        can (demand-paged host pools), else nothing."""
+
     def close(self) -> None:
         """Releases what the engine holds beyond Python objects (device memory, rank processes)."""
 
@@ -88,6 +92,9 @@ class CacheOpsOfEngine:
 
     def load_block(self, block: int, slot: int, index: int) -> None:
         self.engine.load_block(block, slot, index)
+
+    def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+        self.engine.discard(slots, blocks)
 
 
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:

@@ -20,7 +20,7 @@ from ..speculation.speculation import Speculation
 from ..speculation.step_times import Context
 from .sampling import Sampler
 from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
-from .step import CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
+from .step import CopySlot, Discard, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 from ..structured import CompiledConstraint, GrammarMatcher, TreeWalk
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,8 @@ class EngineCore:
                 self.speculation.host.close(request.rid, request.tokens)
         if self.constrained:
             self.constrained.difference_update(r.rid for r, _ in finished)
+        if not self.scheduler.has_work():
+            self._apply(Plan(self.scheduler.flush(), None))
         self.stats.loop_s += time.perf_counter() - start
         return finished
 
@@ -333,4 +335,6 @@ class EngineCore:
                 self.engine.load_block(op.block, op.slot, op.index)
             elif isinstance(op, KeepPath):
                 self.engine.keep_path(op.slot, op.start, op.nodes)
+            elif isinstance(op, Discard):
+                self.engine.discard(op.slots, op.blocks)
 

@@ -3,11 +3,17 @@ Runtime backend) and in device memory (the TensorRT backend, cuda-python).
 
 A pool per cache tensor (``key_0, value_0, …``): ``capacity`` slots of [H_kv, S_max, D] (the
 last one the scratch slot the slot table swaps through); a prefix store of blocks
-[H_kv, block_size, D] per cache tensor. The two implementations must agree byte for byte:
+[H_kv, block_size, D] per cache tensor, one per block of the KV budget (runtime/core/kv_manager.py).
+The host pools are demand-paged: an anonymous MAP_NORESERVE mapping the OS backs page by page as
+it is written, and the pages of discarded slots and blocks are handed back (MADV_DONTNEED), so
+rows and blocks cost what they hold and the KV budget bounds the sum. Device memory cannot be
+demand-paged: the TensorRT pools reserve every slot in full. The two implementations must agree byte for byte:
 tools/gpu_memory_check.py compares them on a real GPU, tests on the simulated device.
 """
 from __future__ import annotations
 
+import mmap
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,17 +55,96 @@ class PoolShape:
         return (self.num_kv_heads, self.block_size, self.head_dim)
 
 
+# Linux's flag (not in Python's mmap module): reserve no swap for the mapping, so a large
+# mostly-unwritten pool is not refused under strict overcommit.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+RETURNS_PAGES = hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap.mmap, "madvise")
+
+
+class PagedArray:
+    """A zero-filled numpy array over an anonymous private mapping that the OS backs only where
+    it is written; ``discard(start, stop)`` hands back the whole pages inside a byte range (they
+    read back as zeros). Where the platform has no MADV_DONTNEED the range is zeroed instead:
+    the contents agree, the memory is not returned (``RETURNS_PAGES`` says which)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        count, page = int(np.prod(shape)), mmap.PAGESIZE
+        self.nbytes = count * dtype.itemsize
+        self.offset = page  # one PROT_NONE guard page each side: the kernel never merges this
+        size = self.offset + max(-(-self.nbytes // page), 1) * page + page  # mapping with a neighbour
+        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        _guard(self.map, 0, page)
+        _guard(self.map, size - page, page)
+        if RETURNS_PAGES and hasattr(mmap, "MADV_NOHUGEPAGE"):
+            # 4 KiB pages: a transparent huge page would back 2 MiB for a row's first write.
+            self.map.madvise(mmap.MADV_NOHUGEPAGE, self.offset, size - 2 * page)
+        self.array = np.frombuffer(self.map, dtype, count=count, offset=self.offset).reshape(shape)
+        self._bytes = self.array.reshape(-1).view(np.uint8)
+
+    def discard(self, start: int, stop: int) -> None:
+        """Bytes [start, stop) hold nothing: their whole pages go back (the partial pages at
+        either end stay, their bytes as they were)."""
+        if not RETURNS_PAGES:
+            self._bytes[start:stop] = 0
+            return
+        page = mmap.PAGESIZE
+        first, last = -(-start // page) * page, stop // page * page
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, self.offset + first, last - first)
+
+
+def _guard(mapping: mmap.mmap, start: int, length: int) -> None:
+    """PROT_NONE on [start, start + length) of ``mapping`` where libc has mprotect (else nothing)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    buffer = ctypes.c_char.from_buffer(mapping, start)
+    libc.mprotect(ctypes.c_void_p(ctypes.addressof(buffer)), ctypes.c_size_t(length), 0)
+    del buffer
+
+
 class HostPools:
-    """numpy pools [capacity, H_kv, S_max, D] and blocks [prefix_blocks, H_kv, block_size, D]."""
+    """numpy pools [capacity, H_kv, S_max, D] and blocks [prefix_blocks, H_kv, block_size, D],
+    demand-paged (``PagedArray``)."""
 
     def __init__(self, shape: PoolShape):
         self.shape = shape
-        self.pools = {n: np.zeros((shape.capacity, *shape.slot), shape.dtype) for n in shape.names}
-        self.blocks = {n: np.zeros((shape.prefix_blocks, *shape.block), shape.dtype) for n in shape.names}
+        self._paged = {n: PagedArray((shape.capacity, *shape.slot), shape.dtype) for n in shape.names}
+        self._paged_blocks = {n: PagedArray((shape.prefix_blocks, *shape.block), shape.dtype) for n in shape.names}
+        self.pools = {n: paged.array for n, paged in self._paged.items()}
+        self.blocks = {n: paged.array for n, paged in self._paged_blocks.items()}
+        itemsize = shape.dtype.itemsize
+        self._position = shape.head_dim * itemsize                 # one position of one head
+        self._head = shape.max_seq_len * self._position            # one head's positions in a slot
+        self._slot = shape.num_kv_heads * self._head
+        self._block = shape.num_kv_heads * shape.block_size * self._position
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for pool in self.pools.values():
             pool[dst, :, :length] = pool[src, :, :length]  # [H_kv, length, D]
+        self.discard_tail(dst, length)  # what the slot held before past `length` is garbage now
+
+    def discard_tail(self, slot: int, keep: int) -> None:
+        """Positions [keep, S_max) of ``slot``'s heads hold nothing: their pages go back."""
+        for paged in self._paged.values():
+            for head in range(self.shape.num_kv_heads):
+                base = slot * self._slot + head * self._head
+                paged.discard(base + keep * self._position, base + self._head)
+
+    def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+        for slot in slots:
+            for paged in self._paged.values():
+                paged.discard(slot * self._slot, (slot + 1) * self._slot)
+        for block in blocks:
+            for paged in self._paged_blocks.values():
+                paged.discard(block * self._block, (block + 1) * self._block)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the pools and blocks the OS backs now (Linux only: /proc/self/smaps)."""
+        return sum(_resident(p) for p in [*self._paged.values(), *self._paged_blocks.values()])
 
     def keep_path(self, slot: int, start: int, nodes: tuple[int, ...]) -> None:
         source = start + np.asarray(nodes)
@@ -77,6 +162,22 @@ class HostPools:
     def load_block(self, block: int, slot: int, index: int) -> None:
         for name, pool in self.pools.items():
             pool[slot, :, self._span(index)] = self.blocks[name][block]
+
+
+def _resident(paged: PagedArray) -> int:
+    """The mapping's Rss in /proc/self/smaps (pages read but never written map the shared zero
+    page, which Rss does not count)."""
+    address = paged.array.ctypes.data
+    with open("/proc/self/smaps") as handle:
+        inside = False
+        for line in handle:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise LookupError("the pool's mapping is not in /proc/self/smaps")
 
 
 def device_alloc(cudart, ok, nbytes: int, zero: bool = False) -> int:

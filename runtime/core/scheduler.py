@@ -2,9 +2,19 @@
 
 Every call to ``schedule()`` returns one engine ``Step`` (a prefill chunk or a decode of
 every decoding request) plus the cache operations to apply first (slot moves, prefix-block
-saves and loads). ``commit()`` takes the step's sampled tokens and advances requests.
-Waiting requests are admitted FCFS whenever a slot is free; prefill and decode steps
-alternate while both have work, so new prompts start soon and running ones keep flowing.
+saves and loads, memory to return). ``commit()`` takes the step's sampled tokens and advances
+requests. Prefill and decode steps alternate while both have work, so new prompts start soon
+and running ones keep flowing.
+
+Memory is a budget of KV blocks (runtime/core/kv_manager.py): a waiting request is admitted
+FCFS when a slot is free and blocks for its first chunk are; rows take blocks as they grow
+(every position a step writes, padding and draft nodes included). When a decode or prefill step
+finds the budget exhausted, the most recently arrived running request is preempted: its slot
+and blocks are freed and it goes back to the front of the queue; resumed, it recomputes its
+prompt and output so far (a prefill of tokens[:-1] that samples nothing) and decodes on from its
+last token, so its greedy tokens are those of an uninterrupted run. Priority is arrival order,
+kept across preemptions: a request is only preempted for older ones, which finish, so none is
+preempted forever; and one request alone always fits (``add`` refuses those that cannot).
 """
 from __future__ import annotations
 
@@ -15,10 +25,10 @@ from typing import Callable, Sequence
 
 from ...contract.speculation import Source
 from ..speculation.medusa import Accepted, Tree
-from .prefix_cache import PrefixCache
+from .kv_manager import KVManager, blocks_for
 from .sampling import SamplingParams
 from .slots import Move, SlotTable
-from .step import CacheOp, CopySlot, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
+from .step import CacheOp, CopySlot, Discard, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
 
 NOTHING_ACCEPTED = Accepted((), ())  # a plain row's "path": no guesses
 
@@ -50,6 +60,14 @@ class Request:
     finish_reason: str | None = None
     cached_tokens: int = 0            # prompt tokens loaded from the prefix cache
     draft: "Draft | None" = None      # guesses to verify at the next decode step
+    arrival: int = -1                 # the scheduler's admission priority: lower runs first
+    preemptions: int = 0
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens to compute before decoding: the prompt, or (resumed after a preemption) the
+        prompt and output but the last token, which the first decode step feeds."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
 
     @property
     def tokens(self) -> list[int]:
@@ -103,18 +121,23 @@ class Draft:
 
 class Scheduler:
     def __init__(self, capacity: int, max_seq_len: int, max_chunk: int, token_budget: int | None = None,
-                 prefix_cache: PrefixCache | None = None, eos_token_ids: tuple[int, ...] = (),
+                 kv: KVManager | None = None, eos_token_ids: tuple[int, ...] = (),
                  batching: Batching = Batching.inflight):
+        """``kv``: the block budget (None: enough for every slot to reach max_seq_len, in blocks
+        of 16, without a prefix cache)."""
         self.slots = SlotTable(capacity)
         self.max_seq_len, self.max_chunk = max_seq_len, max_chunk
         self.token_budget = token_budget or max_chunk
-        self.prefix_cache = prefix_cache
+        self.kv = kv if kv is not None else KVManager(capacity * blocks_for(max_seq_len, 16), 16, prefix_caching=False)
         self.eos_token_ids = tuple(eos_token_ids)
         self.batching = batching
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._pending: list[CacheOp | Move] = []  # Moves become CopySlots when handed out
         self._last_kind: StepKind | None = None
+        self._arrivals = 0
+        self._touched = 0              # slots [0, _touched) may hold K/V since the last Discard
+        self._scratch_touched = False
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -128,6 +151,13 @@ class Scheduler:
             raise ValueError(f"request {request.rid}: prompt of {len(request.prompt)} tokens + max_tokens "
                              f"{request.params.max_tokens} = {need} exceeds the engine's max_seq_len "
                              f"{self.max_seq_len}")
+        blocks = blocks_for(need, self.kv.block_size)
+        if blocks > self.kv.num_blocks and not self.kv.rows_reserved:
+            raise ValueError(f"request {request.rid}: prompt of {len(request.prompt)} tokens + max_tokens "
+                             f"{request.params.max_tokens} = {need} needs {blocks} KV blocks of "
+                             f"{self.kv.block_size} tokens; the KV budget (kv_cache_memory) holds "
+                             f"{self.kv.num_blocks}")
+        request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.requests[request.rid] = request
         self.waiting.append(request)
 
@@ -140,6 +170,7 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self._pending += self.slots.release(rid)
+            self.kv.release(rid)
         request.phase, request.finish_reason = Phase.finished, reason
 
     def has_work(self) -> bool:
@@ -153,64 +184,149 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> Plan:
+        self._discard()       # slots freed since: before admissions load blocks into them
         self._admit()
+        step = self._next_step()
+        self._discard()       # slots of requests preempted for this step
         ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
-        prefill = self._prefill_step()
-        decode = self._decode_step()
-        step = prefill or decode
-        if prefill and decode and self._last_kind == StepKind.prefill:
-            step = decode  # alternate while both have work
-        self._last_kind = step.kind if step else None
         return Plan(ops=ops, step=step)
+
+    def flush(self) -> list[CacheOp]:
+        """With nothing left to run: the pending cache operations (the last requests' slots to
+        discard), so an idle engine holds no row's pages."""
+        self._discard()
+        ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
+        return ops
+
+    def _next_step(self) -> Step | None:
+        decode_first = self.slots.num_decoding and (not self.slots.prefilling()
+                                                     or self._last_kind == StepKind.prefill)  # alternate
+        order = (self._decode_step, self._prefill_step) if decode_first else (self._prefill_step, self._decode_step)
+        step = order[0]() or order[1]()
+        self._last_kind = step.kind if step else None
+        return step
 
     def _copy(self, move: Move) -> CopySlot:
         """Resolved when handed out, after every commit: the owner's filled length then (0 if it
-        has finished since, when its K/V is no longer needed)."""
+        has finished or been preempted since, when its K/V is no longer needed)."""
         owner = self.requests.get(move.owner)
         # A verification wrote the whole tree; a pending KeepPath still reads nodes past `computed`.
         length = max(owner.computed, owner.written) if owner is not None and owner.phase != Phase.finished else 0
         return CopySlot(move.src, move.dst, length)
 
+    def _discard(self) -> None:
+        """Tells the engine which slots and store blocks hold nothing now (freed slots past the
+        active ones, the scratch slot after a swap, evicted cached blocks), so the host pools
+        return their pages."""
+        slots = tuple(range(self.slots.num_active, self._touched))
+        if self._scratch_touched:
+            slots += (self.slots.scratch,)
+        blocks = tuple(self.kv.take_dropped())
+        if slots or blocks:
+            self._pending.append(Discard(slots, blocks))
+        self._touched, self._scratch_touched = self.slots.num_active, False
+
     def _admit(self) -> None:
         if self.batching == Batching.static and self.slots.num_active:
             return
         while self.waiting and self.slots.free:
-            request = self.waiting.popleft()
+            request = self.waiting[0]
+            hit = self.kv.match(request.prompt)
+            computed = len(hit) * self.kv.block_size
+            first_chunk = min(request.prefill_len - computed, self.max_chunk, self.token_budget)
+            if self.kv.missing(request.rid, computed + first_chunk) > self.kv.reclaimable(evict_used=False):
+                break  # FCFS: nobody overtakes the request at the front
+            self.waiting.popleft()
             slot = self.slots.admit(request.rid)
+            self._touched = max(self._touched, self.slots.num_active)
             request.phase = Phase.prefilling
-            if self.prefix_cache is not None:
-                blocks = self.prefix_cache.match(request.prompt)
-                self._pending += [LoadBlock(block, slot, index) for index, block in enumerate(blocks)]
-                request.computed = request.cached_tokens = len(blocks) * self.prefix_cache.block_size
+            self.kv.hit(request.rid, request.prompt, hit)
+            self._pending += [LoadBlock(block, slot, index) for index, block in enumerate(hit)]
+            # Free and unused blocks sufficed before the hit took its own; the row may evict those
+            # (loaded already: the eviction's Discard comes after the LoadBlocks).
+            self.kv.grow(request.rid, computed + first_chunk)
+            request.computed = computed
+            if not request.preemptions:
+                request.cached_tokens = computed
+
+    def _running_newest_first(self) -> list[Request]:
+        return sorted((self.requests[rid] for rid in self.slots.decoding() + self.slots.prefilling()),
+                      key=lambda r: r.arrival, reverse=True)
+
+    def _preempt(self, request: Request) -> None:
+        """Frees ``request``'s slot and blocks and queues it first; it recomputes when resumed."""
+        self._pending += self.slots.release(request.rid)
+        self.kv.release(request.rid)
+        request.phase, request.computed, request.written, request.draft = Phase.waiting, 0, 0, None
+        request.preemptions += 1
+        self.kv.stats.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _chunk(self, request: Request) -> int:
+        return min(request.prefill_len - request.computed, self.max_chunk)
 
     def _prefill_step(self) -> Step | None:
-        rows, seq, budget = [], 0, self.token_budget
-        for rid in self.slots.prefilling():
-            request = self.requests[rid]
-            take = min(len(request.prompt) - request.computed, self.max_chunk, budget)
-            # Rows are padded to the step's longest chunk; every padded write must stay in the cache.
-            if take <= 0 or any(r.computed + max(seq, take) > self.max_seq_len for r, _ in rows + [(request, take)]):
-                break
-            rows.append((request, take))
-            seq, budget = max(seq, take), budget - take
-        if not rows:
+        prefilling = self.slots.prefilling()
+        if not prefilling:
             return None
-        return Step(kind=StepKind.prefill, first_slot=self.slots.num_decoding,
+        first = self.requests[prefilling[0]]
+        want = min(self._chunk(first), self.token_budget, self.max_seq_len - first.computed)
+        if not self.kv.grow(first.rid, first.computed + want):
+            # Short of blocks: preempt newer requests, newest first, or take what fits.
+            newer = [r for r in self._running_newest_first() if r.arrival > first.arrival]
+            room = self.kv.reclaimable(evict_used=True) + sum(len(self.kv.row(r.rid)) for r in newer)
+            want = min(want, (len(self.kv.row(first.rid)) + room) * self.kv.block_size - first.computed)
+            if want <= 0:
+                return None
+            for victim in newer:
+                if self.kv.grow(first.rid, first.computed + want):
+                    break
+                self._preempt(victim)
+            if not self.kv.grow(first.rid, first.computed + want):
+                return None
+        prefilling = self.slots.prefilling()  # preemptions may have moved rows
+        rows, seq, budget = [(first, want)], want, self.token_budget - want
+        for rid in prefilling[prefilling.index(first.rid) + 1:]:
+            request = self.requests[rid]
+            take = min(self._chunk(request), budget)
+            # Rows are padded to the step's longest chunk: every padded write stays in the cache,
+            # in blocks the row holds (taken without evicting cached prompts others use).
+            padded = max(seq, take)
+            candidates = rows + [(request, take)]
+            if take <= 0 or any(r.computed + padded > self.max_seq_len for r, _ in candidates):
+                break
+            if sum(self.kv.missing(r.rid, r.computed + padded) for r, _ in candidates) > self.kv.reclaimable(False):
+                break
+            for r, _ in candidates:
+                self.kv.grow(r.rid, r.computed + padded, evict_used=False)
+            rows.append((request, take))
+            seq, budget = padded, budget - take
+        return Step(kind=StepKind.prefill, first_slot=self.slots.slot_of(first.rid),
                     rids=tuple(r.rid for r, _ in rows),
-                    tokens=tuple(tuple(r.prompt[r.computed:r.computed + take]) for r, take in rows),
+                    tokens=tuple(tuple(r.context[r.computed:r.computed + take]) for r, take in rows),
                     starts=tuple(r.computed for r, _ in rows),
-                    samples=tuple(r.computed + take == len(r.prompt) for r, take in rows))
+                    samples=tuple(r.computed + take == r.prefill_len and not r.output for r, take in rows))
 
     def _decode_step(self) -> Step | None:
+        # One position a row, oldest first; short of blocks, the newest running request is
+        # preempted (the row itself, when it is the newest).
+        for request in sorted((self.requests[rid] for rid in self.slots.decoding()), key=lambda r: r.arrival):
+            while request.phase == Phase.decoding and not self.kv.grow(request.rid, request.computed + 1):
+                self._preempt(self._running_newest_first()[0])
         rids = self.slots.decoding()
         if not rids:
             return None
         requests = [self.requests[rid] for rid in rids]
         drafts = [r.draft for r in requests]
         seq = 1 + max((len(d.tokens) for d in drafts if d is not None), default=0)
-        # Every row writes S positions (padding included): near max_seq_len, plain steps.
-        if seq > 1 and any(r.computed + seq > self.max_seq_len for r in requests):
+        # Every row writes S positions (padding included): near max_seq_len, or where the blocks
+        # for them are not free, plain steps (a guess never preempts anyone).
+        if seq > 1 and (any(r.computed + seq > self.max_seq_len for r in requests)
+                        or sum(self.kv.missing(r.rid, r.computed + seq) for r in requests) > self.kv.reclaimable(False)):
             drafts = [None] * len(requests)
+        elif seq > 1:
+            for r in requests:
+                self.kv.grow(r.rid, r.computed + seq, evict_used=False)
         trees = tuple(d.tree if d is not None else None for d in drafts)
         return Step(kind=StepKind.decode, first_slot=0, rids=tuple(rids),
                     tokens=tuple((r.last_token, *(d.tokens if d is not None else ())) for r, d in zip(requests, drafts)),
@@ -236,8 +352,10 @@ class Scheduler:
             path = (accepted.get(rid) if accepted and tree is not None else None) or NOTHING_ACCEPTED
             # The root and the accepted nodes are now cached; rejected nodes are garbage past kv_length.
             request.computed += len(tokens) if tree is None else 1 + len(path.nodes)
-            if step.kind == StepKind.prefill and does_sample:
-                self._pending += self.slots.promote(rid)
+            if step.kind == StepKind.prefill and request.computed == request.prefill_len:
+                moves = self.slots.promote(rid)
+                self._pending += moves
+                self._scratch_touched |= bool(moves)
                 request.phase = Phase.decoding
                 self._save_prompt_blocks(request)
             if not does_sample:
@@ -256,7 +374,7 @@ class Scheduler:
         """How many plain decode steps ``step`` may run back to back, each row fed the argmax of
         its previous step (multi-step decoding): up to ``limit`` and no row past max_tokens; 1
         where a row samples, wants logprobs or verifies a tree, or a prompt is prefilling (its
-        chunks alternate with decode steps)."""
+        chunks alternate with decode steps), and no row past the KV blocks it can hold."""
         if limit <= 1 or step.kind != StepKind.decode or step.trees or self.slots.prefilling():
             return 1
         steps = limit
@@ -265,6 +383,11 @@ class Scheduler:
             if not request.params.takes_argmax:
                 return 1
             steps = min(steps, request.params.max_tokens - len(request.output))
+        # Each step of the run writes one more position a row: as many as free blocks allow
+        # (the first one's the step holds already).
+        for rid, start in zip(step.rids, step.starts):
+            if steps > 1 and not self.kv.grow(rid, start + steps, evict_used=False):
+                steps = min(steps, self.kv.held_positions(rid) - start)
         return max(steps, 1)
 
     def commit_run(self, step: Step, tokens: list[list[int]], on_token: TokenSink | None = None) -> None:
@@ -302,11 +425,12 @@ class Scheduler:
         self.requests[rid].finish_reason = reason
 
     def _save_prompt_blocks(self, request: Request) -> None:
-        if self.prefix_cache is None:
-            return
+        saved = self.kv.save(request.rid, request.prompt)
+        dropped = self.kv.take_dropped()  # evicted for these saves: discarded before they are written
+        if dropped:
+            self._pending.append(Discard((), tuple(dropped)))
         slot = self.slots.slot_of(request.rid)
-        for index, block in self.prefix_cache.insert(request.prompt):
-            self._pending.append(SaveBlock(slot, index, block))
+        self._pending += [SaveBlock(slot, index, block) for index, block in saved]
 
     def stop_ids(self, step: Step) -> set[int]:
         """The ids that end any of the step's rows (``_finish_reason``'s "stop"): eos unless

@@ -48,7 +48,16 @@ class LoadBlock:
     index: int
 
 
-CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath
+@dataclass(frozen=True)
+class Discard:
+    """Slots ``slots`` and prefix blocks ``blocks`` hold nothing anyone reads (freed slots, the
+    scratch slot after a swap, evicted blocks): an engine may return their memory (the host
+    pools do; they read back as zeros)."""
+    slots: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
+CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath | Discard
 
 
 @dataclass(frozen=True)

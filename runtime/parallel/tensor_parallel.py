@@ -200,6 +200,10 @@ class TensorParallelEngine:
     def load_block(self, block: int, slot: int, index: int) -> None:
         self._everywhere(LoadBlock(block, slot, index))
 
+    def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+        """Not sent to the ranks (the rank protocol has no message for it yet): their demand-paged
+        pools keep a freed slot's pages until the slot is written again."""
+
     def close(self, graceful: bool = True) -> None:
         import torch.distributed as dist
 

@@ -37,6 +37,15 @@ class Metrics:
         self.loop_seconds = Gauge("trtbuild:engine_loop_seconds",
                                   "Seconds spent in engine-core steps (engine, sampling, scheduling, text)",
                                   registry=registry)
+        self.kv_blocks_used = Gauge("trtbuild:kv_blocks_used", "KV budget blocks held by rows and the prefix cache",
+                                    registry=registry)
+        self.kv_blocks_free = Gauge("trtbuild:kv_blocks_free", "KV budget blocks holding nothing", registry=registry)
+        self.kv_cache_usage = Gauge("trtbuild:kv_cache_usage_perc", "Share of the KV budget's blocks in use",
+                                    registry=registry)
+        self.preemptions = Gauge("trtbuild:num_preemptions", "Requests preempted for KV blocks (recomputed later)",
+                                 registry=registry)
+        self.prefix_hit_blocks = Gauge("trtbuild:prefix_cache_hit_blocks", "Prompt blocks served from the prefix cache",
+                                       registry=registry)
         self.compiles_pending = Gauge("trtbuild:constraint_compiles_pending",
                                       "Constraint compiles running or waiting for a compile thread", registry=registry)
         self.compiles_refused = Gauge("trtbuild:constraint_compiles_refused",
@@ -54,9 +63,14 @@ class Metrics:
         self.loop_seconds.set(stats.loop_s)
         self.compiles_pending.set(llm.compile_pool.pending)
         self.compiles_refused.set(llm.compile_pool.refused)
-        cache = scheduler.prefix_cache
-        if cache is not None and cache.stats.hits + cache.stats.misses:
-            self.prefix_hit_rate.set(cache.stats.hits / (cache.stats.hits + cache.stats.misses))
+        kv = scheduler.kv
+        self.kv_blocks_used.set(kv.num_used)
+        self.kv_blocks_free.set(kv.num_free)
+        self.kv_cache_usage.set(kv.num_used / kv.num_blocks)
+        self.preemptions.set(kv.stats.preemptions)
+        self.prefix_hit_blocks.set(kv.stats.hits)
+        if kv.stats.hits + kv.stats.misses:
+            self.prefix_hit_rate.set(kv.stats.hits / (kv.stats.hits + kv.stats.misses))
         if llm.speculation is not None:
             stats = llm.speculation.stats
             self.medusa_tokens_per_step.set(stats.mean_accepted_per_step)

@@ -1,6 +1,7 @@
 """CPU backend: runs the rank ONNX (the graph compiled into the engine) in ONNX Runtime.
 
-The KV pools (runtime/core/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, D] per layer.
+The KV pools (runtime/core/kv_pools.py) are numpy arrays [capacity + 1, H_kv, S_max, D] per layer,
+demand-paged (a row costs the positions written; discarded slots give their pages back).
 Each step binds ``pool[a:b]`` as both the ``past_*`` input and the ``present_*`` output through
 IO binding, so the graph writes the new K/V into the pool itself: no per-step copy of the cache.
 Plain decode steps reuse one binding per shape (``_bind``) and run the CPU decode graph
@@ -245,6 +246,9 @@ class OnnxRuntimeEngine:
 
     def load_block(self, block: int, slot: int, index: int) -> None:
         self.kv.load_block(block, slot, index)
+
+    def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+        self.kv.discard(slots, blocks)
 
 
 class _BoundGreedyRun:

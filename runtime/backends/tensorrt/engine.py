@@ -170,6 +170,9 @@ class TensorRTEngine:
         self.on_device()
         self.kv.load_block(block, slot, index)
 
+    def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+        """Nothing to return: device pools are reserved in full (cudaMalloc cannot demand-page)."""
+
     def close(self) -> None:
         for graph in self.graphs.values():
             self.cudart.cudaGraphExecDestroy(graph)
