@@ -51,9 +51,26 @@ MULTI_STEP = click.option(
          "abort ends a run early. 1: every step. Default: the spec's runtime.multi_step (8).")
 
 
+def _budget(ctx, param, value: str | None):
+    """--kv-cache-memory's value as a budget (contract.kv_budget), or click's exit-2 error naming it."""
+    from ..contract.kv_budget import parse_kv_cache_memory
+
+    try:
+        return None if value is None else parse_kv_cache_memory(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+KV_CACHE_MEMORY = click.option(
+    "--kv-cache-memory", callback=_budget, default=None, metavar="BUDGET",
+    help="KV-cache budget: bytes (\"1GiB\", \"512MiB\") or a share in (0, 1] of the memory available at load. "
+         "Requests draw blocks from it as they grow; when it runs dry the newest is preempted and recomputed "
+         "later. Default: the spec's runtime.kv_cache_memory, else room for every row's max_seq_len.")
+
+
 def _load(out: Path, backend: str, threads: int, multi_step: int | None, prefix_cache: bool | None = None,
           batching: str = "inflight", medusa_tree_size: int | None = None, speculation=None,
-          speculation_mode: str = "adaptive"):
+          speculation_mode: str = "adaptive", kv_cache_memory=None):
     from ..runtime.engine_dir import EngineDirError
     from ..runtime.llm import LLM
     from ..runtime.core.scheduler import Batching
@@ -62,7 +79,7 @@ def _load(out: Path, backend: str, threads: int, multi_step: int | None, prefix_
     try:
         return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching),
                    medusa_tree_size=medusa_tree_size, multi_step=multi_step, speculation=speculation,
-                   speculation_mode=SpeculationMode(speculation_mode))
+                   speculation_mode=SpeculationMode(speculation_mode), kv_cache_memory=kv_cache_memory)
     except (EngineDirError, ValueError) as exc:
         _fail(str(exc))
 
@@ -89,9 +106,10 @@ def _fail(message: str):
 @MEDUSA_TREE_SIZE
 @SPECULATION
 @MULTI_STEP
+@KV_CACHE_MEMORY
 @click.option("--json", "as_json", is_flag=True, help="Print {text, token_ids, finish_reason} as JSON.")
 def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str,
-        threads: int, medusa_tree_size, speculation, speculation_mode: str, multi_step, as_json: bool):
+        threads: int, medusa_tree_size, speculation, speculation_mode: str, multi_step, kv_cache_memory, as_json: bool):
     """Generate a completion of --prompt with the engines in OUT.
 
     A tensor-parallel engine dir starts one process per rank on this machine; across machines,
@@ -105,7 +123,7 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
     from ..runtime.parallel.tensor_parallel import RankFailure
 
     llm = _load(out, backend, threads, multi_step, medusa_tree_size=medusa_tree_size, speculation=speculation,
-                speculation_mode=speculation_mode)
+                speculation_mode=speculation_mode, kv_cache_memory=kv_cache_memory)
     try:
         _run(llm, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, as_json)
     except RankFailure as exc:
@@ -152,9 +170,10 @@ def _run(llm, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, st
 @MEDUSA_TREE_SIZE
 @SPECULATION
 @MULTI_STEP
+@KV_CACHE_MEMORY
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, threads: int, medusa_tree_size,
-          speculation, speculation_mode: str, multi_step, as_json: bool):
+          speculation, speculation_mode: str, multi_step, kv_cache_memory, as_json: bool):
     """Serve a workload from OUT and report requests/s, output tokens/s, TTFT and inter-token latency.
 
     \b
@@ -164,7 +183,8 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
     from ..runtime import bench as benchmark
 
     llm = _load(out, backend, threads, multi_step, prefix_cache=prefix_cache == "on", batching=mode,
-                medusa_tree_size=medusa_tree_size, speculation=speculation, speculation_mode=speculation_mode)
+                medusa_tree_size=medusa_tree_size, speculation=speculation, speculation_mode=speculation_mode,
+                kv_cache_memory=kv_cache_memory)
     d = llm.engine_dir
     try:
         load = (benchmark.load_workload(Path(workload), llm.tokenizer) if Path(workload).is_file()

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..runtime.structured.compile_pool import MAX_WAITING, WORKERS
-from .run_commands import MULTI_STEP, SPECULATION
+from .run_commands import KV_CACHE_MEMORY, MULTI_STEP, SPECULATION
 
 
 STOP_WAIT_S = 2.0   # after the grace period: time for open responses to send their shutdown error
@@ -92,10 +92,11 @@ class _DrainingServer:
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads for onnxruntime (0: all cores).")
 @SPECULATION
 @MULTI_STEP
+@KV_CACHE_MEMORY
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
           grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, body_timeout: float,
           compile_timeout: float, compile_workers: int, compile_waiting: int, backend: str, threads: int,
-          speculation, speculation_mode: str, multi_step: int | None):
+          speculation, speculation_mode: str, multi_step: int | None, kv_cache_memory):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -122,7 +123,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
         # between steps, while the event loop needs them to stream (benchmarks/serve_load.py at 8
         # in flight: 1227 → 2281 tok/s, 0.91 → 0.43 CPU ms per token).
         llm = LLM(engine_dir, backend=backend, threads=threads, multi_step=multi_step, spinning=Spinning.never,
-                  speculation=speculation, speculation_mode=SpeculationMode(speculation_mode))
+                  speculation=speculation, speculation_mode=SpeculationMode(speculation_mode),
+                  kv_cache_memory=kv_cache_memory)
     except (EngineDirError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -27,7 +27,7 @@ from .backends.choose import make_engine, resolve_backend
 from .input_processor import InputProcessor, checked_multi_step
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
-from .core.kv_budget import DEFAULT_BLOCK_SIZE, check_block_size, kv_manager_for
+from .core.kv_budget import check_block_size, kv_manager_for
 from .core.sampling import SamplingParams
 from .core.scheduler import Batching, Scheduler
 from ..contract.speculation import Source
@@ -48,7 +48,7 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, backend: str = "auto", threads: int = 0,
                  prefix_cache: bool | None = None, kv_cache_memory: int | str | float | None = None,
-                 block_size: int | None = None,
+                 block_size: int | None = None, max_rows: int | None = None,
                  batching: Batching = Batching.inflight, token_budget: int | None = None,
                  verify: bool = True, medusa_tree_size: int | None = None, multi_step: int | None = None,
                  engine: Engine | None = None, spinning: Spinning = Spinning.always,
@@ -68,7 +68,8 @@ class LLM:
         bytes, a size such as "1GiB", or a float in (0, 1], that share of the memory available
         now (None: the spec's runtime.kv_cache_memory, else enough for every slot to reach
         max_seq_len); ``block_size``: its blocks' tokens, a power of two (None: the spec's
-        runtime.kv_block_size, else 16). ``engine``: run this Engine (made for this dir, with a
+        runtime.kv_block_size, else 16). ``max_rows``: the most requests running at once (vLLM's
+        max_num_seqs), at most the engine's max_batch_size (None: that). ``engine``: run this Engine (made for this dir, with a
         prefix store of the budget's blocks) instead of the backend's; tests and benchmarks pass
         a configured one in. ``spinning``: whether the CPU engine's threads spin
         between ops (contract.onnxruntime.Spinning); a server, whose event loop shares the cores
@@ -76,9 +77,10 @@ class LLM:
         if multi_step is not None:
             checked_multi_step(multi_step)
         d = self.engine_dir = load(Path(engine_dir), verify_hashes=verify)
+        if max_rows is not None and not 1 <= max_rows <= d.max_batch_size:
+            raise ValueError(f"max_rows {max_rows}: valid: 1 to the engine's max_batch_size {d.max_batch_size}")
         use_prefix = d.runtime_defaults.get("prefix_cache", True) if prefix_cache is None else prefix_cache
-        block_size = check_block_size(d.runtime_defaults.get("kv_block_size", DEFAULT_BLOCK_SIZE)
-                                      if block_size is None else block_size)
+        block_size = d.kv_block_size if block_size is None else check_block_size(block_size, d.max_seq_len)
         backend = engine.name if engine is not None else resolve_backend(d, backend)
         kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=backend.startswith("tensorrt"))
         blocks = kv.num_blocks if use_prefix else 0  # the engine's prefix store: one block per budget block
@@ -94,7 +96,7 @@ class LLM:
         self.compile_pool = CompilePool(self.constraints)
         engine = engine if engine is not None else make_engine(d, backend, threads, blocks, block_size, verify, spinning)
         scheduler = Scheduler(
-            capacity=d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
+            capacity=max_rows or d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
             token_budget=token_budget, kv=kv,
             eos_token_ids=d.eos_token_ids(), batching=batching)
         multi_step = multi_step or d.multi_step

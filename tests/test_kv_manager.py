@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from trtbuild.runtime.core import kv_budget
-from trtbuild.runtime.core.kv_budget import kv_manager_for, parse_kv_memory
+from trtbuild.contract.kv_budget import parse_kv_cache_memory
+from trtbuild.runtime.core.kv_budget import kv_manager_for
 from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Request, Scheduler
@@ -95,13 +96,13 @@ def test_block_size_must_be_a_power_of_two():
 @pytest.mark.parametrize("value, parsed", [(1 << 30, 1 << 30), ("1GiB", 1 << 30), ("512 MiB", 512 << 20),
                                            ("2GB", 2 * 10 ** 9), (0.5, 0.5), (1.0, 1.0)])
 def test_kv_cache_memory_forms(value, parsed):
-    assert parse_kv_memory(value) == parsed
+    assert parse_kv_cache_memory(value) == parsed
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, 0.0, "lots", "1 parsec", True])
-def test_kv_cache_memory_refusals_name_the_field(value):
-    with pytest.raises(ValueError, match=r"^kv_cache_memory .*: valid: bytes \(an int ≥ 1\)"):
-        parse_kv_memory(value)
+def test_kv_cache_memory_refusals_say_what_is_valid(value):
+    with pytest.raises(ValueError, match=r"is not (a KV budget|a share in \(0, 1\]); give bytes as an integer"):
+        parse_kv_cache_memory(value)
 
 
 # -- the scheduler on a budget ------------------------------------------------------------------
@@ -230,6 +231,11 @@ class _Dir:
     def __init__(self, runtime=None):
         self.runtime_defaults = runtime or {}
 
+    @property
+    def kv_cache_memory(self):  # as EngineDir reads the spec's runtime.kv_cache_memory
+        value = self.runtime_defaults.get("kv_cache_memory")
+        return None if value is None else parse_kv_cache_memory(value)
+
     def rank_layers(self, rank):
         return range(2)
 
@@ -244,6 +250,9 @@ def test_budget_in_blocks_from_bytes_share_spec_or_default(monkeypatch):
     with pytest.raises(ValueError, match=re.escape("kv_cache_memory 100 = 100 bytes holds no KV block of 16 tokens "
                                                    "(4096 bytes); give at least 4096")):
         kv_manager_for(_Dir(), 100, 16, True, False)
+    with pytest.raises(ValueError, match=re.escape("kv_cache_memory 100001 = 100001 bytes exceeds the memory available "
+                                                   "now (100000 bytes, MemAvailable)")):
+        kv_manager_for(_Dir(), 100_001, 16, True, False)
 
 
 def test_tensorrt_budget_covers_the_reserved_slots_or_is_refused():

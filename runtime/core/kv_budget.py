@@ -6,44 +6,16 @@ rank process (each rank's pools hold its layers and KV heads); rank 0's shape si
 """
 from __future__ import annotations
 
-import re
-
 from ...contract.dtypes import HOST_DTYPES
+from ...contract.kv_budget import block_size_problem, budget_bytes, parse_kv_cache_memory
+from ...contract.kv_budget import kv_bytes_per_token as per_token
 from .kv_manager import KVManager, blocks_for
 
-DEFAULT_BLOCK_SIZE = 16
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
-
-
-def parse_kv_memory(value) -> int | float:
-    """Bytes (an int ≥ 1, or a string such as "1GiB", "512MiB", "2GB") or a share of the memory
-    available at load (a float in (0, 1]); one-line ValueError naming kv_cache_memory otherwise."""
-    valid = 'valid: bytes (an int ≥ 1), a size such as "1GiB" or "512MiB", or a float in (0, 1] (share of available memory)'
-    if isinstance(value, bool):
-        raise ValueError(f"kv_cache_memory {value!r}: {valid}")
-    if isinstance(value, int):
-        if value < 1:
-            raise ValueError(f"kv_cache_memory {value}: {valid}")
-        return value
-    if isinstance(value, float):
-        if not 0 < value <= 1:
-            raise ValueError(f"kv_cache_memory {value}: {valid}")
-        return value
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value)
-        unit = match and _UNITS.get(match.group(2).lower())
-        if unit:
-            size = int(float(match.group(1)) * unit)
-            if size >= 1:
-                return size
-    raise ValueError(f"kv_cache_memory {value!r}: {valid}")
-
-
-def check_block_size(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-        raise ValueError(f"block_size {value!r}: must be a power of two ≥ 1 (e.g. 16)")
+def check_block_size(value, max_seq_len: int) -> int:
+    problem = ("not an integer" if isinstance(value, bool) or not isinstance(value, int)
+               else block_size_problem(value, max_seq_len))
+    if problem is not None:
+        raise ValueError(f"block_size {value!r}: {problem}")
     return value
 
 
@@ -59,7 +31,21 @@ def available_memory() -> int:
 def kv_bytes_per_token(engine_dir, rank: int = 0) -> int:
     """K and V of one token in every layer of ``rank``'s caches."""
     d = engine_dir
-    return 2 * len(d.rank_layers(rank)) * d.num_kv_heads * d.head_dim * HOST_DTYPES[d.dtype].itemsize
+    return per_token(len(d.rank_layers(rank)), d.num_kv_heads, d.head_dim, HOST_DTYPES[d.dtype].itemsize)
+
+
+def budget_in_bytes(kv_cache_memory) -> int:
+    """A budget (contract.kv_budget) in bytes: a share is of the memory available now; bytes beyond
+    what is available are refused, since the pools would be backed as requests write them."""
+    try:
+        budget = parse_kv_cache_memory(kv_cache_memory)
+    except ValueError as exc:
+        raise ValueError(f"kv_cache_memory: {exc}") from None
+    available = available_memory()
+    if isinstance(budget, int) and budget > available:
+        raise ValueError(f"kv_cache_memory {kv_cache_memory!r} = {budget} bytes exceeds the memory available now "
+                         f"({available} bytes, MemAvailable); give at most that, or a share such as 0.5")
+    return budget_bytes(budget, available)
 
 
 def default_kv_blocks(engine_dir, block_size: int, prefix_caching: bool) -> int:
@@ -74,11 +60,10 @@ def kv_blocks(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool
     """The budget's blocks: ``kv_cache_memory`` (None: the spec's runtime.kv_cache_memory where
     the engine dir has one, else ``default_kv_blocks``); a share is of ``available_memory()``."""
     if kv_cache_memory is None:
-        kv_cache_memory = engine_dir.runtime_defaults.get("kv_cache_memory")
+        kv_cache_memory = engine_dir.kv_cache_memory
         if kv_cache_memory is None:
             return default_kv_blocks(engine_dir, block_size, prefix_caching)
-    memory = parse_kv_memory(kv_cache_memory)
-    budget = int(memory * available_memory()) if isinstance(memory, float) else memory
+    budget = budget_in_bytes(kv_cache_memory)
     block_bytes = block_size * kv_bytes_per_token(engine_dir)
     blocks = budget // block_bytes
     if blocks < 1:
@@ -96,12 +81,11 @@ def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching:
     if not rows_reserved:
         return KVManager(kv_blocks(d, kv_cache_memory, block_size, prefix_caching), block_size, prefix_caching)
     if kv_cache_memory is None:
-        kv_cache_memory = d.runtime_defaults.get("kv_cache_memory")
+        kv_cache_memory = d.kv_cache_memory
     if kv_cache_memory is None:
         store = 2 * d.max_seq_len // block_size
     else:
-        memory = parse_kv_memory(kv_cache_memory)
-        budget = int(memory * available_memory()) if isinstance(memory, float) else memory
+        budget = budget_in_bytes(kv_cache_memory)
         reserved = (d.max_batch_size + 1) * d.max_seq_len * kv_bytes_per_token(d)
         if budget < reserved:
             raise ValueError(f"kv_cache_memory {kv_cache_memory!r} = {budget} bytes: TensorRT reserves every KV slot "

@@ -24,6 +24,8 @@ import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from ...contract.kv_budget import blocks_for_tokens as blocks_for
+
 
 def block_hashes(tokens, block_size: int) -> list[bytes]:
     """Chained hashes of each full block: block i's hash covers tokens[: (i + 1) * block_size]."""
@@ -33,10 +35,6 @@ def block_hashes(tokens, block_size: int) -> list[bytes]:
         parent = hashlib.blake2b(parent + b"|" + ",".join(map(str, block)).encode(), digest_size=16).digest()
         hashes.append(parent)
     return hashes
-
-
-def blocks_for(positions: int, block_size: int) -> int:
-    return -(-positions // block_size)
 
 
 @dataclass
