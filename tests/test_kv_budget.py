@@ -154,7 +154,7 @@ def test_a_budget_that_cannot_hold_a_request_refuses_it_in_one_line(tiny_engine)
             llm.generate([[1] * 30], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="kv_cache_memory: 'lots' is not a KV budget; give bytes"):
         LLM(tiny_engine, backend="onnxruntime", kv_cache_memory="lots")
-    with pytest.raises(ValueError, match="block_size 12: must be a power of two"):
+    with pytest.raises(ValueError, match="block_size 12: 12 is not a power of two; valid: a power of two dividing max_seq_len"):
         LLM(tiny_engine, backend="onnxruntime", block_size=12)
 
 
