@@ -107,6 +107,8 @@ def test_each_type_is_kept_in_its_form_under_int4_and_as_int8_blocks_under_int8(
         assert source == (f"kept GGUF {type_name} codes as int{kept_bits} group {group}"
                           + (" with block offsets" if offsets else "")), mode
         assert (layer.dequantize() - reference).abs().max().item() <= tolerance, mode
+        if kept_bits == 8:  # TensorRT's int8 DequantizeLinear refuses negative scales (Q5_0's, Q6_K's, ...)
+            assert (layer.scales >= 0).all(), mode
 
 
 def test_a_spec_group_other_than_32_requantizes_the_4_bit_types_and_keeps_the_int8_ones(tmp_path):
@@ -195,3 +197,20 @@ def test_a_q4_k_m_like_file_builds_as_its_mix_and_decodes_as_its_float_build(tmp
     assert same_greedy_tokens(tmp_path / "kept", tmp_path / "float")
     engine = sum(f.stat().st_size for f in (tmp_path / "kept").rglob("*") if f.is_file())
     print(f"\nq4_k_m-like build {seconds:.1f} s, engine dir {engine / 2**20:.2f} MiB")
+
+
+def test_negative_int8_block_scales_move_their_sign_into_the_codes_unless_a_code_is_minus_128(tmp_path):
+    """TensorRT parses int8 DequantizeLinear with positive scales only; s·c = (−s)·(−c), except c = −128."""
+    rng = np.random.default_rng(3)
+    raw = rng.integers(-127, 128, (16, 8, 34)).astype(np.int8).view(np.uint8)
+    raw[..., :2] = np.float16(-0.01).reshape(1).view(np.uint8)               # every block's d negative
+    other = raw.copy()
+    other[3, 5, 7] = np.uint8(0x80)                                          # one code −128 under a negative d
+    weights = GGUFWeightMap.from_gguf(write_llama(tmp_path / "m.gguf", {
+        "blk.0.ffn_up.weight": (raw.reshape(16, -1), "Q8_0"), "blk.0.ffn_gate.weight": (other.reshape(16, -1), "Q8_0")}))
+    q = QuantizationSection(mode="int4_weight_only", group_size=32)
+    layer, source = kept_codes(weights, NAMES[1], q, 4, 32)
+    assert source == "kept GGUF Q8_0 codes as int8 group 32" and (layer.scales > 0).all()
+    assert torch.equal(layer.dequantize(), weights.tensor(NAMES[1]))
+    layer, source = kept_codes(weights, "model.layers.0.mlp.gate_proj.weight", q, 4, 32)
+    assert layer is None and source.startswith("re-quantized GGUF Q8_0: a negative block scale over code −128")

@@ -43,6 +43,9 @@ K-quants and the 5/6/8-bit types (checkpoint/gguf_kept_blocks.py reads every kep
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import torch
 
 from ...checkpoint.gguf_kept_blocks import KEPT_TYPES, BlockCodes, read_block_codes
@@ -82,6 +85,11 @@ def kept_codes(weights: WeightMap, key: str, q: QuantizationSection, bits: int,
     reason = _not_kept(type_name, q, bits, group, embedding, tensor_parallel)
     if reason is None:
         read = read_block_codes(type_name, weights.blocks(key)[1])  # [out, in], [out, in/g] (× 2 with offsets)
+        if max(bits, read.bits) == 8 or embedding:
+            read = _positive_scales(read)
+            if read is None:
+                return None, (f"re-quantized GGUF {type_name}: a negative block scale over code −128 (TensorRT's int8 "
+                              "DequantizeLinear takes positive scales only, and +128 is no int8)")
         kept = _per_channel(read) if embedding or bits == 8 else None
         if kept is not None:
             return kept, kept_source(type_name, 8, None, False)
@@ -95,6 +103,22 @@ def kept_codes(weights: WeightMap, key: str, q: QuantizationSection, bits: int,
                                     bits=out_bits, group=read.group, offsets=offsets),
                     kept_source(type_name, out_bits, read.group, offsets is not None))
     return None, f"re-quantized GGUF {type_name}: {reason}"
+
+
+def _positive_scales(read: BlockCodes) -> BlockCodes | None:
+    """The same weights with each negative block scale's sign moved into its codes (s·c = (−s)·(−c)):
+    TensorRT refuses an int8 DequantizeLinear with a negative scale at parse ("Scale coefficients
+    must all be positive"; int4 takes them), and llama.cpp writes negative Q5_0 and Q6_K scales
+    (it divides by the signed extreme). None where such a block holds −128."""
+    negative = read.scales < 0                                              # [rows, cols/g]
+    if not negative.any():
+        return read
+    rows, cols = read.codes.shape
+    flip = np.repeat(negative, read.group, axis=1)                          # [rows, cols]
+    if (read.codes[flip] == -128).any():
+        return None
+    return replace(read, codes=np.where(flip, -read.codes, read.codes).astype(np.int8),
+                   scales=np.abs(read.scales))
 
 
 def _per_channel(read: BlockCodes) -> QuantizedLinear | None:
