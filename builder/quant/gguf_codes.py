@@ -39,7 +39,8 @@ K-quants and the 5/6/8-bit types (checkpoint/gguf_kept_blocks.py reads every kep
   GPU); ONNX Runtime's CPU DequantizeLinear runs int8 blocks, and with the session's accuracy
   level 1 (plugins/onnxruntime/session.py) its DequantizeLinear → MatMul rewrite keeps float
   activations: checked to float32 rounding. (At ONNX Runtime's default level the fused n-bit
-  GEMM quantizes activations: ~0.7 % error.)
+  GEMM quantizes activations: ~0.7 % error.) TensorRT refuses a negative int8 scale at parse, so
+  a negative block scale (Q5_0's, Q6_K's) moves its sign into the block's codes.
 """
 from __future__ import annotations
 
