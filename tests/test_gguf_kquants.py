@@ -18,6 +18,7 @@ from onnx import TensorProto, numpy_helper
 from trtbuild.builder.numerics import run_onnx
 from trtbuild.builder.passes.base import PassContext
 from trtbuild.builder.passes.quantize_weights import quantize_weights
+from trtbuild.builder.quant.algorithms import QuantizedLinear
 from trtbuild.builder.quant.gguf_codes import kept_codes
 from trtbuild.builder.spec.document import QuantizationSection
 from trtbuild.checkpoint.gguf_kept_blocks import KEPT_TYPES, read_block_codes
@@ -214,3 +215,19 @@ def test_negative_int8_block_scales_move_their_sign_into_the_codes_unless_a_code
     assert torch.equal(layer.dequantize(), weights.tensor(NAMES[1]))
     layer, source = kept_codes(weights, "model.layers.0.mlp.gate_proj.weight", q, 4, 32)
     assert layer is None and source.startswith("re-quantized GGUF Q8_0: a negative block scale over code −128")
+
+
+def test_qkv_kept_in_different_forms_stay_unpacked_on_the_cpu_and_are_not_counted_as_misses():
+    """A Q4_K_M file's v projection (Q6_K: int8 blocks of 16) beside Q4_K q/k (int4 with offsets)
+    has no one packed DequantizeLinear: cpu_pack_qkv expects no count then, instead of failing the build."""
+    from trtbuild.builder.frontend.checkpoint import arch_config
+    from trtbuild.builder.passes import cpu_pack_qkv
+
+    arch = arch_config(TINY_CODE)
+    codes = torch.zeros(64, 256, dtype=torch.int8)
+    int4 = QuantizedLinear(codes=codes, scales=torch.ones(64, 8), bits=4, group=32, offsets=torch.zeros(64, 8))
+    int8 = QuantizedLinear(codes=codes, scales=torch.ones(64, 16), bits=8, group=16)
+    same = {f"layers.{i}.self_attn.{p}_proj": int4 for i in range(arch.num_layers) for p in "qkv"}
+    assert cpu_pack_qkv.expected(PassContext(spec=None, arch=arch, quantized=same)) == arch.num_layers
+    mixed = {**same, "layers.3.self_attn.v_proj": int8}
+    assert cpu_pack_qkv.expected(PassContext(spec=None, arch=arch, quantized=mixed)) is None
