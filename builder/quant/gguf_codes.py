@@ -3,7 +3,7 @@ weight-only mode represents keeps its codes and scales instead of being dequanti
 rounded again (which can only add error: the file's values are the target, and RTN of them
 lands on other codes wherever its absmax scale differs from the file's).
 
-What is kept (checkpoint/gguf_blocks.py reads the blocks):
+What is kept (checkpoint/gguf_blocks.py and gguf_kept_blocks.py read the blocks):
 - Q4_0 under int4_weight_only, rtn, group_size 32: codes q − 8 ∈ [−8, 7] (the int4
   DequantizeLinear admits −8; our own RTN uses [−7, 7]) and the f16 block scales, which may be
   negative (llama.cpp divides by the signed extreme; DequantizeLinear takes any sign).
@@ -15,14 +15,12 @@ What is kept (checkpoint/gguf_blocks.py reads the blocks):
   computes the file's weights (to float32 rounding), where re-quantizing Q4_1's asymmetric grid
   onto a symmetric one cost SmolLM2-135M +50 % perplexity (docs/benchmarks.md). Single-rank
   graphs only: the tensor-parallel pass does not shard the correction.
-- Q8_0 or Q4_0 under int8_weight_only (or the int8 embedding table) only where every row's
-  blocks share one scale: our int8 form is one scale per output channel, which cannot hold
-  per-32 scales in general.
+- Symmetric codes whose blocks share one scale per row become int8 per output channel (the
+  cheaper form), under int8_weight_only, and the only form the int8 embedding table keeps.
 Everything else is re-quantized from the dequantized values as usual, with the reason noted.
 
 Seen with TensorRT-RTX 1.7.1 building for sm89 (no GPU): int4 block_size 32 with codes −8 and
-negative scales builds; int8 with block_size 32 parses and builds too (so Q8_0 could be kept by
-an int8 mode with groups, which we do not have yet); a non-zero int4 zero point is refused
+negative scales builds; int8 with block_size 16 or 32 parses and builds; a non-zero int4 zero point is refused
 ("Non-zero zero point is not supported") and a uint4 initializer cannot be imported, hence the
 offsets' separate correction.
 
