@@ -55,7 +55,10 @@ def _gguf_name(name: str) -> str:
     return f"blk.{layer}.{NAMES[rest.removesuffix('.weight')]}.weight"
 
 
-def export(checkpoint: Path, out: Path, weight_type: str = "f16") -> Path:
+def export(checkpoint: Path, out: Path, weight_type: str = "f16", encode=None) -> Path:
+    """``encode``: (GGUF name, values [rows, cols] float32) → (raw blocks uint8, GGML type name)
+    for each 2-D tensor, a per-tensor mix as llama.cpp's Q4_K_M writes (tests encode K-quants,
+    which the `gguf` package cannot); None: every matrix in ``weight_type``."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -111,7 +114,10 @@ def export(checkpoint: Path, out: Path, weight_type: str = "f16") -> Path:
         elif name.endswith("self_attn.k_proj.weight"):
             value = _interleave_rotary(value, kv_heads)
         # Norm vectors stay f32 (llama.cpp keeps 1-D tensors in f32).
-        if weight_type in BLOCK_TYPES and value.ndim == 2:
+        if encode is not None and value.ndim == 2:
+            raw, type_name = encode(_gguf_name(name), value)
+            writer.add_tensor(_gguf_name(name), raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
+        elif weight_type in BLOCK_TYPES and value.ndim == 2:
             kind = gguf.GGMLQuantizationType[weight_type.upper()]
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(value, kind), raw_dtype=kind)
         else:

@@ -96,15 +96,42 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
 
 
 def _gguf_sources(records: list[dict]) -> list[str]:
-    """Each GGUF source note (the file's codes kept, or re-quantized and why) with how many layers
-    have it: the quantization report's ``source`` entries, as the quantize_weights record holds them."""
+    """Each GGUF source note (the file's codes kept: type, bits, group; or re-quantized and why)
+    with how many layers have it and which: the quantization report's ``source`` entries, as the
+    quantize_weights record holds them."""
     layers = next((r.get("layers") or {} for r in records if r["pass"] == "quantize_weights"), {})
-    counts: dict[str, int] = {}
-    for entry in layers.values():
+    named: dict[str, list[str]] = {}
+    for name, entry in layers.items():
         if entry.get("source"):
-            counts[entry["source"]] = counts.get(entry["source"], 0) + 1
-    return [f"{'gguf codes' if i == 0 else '':<12} {source}: {count} layer{'s' if count > 1 else ''}"
-            for i, (source, count) in enumerate(counts.items())]
+            named.setdefault(entry["source"], []).append(name)
+    return [f"{'gguf codes' if i == 0 else '':<12} {source}: {len(names)} layer{'s' if len(names) > 1 else ''} "
+            f"({_layer_list(names)})" for i, (source, names) in enumerate(named.items())]
+
+
+def _layer_list(names: list[str]) -> str:
+    """``layers.0.mlp.up_proj``, ``layers.1.mlp.up_proj`` → ``mlp.up_proj in layers 0-1``: each
+    module with the layers it is in (ranges where consecutive)."""
+    by_module: dict[str, list[int]] = {}
+    others = []
+    for name in names:
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+            by_module.setdefault(parts[2], []).append(int(parts[1]))
+        else:
+            others.append(name)
+    shown = [f"{module} in layers {_ranges(sorted(at))}" for module, at in by_module.items()]
+    return "; ".join(shown + others)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] → ``0-2,5``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _speculation_line(out: Path, entry) -> str:

@@ -1,7 +1,8 @@
 """Quantized in, quantized out: a GGUF file's Q4_0 blocks under int4 group 32 keep their codes
 and scales bit for bit (the engine computes the file's weights), Q4_1's too with one offset per
-block (to float32 rounding), Q8_0 under int8 only where a row has one scale, and everything else
-(other groups, keep_gguf_codes: false, Q4_1 across tensor ranks) is re-quantized with the reason
+block (to float32 rounding), Q8_0 under int8 per channel where a row has one scale, else with its
+block scales, and everything else (other groups, keep_gguf_codes: false, Q4_1 across tensor ranks)
+is re-quantized with the reason
 in the pass log. The oracle for the codes is the `gguf` package
 quantizing the Hugging Face-order weights: quantization is per row, so it equals the file's
 blocks with llama.cpp's q/k row permutation undone."""
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from trtbuild.builder.quant.gguf_codes import KEPT_WITH_OFFSETS, kept_codes
+from trtbuild.builder.quant.gguf_codes import kept_codes, kept_source
 from trtbuild.builder.quant.quantize import load_quantized, quantize_checkpoint
 from trtbuild.builder.spec.resolve import spec_from_dict
 from trtbuild.builder.spec.document import QuantizationSection
@@ -30,6 +31,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gguf_export import export  # noqa: E402
 
 LINEARS = 42  # 6 decoder layers × 7 linears (lm_head excluded by default)
+KEPT_Q4_0, KEPT_Q4_1 = "kept GGUF Q4_0 codes as int4 group 32", "kept GGUF Q4_1 codes as int4 group 32 with block offsets"
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_block_codes_times_scales_are_the_dequantized_tensor(tmp_path, type_name
 def test_q4_0_codes_are_kept_bit_for_bit(gguf_files, tmp_path):
     layers, report = quantize(gguf_files["q4_0"], tmp_path, mode="int4_weight_only", group_size=32)
     assert len(report) == LINEARS
-    assert {entry["source"] for entry in report.values()} == {"kept GGUF Q4_0 codes"}
+    assert {entry["source"] for entry in report.values()} == {KEPT_Q4_0}
     assert {entry["weight_rel_error"] for entry in report.values()} == {0.0}
     for name in ("layers.0.self_attn.q_proj", "layers.2.self_attn.k_proj", "layers.5.mlp.down_proj"):
         codes, scales = file_codes(name)
@@ -92,8 +94,7 @@ def test_q4_0_codes_are_kept_bit_for_bit(gguf_files, tmp_path):
     ("q4_0", {"group_size": 64}, "re-quantized GGUF Q4_0: group_size 64 is not Q4_0's block of 32"),
     ("q4_1", {"group_size": 64}, "re-quantized GGUF Q4_1: group_size 64 is not Q4_1's block of 32"),
     ("q4_1", {"group_size": 32, "keep_gguf_codes": False}, "re-quantized GGUF Q4_1: quantization.keep_gguf_codes is false"),
-    ("q8_0", {"group_size": 32}, "re-quantized GGUF Q8_0: Q8_0's 8-bit codes do not fit int4"),
-], ids=["keep-off", "group-64", "q4_1-group-64", "q4_1-keep-off", "q8_0-as-int4"])
+], ids=["keep-off", "group-64", "q4_1-group-64", "q4_1-keep-off"])
 def test_a_block_tensor_the_mode_cannot_hold_is_requantized_with_the_reason(gguf_files, tmp_path, kind, quantization,
                                                                           source):
     layers, report = quantize(gguf_files[kind], tmp_path, mode="int4_weight_only", **quantization)
@@ -125,7 +126,7 @@ def test_q4_1_codes_and_offsets_are_kept_under_int4_group_32(gguf_files, tmp_pat
     """The engine's weights are the file's: the report's weight error is float32 rounding, not
     the ~10 % of re-rounding Q4_1's asymmetric grid onto a symmetric one."""
     layers, report = quantize(gguf_files["q4_1"], tmp_path, mode="int4_weight_only", group_size=32)
-    assert len(report) == LINEARS and {entry["source"] for entry in report.values()} == {KEPT_WITH_OFFSETS}
+    assert len(report) == LINEARS and {entry["source"] for entry in report.values()} == {KEPT_Q4_1}
     assert max(entry["weight_rel_error"] for entry in report.values()) < 1e-6
     weights = GGUFWeightMap.from_gguf(gguf_files["q4_1"])
     for name in ("layers.0.self_attn.k_proj", "layers.5.mlp.down_proj"):
@@ -145,11 +146,11 @@ def test_q4_1_is_requantized_where_its_offsets_cannot_go(gguf_files, tmp_path):
         "keeping them needs 1)"}
     weights = GGUFWeightMap.from_gguf(gguf_files["q4_1"])
     key = "model.layers.0.mlp.up_proj.weight"
-    layer, source = kept_codes(weights, key, QuantizationSection(mode="int8_weight_only"), 8, None)
-    assert layer is None and source == "re-quantized GGUF Q4_1: Q4_1's block offsets are kept by int4_weight_only only"
+    layer, source = kept_codes(weights, key, QuantizationSection(mode="int8_weight_only"), 8, None, tensor_parallel=2)
+    assert layer is None and source.startswith("re-quantized GGUF Q4_1: its block offsets' correction is not sharded")
 
 
-def test_q8_0_is_kept_as_int8_only_where_a_row_has_one_scale(tmp_path):
+def test_q8_0_is_kept_per_channel_where_a_row_has_one_scale_else_with_its_block_scales(tmp_path):
     rng = np.random.default_rng(0)
     one_scale = rng.uniform(-1, 1, (16, 256)).astype(np.float32)
     one_scale[:, ::32] = 2.0  # every block's absmax is 2: one d per row
@@ -157,11 +158,16 @@ def test_q8_0_is_kept_as_int8_only_where_a_row_has_one_scale(tmp_path):
                                              "blk.0.ffn_gate.weight": (rng.standard_normal((16, 256)).astype(np.float32), "Q8_0")})
     weights, q = GGUFWeightMap.from_gguf(path), QuantizationSection(mode="int8_weight_only")
     layer, source = kept_codes(weights, "model.layers.0.mlp.up_proj.weight", q, 8, None)
-    assert source == "kept GGUF Q8_0 codes" and layer.group is None and layer.scales.shape == (16,)
+    assert source == "kept GGUF Q8_0 codes as int8 per output channel" and layer.group is None
+    assert layer.scales.shape == (16,)
     assert torch.equal(layer.dequantize(), weights.tensor("model.layers.0.mlp.up_proj.weight"))
     layer, source = kept_codes(weights, "model.layers.0.mlp.gate_proj.weight", q, 8, None)
-    assert layer is None and source == ("re-quantized GGUF Q8_0: Q8_0's scales are per 32 inputs and int8 here is one "
-                                        "scale per output channel; this tensor's rows have more than one")
+    assert source == "kept GGUF Q8_0 codes as int8 group 32" and (layer.bits, layer.group) == (8, 32)
+    assert layer.scales.shape == (16, 8) and layer.offsets is None
+    assert torch.equal(layer.dequantize(), weights.tensor("model.layers.0.mlp.gate_proj.weight"))
+    table, source = kept_codes(weights, "model.layers.0.mlp.gate_proj.weight", q, 8, None, embedding=True)
+    assert table is None and source == ("re-quantized GGUF Q8_0: Q8_0's scales are per 32 inputs and the int8 table "
+                                        "has one scale per row; this tensor's rows have more than one")
 
 
 def built(checkpoint: Path, out: Path, **quantization):
@@ -202,9 +208,9 @@ def test_a_q4_0_engine_holds_the_files_codes_and_decodes_as_its_float_build(gguf
     summary = built(gguf_files["q4_0"], tmp_path / "kept", mode="int4_weight_only", group_size=32)
     record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
     assert record["matches"] == LINEARS and record["numerics"]["ok"]
-    assert {entry["source"] for entry in record["layers"].values()} == {"kept GGUF Q4_0 codes"}
+    assert {entry["source"] for entry in record["layers"].values()} == {KEPT_Q4_0}
     shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "kept")])
-    assert shown.exit_code == 0 and "gguf codes   kept GGUF Q4_0 codes: 42 layers" in shown.output
+    assert shown.exit_code == 0 and f"gguf codes   {KEPT_Q4_0}: 42 layers (self_attn.q_proj in layers 0-5;" in shown.output
 
     graph = onnx.load(tmp_path / "kept" / "rank0.onnx")
     arrays = {t.name: t for t in graph.graph.initializer}

@@ -114,5 +114,5 @@ def test_int4_keeping_the_files_q4_1_weights_gives_transformers_greedy_tokens(sm
     proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "inspect", str(smollm2_int4_engine)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "gguf codes   kept GGUF Q4_1 codes and block offsets: 210 layers" in proc.stdout
+    assert "gguf codes   kept GGUF Q4_1 codes as int4 group 32 with block offsets: 210 layers (" in proc.stdout
     assert _generate(smollm2_int4_engine, PROMPTS) == [_expected(reference, p) for p in PROMPTS]

@@ -169,5 +169,18 @@ def rewrite(model: onnx.ModelProto, ctx: PassContext) -> Rewritten:
 def expected(ctx: PassContext) -> int | None:
     if ctx.spec is not None and ctx.spec.quantization.mode not in PACKED_MODES:
         return None
+    if _mixed_forms(ctx):
+        return None
     # Biased projections (Qwen2's MatMul → Add) are not this pattern: they stay three MatMuls.
     return 0 if ctx.arch.attention_bias else ctx.arch.num_layers
+
+
+def _mixed_forms(ctx: PassContext) -> bool:
+    """Whether some layer's q/k/v weights are quantized in different forms (GGUF codes kept per
+    tensor: a Q4_K_M file's v projection in Q6_K beside Q4_K q/k): those stay three MatMuls."""
+    layers = ctx.quantized or {}
+    for i in range(ctx.arch.num_layers):
+        found = [layers[n] for n in (f"layers.{i}.self_attn.{p}_proj" for p in "qkv") if n in layers]
+        if len({(q.bits, q.group, q.offsets is None) for q in found}) > 1:
+            return True
+    return False

@@ -1,7 +1,7 @@
 """quantize_weights: MatMul(x, W) → MatMul(x', DequantizeLinear(W_q, scale)) for each layer
 the spec quantizes (codes and scales come from trtbuild.builder.quant, computed on the
-checkpoint). INT8: per output channel (axis 1); INT4: blocks of ``group`` input rows
-(axis 0, block_size). A per-input-channel scale ``s`` (AWQ, SmoothQuant) is folded into the
+checkpoint). INT8: per output channel (axis 1), or (codes kept from a GGUF file) blocks of
+``group`` input rows; INT4: blocks of ``group`` input rows (axis 0, block_size). A per-input-channel scale ``s`` (AWQ, SmoothQuant) is folded into the
 producing RMSNorm's weight when every consumer shares it, else x' = x / s by a Mul; W8A8 adds
 a QuantizeLinear/DequantizeLinear pair on x' (int8, static per-tensor scale). FP8: E4M3 codes
 with one per-tensor weight scale, and a float8 Q/DQ pair on x (static per-tensor scale from
@@ -9,7 +9,7 @@ calibration amax); TensorRT runs those as FP8 GEMMs on sm89+, ONNX Runtime liter
 the simulated quantization `trtbuild eval` measures). NVFP4 (weight-only): FLOAT4E2M1 codes,
 block_size 16, whose scales are themselves DequantizeLinear(FP8 block scales, global scale);
 ONNX Runtime cannot run FP4, so CPU paths fold the chain into float weights (plugins/onnxruntime/fp4.py).
-INT4 kept from a GGUF Q4_1 file also has one offset per block (W = DQ(codes, scales) + offsets):
+INT4 or INT8 kept from a GGUF file with offsets (Q4_1, Q4_K, Q5_1, Q5_K) also has one offset per block (W = DQ(codes, scales) + offsets):
 TensorRT's int4 DequantizeLinear takes no zero point, so y = MatMul(x, DQ) + MatMul(S(x), Oᵀ), S(x)
 summing x over each block of inputs (Reshape → ReduceSum; one per input tensor, shared by the
 linears reading it).
@@ -196,6 +196,9 @@ def quantize_weights(graph: gs.Graph, ctx: PassContext) -> PassResult:
             scales, attrs = np.array(layer.scales[0].item(), dtype), {}
         elif layer.bits == 4:
             codes, scales = codes.astype(ml_dtypes.int4), np.ascontiguousarray(scales.T)  # scales [in/g, out]
+            attrs = {"axis": 0, "block_size": layer.group}
+        elif layer.group is not None:  # int8 codes kept from a GGUF file with their block scales
+            scales = np.ascontiguousarray(scales.T)                               # [in/g, out]
             attrs = {"axis": 0, "block_size": layer.group}
         else:
             attrs = {"axis": 1}                                  # scales [out]
