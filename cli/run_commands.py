@@ -192,7 +192,9 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
         result = benchmark.run(llm, load)
     except ValueError as exc:
         _fail(f"--workload: {exc}")
-    figures = {"mode": mode, "prefix_cache": prefix_cache, "backend": llm.backend, **result.as_dict()}
+    kv = llm.scheduler.kv
+    figures = {"mode": mode, "prefix_cache": prefix_cache, "backend": llm.backend, **result.as_dict(),
+               "kv_blocks": kv.num_blocks, "kv_block_size": kv.block_size, "preemptions": kv.stats.preemptions}
     if llm.speculation is not None:
         figures["speculation"] = llm.speculation.stats.as_dict()
     if as_json:
