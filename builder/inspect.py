@@ -10,6 +10,7 @@ from ..contract.manifest import ManifestError, has_cpu_graphs, read_manifest
 from ..contract.speculation import SpeculationConfig
 from .errors import UserError
 from .progress import dir_size, human_bytes, table
+from ..checkpoint.layer_count import layer_spans
 
 
 def load_engine_dir(out: Path) -> tuple[dict, list[dict]]:
@@ -119,19 +120,8 @@ def _layer_list(names: list[str]) -> str:
             by_module.setdefault(parts[2], []).append(int(parts[1]))
         else:
             others.append(name)
-    shown = [f"{module} in layers {_ranges(sorted(at))}" for module, at in by_module.items()]
+    shown = [f"{module} in layers {layer_spans(sorted(at))}" for module, at in by_module.items()]
     return "; ".join(shown + others)
-
-
-def _ranges(numbers: list[int]) -> str:
-    """[0, 1, 2, 5] → ``0-2,5``."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _speculation_line(out: Path, entry) -> str:

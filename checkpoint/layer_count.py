@@ -20,11 +20,12 @@ def check_layer_count(names: Iterable[str], num_layers: object, where: str, fiel
     found = sorted({int(match.group(1)) for name in names if (match := LAYER.match(name))})
     if found != list(range(num_layers)):
         raise CheckpointError(f"{where}: {field} is {num_layers}, so the tensors should be of layers "
-                              f"{_spans(range(num_layers))}; those in {files} are of layers {_spans(found)}")
+                              f"{layer_spans(range(num_layers))}; those in {files} are of layers {layer_spans(found)}")
 
 
-def _spans(indices: Iterable[int]) -> str:
-    """Sorted layer indices as runs: ``0-2, 5``; ``none`` if there are none."""
+def layer_spans(indices: Iterable[int]) -> str:
+    """Sorted layer indices as runs: ``0-2, 5``; ``none`` if there are none (error messages and
+    ``trtbuild inspect``'s notes)."""
     runs: list[list[int]] = []
     for index in indices:
         if runs and index == runs[-1][1] + 1:

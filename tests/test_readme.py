@@ -9,18 +9,16 @@ import json
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from serving import serving
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
-ANNOUNCED = re.compile(r"trtbuild serve: (\S+) \(.*\) on http://127\.0\.0\.1:(\d+)")
 LINE_TIMEOUT_S = 600
 
 
@@ -64,31 +62,15 @@ def _serve(args: list[str], work: Path, log: Path) -> None:
     completion once it answers, then stopped with SIGTERM, after which it must exit 0."""
     port = args.index("--port") + 1
     args = [*args[:port], "0", *args[port + 1:]]
-    with open(log, "w") as sink:
-        server = subprocess.Popen([sys.executable, "-m", "trtbuild.cli", *args], cwd=work, stdout=subprocess.DEVNULL,
-                                  stderr=sink)
-    try:
-        deadline = time.monotonic() + 120
-        while not (found := ANNOUNCED.search(log.read_text(errors="replace"))):
-            assert server.poll() is None and time.monotonic() < deadline, \
-                f"{shlex.join(args)}: the server did not start (exit {server.poll()}):\n{log.read_text(errors='replace')}"
-            time.sleep(0.2)
-        body = {"model": found.group(1), "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
-        request = urllib.request.Request(f"http://127.0.0.1:{found.group(2)}/v1/completions",
-                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with serving([sys.executable, "-m", "trtbuild.cli", *args], log, cwd=work, start_s=120, stop_s=30) as server:
+        body = {"model": server.model, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
+        request = urllib.request.Request(f"{server.base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             assert response.status == 200
             completion = json.loads(response.read())
         assert completion["choices"][0]["text"], completion
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-    assert server.returncode == 0, f"{shlex.join(args)} exited {server.returncode}:\n{log.read_text(errors='replace')}"
+    assert server.proc.returncode == 0, f"{shlex.join(args)} exited {server.proc.returncode}:\n{server.log_text()}"
 
 
 @pytest.mark.slow

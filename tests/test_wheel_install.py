@@ -7,24 +7,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from serving import serving
 import yaml
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 NOT_INSTALLED = {"tests"}   # setup.py's own rule: every other root folder with an __init__.py ships
-ANNOUNCED = re.compile(r"trtbuild serve: \S+ \(.*\) on http://127\.0\.0\.1:(\d+)")
 PROMPT = "def fibonacci(n):"
 
 
@@ -108,27 +105,11 @@ def test_wheel_installs_builds_runs_and_serves(tmp_path):
     completion = json.loads(ran.stdout)
     assert len(completion["token_ids"]) >= 1 and completion["text"], completion
 
-    log = tmp_path / "serve.log"
-    with open(log, "w") as sink:
-        server = subprocess.Popen([str(trtbuild), "serve", "build/tiny-code", "--port", "0"], cwd=work,
-                                  env=_clean_env(), stdout=subprocess.DEVNULL, stderr=sink)
-    try:
-        deadline = time.monotonic() + 120
-        while not (found := ANNOUNCED.search(log.read_text(errors="replace"))):
-            assert server.poll() is None and time.monotonic() < deadline, \
-                f"the server did not start (exit {server.poll()}):\n{log.read_text(errors='replace')}"
-            time.sleep(0.2)
-        served = _post(f"http://127.0.0.1:{found.group(1)}/v1/completions",
+    with serving([str(trtbuild), "serve", "build/tiny-code", "--port", "0"], tmp_path / "serve.log", cwd=work,
+                 env=_clean_env(), start_s=120, stop_s=30) as server:
+        served = _post(f"{server.base}/v1/completions",
                        {"model": "tiny-code", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
     # Both greedy on one engine dir: the server's text is `trtbuild run`'s.
     assert served["choices"][0]["text"] == completion["text"]
     assert served["usage"]["completion_tokens"] == len(completion["token_ids"])
-    assert server.returncode == 0, log.read_text(errors="replace")
+    assert server.proc.returncode == 0, server.log_text()
