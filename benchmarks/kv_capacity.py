@@ -93,8 +93,8 @@ def ours(engine: Path, token_prompts, new_tokens: int, threads: int, budget: int
          prefix_cache: bool = False) -> dict:
     from trtbuild.runtime.llm import LLM
 
-    with LLM(engine, threads=threads, kv_cache_memory=budget, max_rows=rows, prefix_cache=prefix_cache,
-             multi_step=1) as llm:
+    # multi_step: the engine dir's (the spec's runtime.multi_step), as `trtbuild run` and serve use it.
+    with LLM(engine, threads=threads, kv_cache_memory=budget, max_rows=rows, prefix_cache=prefix_cache) as llm:
         run_workload(llm, token_prompts[:1], 4)  # warm-up: sessions, pools' first pages
         llm.scheduler.kv.stats.preemptions = 0
         return run_workload(llm, token_prompts, new_tokens)
@@ -168,7 +168,7 @@ def prefix_ttft(engine: Path, vocab: int, threads: int, prefix_len: int = 1024) 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     out = {}
     for cached in (False, True):
-        with LLM(engine, threads=threads, prefix_cache=cached, multi_step=1) as llm:
+        with LLM(engine, threads=threads, prefix_cache=cached) as llm:
             llm.generate([a], one)
             start = time.perf_counter()
             llm.generate([b], one)
