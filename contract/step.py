@@ -79,7 +79,7 @@ class CacheShape:
 
 
 class TreeRows(Protocol):
-    """A Medusa tree as a verification row needs it (runtime.medusa.Tree satisfies this)."""
+    """A Medusa tree as a verification row needs it (runtime/core/tree.py's Tree satisfies this)."""
 
     size: int
     depths: np.ndarray     # [T] depth of each node (root 0)

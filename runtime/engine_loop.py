@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from .core.engine_core import EngineCore
+from .engine_core import EngineCore
 from .input_processor import InputProcessor, ValidRequest
 from .structured import CompiledConstraint
 from .output_processor import OutputProcessor

@@ -1,7 +1,7 @@
 """``LLM``: generate text from an engine dir (Python API), a thin front over four parts:
 
 - the input processor (runtime/input_processor.py): prompts to checked requests;
-- the engine core (runtime/core/engine_core.py): schedule, run the engine, sample, commit;
+- the engine core (runtime/engine_core.py): schedule, run the engine, sample, commit;
 - the output processor (runtime/output_processor.py): text, stop strings, deltas, completions;
 - the engine loop (runtime/engine_loop.py): the one owner of steps, a thread that runs them
   while requests are open and hands each request's outputs to its own reader.
@@ -19,11 +19,11 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.tokenizer import tokenizer_from
 from ..plugins.onnxruntime.session import CpuActivations, Spinning
 from .detokenize import Detokenizer
-from .backends.engine import Engine
-from .core.engine_core import EngineCore, RuntimeStats
+from .core.engine import Engine
+from .engine_core import EngineCore, RuntimeStats
 from .engine_dir import EngineDirError, load
 from .engine_loop import EngineLoop, Sink
-from .backends.choose import make_engine, resolve_backend
+from .engine_factory import make_engine, resolve_backend
 from .input_processor import InputProcessor, checked_multi_step
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta

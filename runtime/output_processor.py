@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from .detokenize import ByteStream, Detokenizer, IncrementalDecoder
-from .core.engine_core import Sampling
+from .engine_core import Sampling
 from .outputs import Completion, Delta, TokenLogprob
 from .core.scheduler import Request
 

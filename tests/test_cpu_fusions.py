@@ -345,7 +345,8 @@ def test_heads_at_path_end_run_the_heads_where_greedy_acceptance_ends():
     runtime.medusa.accept_greedy's last node, and the logits are untouched."""
     from trtbuild.builder.passes.heads_at_path_end import heads_at_path_end
     from trtbuild.contract.step import step_arrays
-    from trtbuild.runtime.speculation.medusa import Tree, accept_greedy
+    from trtbuild.runtime.core.tree import Tree
+    from trtbuild.runtime.speculation.medusa import accept_greedy
 
     vocab, s_max = 8, 32
     rng = np.random.default_rng(7)
@@ -376,7 +377,7 @@ def test_heads_at_path_end_stop_at_a_plain_rows_only_token_and_at_the_one_row_of
     its padding happens to be the argmax chain; a prefill (R = 1, the last token's row) ends at it."""
     from trtbuild.builder.passes.heads_at_path_end import heads_at_path_end
     from trtbuild.contract.step import step_arrays
-    from trtbuild.runtime.speculation.medusa import Tree
+    from trtbuild.runtime.core.tree import Tree
 
     vocab, s_max = 8, 32
     rng = np.random.default_rng(8)

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild.plugins.onnxruntime.session import session
-from trtbuild.runtime.backends import choose as engines
+from trtbuild.runtime import engine_factory as engines
 from trtbuild.runtime.backends.onnxruntime import memory
 from trtbuild.runtime.engine_dir import EngineDir, EngineDirError
 

@@ -12,7 +12,7 @@ from trtbuild.builder.emit.tensorrt import Flavor, check_targets
 from trtbuild.builder.errors import SpecError
 from trtbuild.contract.gpu_targets import built_for, rtx_serves
 from trtbuild.runtime.engine_dir import EngineDir, EngineDirError
-from trtbuild.runtime.backends.choose import resolve_backend
+from trtbuild.runtime.engine_factory import resolve_backend
 from trtbuild.runtime.backends.tensorrt.library import load_flavor, tensorrt_available
 
 from simulated_device import SimulatedDevice

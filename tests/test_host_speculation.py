@@ -330,8 +330,8 @@ def test_server_speculation_field_and_usage(speculation_engine, tmp_path):
 def test_a_planted_acceptance_bug_is_caught(speculation_engine, plain, monkeypatch):
     """Accepting one guess past the model's agreement changes the output: the identity tests
     above would fail on such a bug."""
-    from trtbuild.runtime.core import engine_core
-    from trtbuild.runtime.speculation.medusa import Accepted
+    from trtbuild.runtime import engine_core
+    from trtbuild.runtime.core.tree import Accepted
 
     def one_too_many(tree, tokens, logits):
         path = accept_greedy(tree, tokens, logits)

@@ -3,9 +3,9 @@ never lead back to it); the CLI (cli/) sits above the builder and the runtime an
 builder and runtime never import each other nor the CLI; and the packages both of them share
 (contract/, the engine-dir format; checkpoint/, reading a user's checkpoint; plugins/, ops and how
 each executor runs them) import none of the three; contract/ sits at the bottom and imports no other
-trtbuild package. Every import counts: those inside functions, and those
-under ``if TYPE_CHECKING:`` (a type that names its user back is a circle too, one the interpreter
-just does not run into)."""
+trtbuild package; inside runtime/, its sub-packages read top-down as wholes too. Every import
+counts: those inside functions, and those under ``if TYPE_CHECKING:`` (a type that names its user
+back is a circle too, one the interpreter just does not run into)."""
 from __future__ import annotations
 
 import ast
@@ -152,3 +152,40 @@ def test_every_root_package_is_installed():
         assert all((f / "__init__.py").is_file() for f in folders), sorted(f for f in folders if not (f / "__init__.py").is_file())
 
 
+def package_graph(graph: dict[str, set[str]], root: str) -> dict[str, set[str]]:
+    """``graph`` collapsed to ``root``'s parts: each sub-package of ``root`` is one node (its modules
+    together), each module directly in ``root`` is its own node; imports inside a node and of
+    ``root`` itself are no edges."""
+    def part(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if parts[0] == root and len(parts) > 1 else None
+
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = part(module)
+        if source is None:
+            continue
+        parts.setdefault(source, set())
+        for target in targets:
+            into = part(target)
+            if into is not None and into != source:
+                parts[source].add(into)
+    return parts
+
+
+def test_the_runtime_packages_import_each_other_top_down():
+    """runtime's sub-packages as a whole have no circles either (backends/ below parallel/, core/
+    below speculation/ and backends/): a package-level circle is a module circle waiting to happen,
+    and it hides which package is the lower one."""
+    assert circles(package_graph(import_graph(), "runtime")) == []
+
+
+def test_the_package_graph_finds_a_planted_package_circle():
+    """No two modules form a circle here, their packages do; a module importing its own package's
+    ``__init__`` (runtime.a.x → runtime.a) and the root package itself are no edges."""
+    graph = {"runtime.a.x": {"runtime.b.y", "runtime.a"}, "runtime.b.z": {"runtime.a.w", "runtime"},
+             "runtime.a.w": set(), "runtime.b.y": set(), "runtime.c": {"runtime.a.x"}, "runtime": set()}
+    assert circles(graph) == []
+    parts = package_graph(graph, "runtime")
+    assert parts == {"runtime.a": {"runtime.b"}, "runtime.b": {"runtime.a"}, "runtime.c": {"runtime.a"}}
+    assert circles(parts) == [["runtime.a", "runtime.b"]]

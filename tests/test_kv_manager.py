@@ -14,7 +14,7 @@ from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Request, Scheduler
 from trtbuild.runtime.core.step import Discard, LoadBlock, StepKind
-from trtbuild.runtime.speculation.medusa import Tree
+from trtbuild.runtime.core.tree import Tree
 
 
 def test_rows_take_blocks_as_they_grow_and_give_them_back():

@@ -189,7 +189,8 @@ def test_cpu_verification_graph_matches_the_rank_graph_on_trees(medusa_engine):
     from trtbuild.builder.emit.cpu_step_model import verify_branch
     from trtbuild.plugins.onnxruntime import session as ort_config
     from trtbuild.contract.step import step_arrays
-    from trtbuild.runtime.speculation.medusa import Tree, accept_greedy
+    from trtbuild.runtime.core.tree import Tree
+    from trtbuild.runtime.speculation.medusa import accept_greedy
 
     manifest = json.loads((medusa_engine / "manifest.json").read_text())
     tree = Tree(tuple(tuple(path) for path in manifest["medusa"]["tree"]))

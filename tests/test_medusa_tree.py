@@ -9,8 +9,9 @@ import pytest
 
 from trtbuild.builder.medusa.tree import default_tree, ordered, rank_accuracy
 from trtbuild.contract.medusa_acceptance import tree_problem
-from trtbuild.runtime.backends.engine import step_arrays
-from trtbuild.runtime.speculation.medusa import Accepted, Tree, accept_greedy, accept_sampled
+from trtbuild.runtime.core.engine import step_arrays
+from trtbuild.runtime.core.tree import Accepted, Tree
+from trtbuild.runtime.speculation.medusa import accept_greedy, accept_sampled, candidates
 from trtbuild.runtime.core.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Phase, Request, Scheduler
@@ -74,7 +75,7 @@ def test_candidates_take_each_heads_ranked_guesses():
     medusa = np.array([[0.1, 0.9, 0.5, 0.0],     # head 0: ranks → tokens 1, 2
                        [0.7, 0.0, 0.0, 0.8],     # head 1: 3, 0
                        [0.0, 0.0, 1.0, 0.0]])    # head 2: 2
-    assert TREE.candidates(9, medusa) == [9, 1, 2, 3, 0, 3, 2]
+    assert candidates(TREE, 9, medusa) == [9, 1, 2, 3, 0, 3, 2]
 
 
 def test_greedy_acceptance_walks_the_longest_agreeing_path():

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from trtbuild.runtime.detokenize import Detokenizer
-from trtbuild.runtime.core.engine_core import Sampling
+from trtbuild.runtime.engine_core import Sampling
 from trtbuild.runtime.output_processor import RequestText, held_back
 from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.core.scheduler import Request

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trtbuild.runtime.speculation.medusa import Tree
+from trtbuild.runtime.core.tree import Tree
 from trtbuild.runtime.parallel.protocol import (HEADER_WORDS, MAGIC, MAX_KEEP_NODES, MAX_PAYLOAD_WORDS, VERSION, MessageKind,
                                             RankProtocolError, Stop, decode, encode)
 from trtbuild.runtime.core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind

@@ -14,7 +14,7 @@ from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculation import medusa
 from trtbuild.runtime.speculation.chain import chain_tree
 from trtbuild.runtime.speculation.host import SpeculationMode
-from trtbuild.runtime.speculation.medusa import Accepted
+from trtbuild.runtime.core.tree import Accepted
 
 V = 32
 DRAWS = 10_000

@@ -1,6 +1,6 @@
 """Pipeline stages on the TensorRT backend, on the simulated device (tests/simulated_device.py), not a
 GPU test: each rank process (rank 0 here, rank 1 started by it) runs TensorRTEngine's own code as a
-stage (runtime/backends/tensorrt/stage.py) with its hand-off in simulated device memory, moved by the
+stage (runtime/parallel/tensorrt_stage.py) with its hand-off in simulated device memory, moved by the
 host-staged gloo transport (runtime/parallel/transport.py; real GPUs take the NCCL one, whose test
 is tests/test_tensorrt_runtime.py::test_tensorrt_pipeline_stages_match_the_cpu_runtime). The
 tokens must be exactly the CPU runtime's."""
@@ -42,7 +42,7 @@ def gpu_tokens(engine_dir) -> tuple[list[list[int]], dict]:
     """Greedy tokens of PROMPTS on the TensorRT backend (prefix cache on) and what rank 0 saw."""
     from trtbuild.runtime.parallel.pipeline_parallel import StageRunner
     from trtbuild.runtime.parallel.transport import HostStagedTransport
-    from trtbuild.runtime.backends.tensorrt.stage import TensorRTStage
+    from trtbuild.runtime.parallel.tensorrt_stage import TensorRTStage
 
     with LLM(engine_dir, backend="tensorrt", prefix_cache=True) as llm:
         stage = llm.engine.local
@@ -119,7 +119,7 @@ def hand_off_one_column_short(stage_step):
 @pytest.mark.slow
 @pytest.mark.parametrize("plant", [hand_off_from_the_next_slot, hand_off_one_column_short])
 def test_a_planted_hand_off_fault_changes_the_tokens(device, pp2_engine, cpu_tokens, monkeypatch, plant):
-    from trtbuild.runtime.backends.tensorrt.stage import TensorRTStage
+    from trtbuild.runtime.parallel.tensorrt_stage import TensorRTStage
 
     monkeypatch.setattr(TensorRTStage, "stage_step", plant(TensorRTStage.stage_step))
     assert gpu_tokens(pp2_engine)[0] != cpu_tokens

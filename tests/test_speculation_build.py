@@ -17,7 +17,7 @@ from trtbuild.contract.step import TREE_VERIFY
 from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
 from trtbuild.runtime.core.step import Step, StepKind
 from trtbuild.runtime.engine_dir import load
-from trtbuild.runtime.speculation.medusa import Tree
+from trtbuild.runtime.core.tree import Tree
 
 
 pytestmark = pytest.mark.slow  # builds an engine dir

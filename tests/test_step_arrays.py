@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trtbuild.contract.step import StepArrays, fill_step_arrays, step_arrays, step_shape
-from trtbuild.runtime.speculation.medusa import Tree
+from trtbuild.runtime.core.tree import Tree
 
 TREE = Tree(((0,), (0, 0), (1,)))
 

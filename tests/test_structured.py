@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from trtbuild.runtime.speculation.medusa import Accepted, Tree, accept_greedy
+from trtbuild.runtime.core.tree import Accepted, Tree
+from trtbuild.runtime.speculation.medusa import accept_greedy
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.structured import (Choice, ConstraintCompiler, ConstraintError, Grammar,
                                          JsonObject, JsonSchema, Regex, TreeWalk)
@@ -120,7 +121,7 @@ def test_a_grammar_that_fails_mid_answer_ends_as_length(llm, caplog):
     """One that cannot be told in advance (no text forced at its start, then forced without end)
     ends as "length", the text so far kept, llguidance's error logged: never as "abort"."""
     grammar = Grammar('start: "qqqzzz" | "d" rest\nrest: "a" rest')
-    with caplog.at_level("WARNING", logger="trtbuild.runtime.core.engine_core"):
+    with caplog.at_level("WARNING", logger="trtbuild.runtime.engine_core"):
         [out] = llm.generate(["def f(x):"], SamplingParams(max_tokens=20, constraint=grammar))
     assert (out.text, out.finish_reason) == ("da", "length")
     assert "its constraint failed after 2 tokens, ended as length: parser error: Too many items" in caplog.text

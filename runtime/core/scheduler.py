@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from ...contract.speculation import Source
-from ..speculation.medusa import Accepted, Tree
+from .tree import Accepted, Tree
 from .kv_manager import KVManager, blocks_for
 from .sampling import SamplingParams
 from .slots import Move, SlotTable

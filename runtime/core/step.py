@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..speculation.medusa import Tree
+from .tree import Tree
 
 
 class StepKind(Enum):

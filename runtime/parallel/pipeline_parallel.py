@@ -27,7 +27,7 @@ import numpy as np
 
 from ...contract.pipeline import HIDDEN_STATES_OUT
 from ...contract.step import LOGITS, MEDUSA_LOGITS, step_shape
-from ..backends.engine import CacheOpsOfEngine, StepOutput
+from ..core.engine import CacheOpsOfEngine, StepOutput
 from ..engine_dir import EngineDir
 from ..core.step import Step
 

@@ -23,7 +23,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from ..speculation.medusa import Tree
+from ..core.tree import Tree
 from ..core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
 
 MAGIC = 0x7472_7462_726B  # "trtbrk"

@@ -75,7 +75,7 @@ def rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: i
     if engine_dir.pipeline_parallel == 1:
         return local
     if backend == "tensorrt":
-        from ..backends.tensorrt.stage import TensorRTStage
+        from .tensorrt_stage import TensorRTStage
 
         runner = StageRunner(TensorRTStage(local.engine), engine_dir, rank, micro_batches,
                              _device_transport(local.engine))

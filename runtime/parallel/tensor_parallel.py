@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ...contract.processes import die_with_parent
-from ..backends.engine import GreedyRun, StepOutput, StepwiseGreedyRun
+from ..core.engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from ..engine_dir import EngineDir, load
 from .rank_engines import RankEngine, rank_engine, run_message, serve_rank
 from .protocol import Message, Stop, broadcast

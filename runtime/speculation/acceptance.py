@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...contract.medusa_acceptance import expected_accepted, rank_probability
-from .medusa import Accepted, Tree
+from ..core.tree import Accepted, Tree
 
 PRIOR_WEIGHT = 20.0   # the held-out accuracy counts as this many observed verifications
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .medusa import Tree
+from ..core.tree import Tree
 
 
 @lru_cache(maxsize=256)

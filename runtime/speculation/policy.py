@@ -9,7 +9,7 @@ each (head, rank)'s acceptance, starting from the heads' held-out accuracy and u
 every verification. For a batch of B rows it picks the tree prefix n maximising expected
 tokens per second, (1 + E[accepted | n]) / t(B, 1 + n), and n = 0 (plain decoding) unless
 that beats plain decoding by MIN_GAIN. Plain decoding is what the runtime really does when it
-steps aside: multi-step greedy runs (runtime/core/engine_core.py), whose cost per token is
+steps aside: multi-step greedy runs (runtime/engine_core.py), whose cost per token is
 calibrated and observed separately from a single plain step's (on the CPU a run's step skips
 the heads and costs a third of even a one-guess verification, which computes them and grows
 with its tokens: on the bundled model no tree pays at any batch there, docs/benchmarks.md; on
@@ -27,7 +27,7 @@ import numpy as np
 
 from ...contract.medusa_acceptance import best_tree_prefix
 from .acceptance import AcceptanceModel, SpeculationStats
-from .medusa import Accepted, Tree
+from ..core.tree import Accepted, Tree
 from .step_times import EMPTY, Context, StepTimes
 
 REDECIDE_EVERY = 16   # decisions between re-choosing a batch size's tree (choosing costs ~1 ms)

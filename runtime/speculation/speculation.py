@@ -10,13 +10,13 @@ from ...contract.speculation import PromptLookupConfig, Source, SuffixConfig
 from .acceptance import AcceptanceModel, SpeculationStats
 from .chain import chain_tree
 from .host import HostDrafting, SpeculationMode
-from .medusa import Tree
+from ..core.tree import Tree
 from .policy import SpeculationPolicy
 from .sources import sources_for
 from .step_times import EMPTY, Context, StepTimes, calibrate
 
 if TYPE_CHECKING:
-    from ..backends.engine import Engine
+    from ..core.engine import Engine
     from ..engine_dir import EngineDir
 
 HOST_SOURCES = (Source.prompt_lookup, Source.suffix)

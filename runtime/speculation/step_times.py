@@ -21,7 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .medusa import Tree
+from ..core.step import Step, StepKind
+from ..core.tree import Tree
 
 RECENT = 15           # step times kept per (B, S): the median of these is the estimate
 CONTEXT_PROBE = 1024  # cached tokens the context calibration steps attend to (fewer where S_max is short)
@@ -166,8 +167,6 @@ def calibrate(engine, tree: Tree, max_batch: int, max_seq_len: int, run_steps: i
     the greedy path's end on the CPU verification graph), which is what makes them cost.
     Each shape runs once to warm up, then ``repeats`` times back to back (as a serving loop
     repeats a shape); their median counts, and decode steps and runs refine it as they run."""
-    from ..core.step import Step, StepKind
-
     def step(batch: int, n: int, start: int = 0) -> Step:
         return Step(kind=StepKind.decode, first_slot=0, rids=tuple(f"calibrate-{i}" for i in range(batch)),
                     tokens=((0,) * (1 + n),) * batch, starts=(start,) * batch, samples=(True,) * batch,

@@ -28,7 +28,7 @@ from ....plugins.onnxruntime import fp4
 from ....plugins.onnxruntime.segments import CollectiveFn, SegmentedRank
 from .one_write_start import move_back, write_from_one_start
 from .step_graph import cpu_graph, fill_decode_inputs
-from ..engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
+from ...core.engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from ...engine_dir import EngineDir
 from ...core.kv_pools import HostPools, PoolShape
 from ...core.step import Step, StepKind

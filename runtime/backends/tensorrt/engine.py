@@ -6,7 +6,7 @@ Decode steps are padded to the manifest's CUDA-graph batch buckets and replayed 
 graphs once captured: the bucket's addresses and shapes never change (decode binds slots
 from 0). Prefill uses the second optimization profile, eagerly. A rank of a pipeline stage binds
 only the tensors its engine has (the manifest's I/O table) and holds its stage's caches; its
-hand-off is runtime/backends/tensorrt/stage.py.
+hand-off is runtime/parallel/tensorrt_stage.py.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from ....contract.dtypes import HOST_DTYPES
 from ....contract.step import LOGITS, MEDUSA_LOGITS
-from ..engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
+from ...core.engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
 from ...engine_dir import EngineDir
 from ...core.kv_pools import DevicePools, PoolShape, device_alloc
 from .library import cuda_check, cuda_runtime, load_flavor

@@ -2,7 +2,7 @@
 
 The stage receives ``hidden_states`` [B, S, D] into a device buffer and writes
 ``hidden_states_out`` [B, S, D] (or, on the last stage, ``logits`` [B, R, V] and
-``medusa_logits`` [B, 1, K, V]) into device buffers; a transport (runtime/parallel/transport.py)
+``medusa_logits`` [B, 1, K, V]) into device buffers; a transport (transport.py)
 moves them between ranks. Each buffer holds max_batch slots' worth, and a micro-batch uses the
 region of its own slots (from ``first_slot``): the micro-batches of a step never share memory,
 so a stage may start micro-batch m + 1 while m is still being sent. Stage steps run eagerly at
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ....contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
-from ....contract.step import LOGITS, MEDUSA_LOGITS, step_shape
-from ..engine import CacheOpsOfEngine, step_arrays
-from ...core.kv_pools import device_alloc
-from ...core.step import Step
-from ...parallel.transport import DeviceArray
-from .engine import TensorRTEngine
+from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
+from ...contract.step import LOGITS, MEDUSA_LOGITS, step_shape
+from ..backends.tensorrt.engine import TensorRTEngine
+from ..core.engine import CacheOpsOfEngine, step_arrays
+from ..core.kv_pools import device_alloc
+from ..core.step import Step
+from .transport import DeviceArray
 
 
 class TensorRTStage(CacheOpsOfEngine):

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...contract.step import StepArrays
 from ...contract.step import step_arrays as contract_step_arrays
-from ..core.step import Step
+from .step import Step
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,17 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..backends.engine import Engine, StepOutput
-from ...contract.speculation import Source
-from ..speculation.chain import chain_tree
-from ..speculation.medusa import Accepted, accept_greedy, accept_sampled
-from ..speculation.speculation import Speculation
-from ..speculation.step_times import Context
-from .sampling import Sampler
-from .scheduler import Draft, Phase, Request, Scheduler, TokenSink
-from .step import CopySlot, Discard, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
-from ..structured import CompiledConstraint, GrammarMatcher, TreeWalk
+from ..contract.speculation import Source
+from .core.engine import Engine, StepOutput
+from .core.sampling import Sampler
+from .core.scheduler import Draft, Phase, Request, Scheduler, TokenSink
+from .core.step import CopySlot, Discard, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
+from .core.tree import Accepted
+from .speculation.chain import chain_tree
+from .speculation.medusa import accept_greedy, accept_sampled, candidates
+from .speculation.speculation import Speculation
+from .speculation.step_times import Context
+from .structured import CompiledConstraint, GrammarMatcher, TreeWalk
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +303,7 @@ class EngineCore:
             sources, rid = self.sampling[request.rid].sources, request.rid
             heads = heads_at.get(rid)
             if tree is not None and heads is not None and Source.medusa in sources:
-                medusa[rid] = Draft(tree, tuple(tree.candidates(request.last_token, heads)[1:]), Source.medusa)
+                medusa[rid] = Draft(tree, tuple(candidates(tree, request.last_token, heads)[1:]), Source.medusa)
             if host is not None:
                 left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
                 chain = host.draft(rid, request.context, sources, left) if left > 0 else None
