@@ -27,7 +27,8 @@ from .engine_factory import make_engine, resolve_backend
 from .input_processor import InputProcessor, checked_multi_step
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
-from .core.kv_budget import check_block_size, kv_manager_for
+from .backends.tensorrt.library import device_free_bytes
+from .core.kv_budget import FreeMemory, check_block_size, kv_manager_for
 from .core.sampling import SamplingParams
 from .core.scheduler import Batching, Scheduler
 from ..contract.speculation import Source
@@ -82,7 +83,11 @@ class LLM:
         use_prefix = d.runtime_defaults.get("prefix_cache", True) if prefix_cache is None else prefix_cache
         block_size = d.kv_block_size if block_size is None else check_block_size(block_size, d.max_seq_len)
         backend = engine.name if engine is not None else resolve_backend(d, backend)
-        kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=backend.startswith("tensorrt"))
+        on_gpu = backend.startswith("tensorrt")
+        # A share of memory on the TensorRT backend is of the GPU's free memory, not the host's.
+        budget_given = kv_cache_memory is not None or d.kv_cache_memory is not None
+        device_free = FreeMemory(device_free_bytes(), "free on the GPU") if on_gpu and budget_given else None
+        kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=on_gpu, device_free=device_free)
         blocks = kv.num_blocks if use_prefix else 0  # the engine's prefix store: one block per budget block
         try:
             path = d.side_file("tokenizer.json")

@@ -88,6 +88,7 @@ class SimulatedDevice:
     """Host memory behind device addresses, and the cuda.bindings.runtime functions over it."""
 
     compute_capability: str = "sm89"
+    memory_bytes: int = 24 << 30                             # the card's memory (an L4's 24 GiB)
     starts: list[int] = field(default_factory=list)        # sorted allocation bases
     buffers: dict[int, np.ndarray] = field(default_factory=dict)
     calls: Counter = field(default_factory=Counter)
@@ -178,6 +179,7 @@ class SimulatedDevice:
             "cudaGetDeviceProperties", lambda: (self._device(device), Props(major, minor))[1], 1)
         m.cudaMalloc = lambda nbytes: self._call("cudaMalloc", lambda: self._malloc(nbytes), 1)
         m.cudaFree = lambda ptr: self._call("cudaFree", lambda: self._free(ptr))
+        m.cudaMemGetInfo = lambda: self._call("cudaMemGetInfo", lambda: (self.free_bytes, self.memory_bytes), 2)
         m.cudaMemset = lambda ptr, value, nbytes: self._call(
             "cudaMemset", lambda: self._span(int(ptr), nbytes).fill(value))
         m.cudaMemcpy = lambda dst, src, nbytes, kind: self._call(
@@ -212,6 +214,10 @@ class SimulatedDevice:
         self.starts.append(address)
         self.buffers[address] = np.full(nbytes, 0xFF, np.uint8)  # NaN bytes until written, as garbage would be
         return address
+
+    @property
+    def free_bytes(self) -> int:
+        return self.memory_bytes - sum(buffer.nbytes for buffer in self.buffers.values())
 
     def _free(self, address: int) -> None:
         if int(address) not in self.buffers:

@@ -157,3 +157,22 @@ def test_capture_checks_the_enqueue_and_frees_every_graph(device, tiny_engine, m
     with pytest.raises(RuntimeError, match="TensorRT execution failed while capturing a CUDA graph"):
         llm.generate(PROMPTS[:1], GREEDY)
     assert not llm.engine.graphs and not device.graphs and llm.engine.stream.captured is None
+
+
+def test_a_share_of_memory_is_of_the_gpus_free_memory_on_tensorrt(monkeypatch, tiny_engine):
+    """kv_cache_memory 0.5 on the TensorRT backend: half of what the GPU has free (cudaMemGetInfo),
+    not of the host's MemAvailable; the reserved rows come first, the rest is the prefix cache's.
+    A byte budget beyond the GPU's free memory is refused naming it."""
+    device = SimulatedDevice(compute_capability="sm89", per_thread_device=True, memory_bytes=64 << 20)
+    device.install(monkeypatch, [tiny_engine])
+    from trtbuild.runtime.core.kv_budget import kv_bytes_per_token
+    from trtbuild.runtime.engine_dir import load
+
+    d = load(tiny_engine)
+    per_token = kv_bytes_per_token(d)
+    reserved = (d.max_batch_size + 1) * d.max_seq_len * per_token
+    with gpu(tiny_engine, kv_cache_memory=0.5, prefix_cache=True) as llm:
+        assert llm.scheduler.kv.num_blocks == ((32 << 20) - reserved) // (16 * per_token)
+        assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == cpu_tokens(tiny_engine, PROMPTS[:2])
+    with pytest.raises(ValueError, match=r"exceeds the memory available now \(\d+ bytes, free on the GPU\)"):
+        gpu(tiny_engine, kv_cache_memory=65 << 20)

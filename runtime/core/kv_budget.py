@@ -6,6 +6,8 @@ rank process (each rank's pools hold its layers and KV heads); rank 0's shape si
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ...contract.dtypes import HOST_DTYPES
 from ...contract.kv_budget import block_size_problem, budget_bytes, parse_kv_cache_memory
 from ...contract.kv_budget import kv_bytes_per_token as per_token
@@ -34,18 +36,26 @@ def kv_bytes_per_token(engine_dir, rank: int = 0) -> int:
     return per_token(len(d.rank_layers(rank)), d.num_kv_heads, d.head_dim, HOST_DTYPES[d.dtype].itemsize)
 
 
-def budget_in_bytes(kv_cache_memory) -> int:
-    """A budget (contract.kv_budget) in bytes: a share is of the memory available now; bytes beyond
-    what is available are refused, since the pools would be backed as requests write them."""
+def budget_in_bytes(kv_cache_memory, free: "FreeMemory | None" = None) -> int:
+    """A budget (contract.kv_budget) in bytes: a share is of the memory free now (``free``: the
+    host's MemAvailable unless told, e.g. the GPU's free memory for device pools); bytes beyond it
+    are refused, since the pools would be backed as requests write them."""
     try:
         budget = parse_kv_cache_memory(kv_cache_memory)
     except ValueError as exc:
         raise ValueError(f"kv_cache_memory: {exc}") from None
-    available = available_memory()
-    if isinstance(budget, int) and budget > available:
+    free = free or FreeMemory(available_memory(), "MemAvailable")
+    if isinstance(budget, int) and budget > free.bytes:
         raise ValueError(f"kv_cache_memory {kv_cache_memory!r} = {budget} bytes exceeds the memory available now "
-                         f"({available} bytes, MemAvailable); give at most that, or a share such as 0.5")
-    return budget_bytes(budget, available)
+                         f"({free.bytes} bytes, {free.what}); give at most that, or a share such as 0.5")
+    return budget_bytes(budget, free.bytes)
+
+
+@dataclass(frozen=True)
+class FreeMemory:
+    """Bytes free where the pools live, and what measured them (for the refusal's wording)."""
+    bytes: int
+    what: str
 
 
 def default_kv_blocks(engine_dir, block_size: int, prefix_caching: bool) -> int:
@@ -72,11 +82,13 @@ def kv_blocks(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool
     return blocks
 
 
-def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool, rows_reserved: bool) -> KVManager:
+def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool, rows_reserved: bool,
+                   device_free: FreeMemory | None = None) -> KVManager:
     """The LLM's KV manager. ``rows_reserved`` (TensorRT: device pools cannot demand-page, every
     slot is reserved in full): the budget must cover the slots, capacity + 1 scratch rows of
     max_seq_len tokens, or it is refused; what remains is the prefix cache's (without a budget:
-    two slots' tokens, as before budgets)."""
+    two slots' tokens, as before budgets); a share is of ``device_free`` there (the GPU's free
+    memory, which the caller measures), where host pools take it of MemAvailable."""
     d = engine_dir
     if not rows_reserved:
         return KVManager(kv_blocks(d, kv_cache_memory, block_size, prefix_caching), block_size, prefix_caching)
@@ -85,7 +97,7 @@ def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching:
     if kv_cache_memory is None:
         store = 2 * d.max_seq_len // block_size
     else:
-        budget = budget_in_bytes(kv_cache_memory)
+        budget = budget_in_bytes(kv_cache_memory, device_free)
         reserved = (d.max_batch_size + 1) * d.max_seq_len * kv_bytes_per_token(d)
         if budget < reserved:
             raise ValueError(f"kv_cache_memory {kv_cache_memory!r} = {budget} bytes: TensorRT reserves every KV slot "

@@ -43,6 +43,14 @@ def cuda_check(cudart: ModuleType):
     return ok
 
 
+def device_free_bytes() -> int:
+    """Bytes free on the current GPU now (cudaMemGetInfo): what a share-of-memory KV budget is a
+    share of on the TensorRT backend."""
+    cudart = cuda_runtime()
+    free, _total = cuda_check(cudart)(cudart.cudaMemGetInfo())
+    return int(free)
+
+
 def gpu_compute_capability(device: int = 0) -> str | None:
     """``sm90`` for the visible GPU ``device``; None when no GPU (or no CUDA driver) is visible."""
     cudart = _module("cuda.bindings.runtime")
