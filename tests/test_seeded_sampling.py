@@ -159,8 +159,8 @@ def _run(engine, speculation, mode, batch: int):
 
 def test_a_seed_gives_the_same_text_whatever_speculation_does(speculation_engine):
     """Temperature 0.8, seed 1234: speculation off, always (prompt lookup; suffix), adaptive, at
-    batch 1 and as one row of a batch of 8. Every text is the same, and every speculating run
-    kept drafted tokens (drafted positions, and a run-dependent number of drafts tried)."""
+    batch 1 and as one row of a batch of 8. Every text is the same, and every run that verifies
+    every draft kept drafted tokens (drafted positions, and a run-dependent number of drafts tried)."""
     lookup, always, adaptive = (Source.prompt_lookup,), SpeculationMode.always, SpeculationMode.adaptive
     off = _run(speculation_engine, (), adaptive, 1)
     runs = {"always": _run(speculation_engine, lookup, always, 1),
@@ -171,7 +171,11 @@ def test_a_seed_gives_the_same_text_whatever_speculation_does(speculation_engine
     assert len(off.token_ids) == 48 and off.accepted_tokens == 0
     for name, got in runs.items():
         assert got.text == off.text and got.token_ids == off.token_ids, name
-        assert got.accepted_tokens > 0, (name, got.accepted_tokens)
+    # "always" verifies every draft, so it must have kept some; whether "adaptive" verifies follows
+    # measured wall-clock step times (on a loaded 2-core CI machine, at batch 8, it may verify none),
+    # so its runs assert the same text only.
+    for name in ("always", "always, batch 8", "suffix always"):
+        assert runs[name].accepted_tokens > 0, (name, runs[name].accepted_tokens)
 
 
 def test_sampled_speculation_gives_plain_samplings_tokens_for_every_seed(speculation_engine):
