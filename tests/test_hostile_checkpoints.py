@@ -196,15 +196,22 @@ def test_build_refuses_a_hostile_checkpoint_with_exit_2_and_writes_nothing(tmp_p
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TINY_CODE / name, checkpoint / name)
     write_raw(checkpoint / "model.safetensors", *CORPUS[case][:2])
+    last = _refused_build(tmp_path, checkpoint)
+    assert f"{checkpoint / 'model.safetensors'}: " in last and CORPUS[case][2] in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "spec.yaml"]
+
+
+def _refused_build(tmp_path, checkpoint) -> str:
+    """`trtbuild build` of ``checkpoint`` into tmp_path/out: exit 2, no traceback, no out dir; its
+    last line of stderr."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"model: {{checkpoint: {checkpoint}, dtype: float32}}\nbuild: {{max_seq_len: 1024}}\n")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr[-800:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert f"{checkpoint / 'model.safetensors'}: " in last and CORPUS[case][2] in last and "Traceback" not in proc.stderr
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "spec.yaml"]
+    assert "Traceback" not in proc.stderr and not out.exists()
+    return proc.stderr.strip().splitlines()[-1]
 
 
 # --- the layers the tensors hold against the config's count ----------------------------------------
@@ -239,16 +246,9 @@ def test_safetensors_layers_other_than_num_hidden_layers_are_refused(tmp_path, l
 
 def test_build_refuses_more_layers_than_the_config_counts_with_exit_2(tmp_path):
     checkpoint = _tiny_code_saying(tmp_path, 5)
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {{checkpoint: {checkpoint}, dtype: float32}}\nbuild: {{max_seq_len: 1024}}\n")
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(spec), "-o", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2, proc.stderr[-800:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"error: {checkpoint / 'config.json'}: num_hidden_layers is 5, so the tensors should be of "
-                    "layers 0-4; those in model.safetensors are of layers 0-5") and "Traceback" not in proc.stderr
-    assert not out.exists()
+    assert _refused_build(tmp_path, checkpoint) == (f"error: {checkpoint / 'config.json'}: num_hidden_layers is 5, so "
+                                                    "the tensors should be of layers 0-4; those in model.safetensors "
+                                                    "are of layers 0-5")
 
 
 def test_a_gguf_replaced_while_the_export_reads_it_is_the_users_one_line_error(tmp_path, monkeypatch):
