@@ -13,6 +13,7 @@ from ...contract.kv_budget import block_size_problem, budget_bytes, parse_kv_cac
 from ...contract.kv_budget import kv_bytes_per_token as per_token
 from .kv_manager import KVManager, blocks_for
 
+
 def check_block_size(value, max_seq_len: int) -> int:
     problem = ("not an integer" if isinstance(value, bool) or not isinstance(value, int)
                else block_size_problem(value, max_seq_len))
@@ -36,7 +37,14 @@ def kv_bytes_per_token(engine_dir, rank: int = 0) -> int:
     return per_token(len(d.rank_layers(rank)), d.num_kv_heads, d.head_dim, HOST_DTYPES[d.dtype].itemsize)
 
 
-def budget_in_bytes(kv_cache_memory, free: "FreeMemory | None" = None) -> int:
+@dataclass(frozen=True)
+class FreeMemory:
+    """Bytes free where the pools live, and what measured them (for the refusal's wording)."""
+    bytes: int
+    what: str
+
+
+def budget_in_bytes(kv_cache_memory, free: FreeMemory | None = None) -> int:
     """A budget (contract.kv_budget) in bytes: a share is of the memory free now (``free``: the
     host's MemAvailable unless told, e.g. the GPU's free memory for device pools); bytes beyond it
     are refused, since the pools would be backed as requests write them."""
@@ -49,13 +57,6 @@ def budget_in_bytes(kv_cache_memory, free: "FreeMemory | None" = None) -> int:
         raise ValueError(f"kv_cache_memory {kv_cache_memory!r} = {budget} bytes exceeds the memory available now "
                          f"({free.bytes} bytes, {free.what}); give at most that, or a share such as 0.5")
     return budget_bytes(budget, free.bytes)
-
-
-@dataclass(frozen=True)
-class FreeMemory:
-    """Bytes free where the pools live, and what measured them (for the refusal's wording)."""
-    bytes: int
-    what: str
 
 
 def default_kv_blocks(engine_dir, block_size: int, prefix_caching: bool) -> int:
