@@ -247,10 +247,11 @@ class EngineCore:
                 unmasked_greedy = tree is None or (params.greedy and state.matcher is None)
                 if tree is None or node == (node if unmasked_greedy else accept_greedy(tree, tokens, logits).last_node):
                     heads_at[rid] = out.medusa[row, 0]
-        emitted = Counter(request.rid for request, _ in self.scheduler.commit(step, sampled, accepted, on_token))
-        for rid, path in accepted.items():
-            # Only the guesses committed: a row that ended on a path's token (eos, a stop string) took no more.
-            self.sampling[rid].accepted_tokens += min(len(path.nodes), emitted[rid])
+        emitted = self.scheduler.commit(step, sampled, accepted, on_token)
+        if accepted:  # only the guesses committed: a row that ended on a path's token (eos, a stop string) took no more
+            per_row = Counter(request.rid for request, _ in emitted)
+            for rid, path in accepted.items():
+                self.sampling[rid].accepted_tokens += min(len(path.nodes), per_row[rid])
         return heads_at
 
     def _greedy_run(self, step: Step, steps: int, on_token: TokenSink, interrupted: Callable[[], bool]) -> int:

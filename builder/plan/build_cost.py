@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ...contract.processes import meminfo
 from .model_size import QUANTIZATION_PRECISION, param_counts, weight_bytes
 
 GIB = 2**30
@@ -85,11 +86,7 @@ def engine_build_bytes(rank_weight_bytes: float) -> float:
 
 
 def machine_ram_bytes() -> int:
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemTotal")
+    return meminfo()["MemTotal"]
 
 
 def memory_refusal(plan: BuildPlan, ram_bytes: int, valid_tps: list[int]) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ...contract.dtypes import HOST_DTYPES
 from ...contract.kv_budget import block_size_problem, budget_bytes, parse_kv_cache_memory
 from ...contract.kv_budget import kv_bytes_per_token as per_token
+from ...contract.processes import meminfo
 from .kv_manager import KVManager, blocks_for
 
 
@@ -24,11 +25,10 @@ def check_block_size(value, max_seq_len: int) -> int:
 
 def available_memory() -> int:
     """MemAvailable from /proc/meminfo: what the CPU backend's share of memory is taken of."""
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable: give kv_cache_memory in bytes")
+    available = meminfo().get("MemAvailable")
+    if available is None:
+        raise OSError("/proc/meminfo has no MemAvailable: give kv_cache_memory in bytes")
+    return available
 
 
 def kv_bytes_per_token(engine_dir, rank: int = 0) -> int:

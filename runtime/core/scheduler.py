@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
+from ...contract.kv_budget import DEFAULT_BLOCK_SIZE
 from ...contract.speculation import Source
 from .tree import Accepted, Tree
 from .kv_manager import KVManager, blocks_for
@@ -124,11 +125,12 @@ class Scheduler:
                  kv: KVManager | None = None, eos_token_ids: tuple[int, ...] = (),
                  batching: Batching = Batching.inflight):
         """``kv``: the block budget (None: enough for every slot to reach max_seq_len, in blocks
-        of 16, without a prefix cache)."""
+        of the default size, without a prefix cache)."""
         self.slots = SlotTable(capacity)
         self.max_seq_len, self.max_chunk = max_seq_len, max_chunk
         self.token_budget = token_budget or max_chunk
-        self.kv = kv if kv is not None else KVManager(capacity * blocks_for(max_seq_len, 16), 16, prefix_caching=False)
+        self.kv = kv if kv is not None else KVManager(capacity * blocks_for(max_seq_len, DEFAULT_BLOCK_SIZE),
+                                                    DEFAULT_BLOCK_SIZE, prefix_caching=False)
         self.eos_token_ids = tuple(eos_token_ids)
         self.batching = batching
         self.waiting: deque[Request] = deque()
@@ -188,13 +190,15 @@ class Scheduler:
         self._admit()
         step = self._next_step()
         self._discard()       # slots of requests preempted for this step
-        ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
-        return Plan(ops=ops, step=step)
+        return Plan(ops=self._take_pending(), step=step)
 
     def flush(self) -> list[CacheOp]:
         """With nothing left to run: the pending cache operations (the last requests' slots to
         discard), so an idle engine holds no row's pages."""
         self._discard()
+        return self._take_pending()
+
+    def _take_pending(self) -> list[CacheOp]:
         ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
         return ops
 

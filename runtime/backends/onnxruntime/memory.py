@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from ....contract.processes import meminfo
 from ...engine_dir import EngineDir
 
 GIB = 1 << 30
@@ -36,11 +37,7 @@ def needed_bytes(engine_dir: EngineDir, ranks: list[int]) -> int:
 
 def machine_bytes() -> int:
     """RAM plus swap: what the ranks can hold before the kernel kills one."""
-    fields = {}
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            key, _, value = line.partition(":")
-            fields[key] = int(value.split()[0]) * 1024
+    fields = meminfo()
     return fields["MemTotal"] + fields.get("SwapTotal", 0)
 
 
