@@ -8,6 +8,7 @@ import pytest
 
 from trtbuild.contract.speculation import Source
 from trtbuild.runtime.core.kv_budget import kv_bytes_per_token
+from trtbuild.runtime.core.kv_pools import smaps_field
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.engine_dir import load
 from trtbuild.runtime.llm import LLM
@@ -33,17 +34,7 @@ def _budget(engine_dir, blocks: int) -> int:
 
 def _pool_flags(pools) -> set[str]:
     """The VmFlags of the mapping that holds the first pool (/proc/self/smaps)."""
-    address = next(iter(pools.pools.values())).ctypes.data
-    inside = False
-    with open("/proc/self/smaps") as handle:
-        for line in handle:
-            head = line.split(None, 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    raise LookupError("pool mapping not found")
+    return set(smaps_field(next(iter(pools.pools.values())).ctypes.data, "VmFlags"))
 
 
 @pytest.fixture(scope="module")

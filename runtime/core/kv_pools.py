@@ -165,9 +165,14 @@ class HostPools:
 
 
 def _resident(paged: PagedArray) -> int:
-    """The mapping's Rss in /proc/self/smaps (pages read but never written map the shared zero
-    page, which Rss does not count)."""
-    address = paged.array.ctypes.data
+    """The mapping's Rss (pages read but never written map the shared zero page, which Rss does
+    not count)."""
+    return int(smaps_field(paged.array.ctypes.data, "Rss")[0]) * 1024
+
+
+def smaps_field(address: int, field: str) -> list[str]:
+    """The values of ``field`` (Rss, VmFlags, …) of the mapping holding ``address``, from
+    /proc/self/smaps (Linux)."""
     with open("/proc/self/smaps") as handle:
         inside = False
         for line in handle:
@@ -175,9 +180,9 @@ def _resident(paged: PagedArray) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise LookupError("the pool's mapping is not in /proc/self/smaps")
+            elif inside and head == f"{field}:":
+                return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x} in /proc/self/smaps")
 
 
 def device_alloc(cudart, ok, nbytes: int, zero: bool = False) -> int:
