@@ -34,6 +34,20 @@ STEP_INPUTS: dict[str, tuple[str, tuple[str | int, ...]]] = {
 }
 CACHE_DTYPES = {name: NUMPY_DTYPES[name] for name in CPU_DTYPES}  # what ONNX Runtime runs on CPU
 
+# The paged TensorRT step (manifest ``kv_cache.layout: paged``; builder/passes/page_kv_cache.py
+# rewrites the rank graph into it for the engine): each past_{key,value}_{l} is one pool of blocks
+# [N, block_size, H_kv, D] shared by every row, updated in place, and the step takes two more inputs
+# instead of write_index. Pool block 0 is the scratch block: padding rows and positions past a row's
+# blocks write there, and unused block-table entries point at it (nobody reads it unmasked).
+BLOCK_TABLE = "block_table"  # int32 [B, M]: row b's blocks in order; position p is in block table[b, p // bs]
+KV_SLOTS = "kv_slots"        # int64 [B, S, 2]: (block, offset in it) where each new token's K/V goes
+PAGED_INPUTS: dict[str, tuple[str, tuple[str | int, ...]]] = {
+    BLOCK_TABLE: ("int32", ("B", "M")),
+    KV_SLOTS: ("int64", ("B", "S", 2)),
+    "pool": ("float", ("N", "block_size", "H_kv", "D")),
+}
+SCRATCH_BLOCK = 0
+
 # rankN.cpu.onnx (the CPU step model) takes the step's inputs plus PLAIN_DECODE, a bool scalar:
 # true runs the CPU decode graph (plain decode steps, one token a row), false the rank graph or,
 # where the model has TREE_VERIFY (built with any draft source), the CPU verification graph when
