@@ -16,7 +16,7 @@ from ..contract.speculation import Source
 from .core.engine import Engine, StepOutput
 from .core.sampling import Sampler
 from .core.scheduler import Draft, Phase, Request, Scheduler, TokenSink
-from .core.step import CopySlot, Discard, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
+from .core.step import CopyBlock, CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step, StepKind
 from .core.tree import Accepted
 from .speculation.chain import chain_tree
 from .speculation.medusa import accept_greedy, accept_sampled, candidates
@@ -109,6 +109,8 @@ class EngineCore:
         if step is not None:
             limit, heads = self._decode_plan(step)
             run = self.scheduler.run_length(step, limit)
+            if run > 1 and step.block_tables:  # the run's positions took blocks: the rows' tables now
+                step = replace(step, block_tables=self.scheduler.tables(step.rids))
             if self.speculation is not None and step.kind == StepKind.decode and not heads:
                 step = replace(step, draft_heads=False)  # nobody drafts from this step's heads
         if run > 1:
@@ -339,4 +341,8 @@ class EngineCore:
                 self.engine.keep_path(op.slot, op.start, op.nodes)
             elif isinstance(op, Discard):
                 self.engine.discard(op.slots, op.blocks)
+            elif isinstance(op, CopyBlock):  # a paged engine's (the scheduler is paged only for one)
+                self.engine.copy_block(op.src, op.dst)
+            elif isinstance(op, KeepPathInBlocks):
+                self.engine.keep_path_in_blocks(op.blocks, op.start, op.nodes)
 

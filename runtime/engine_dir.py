@@ -163,6 +163,13 @@ class EngineDir:
             raise EngineDirError(f"{self.path / 'manifest.json'}: spec.runtime.kv_block_size {value!r}: {problem}")
         return value
 
+    @property
+    def paged_block_size(self) -> int | None:
+        """The block size of a TensorRT engine built paged (manifest ``kv_cache``, layout paged),
+        None for one built with a slot per row (its pools [B, H_kv, S_max, D])."""
+        entry = self.manifest.get("kv_cache") or {}
+        return entry.get("block_size") if entry.get("layout") == "paged" else None
+
     def require_cpu_graphs(self, why: str = "") -> None:
         """Refuses, in one line, to run on ONNX Runtime a dir built without its ONNX graphs
         (build.cpu_graphs: false); ``why`` says what wanted them."""

@@ -87,8 +87,16 @@ class LLM:
         # A share of memory on the TensorRT backend is of the GPU's free memory, not the host's.
         budget_given = kv_cache_memory is not None or d.kv_cache_memory is not None
         device_free = FreeMemory(device_free_bytes(), "free on the GPU") if on_gpu and budget_given else None
-        kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=on_gpu, device_free=device_free)
-        blocks = kv.num_blocks if use_prefix else 0  # the engine's prefix store: one block per budget block
+        # A paged TensorRT engine's rows draw the budget's blocks from one device pool; a slot one
+        # reserves every row in full.
+        paged = on_gpu and d.paged_block_size is not None
+        if paged and block_size != d.paged_block_size:
+            raise ValueError(f"block_size {block_size}: this TensorRT engine was built paged with blocks of "
+                             f"{d.paged_block_size} tokens (runtime.kv_block_size); pass that or None")
+        kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=on_gpu and not paged,
+                            device_free=device_free)
+        # The engine's prefix store (one block per budget block) or, paged, its pool.
+        blocks = kv.num_blocks if use_prefix or paged else 0
         try:
             path = d.side_file("tokenizer.json")
             self.tokenizer = tokenizer_from(path.read_bytes(), str(path))
@@ -103,7 +111,7 @@ class LLM:
         scheduler = Scheduler(
             capacity=max_rows or d.max_batch_size, max_seq_len=d.max_seq_len, max_chunk=d.max_input_len,
             token_budget=token_budget, kv=kv,
-            eos_token_ids=d.eos_token_ids(), batching=batching)
+            eos_token_ids=d.eos_token_ids(), batching=batching, paged=paged)
         multi_step = multi_step or d.multi_step
         try:
             speculation = speculation_for(d, engine, speculation, speculation_mode, medusa_tree_size, multi_step)

@@ -67,14 +67,16 @@ def default_kv_blocks(engine_dir, block_size: int, prefix_caching: bool) -> int:
     return rows + (2 * d.max_seq_len // block_size if prefix_caching else 0)
 
 
-def kv_blocks(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool) -> int:
+def kv_blocks(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool,
+              free: FreeMemory | None = None) -> int:
     """The budget's blocks: ``kv_cache_memory`` (None: the spec's runtime.kv_cache_memory where
-    the engine dir has one, else ``default_kv_blocks``); a share is of ``available_memory()``."""
+    the engine dir has one, else ``default_kv_blocks``); a share is of ``free`` (None:
+    ``available_memory()``)."""
     if kv_cache_memory is None:
         kv_cache_memory = engine_dir.kv_cache_memory
         if kv_cache_memory is None:
             return default_kv_blocks(engine_dir, block_size, prefix_caching)
-    budget = budget_in_bytes(kv_cache_memory)
+    budget = budget_in_bytes(kv_cache_memory, free)
     block_bytes = block_size * kv_bytes_per_token(engine_dir)
     blocks = budget // block_bytes
     if blocks < 1:
@@ -85,14 +87,17 @@ def kv_blocks(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool
 
 def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool, rows_reserved: bool,
                    device_free: FreeMemory | None = None) -> KVManager:
-    """The LLM's KV manager. ``rows_reserved`` (TensorRT: device pools cannot demand-page, every
-    slot is reserved in full): the budget must cover the slots, capacity + 1 scratch rows of
+    """The LLM's KV manager. Rows draw blocks from the budget (the CPU's demand-paged slots, the
+    paged TensorRT engine's pool); a share is of ``device_free`` where given (the GPU's free
+    memory), else of MemAvailable. ``rows_reserved`` (a TensorRT engine built with slots: device
+    memory cannot demand-page, every slot is reserved in full): the budget must cover the slots, capacity + 1 scratch rows of
     max_seq_len tokens, or it is refused; what remains is the prefix cache's (without a budget:
     two slots' tokens, as before budgets); a share is of ``device_free`` there (the GPU's free
     memory, which the caller measures), where host pools take it of MemAvailable."""
     d = engine_dir
     if not rows_reserved:
-        return KVManager(kv_blocks(d, kv_cache_memory, block_size, prefix_caching), block_size, prefix_caching)
+        return KVManager(kv_blocks(d, kv_cache_memory, block_size, prefix_caching, device_free), block_size,
+                         prefix_caching)
     if kv_cache_memory is None:
         kv_cache_memory = d.kv_cache_memory
     if kv_cache_memory is None:

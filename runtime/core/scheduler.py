@@ -29,7 +29,8 @@ from .tree import Accepted, Tree
 from .kv_manager import KVManager, blocks_for
 from .sampling import SamplingParams
 from .slots import Move, SlotTable
-from .step import CacheOp, CopySlot, Discard, KeepPath, LoadBlock, Plan, SaveBlock, Step, StepKind
+from .step import (CacheOp, CopyBlock, CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step,
+                   StepKind)
 
 NOTHING_ACCEPTED = Accepted((), ())  # a plain row's "path": no guesses
 
@@ -123,9 +124,12 @@ class Draft:
 class Scheduler:
     def __init__(self, capacity: int, max_seq_len: int, max_chunk: int, token_budget: int | None = None,
                  kv: KVManager | None = None, eos_token_ids: tuple[int, ...] = (),
-                 batching: Batching = Batching.inflight):
+                 batching: Batching = Batching.inflight, paged: bool = False):
         """``kv``: the block budget (None: enough for every slot to reach max_seq_len, in blocks
-        of the default size, without a prefix cache)."""
+        of the default size, without a prefix cache). ``paged``: the engine keeps K/V in a pool of
+        the budget's blocks (the paged TensorRT engine): steps carry each row's block ids, the
+        prefix cache moves blocks within that pool (CopyBlock), and rows moving between slots
+        move nothing (a row's K/V stays in its blocks)."""
         self.slots = SlotTable(capacity)
         self.max_seq_len, self.max_chunk = max_seq_len, max_chunk
         self.token_budget = token_budget or max_chunk
@@ -133,6 +137,7 @@ class Scheduler:
                                                     DEFAULT_BLOCK_SIZE, prefix_caching=False)
         self.eos_token_ids = tuple(eos_token_ids)
         self.batching = batching
+        self.paged = paged
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._pending: list[CacheOp | Move] = []  # Moves become CopySlots when handed out
@@ -171,7 +176,7 @@ class Scheduler:
         if request.phase == Phase.waiting:
             self.waiting.remove(request)
         else:
-            self._pending += self.slots.release(rid)
+            self._moved(self.slots.release(rid))
             self.kv.release(rid)
         request.phase, request.finish_reason = Phase.finished, reason
 
@@ -198,6 +203,15 @@ class Scheduler:
         self._discard()
         return self._take_pending()
 
+    def _moved(self, moves: list[Move]) -> None:
+        """Rows moved between slots: their K/V moves too, unless it lives in blocks (paged)."""
+        if not self.paged:
+            self._pending += moves
+
+    def tables(self, rids) -> tuple[tuple[int, ...], ...]:
+        """Each row's block ids now, for a paged engine's step (empty otherwise)."""
+        return tuple(tuple(self.kv.row(rid)) for rid in rids) if self.paged else ()
+
     def _take_pending(self) -> list[CacheOp]:
         ops, self._pending = [self._copy(op) if isinstance(op, Move) else op for op in self._pending], []
         return ops
@@ -221,7 +235,10 @@ class Scheduler:
     def _discard(self) -> None:
         """Tells the engine which slots and store blocks hold nothing now (freed slots past the
         active ones, the scratch slot after a swap, evicted cached blocks), so the host pools
-        return their pages."""
+        return their pages. A paged engine's pool is the budget: nothing to return."""
+        if self.paged:
+            self.kv.take_dropped()
+            return
         slots = tuple(range(self.slots.num_active, self._touched))
         if self._scratch_touched:
             slots += (self.slots.scratch,)
@@ -245,10 +262,15 @@ class Scheduler:
             self._touched = max(self._touched, self.slots.num_active)
             request.phase = Phase.prefilling
             self.kv.hit(request.rid, request.prompt, hit)
-            self._pending += [LoadBlock(block, slot, index) for index, block in enumerate(hit)]
+            if not self.paged:
+                self._pending += [LoadBlock(block, slot, index) for index, block in enumerate(hit)]
             # Free and unused blocks sufficed before the hit took its own; the row may evict those
-            # (loaded already: the eviction's Discard comes after the LoadBlocks).
+            # (loaded already: the eviction's Discard comes after the LoadBlocks; in a paged pool,
+            # a hit block the row takes for a later index is copied before the step writes it).
             self.kv.grow(request.rid, computed + first_chunk)
+            if self.paged:
+                row = self.kv.row(request.rid)
+                self._pending += [CopyBlock(block, row[index]) for index, block in enumerate(hit)]
             request.computed = computed
             if not request.preemptions:
                 request.cached_tokens = computed
@@ -259,7 +281,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Frees ``request``'s slot and blocks and queues it first; it recomputes when resumed."""
-        self._pending += self.slots.release(request.rid)
+        self._moved(self.slots.release(request.rid))
         self.kv.release(request.rid)
         request.phase, request.computed, request.written, request.draft = Phase.waiting, 0, 0, None
         request.preemptions += 1
@@ -309,7 +331,8 @@ class Scheduler:
                     rids=tuple(r.rid for r, _ in rows),
                     tokens=tuple(tuple(r.context[r.computed:r.computed + take]) for r, take in rows),
                     starts=tuple(r.computed for r, _ in rows),
-                    samples=tuple(r.computed + take == r.prefill_len and not r.output for r, take in rows))
+                    samples=tuple(r.computed + take == r.prefill_len and not r.output for r, take in rows),
+                    block_tables=self.tables(r.rid for r, _ in rows))
 
     def _decode_step(self) -> Step | None:
         # One position a row, oldest first; short of blocks, the newest running request is
@@ -335,7 +358,7 @@ class Scheduler:
         return Step(kind=StepKind.decode, first_slot=0, rids=tuple(rids),
                     tokens=tuple((r.last_token, *(d.tokens if d is not None else ())) for r, d in zip(requests, drafts)),
                     starts=tuple(r.computed for r in requests), samples=(True,) * len(rids),
-                    trees=trees if any(t is not None for t in trees) else ())
+                    trees=trees if any(t is not None for t in trees) else (), block_tables=self.tables(rids))
 
     # -- results ------------------------------------------------------------------------------
     def commit(self, step: Step, sampled: dict[str, int], accepted: dict[str, Accepted] | None = None,
@@ -358,8 +381,8 @@ class Scheduler:
             request.computed += len(tokens) if tree is None else 1 + len(path.nodes)
             if step.kind == StepKind.prefill and request.computed == request.prefill_len:
                 moves = self.slots.promote(rid)
-                self._pending += moves
-                self._scratch_touched |= bool(moves)
+                self._moved(moves)
+                self._scratch_touched |= bool(moves) and not self.paged
                 request.phase = Phase.decoding
                 self._save_prompt_blocks(request)
             if not does_sample:
@@ -370,8 +393,10 @@ class Scheduler:
                     break
             else:
                 if path.nodes and path.nodes != tuple(range(1, len(path.nodes) + 1)):
-                    # slot_of, not the step's row: a release earlier in this loop may have moved it.
-                    self._pending.append(KeepPath(self.slots.slot_of(rid), step.starts[row], path.nodes))
+                    if self.paged:
+                        self._pending.append(KeepPathInBlocks(tuple(self.kv.row(rid)), step.starts[row], path.nodes))
+                    else:  # slot_of, not the step's row: a release earlier in this loop may have moved it.
+                        self._pending.append(KeepPath(self.slots.slot_of(rid), step.starts[row], path.nodes))
         return emitted
 
     def run_length(self, step: Step, limit: int) -> int:
@@ -430,6 +455,10 @@ class Scheduler:
 
     def _save_prompt_blocks(self, request: Request) -> None:
         saved = self.kv.save(request.rid, request.prompt)
+        if self.paged:
+            row = self.kv.row(request.rid)
+            self._pending += [CopyBlock(row[index], block) for index, block in saved]
+            return
         dropped = self.kv.take_dropped()  # evicted for these saves: discarded before they are written
         if dropped:
             self._pending.append(Discard((), tuple(dropped)))

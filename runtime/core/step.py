@@ -57,7 +57,24 @@ class Discard:
     blocks: tuple[int, ...]
 
 
-CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath | Discard
+@dataclass(frozen=True)
+class CopyBlock:
+    """A paged engine's prefix-cache move, block to block in its pool (KV-manager ids): a cached
+    block into a row's (a hit, at admission) or a row's into a cached one (a computed prompt)."""
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class KeepPathInBlocks:
+    """KeepPath for a paged engine: the row's positions live in ``blocks`` (KV-manager ids, in
+    order; position p in blocks[p // block_size])."""
+    blocks: tuple[int, ...]
+    start: int
+    nodes: tuple[int, ...]
+
+
+CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath | Discard | CopyBlock | KeepPathInBlocks
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,9 @@ class Step:
     # Whether a plain decode step computes the Medusa heads' logits: False where nobody drafts
     # from them (the engine core decides), and an engine that can skip them does.
     draft_heads: bool = True
+    # A paged engine's rows: each row's KV-manager block ids, in position order, covering every
+    # position the step writes (empty for engines that keep a slot per row).
+    block_tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def row_trees(self) -> tuple[Tree | None, ...]:

@@ -1,7 +1,9 @@
 """GPU backend: the rank's TensorRT engine, driven with cuda-python.
 
-KV pools and step I/O live in device memory. Each step binds ``pool + first_slot * slot``
-as both ``past_*`` and ``present_*`` (the engine's KV-cache update writes in place).
+KV pools and step I/O live in device memory. An engine built paged (manifest ``kv_cache.layout``)
+binds one pool of the KV budget's blocks per cache as both ``past_*`` and ``present_*`` and reads
+and writes it through each step's block tables (runtime/core/paged_pools.py); a slot engine binds
+``pool + first_slot * slot`` (the engine's KV-cache update writes in place).
 Decode steps are padded to the manifest's CUDA-graph batch buckets and replayed as CUDA
 graphs once captured: the bucket's addresses and shapes never change (decode binds slots
 from 0). Prefill uses the second optimization profile, eagerly. A rank of a pipeline stage binds
@@ -13,10 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from ....contract.dtypes import HOST_DTYPES
-from ....contract.step import LOGITS, MEDUSA_LOGITS
-from ...core.engine import GreedyRun, StepOutput, StepwiseGreedyRun, step_arrays
+from ....contract.step import BLOCK_TABLE, KV_SLOTS, LOGITS, MEDUSA_LOGITS
+from ...core.engine import GreedyRun, StepOutput, StepwiseGreedyRun, paged_step_arrays, step_arrays
 from ...engine_dir import EngineDir
 from ...core.kv_pools import DevicePools, PoolShape, device_alloc
+from ...core.paged_pools import BlockPoolShape, DeviceBlockPools
 from .library import cuda_check, cuda_runtime, load_flavor
 from ...core.step import Step, StepKind
 
@@ -27,7 +30,8 @@ class TensorRTEngine:
     def __init__(self, engine_dir: EngineDir, prefix_blocks: int = 0, block_size: int = 16, rank: int = 0,
                  device: int = 0, communicator: object | None = None):
         """``communicator``: for a rank of a tensor-parallel engine, the NCCL communicator capsule
-        (runtime/parallel/nccl.py) its DistCollective layers run over."""
+        (runtime/parallel/nccl.py) its DistCollective layers run over. ``prefix_blocks``: the
+        prefix store's blocks or, for a paged engine, the KV budget's blocks (its pool)."""
         # The flavour the manifest names (tensorrt or tensorrt_rtx), checked against this GPU.
         trt, cudart = load_flavor(engine_dir, device), cuda_runtime()
         self.trt, self.cudart, self.dir, self.block_size, self.device = trt, cudart, engine_dir, block_size, device
@@ -47,7 +51,14 @@ class TensorRTEngine:
             self.contexts[kind] = context
         d = engine_dir
         self.element = HOST_DTYPES[d.dtype]
-        self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
+        self.paged = d.paged_block_size is not None
+        if self.paged:
+            if block_size != d.paged_block_size:
+                raise ValueError(f"block_size {block_size}: this engine was built paged with blocks of "
+                                 f"{d.paged_block_size} tokens (runtime.kv_block_size); use that")
+            self.kv = DeviceBlockPools(BlockPoolShape.of(d, self.element, prefix_blocks, rank), cudart, self.stream, _ok)
+        else:
+            self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
         self.tensors = d.rank_tensors(rank)  # a pipeline stage has some of the step's inputs and outputs
         # A verification scores every guess of any draft source: S and R up to the manifest's
         # verify_tokens (Medusa's heads: on the last stage).
@@ -56,14 +67,16 @@ class TensorRTEngine:
         self.max_rows = rows = speculation.verify_tokens if speculation is not None else 1
         b, s, s_max = d.max_batch_size, max(d.max_input_len, rows), d.max_seq_len
         self.max_seq = s  # the most new tokens a step has (S): a prefill chunk or a verification
+        self.max_blocks = s_max // block_size if self.paged else 0  # a block table's widest
         sizes = {"input_ids": b * s * 4, "position_ids": b * s * 4, "write_index": b * 8, "kv_length": b * 8,
-                 "attention_mask": b * s * s_max, "logits_index": b * rows * 8}
+                 "attention_mask": b * s * s_max, "logits_index": b * rows * 8,
+                 BLOCK_TABLE: b * self.max_blocks * 4, KV_SLOTS: b * s * 2 * 8}
         self.inputs = {name: device_alloc(cudart, _ok, size) for name, size in sizes.items() if name in self.tensors}
         self.logits = device_alloc(cudart, _ok, b * rows * d.vocab_size * 4) if LOGITS in self.tensors else None
         # The heads ran at one node a row (builder/passes/heads_at_path_end): [B, 1, K, V].
         self.medusa = device_alloc(cudart, _ok, b * self.num_heads * d.vocab_size * 4) if self.num_heads else None
         self.buckets = sorted(d.cuda_graph_batch_sizes)
-        self.graphs: dict[tuple[int, int], object] = {}  # (batch bucket, S) → CUDA graph
+        self.graphs: dict[tuple[int, int, int], object] = {}  # (batch bucket, S, table width) → CUDA graph
 
     def _bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -84,9 +97,13 @@ class TensorRTEngine:
         # prefilling slots, which no prompt reaches. A verification writes S positions, which a
         # long prompt still prefilling could own: it runs eagerly at its exact batch instead.
         bucket = self._bucket(rows) if step.kind == StepKind.decode and not step.verifies else None
-        arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
+        if self.paged:
+            width = self._table_width(step)
+            arrays = paged_step_arrays(step, self.block_size, width, pad_batch=bucket)
+        else:
+            width, arrays = 0, step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
         logit_rows = arrays.logits_index.shape[1]
-        key = (bucket, step.seq_len)
+        key = (bucket, step.seq_len, width)
         self.upload(arrays)
         context = self.contexts[step.kind]
         if bucket is not None and key in self.graphs:
@@ -103,6 +120,14 @@ class TensorRTEngine:
                                                                               self.dir.vocab_size))  # [B, 1, K, V]
         _ok(cudart.cudaStreamSynchronize(self.stream))
         return StepOutput(logits=logits, medusa=medusa)
+
+    def _table_width(self, step) -> int:
+        """A paged step's block-table width M: the blocks its longest row reaches, rounded up to a
+        power of two (so a bucket's CUDA graphs number log2 of the widest table), at most S_max/bs.
+        Attention reads M·bs positions a row: the width follows the step, not max_seq_len."""
+        bs = self.block_size
+        need = max(-(-(start + step.seq_len) // bs) for start in step.starts)
+        return min(1 << max(need - 1, 0).bit_length(), self.max_blocks)
 
     def _to_host(self, address: int, shape: tuple[int, ...]) -> np.ndarray:
         """The first ``shape`` float32 elements at ``address``, copied on the stream (read after a sync)."""
@@ -126,9 +151,13 @@ class TensorRTEngine:
                 context.set_input_shape(name, value.shape)
                 context.set_tensor_address(name, self.inputs[name])
         batch = arrays.position_ids.shape[0]
-        shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
-        for name in self.kv.pools:
-            address = self.kv.slot_address(name, first_slot)
+        if self.paged:  # one pool for every row, at one address
+            shape = self.kv.shape.pool
+            addresses = dict(self.kv.pools)
+        else:
+            shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
+            addresses = {name: self.kv.slot_address(name, first_slot) for name in self.kv.pools}
+        for name, address in addresses.items():
             context.set_input_shape(f"past_{name}", shape)
             context.set_tensor_address(f"past_{name}", address)
             context.set_tensor_address(f"present_{name}", address)
@@ -169,6 +198,14 @@ class TensorRTEngine:
     def load_block(self, block: int, slot: int, index: int) -> None:
         self.on_device()
         self.kv.load_block(block, slot, index)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.on_device()
+        self.kv.copy_block(src, dst)
+
+    def keep_path_in_blocks(self, blocks: tuple[int, ...], start: int, nodes: tuple[int, ...]) -> None:
+        self.on_device()
+        self.kv.keep_path_in_blocks(blocks, start, nodes)
 
     def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
         """Nothing to return: device pools are reserved in full (cudaMalloc cannot demand-page)."""
