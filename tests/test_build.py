@@ -28,7 +28,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(
 
 def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
     manifest = json.loads((tiny_engine / "manifest.json").read_text())
-    assert manifest["schema_version"] == 7
+    assert manifest["schema_version"] == 8
     assert manifest["speculation"] is None and manifest["medusa"] is None  # no draft source: plain decode only
     # Every file the runtime reads beside the ranks': written (and hashed) or recorded absent.
     assert manifest["side_files"] == {"tokenizer.json": True, "tokenizer_config.json": True,
@@ -44,9 +44,13 @@ def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
         assert name in manifest["files"], name
     check_engine_dir(tiny_engine, manifest)  # every needed file listed, inside, hashes match
     assert (tiny_engine / "rank0.engine").stat().st_size > 1_000_000
+    # A single-rank engine is paged: its I/O is rank0.paged.onnx's (contract/step.py PAGED_INPUTS).
+    assert manifest["kv_cache"] == {"layout": "paged", "block_size": 16, "pool": [[16, 2, 32]]}
     io = {row["name"]: row for row in manifest["ranks"][0]["io"]}
-    assert io["input_ids"]["dtype"] == "int32" and io["write_index"]["dtype"] == "int64"
-    assert io["attention_mask"]["dtype"] == "bool" and io["attention_mask"]["shape"][3] == 1024
+    assert io["input_ids"]["dtype"] == "int32" and "write_index" not in io
+    assert io["block_table"]["dtype"] == "int32" and io["kv_slots"]["shape"][1:] == ["seq", 2]
+    assert io["attention_mask"]["dtype"] == "bool" and io["attention_mask"]["shape"][3] == "kv_positions"
+    assert io["past_key_5"]["shape"] == ["pool_blocks", 16, 2, 32]
     assert io["present_key_5"]["aliases"] == "past_key_5"
     assert isinstance(io["logits"]["shape"][0], str)  # symbolic batch
 
@@ -56,7 +60,8 @@ def test_every_site_fused_on_the_tiny_model(tiny_engine):
     assert list(records) == ["canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
                             "split_pipeline_stages", "shard_tensor_parallel", "attach_medusa", "heads_at_path_end",
                             "plan_cuda_graphs",
-                            "cpu_group_query_attention", "cpu_pack_qkv", "cpu_drop_row_gather", "cpu_skip_norm"]
+                            "cpu_group_query_attention", "cpu_pack_qkv", "cpu_drop_row_gather", "cpu_skip_norm",
+                            "page_kv_cache"]
     assert records["split_pipeline_stages"]["modified"] is False  # one stage
     assert records["shard_tensor_parallel"]["modified"] is False  # one rank
     assert records["quantize_weights"]["modified"] is False  # quantization.mode: none

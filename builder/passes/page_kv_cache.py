@@ -182,7 +182,7 @@ def expected(ctx: PassContext) -> int:
     return 2 * len(ctx.layers)  # a K and a V cache for each decoder layer of this rank's stage
 
 
-def bytes_per_layer(batch: int, seq: int, max_seq_len: int, table_blocks: int, block_size: int, heads: int,
+def step_bytes_per_layer(batch: int, seq: int, max_seq_len: int, table_blocks: int, block_size: int, heads: int,
                     head_dim: int, itemsize: int) -> dict[str, int]:
     """What one step moves per layer and per cache (K or V), in bytes, in each form: the slot
     form's attention reads B·S_max positions; the paged form's Gather copies B·M·bs positions and
