@@ -9,7 +9,9 @@ becomes
     read:  Gather(present, block_table, axis 0) [B, M, bs, H_kv, D] → [B, H_kv, M·bs, D]
 and what read the slot cache (the Slice to the longest kv_length before Attention) reads the
 gathered rows: position p of row b is at pool[block_table[b, p // bs], p % bs]. ``attention_mask``
-becomes [B, 1, S, M·bs]; ``kv_length`` keeps its meaning; ``write_index`` goes.
+becomes [B, 1, S, M·bs]; ``kv_length`` keeps its meaning; ``write_index`` goes (Medusa's path end,
+which reads it, gets it from position_ids[:, 0], which the contract makes equal). The batch size the
+exporter read from a cache's Shape comes from kv_length.
 
 Only TensorScatters between a graph input ``past_*`` and the graph output ``present_*`` match: a
 pipeline stage's graph has its own layers' caches, a tensor-parallel rank its own KV heads, and
@@ -141,13 +143,14 @@ def page_kv_cache(model: onnx.ModelProto, block_size: int) -> Rewritten:
                 node.input[i] = readers.get(name, name)
     out.graph.initializer.extend(numpy_helper.from_array(np.array(dims, np.int64), name)
                                  for dims, name in constants.items())
-    _page_io(out, block_size, pools, unmatched)
+    _page_io(out, block_size, pools)
     return Rewritten(out, len(sites), unmatched, metadata={LAYOUT_KEY: "paged", BLOCK_SIZE_KEY: block_size})
 
 
-def _page_io(model: onnx.ModelProto, block_size: int, pools: set[str], unmatched: dict[str, str]) -> None:
+def _page_io(model: onnx.ModelProto, block_size: int, pools: set[str]) -> None:
     """The graph's inputs and outputs in the paged form (in place): pools [N, bs, H_kv, D],
-    block_table and kv_slots where write_index was (gone once nothing reads it), the mask over M·bs."""
+    block_table and kv_slots where write_index was (what else reads it computes it from
+    position_ids), the mask over M·bs."""
     graph = model.graph
     changed = pools | {name.replace("past_", "present_", 1) for name in pools}
     for value in (*graph.input, *graph.output):
@@ -165,11 +168,20 @@ def _page_io(model: onnx.ModelProto, block_size: int, pools: set[str], unmatched
     seq = next((_dims(v)[1] for v in graph.input if v.name in ("input_ids", "hidden_states")), "seq")
     added = [helper.make_tensor_value_info(BLOCK_TABLE, TensorProto.INT32, [batch, TABLE_BLOCKS]),
              helper.make_tensor_value_info(KV_SLOTS, TensorProto.INT64, [batch, seq, 2])]
-    still_read = any("write_index" in reads(node) for node in graph.node)
-    if still_read:
-        unmatched["write_index"] = "still read by a node the rewrite does not replace; kept as an input"
+    if any("write_index" in reads(node) for node in graph.node):
+        # Medusa's path end (heads_at_path_end) reads it: each row's first position is where it writes
+        # (step_arrays: position_ids[b, 0] = write_index[b], a tree's root at depth 0, padding too).
+        first = numpy_helper.from_array(np.array(0, np.int64), "/paged_kv/first_position")
+        graph.initializer.append(first)
+        derived = [helper.make_node("Gather", ["position_ids", first.name], ["/paged_kv/write_position"], axis=1,
+                                    name="/paged_kv/write_position"),  # [B]
+                   helper.make_node("Cast", ["/paged_kv/write_position"], ["write_index"], to=TensorProto.INT64,
+                                    name="/paged_kv/write_index")]
+        nodes = [*derived, *graph.node]
+        del graph.node[:]
+        graph.node.extend(nodes)
     values = list(graph.input)
-    values[at:at + (0 if still_read or at == len(values) else 1)] = added
+    values[at:at + (0 if at == len(values) else 1)] = added
     del graph.input[:]
     graph.input.extend(values)
 
