@@ -7,6 +7,10 @@ outputs ``logits`` float32 [B, R, V], ``medusa_logits`` [B, 1, K, V] with heads 
         greedy path end: the deepest logits row whose token and ancestors' tokens are each
         their parent's argmax, parents from the mask; builder/passes/heads_at_path_end),
         ``present_{key,value}_{l}`` (the same buffers as the past caches)
+
+A paged TensorRT engine (manifest ``kv_cache.layout: paged``) takes ``block_table``/``kv_slots``
+instead of ``write_index``, pools [N, block_size, H_kv, D] as its caches and a mask over the
+table's M·block_size positions (PAGED_INPUTS below; ``paged_step_arrays`` makes a step's arrays).
 """
 from __future__ import annotations
 
