@@ -164,7 +164,7 @@ def test_same_spec_and_checkpoint_give_identical_onnx(checkpoints, tmp_path):
     for name in ("a", "b"):
         summary = build(spec, BuildOptions(out=tmp_path / name), Progress(Verbosity.error))
         hashes.append({k: v["sha256"] for k, v in summary.manifest["files"].items() if ".onnx" in k})
-    assert hashes[0] == hashes[1] and len(hashes[0]) == 3  # rank0.onnx, its data, rank0.cpu.onnx
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 4  # rank0.onnx, its data, rank0.paged.onnx, rank0.cpu.onnx
 
 
 def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path):
@@ -183,7 +183,8 @@ def test_cli_json_summary_is_the_only_stdout(checkpoints, tmp_path):
                            str(tmp_path / "out"), "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
-    assert [s["stage"] for s in summary["stages"]][2:4] == ["write rank0.onnx", "write rank0.cpu.onnx"]
-    assert [s["stage"].split(" ")[0] for s in summary["stages"]] == ["export", "passes", "write", "write", "engine",
-                                                                      "manifest"]
+    assert [s["stage"] for s in summary["stages"]][2:5] == ["write rank0.onnx", "write rank0.paged.onnx",
+                                                            "write rank0.cpu.onnx"]
+    assert [s["stage"].split(" ")[0] for s in summary["stages"]] == ["export", "passes", "write", "write", "write",
+                                                                      "engine", "manifest"]
     assert summary["engines"][0]["bytes"] > 0 and summary["peak_rss_bytes"] > 0
