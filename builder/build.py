@@ -12,6 +12,7 @@ from ..contract.pipeline import balanced_layers, stage_layers
 from .emit.manifest import graph_metadata, write_manifest
 from ..contract.gpu_targets import describe
 from .emit.tensorrt import EngineReport, build_engine_job, check_targets, resolve_flavor
+from .emit.paged_onnx import paged_name, save_paged_graph
 from .emit.rank_onnx import save_graph
 from .errors import UserError
 from .export_stage import Exported, export_stage, weight_bytes
@@ -29,6 +30,7 @@ from .passes.structure_check import StructureCheck
 from .plan.build_cost import disk_refusal, machine_ram_bytes, memory_refusal, spec_build_plan
 from .spec.checks import tensor_parallel_ok
 from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes
+from .spec.document import KVCacheLayout
 from .spec.model import Spec
 
 
@@ -112,7 +114,14 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
                 model = to_onnx(graph, provenance)
                 save_graph(model, tmp / f"rank{rank}.onnx", workdir, adoptable[rank])
             cuda_graph_plan = json.loads(graph_metadata(model).get("cuda_graph_batch_sizes", "[]"))
-            ranks.append(rank_entry(spec, rank, model, tmp))
+            engine_graph = None
+            if spec.kv_cache_layout == KVCacheLayout.paged:
+                with progress.stage(f"write {paged_name(rank)}"):
+                    engine_graph, record = save_paged_graph(model, spec, rank, tmp)
+                progress.pass_record(record)
+                records.append(record)
+            ranks.append(rank_entry(spec, rank, model, tmp, engine_graph))
+            del engine_graph
             if run.cpu_graphs:
                 with progress.stage(f"write rank{rank}.cpu.onnx"):
                     cpu = {kind: to_onnx(graphs[rank], provenance) for kind, graphs in run.cpu_graphs.items()}
@@ -120,7 +129,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
             del model
         del run
         shutil.rmtree(workdir)
-        engines = _build_engines(spec, flavor, tmp, options.jobs, progress)
+        engines = _build_engines(spec, flavor, tmp, [rank.get("paged_onnx") or rank["onnx"] for rank in ranks],
+                                 options.jobs, progress)
         child_peaks += [e.peak for e in engines]
         if not spec.build.cpu_graphs:
             _leave_out_cpu_graphs(ranks, tmp, progress)
@@ -149,7 +159,7 @@ def _leave_out_cpu_graphs(ranks: list[dict], tmp: Path, progress: Progress) -> N
     engines; the dir keeps the engines alone (it ships to GPUs), so the ONNX files go."""
     freed = 0
     for rank in ranks:
-        for key in ("onnx", "onnx_data", "cpu_onnx", "cpu_onnx_data"):
+        for key in ("onnx", "onnx_data", "paged_onnx", "cpu_onnx", "cpu_onnx_data"):
             if rank.get(key) is not None:
                 freed += (tmp / rank[key]).stat().st_size
                 (tmp / rank[key]).unlink()
@@ -222,11 +232,13 @@ def _manager_factory(disabled, options: BuildOptions, tmp: Path):
     return make
 
 
-def _build_engines(spec: Spec, flavor, tmp: Path, jobs: int, progress: Progress) -> list[EngineReport]:
-    """Each rank's engine in its own subprocess (up to ``jobs`` at once): builder memory is per process."""
+def _build_engines(spec: Spec, flavor, tmp: Path, graphs: list[str], jobs: int,
+                   progress: Progress) -> list[EngineReport]:
+    """Each rank's engine, from ``graphs[rank]`` (rankN.onnx, or rankN.paged.onnx for a paged
+    engine), in its own subprocess (up to ``jobs`` at once): builder memory is per process."""
     ranks = list(range(spec.world_size))
     with progress.stage(f"engine {', '.join(f'rank{r}' for r in ranks)} ({flavor.name})"):
-        reports = map_isolated(build_engine_job, [(tmp / f"rank{r}.onnx", tmp / f"rank{r}.engine", spec, flavor.name)
+        reports = map_isolated(build_engine_job, [(tmp / graphs[r], tmp / f"rank{r}.engine", spec, flavor.name)
                                                   for r in ranks], jobs)
     for rank, report in zip(ranks, reports):
         progress.say(f"  rank{rank}.engine: {human_bytes(report.bytes)}, builder process peak RSS "

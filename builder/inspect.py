@@ -56,6 +56,7 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         *([f"medusa       {m['num_heads']} heads × {m['num_layers']} block(s); tree of {len(m['tree'])} guesses "
            f"(verification S = {m['tree_size']}); output {m['output']}"] if (m := manifest.get("medusa")) else []),
         *([f"speculation  {_speculation_line(out, s)}"] if (s := manifest.get("speculation")) is not None else []),
+        f"kv cache     {_kv_cache_line(manifest)}",
         f"quantization {(q := manifest['spec'].get('quantization', {})).get('mode', 'none')}"
         + (f" ({q.get('algorithm')})" if q.get("mode") == "int4_weight_only" else ""),
         *_gguf_sources(records),
@@ -82,6 +83,9 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         lines.append("cpu_* passes make rankN.cpu.onnx: the decode graph ONNX Runtime runs at plain decode steps "
                      "and, with any draft source, the graph it verifies one row's guesses on (the verify passes); each "
                      "checked at a step of its kind against the finished rank graph")
+    if any(r["pass"] == "page_kv_cache" for r in records):
+        lines.append("page_kv_cache makes rankN.paged.onnx, the graph the paged engine is compiled from (rankN.onnx "
+                     "keeps the slot caches for ONNX Runtime)")
     if detail:
         for r in records:
             lines += ["", f"rank {'all' if r['rank'] is None else r['rank']} {r['pass']}: op counts before → after"]
@@ -158,6 +162,15 @@ def rank_grid(manifest: dict) -> str:
     return "\n".join(f"  {line}" for line in grid.splitlines())
 
 
+def _kv_cache_line(manifest: dict) -> str:
+    """The engines' KV layout: pools of blocks (each rank's [N, block_size, H_kv, D]) or slots."""
+    kv = manifest["kv_cache"]
+    if kv["layout"] == "slots":
+        return f"slots: [B, H_kv, {manifest['limits']['max_seq_len']}, D] per layer; runtime blocks of {kv['block_size']}"
+    pools = ", ".join(f"[N, {', '.join(map(str, pool))}]" for pool in dict.fromkeys(map(tuple, kv["pool"])))
+    return f"paged: a pool of {kv['block_size']}-position blocks per layer, {pools}, read through block_table"
+
+
 def _span(start: int, stop: int, what: str) -> str:
     """[start, stop) in words: "head 1", "heads 0–3"."""
     return f"{what} {start}" if stop - start == 1 else f"{what}s {start}–{stop - 1}"
@@ -206,7 +219,8 @@ def _dir_sizes(out: Path, manifest: dict) -> str:
     if not has_cpu_graphs(manifest):
         return f"{human_bytes(dir_size(Path(out)))} (engines {human_bytes(engines)}; CPU graphs left out: build.cpu_graphs false)"
     cpu = sum(files[name]["bytes"] for r in manifest["ranks"]
-              for name in (r.get("onnx"), r.get("onnx_data"), r.get("cpu_onnx"), r.get("cpu_onnx_data")) if name in files)
+              for name in (r.get("onnx"), r.get("onnx_data"), r.get("paged_onnx"), r.get("cpu_onnx"),
+                           r.get("cpu_onnx_data")) if name in files)
     return (f"{human_bytes(dir_size(Path(out)))} (engines {human_bytes(engines)}, CPU graphs {human_bytes(cpu)})")
 
 

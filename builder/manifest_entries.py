@@ -9,12 +9,16 @@ from .emit.manifest import io_table, tool_versions
 from .emit.tensorrt import optimization_profiles
 from .passes import CpuGraph
 from .sharding import kv_heads
+from .emit.paged_onnx import paged_name
+from .spec.document import KVCacheLayout
 from .spec.model import Spec
 
 
-def rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
+def rank_entry(spec: Spec, rank: int, model, out: Path, paged=None) -> dict:
     """What the runtime needs per rank: where it sits in the stage × tensor-rank grid, the decoder
-    layers (and so the KV-cache layers) it holds, its files, KV heads, I/O table and weight bytes."""
+    layers (and so the KV-cache layers) it holds, its files, KV heads, I/O table and weight bytes.
+    ``paged``: the paged graph the engine is compiled from (rankN.paged.onnx), whose I/O the
+    engine has; None: the engine is compiled from ``model``."""
     data = out / f"rank{rank}.onnx.data"
     position = spec.ranks[rank]
     heads = kv_heads(position.tensor_rank, spec.parallel.tensor, spec.arch.num_kv_heads)
@@ -23,7 +27,9 @@ def rank_entry(spec: Spec, rank: int, model, out: Path) -> dict:
             "engine": f"rank{rank}.engine", "onnx": f"rank{rank}.onnx",
             "onnx_data": data.name if data.is_file() else None, "num_kv_heads": len(heads),
             "kv_heads": [heads.start, heads.stop],
-            "weight_bytes": data.stat().st_size if data.is_file() else 0, "io": io_table(model)}
+            "paged_onnx": paged_name(rank) if paged is not None else None,
+            "weight_bytes": data.stat().st_size if data.is_file() else 0,
+            "io": io_table(paged if paged is not None else model)}
 
 
 def cpu_entry(rank: int, cpu: dict, model, out: Path) -> dict:
@@ -50,12 +56,23 @@ def manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], cu
                                                if k in ("input_ids", "logits_index")}}
                      for name, shapes in zip(("decode", "prefill"), optimization_profiles(spec))],
         "cuda_graph_batch_sizes": cuda_graph_plan,
+        "kv_cache": kv_cache_entry(spec),
         "medusa": _medusa_manifest(spec),
         # The draft sources a request gets by default and the verification S built for (null: none).
         "speculation": spec.speculation.to_manifest() if spec.speculation is not None else None,
         "passes": list(dict.fromkeys(r["pass"] for r in records)),
         "tokenizer": "tokenizer.json",
     }
+
+
+def kv_cache_entry(spec: Spec) -> dict:
+    """The engines' KV layout (contract/step.py): paged, each rank's pools [N, block_size, H_kv, D]
+    (``pool``: all but N, per rank), or slots [B, H_kv, max_seq_len, D] (``pool`` null); block_size is
+    the runtime's block either way."""
+    paged = spec.kv_cache_layout == KVCacheLayout.paged
+    heads = [len(kv_heads(p.tensor_rank, spec.parallel.tensor, spec.arch.num_kv_heads)) for p in spec.ranks]
+    return {"layout": spec.kv_cache_layout.value, "block_size": spec.runtime.kv_block_size,
+            "pool": [[spec.runtime.kv_block_size, h, spec.arch.head_dim] for h in heads] if paged else None}
 
 
 def _medusa_manifest(spec: Spec) -> dict | None:

@@ -18,7 +18,10 @@ from .json_file import read_json_object
 # 6: ``medusa_logits`` is [B, 1, K, V], the heads at each row's greedy path end (was [B, R, K, V]).
 # 7: ``speculation``: the draft sources and verify_tokens (contract/speculation.py); the
 # verification path (profile rows, the CPU verify graph) is built for any source, not only Medusa.
-SCHEMA_VERSION = 7
+# 8: ``kv_cache`` (layout slots | paged, block_size, each rank's pool [block_size, H_kv, D]); a paged
+# engine's rank entry lists ``paged_onnx`` (the graph it was compiled from) and its I/O table is that
+# graph's (pools, block_table, kv_slots; no write_index).
+SCHEMA_VERSION = 8
 
 # The files beside the ranks' that the runtime reads: the tokenizer, its config and chat template
 # (transformers 5 keeps the template in chat_template.jinja), the end-of-sequence ids
@@ -133,9 +136,10 @@ def check_rank_grid(path: Path, manifest: dict) -> None:
 
 
 # Per rank: the files it must have, and those it may (a graph with no external weights has no
-# data file; an engine dir built without a CPU stage, or before it existed, has no rankN.cpu.onnx).
+# data file; an engine dir built without a CPU stage, or before it existed, has no rankN.cpu.onnx;
+# one with slot caches has no rankN.paged.onnx).
 # A dir built with build.cpu_graphs: false ("cpu_graphs": false) has the engines alone.
-RANK_FILES, OPTIONAL_RANK_FILES = ("onnx", "engine"), ("onnx_data", "cpu_onnx", "cpu_onnx_data")
+RANK_FILES, OPTIONAL_RANK_FILES = ("onnx", "engine"), ("onnx_data", "paged_onnx", "cpu_onnx", "cpu_onnx_data")
 
 
 def has_cpu_graphs(manifest: dict) -> bool:

@@ -7,6 +7,10 @@ outputs ``logits`` float32 [B, R, V], ``medusa_logits`` [B, 1, K, V] with heads 
         greedy path end: the deepest logits row whose token and ancestors' tokens are each
         their parent's argmax, parents from the mask; builder/passes/heads_at_path_end),
         ``present_{key,value}_{l}`` (the same buffers as the past caches)
+
+A paged TensorRT engine (manifest ``kv_cache.layout: paged``) takes ``block_table``/``kv_slots``
+instead of ``write_index``, pools [N, block_size, H_kv, D] as its caches and a mask over the
+table's M·block_size positions (PAGED_INPUTS below; ``paged_step_arrays`` makes a step's arrays).
 """
 from __future__ import annotations
 
@@ -183,3 +187,52 @@ def fill_step_arrays(out: StepArrays, tokens: Sequence[Sequence[int]], starts: S
     if last.shape[1] > 1:
         last[:] = np.arange(seq, dtype=np.int64)[None, :]  # [B, S]
     return out
+
+
+@dataclass(frozen=True)
+class PagedStepArrays:
+    """Host arrays of one paged step: ``step`` as ``step_arrays`` makes them over the M·bs positions
+    the block table covers (its write_index is not an input of the paged graph), the block table
+    and each new token's (block, offset)."""
+
+    step: StepArrays
+    block_table: np.ndarray  # int32 [B, M]
+    kv_slots: np.ndarray     # int64 [B, S, 2]
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        """The paged graph's step inputs (the pools aside)."""
+        arrays = {name: value for name, value in self.step.as_dict().items() if name != "write_index"}
+        return {**arrays, BLOCK_TABLE: self.block_table, KV_SLOTS: self.kv_slots}
+
+
+def paged_step_arrays(blocks: Sequence[Sequence[int]], starts: Sequence[int], tokens: Sequence[Sequence[int]],
+                      block_size: int, table_blocks: int, pad_batch: int | None = None,
+                      trees: Sequence[TreeRows | None] = (), all_logits: bool = False) -> PagedStepArrays:
+    """The arrays of a paged step whose row b holds KV-manager blocks ``blocks[b]`` (in position
+    order; pool block = id + 1, pool block 0 being the scratch) and writes ``tokens[b]`` from
+    ``starts[b]``. The table is ``table_blocks`` (M) wide, unused entries the scratch block; the
+    attention mask covers its M·block_size positions. A token goes to (table[b, p // bs], p % bs);
+    to the scratch block (0, p % bs) where the row has no block for p, for the tokens that pad a
+    row to S, and for every token of a padding row, so no real block takes a write nobody asked for.
+    """
+    if len(blocks) != len(tokens):
+        raise ValueError(f"{len(blocks)} rows of blocks for {len(tokens)} rows of tokens")
+    widest = max((len(row) for row in blocks), default=0)
+    if widest > table_blocks:
+        raise ValueError(f"a row holds {widest} blocks, over the table's {table_blocks}")
+    step = step_arrays(tokens, starts, table_blocks * block_size, pad_batch, trees, all_logits)
+    batch, seq = step.input_ids.shape
+    table = np.full((batch, table_blocks), SCRATCH_BLOCK, np.int32)  # [B, M]
+    for row, row_blocks in enumerate(blocks):
+        table[row, :len(row_blocks)] = np.asarray(row_blocks, np.int64) + 1
+    positions = step.write_index[:, None] + np.arange(seq)[None, :]  # [B, S] where each token's K/V goes
+    slots = np.zeros((batch, seq, 2), np.int64)  # [B, S, 2]
+    slots[:, :, 1] = positions % block_size
+    real = np.zeros((batch, seq), np.bool_)  # [B, S]: tokens of a row, not padding
+    for row, row_tokens in enumerate(tokens):
+        real[row, :len(row_tokens)] = True
+    index = positions // block_size
+    owned = real & (index < np.array([len(row) for row in blocks] + [0] * (batch - len(blocks)))[:, None])
+    rows = np.broadcast_to(np.arange(batch)[:, None], (batch, seq))
+    slots[:, :, 0] = np.where(owned, table[rows, np.minimum(index, table_blocks - 1)], SCRATCH_BLOCK)
+    return PagedStepArrays(step=step, block_table=table, kv_slots=slots)

@@ -13,6 +13,14 @@ from ..plugins.onnxruntime.session import CpuActivations
 from .engine_dir_check import check_engine_dir
 
 
+@dataclass(frozen=True)
+class KvCacheLayout:
+    """The engines' KV caches: pools of ``block_size``-position blocks (paged) or a slot per row."""
+
+    paged: bool
+    block_size: int
+
+
 class EngineDirError(ValueError):
     """The engine dir cannot be served here; the message says what to do."""
 
@@ -164,11 +172,34 @@ class EngineDir:
         return value
 
     @property
-    def paged_block_size(self) -> int | None:
-        """The block size of a TensorRT engine built paged (manifest ``kv_cache``, layout paged),
-        None for one built with a slot per row (its pools [B, H_kv, S_max, D])."""
-        entry = self.manifest.get("kv_cache") or {}
-        return entry.get("block_size") if entry.get("layout") == "paged" else None
+    def kv_cache(self) -> KvCacheLayout:
+        """The engines' KV layout (manifest ``kv_cache``), checked against each rank's I/O table: a
+        paged engine takes block_table and kv_slots and its caches are pools [N, block_size, H_kv, D]
+        of the manifest's pool; a slot engine takes write_index and [B, H_kv, max_seq_len, D] caches."""
+        where = f"{self.path / 'manifest.json'}: kv_cache"
+        entry = self.manifest.get("kv_cache")
+        if not isinstance(entry, dict) or entry.get("layout") not in ("slots", "paged"):
+            raise EngineDirError(f"{where} {entry!r} does not say a layout of slots or paged; rebuild the engine dir")
+        if entry.get("block_size") != self.kv_block_size:
+            raise EngineDirError(f"{where}.block_size {entry.get('block_size')!r} is not the spec's "
+                                 f"runtime.kv_block_size {self.kv_block_size}; rebuild the engine dir")
+        paged = entry["layout"] == "paged"
+        pools = entry.get("pool")
+        if paged and not (isinstance(pools, list) and len(pools) == self.world_size):
+            raise EngineDirError(f"{where}.pool must give each of the {self.world_size} ranks' pool; rebuild the "
+                                 "engine dir")
+        for rank, row in enumerate(self.manifest["ranks"]):
+            io = {r.get("name"): r.get("shape") for r in row.get("io") or () if isinstance(r, dict)}
+            want = ([self.kv_block_size, row.get("num_kv_heads"), self.head_dim] if paged
+                    else [row.get("num_kv_heads"), self.max_seq_len, self.head_dim])
+            caches = {name: shape for name, shape in io.items() if str(name).startswith(("past_", "present_"))}
+            bad = next((name for name, shape in caches.items() if not isinstance(shape, list) or shape[1:] != want), None)
+            inputs = {"block_table", "kv_slots"} if paged else {"write_index"}
+            if (paged and pools[rank] != want) or bad is not None or not inputs <= set(io):
+                raise EngineDirError(f"{where}: rank {rank}'s engine I/O is not the {entry['layout']} layout the "
+                                     f"manifest claims (caches [.., {', '.join(map(str, want))}] with "
+                                     f"{', '.join(sorted(inputs))}); rebuild the engine dir")
+        return KvCacheLayout(paged=paged, block_size=self.kv_block_size)
 
     def require_cpu_graphs(self, why: str = "") -> None:
         """Refuses, in one line, to run on ONNX Runtime a dir built without its ONNX graphs
@@ -244,4 +275,5 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
     engine_dir.speculation  # noqa: B018
     engine_dir.kv_cache_memory  # noqa: B018
     engine_dir.kv_block_size  # noqa: B018
+    engine_dir.kv_cache  # noqa: B018
     return engine_dir

@@ -36,6 +36,9 @@ def check_engine_dir(engine_dir: Path, manifest: dict, verify_hashes: bool = Tru
         if rank.get("onnx") is None:
             continue  # cpu_graphs: false — the engines alone
         _check_external_data(root / rank["onnx"], {rank.get("onnx_data")})
+        if rank.get("paged_onnx") is not None:  # the paged engine's graph: the rank's weights, none of its own
+            model = _check_external_data(root / rank["paged_onnx"], {rank.get("onnx_data")})
+            _check_io(root / rank["paged_onnx"], model, rank.get("io"))
         if rank.get("cpu_onnx") is not None:  # it shares the rank's weights, and may add its own
             _check_external_data(root / rank["cpu_onnx"], {rank.get("onnx_data"), rank.get("cpu_onnx_data")})
 
@@ -58,8 +61,9 @@ def _check_side_files(root: Path, manifest: dict) -> None:
                                 "runtime would read it; remove it, or rebuild from a checkpoint that has it")
 
 
-def _check_external_data(graph: Path, allowed: set[str | None]) -> None:
-    """A rank's graph may read weights from its own listed data files only (subgraphs included)."""
+def _check_external_data(graph: Path, allowed: set[str | None]):
+    """A rank's graph may read weights from its own listed data files only (subgraphs included);
+    the graph (without its weights)."""
     import onnx
 
     try:
@@ -67,6 +71,26 @@ def _check_external_data(graph: Path, allowed: set[str | None]) -> None:
     except Exception as exc:  # noqa: BLE001  (protobuf raises several kinds)
         raise ManifestError(f"{graph}: not a readable ONNX graph ({type(exc).__name__})") from None
     files = sorted(name for name in allowed if name is not None)
+    _check_initializers(graph, model, files)
+    return model
+
+
+def _check_io(graph: Path, model, io) -> None:
+    """The graph a rank's engine was compiled from has the inputs and outputs, names and shapes, that
+    the manifest's I/O table (what the runtime binds) says."""
+    values = [*model.graph.input, *model.graph.output]
+    have = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+    listed = {row.get("name"): row.get("shape") for row in io or () if isinstance(row, dict)}
+    if have != listed:
+        differ = sorted(str(name) for name in set(have) | set(listed) if have.get(name) != listed.get(name))
+        raise ManifestError(f"{graph}: its inputs and outputs differ from the manifest's I/O table "
+                            f"({', '.join(differ[:3])}{' …' if len(differ) > 3 else ''}); rebuild the engine dir")
+
+
+def _check_initializers(graph: Path, model, files: list[str]) -> None:
+    """Every external tensor of ``model`` (subgraphs included) lies in one of ``files``."""
+    import onnx
+
     for tensor in _initializers(model.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = {e.key: e.value for e in tensor.external_data}.get("location")

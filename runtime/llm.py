@@ -89,10 +89,10 @@ class LLM:
         device_free = FreeMemory(device_free_bytes(), "free on the GPU") if on_gpu and budget_given else None
         # A paged TensorRT engine's rows draw the budget's blocks from one device pool; a slot one
         # reserves every row in full.
-        paged = on_gpu and d.paged_block_size is not None
-        if paged and block_size != d.paged_block_size:
+        paged = on_gpu and d.kv_cache.paged
+        if paged and block_size != d.kv_cache.block_size:
             raise ValueError(f"block_size {block_size}: this TensorRT engine was built paged with blocks of "
-                             f"{d.paged_block_size} tokens (runtime.kv_block_size); pass that or None")
+                             f"{d.kv_cache.block_size} tokens (runtime.kv_block_size); pass that or None")
         kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=on_gpu and not paged,
                             device_free=device_free)
         # The engine's prefix store (one block per budget block) or, paged, its pool.

@@ -15,13 +15,13 @@ import onnxruntime as ort
 
 from trtbuild.plugins.onnxruntime import session as ort_config
 from trtbuild.contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
-from trtbuild.contract.step import CACHE_DTYPES, INPUT_NAMES, LOGITS, MEDUSA_LOGITS
+from trtbuild.contract.step import BLOCK_TABLE, CACHE_DTYPES, INPUT_NAMES, KV_SLOTS, LOGITS, MEDUSA_LOGITS
 from trtbuild.plugins.onnxruntime import fp4
 from trtbuild.plugins.onnxruntime.segments import SegmentedRank
 
 INPUT_DTYPES = {"input_ids": np.int32, "position_ids": np.int32, "write_index": np.int64, "kv_length": np.int64,
-                "attention_mask": np.bool_, "logits_index": np.int64}
-assert set(INPUT_DTYPES) == set(INPUT_NAMES)
+                "attention_mask": np.bool_, "logits_index": np.int64, BLOCK_TABLE: np.int32, KV_SLOTS: np.int64}
+assert set(INPUT_DTYPES) == {*INPUT_NAMES, BLOCK_TABLE, KV_SLOTS}
 
 
 class Logger:
@@ -32,11 +32,13 @@ class Logger:
 
 
 class SimulatedEngine:
-    """One rank's engine: its ONNX graph, its manifest's optimization profiles."""
+    """One rank's engine: the ONNX graph TensorRT compiled (a paged engine's rankN.paged.onnx),
+    its manifest's optimization profiles."""
 
     def __init__(self, device, engine_dir: Path, manifest: dict, rank: int):
         self.device, self.manifest = device, manifest
-        path = engine_dir / manifest["ranks"][rank]["onnx"]
+        entry = manifest["ranks"][rank]
+        path = engine_dir / (entry.get("paged_onnx") or entry["onnx"])
         self.session, self.segments = None, None
         if manifest["tensor_parallel"] > 1:  # DistCollective: ONNX Runtime runs the pieces between them
             model = fp4.cpu_model(path)

@@ -28,7 +28,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Config:\n    def __init__(
 
 def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
     manifest = json.loads((tiny_engine / "manifest.json").read_text())
-    assert manifest["schema_version"] == 7
+    assert manifest["schema_version"] == 8
     assert manifest["speculation"] is None and manifest["medusa"] is None  # no draft source: plain decode only
     # Every file the runtime reads beside the ranks': written (and hashed) or recorded absent.
     assert manifest["side_files"] == {"tokenizer.json": True, "tokenizer_config.json": True,
@@ -44,9 +44,13 @@ def test_engine_dir_is_complete_and_hashes_verify(tiny_engine):
         assert name in manifest["files"], name
     check_engine_dir(tiny_engine, manifest)  # every needed file listed, inside, hashes match
     assert (tiny_engine / "rank0.engine").stat().st_size > 1_000_000
+    # A single-rank engine is paged: its I/O is rank0.paged.onnx's (contract/step.py PAGED_INPUTS).
+    assert manifest["kv_cache"] == {"layout": "paged", "block_size": 16, "pool": [[16, 2, 32]]}
     io = {row["name"]: row for row in manifest["ranks"][0]["io"]}
-    assert io["input_ids"]["dtype"] == "int32" and io["write_index"]["dtype"] == "int64"
-    assert io["attention_mask"]["dtype"] == "bool" and io["attention_mask"]["shape"][3] == 1024
+    assert io["input_ids"]["dtype"] == "int32" and "write_index" not in io
+    assert io["block_table"]["dtype"] == "int32" and io["kv_slots"]["shape"][1:] == ["seq", 2]
+    assert io["attention_mask"]["dtype"] == "bool" and io["attention_mask"]["shape"][3] == "kv_positions"
+    assert io["past_key_5"]["shape"] == ["pool_blocks", 16, 2, 32]
     assert io["present_key_5"]["aliases"] == "past_key_5"
     assert isinstance(io["logits"]["shape"][0], str)  # symbolic batch
 
@@ -56,7 +60,8 @@ def test_every_site_fused_on_the_tiny_model(tiny_engine):
     assert list(records) == ["canonicalize", "fuse_rmsnorm", "fuse_rotary", "fuse_attention", "quantize_weights",
                             "split_pipeline_stages", "shard_tensor_parallel", "attach_medusa", "heads_at_path_end",
                             "plan_cuda_graphs",
-                            "cpu_group_query_attention", "cpu_pack_qkv", "cpu_drop_row_gather", "cpu_skip_norm"]
+                            "cpu_group_query_attention", "cpu_pack_qkv", "cpu_drop_row_gather", "cpu_skip_norm",
+                            "page_kv_cache"]
     assert records["split_pipeline_stages"]["modified"] is False  # one stage
     assert records["shard_tensor_parallel"]["modified"] is False  # one rank
     assert records["quantize_weights"]["modified"] is False  # quantization.mode: none
@@ -159,7 +164,7 @@ def test_same_spec_and_checkpoint_give_identical_onnx(checkpoints, tmp_path):
     for name in ("a", "b"):
         summary = build(spec, BuildOptions(out=tmp_path / name), Progress(Verbosity.error))
         hashes.append({k: v["sha256"] for k, v in summary.manifest["files"].items() if ".onnx" in k})
-    assert hashes[0] == hashes[1] and len(hashes[0]) == 3  # rank0.onnx, its data, rank0.cpu.onnx
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 4  # rank0.onnx, its data, rank0.paged.onnx, rank0.cpu.onnx
 
 
 def test_failed_build_leaves_nothing_behind(checkpoints, tmp_path):
@@ -178,7 +183,8 @@ def test_cli_json_summary_is_the_only_stdout(checkpoints, tmp_path):
                            str(tmp_path / "out"), "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
-    assert [s["stage"] for s in summary["stages"]][2:4] == ["write rank0.onnx", "write rank0.cpu.onnx"]
-    assert [s["stage"].split(" ")[0] for s in summary["stages"]] == ["export", "passes", "write", "write", "engine",
-                                                                      "manifest"]
+    assert [s["stage"] for s in summary["stages"]][2:5] == ["write rank0.onnx", "write rank0.paged.onnx",
+                                                            "write rank0.cpu.onnx"]
+    assert [s["stage"].split(" ")[0] for s in summary["stages"]] == ["export", "passes", "write", "write", "write",
+                                                                      "engine", "manifest"]
     assert summary["engines"][0]["bytes"] > 0 and summary["peak_rss_bytes"] > 0

@@ -279,7 +279,7 @@ def test_engine_dir_is_verified_before_use(tiny_engine, tmp_path):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["schema_version"] = 99
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(EngineDirError, match="schema_version 99, this runtime reads 7"):
+    with pytest.raises(EngineDirError, match="schema_version 99, this runtime reads 8"):
         load(copy, verify_hashes=False)
 
 

@@ -31,7 +31,7 @@ GUESSES = [88, 1500, 9]
 
 def test_manifest_records_the_sources_and_the_runtime_reads_them(speculation_engine):
     manifest = json.loads((speculation_engine / "manifest.json").read_text())
-    assert manifest["schema_version"] == 7 and manifest["medusa"] is None
+    assert manifest["schema_version"] == 8 and manifest["medusa"] is None
     assert manifest["speculation"] == {
         "sources": ["prompt_lookup", "suffix"], "verify_tokens": 17,
         "prompt_lookup": {"num_tokens": 8, "min_ngram": 1, "max_ngram": 4},

@@ -14,9 +14,10 @@ from types import ModuleType
 
 from ...contract.gpu_targets import MODULES, RTX_TARGETS, built_for, sm, tensorrt_only_refusal
 from ...contract.pipeline import HIDDEN_STATES
+from ...contract.step import BLOCK_TABLE, KV_SLOTS
 from ..errors import SpecError, UserError
 from ..progress import ProcessPeak, sample_peak
-from ..spec.document import Backend
+from ..spec.document import Backend, KVCacheLayout
 from ..spec.dtype import DType
 from ..spec.model import Spec
 
@@ -135,7 +136,8 @@ def _file_writer(trt, handle):
 
 def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], ...]]]:
     """min/opt/max shapes per input: decode (S = 1, or up to a Medusa tree's size, with logits
-    at every position) and prefill (S up to max_input_len, logits at the last token). They name
+    at every position) and prefill (S up to max_input_len, logits at the last token); a paged
+    engine's pools, block table, kv_slots and mask by _paged_shapes. They name
     every input some rank may have (a pipeline stage reads input_ids or hidden_states, its own
     layers' caches, logits_index on the last stage only); each engine takes those of its graph."""
     arch, b_max, s_max = spec.arch, spec.build.max_batch_size, spec.build.max_seq_len
@@ -155,13 +157,49 @@ def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], .
         for layer in range(arch.num_layers):
             for kind in ("key", "value"):
                 shapes[f"past_{kind}_{layer}"] = tuple((b, *cache) for b in batch)
+        if paged:
+            shapes.update(_paged_shapes(spec, seq, batch))
         return shapes
 
+    paged = spec.kv_cache_layout == KVCacheLayout.paged
     decode_opt, verify = spec.cuda_graph_batch_sizes[-1], spec.verify_tokens
     return [
         profile(seq=(1, 1, verify), batch=(1, decode_opt, b_max), rows=(1, 1, verify)),
         profile(seq=(1, max(1, chunk // 2), chunk), batch=(1, 1, b_max), rows=(1, 1, chunk)),
     ]
+
+
+# TensorRT's Scatter layer takes tensors of fewer than 2^31 elements: each pool stays under it.
+SCATTER_MAX_ELEMENTS = 2**31 - 1
+
+
+def pool_blocks_range(spec: Spec) -> tuple[int, int, int]:
+    """min/opt/max blocks N of a paged engine's pools [N, bs, H_kv, D]: the scratch block and one,
+    every row's whole context plus the scratch (capped), the most a pool holds under TensorRT's
+    Scatter volume limit."""
+    bs = spec.runtime.kv_block_size
+    most = SCATTER_MAX_ELEMENTS // (bs * spec.kv_heads_per_rank * spec.arch.head_dim)
+    whole = spec.build.max_batch_size * (spec.build.max_seq_len // bs) + 1
+    return 2, max(2, min(whole, most)), max(2, most)
+
+
+def _paged_shapes(spec: Spec, seq: tuple[int, int, int], batch: tuple[int, int, int]) -> dict:
+    """A paged engine's inputs (contract/step.py PAGED_INPUTS) over a profile's S and B ranges: the
+    block table's width M from one block to max_seq_len's (half of it at opt), the mask over M·bs
+    positions, the pools over pool_blocks_range."""
+    bs = spec.runtime.kv_block_size
+    widest = spec.build.max_seq_len // bs
+    width = (1, max(1, widest // 2), widest)
+    pool = tuple((n, bs, spec.kv_heads_per_rank, spec.arch.head_dim) for n in pool_blocks_range(spec))
+    shapes: dict[str, tuple[tuple[int, ...], ...]] = {
+        BLOCK_TABLE: tuple((b, m) for b, m in zip(batch, width)),
+        KV_SLOTS: tuple((b, s, 2) for b, s in zip(batch, seq)),
+        "attention_mask": tuple((b, 1, s, m * bs) for b, s, m in zip(batch, seq, width)),
+    }
+    for layer in range(spec.arch.num_layers):
+        for kind in ("key", "value"):
+            shapes[f"past_{kind}_{layer}"] = pool
+    return shapes
 
 
 def build_engine(onnx_path: Path, engine_path: Path, spec: Spec, flavor: Flavor) -> EngineReport:

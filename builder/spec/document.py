@@ -25,6 +25,14 @@ class Backend(str, Enum):
     tensorrt_rtx = "tensorrt-rtx"
 
 
+class KVCacheLayout(str, Enum):
+    """The TensorRT engine's KV caches (contract/step.py): a slot of max_seq_len positions per row,
+    or one pool of blocks per layer that every row draws from through a block table."""
+
+    slots = "slots"
+    paged = "paged"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
@@ -42,6 +50,9 @@ class BuildSection(_Section):
     max_seq_len: StrictInt = Field(2048, ge=2)
     cuda_graph_batch_sizes: tuple[StrictInt, ...] | None = None
     builder_optimization_level: StrictInt = Field(3, ge=0, le=5)
+    kv_cache_layout: KVCacheLayout | None = Field(None, description=(
+        "the TensorRT engine's KV caches: paged (pools of runtime.kv_block_size blocks) or slots; unset: "
+        "paged for a single-rank engine, slots for tensor/pipeline parallel ones"))
     cpu_graphs: StrictBool = Field(True, description=(
         "keep each rank's ONNX graphs and their weights in the engine dir (the CPU runtime and "
         "trtbuild eval run them); false ships the TensorRT engines alone, about half the size"))

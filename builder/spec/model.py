@@ -19,7 +19,7 @@ from ...contract.pipeline import RankPosition, balanced_layers, rank_positions, 
 from ...contract.speculation import Source, SpeculationConfig
 from ..sharding import kv_heads_per_rank
 from ..frontend.checkpoint import ArchConfig
-from .document import (BuildSection, ModelSection, ParallelSection, PassesSection, QuantizationSection,
+from .document import (BuildSection, KVCacheLayout, ModelSection, ParallelSection, PassesSection, QuantizationSection,
                        RuntimeSection, SpecDocument)
 
 
@@ -88,6 +88,14 @@ class Spec:
     def ranks(self) -> tuple[RankPosition, ...]:
         """Every rank's stage, tensor rank and layers (rank = stage · T + tensor rank)."""
         return rank_positions(self.stages, self.parallel.tensor)
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The TensorRT engine's KV layout: build.kv_cache_layout, else paged for a single-rank engine
+        and slots for several ranks (the paged graph is not yet built for them: spec/checks.py)."""
+        if self.build.kv_cache_layout is not None:
+            return self.build.kv_cache_layout
+        return KVCacheLayout.paged if self.world_size == 1 else KVCacheLayout.slots
 
     @property
     def kv_heads_per_rank(self) -> int:

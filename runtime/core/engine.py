@@ -6,7 +6,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ...contract.step import BLOCK_TABLE, KV_SLOTS, SCRATCH_BLOCK, StepArrays
+from ...contract.step import PagedStepArrays, StepArrays
+from ...contract.step import paged_step_arrays as contract_paged_step_arrays
 from ...contract.step import step_arrays as contract_step_arrays
 from .step import Step
 
@@ -114,41 +115,8 @@ def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> S
     return contract_step_arrays(step.tokens, step.starts, max_seq_len, pad_batch=pad_batch, trees=step.trees)
 
 
-@dataclass(frozen=True)
-class PagedStepArrays:
-    """A paged engine's step: the contract's arrays over a table ``width`` blocks wide (the mask
-    [B, 1, S, width·bs]) plus the block table and where each new token's K/V goes."""
-    arrays: StepArrays
-    block_table: np.ndarray  # int32 [B, M]: pool blocks (the manager's id + 1), unused ones the scratch
-    kv_slots: np.ndarray     # int64 [B, S, 2]: (pool block, offset)
-
-    @property
-    def position_ids(self) -> np.ndarray:
-        return self.arrays.position_ids
-
-    @property
-    def logits_index(self) -> np.ndarray:
-        return self.arrays.logits_index
-
-    def as_dict(self) -> dict[str, np.ndarray]:
-        return {**self.arrays.as_dict(), BLOCK_TABLE: self.block_table, KV_SLOTS: self.kv_slots}
-
 
 def paged_step_arrays(step: Step, block_size: int, width: int, pad_batch: int | None = None) -> PagedStepArrays:
-    """A scheduler step for a paged engine: each row's positions in its blocks
-    (``step.block_tables``), its padding positions and the bucket's padding rows in the scratch
-    block, where nobody reads them unmasked."""
-    arrays = contract_step_arrays(step.tokens, step.starts, width * block_size, pad_batch=pad_batch, trees=step.trees)
-    batch, seq = arrays.input_ids.shape
-    table = np.full((batch, width), SCRATCH_BLOCK, np.int32)
-    slots = np.zeros((batch, seq, 2), np.int64)
-    slots[..., 1] = np.arange(seq) % block_size  # padding rows: the scratch block's offsets
-    for row, (blocks, start) in enumerate(zip(step.block_tables, step.starts)):
-        pool = np.asarray(blocks[:width], np.int64) + 1  # pool block 0 is the scratch
-        table[row, :len(pool)] = pool
-        positions = start + np.arange(seq)
-        index = positions // block_size
-        held = index < len(pool)
-        slots[row, :, 0] = np.where(held, pool[np.minimum(index, len(pool) - 1)], SCRATCH_BLOCK)
-        slots[row, :, 1] = positions % block_size
-    return PagedStepArrays(arrays, table, slots)
+    """The contract's arrays of a scheduler step for a paged engine, its table ``width`` blocks wide."""
+    return contract_paged_step_arrays(step.block_tables, step.starts, step.tokens, block_size, width,
+                                      pad_batch=pad_batch, trees=step.trees)

@@ -30,7 +30,7 @@ class BlockPoolShape:
     def of(cls, engine_dir, dtype, num_blocks: int, rank: int = 0) -> "BlockPoolShape":
         d = engine_dir
         return cls(names=tuple(stage_cache_names(d.rank_layers(rank))), num_blocks=num_blocks,
-                   block_size=d.paged_block_size, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+                   block_size=d.kv_cache.block_size, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
                    dtype=np.dtype(dtype))
 
     @property

@@ -51,11 +51,11 @@ class TensorRTEngine:
             self.contexts[kind] = context
         d = engine_dir
         self.element = HOST_DTYPES[d.dtype]
-        self.paged = d.paged_block_size is not None
+        self.paged = d.kv_cache.paged
         if self.paged:
-            if block_size != d.paged_block_size:
+            if block_size != d.kv_cache.block_size:
                 raise ValueError(f"block_size {block_size}: this engine was built paged with blocks of "
-                                 f"{d.paged_block_size} tokens (runtime.kv_block_size); use that")
+                                 f"{d.kv_cache.block_size} tokens (runtime.kv_block_size); use that")
             self.kv = DeviceBlockPools(BlockPoolShape.of(d, self.element, prefix_blocks, rank), cudart, self.stream, _ok)
         else:
             self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
@@ -122,12 +122,12 @@ class TensorRTEngine:
         return StepOutput(logits=logits, medusa=medusa)
 
     def _table_width(self, step) -> int:
-        """A paged step's block-table width M: the blocks its longest row reaches, rounded up to a
-        power of two (so a bucket's CUDA graphs number log2 of the widest table), at most S_max/bs.
-        Attention reads M·bs positions a row: the width follows the step, not max_seq_len."""
-        bs = self.block_size
-        need = max(-(-(start + step.seq_len) // bs) for start in step.starts)
-        return min(1 << max(need - 1, 0).bit_length(), self.max_blocks)
+        """A paged step's block-table width M: the most blocks a row holds (every position the step
+        writes has one), rounded up to a power of two (so a bucket's CUDA graphs number log2 of the
+        widest table), at most S_max/bs. Attention reads M·bs positions a row: the width follows
+        the rows' lengths, not max_seq_len."""
+        need = max(max(len(blocks) for blocks in step.block_tables), 1)  # a greedy run's rows hold its blocks
+        return min(1 << (need - 1).bit_length(), self.max_blocks)
 
     def _to_host(self, address: int, shape: tuple[int, ...]) -> np.ndarray:
         """The first ``shape`` float32 elements at ``address``, copied on the stream (read after a sync)."""
