@@ -1,11 +1,13 @@
 """TensorRTEngine's own code on a simulated device (tests/simulated_device.py), not a GPU test:
-its device buffers, addresses, pitches, slot and block offsets, bucket padding, CUDA-graph
-capture and replay and Medusa buffers must give exactly the ONNX Runtime backend's tokens."""
+its device buffers, addresses, the paged pools and block tables (the bundled engines are built
+paged: one rank), bucket padding, CUDA-graph capture and replay and Medusa buffers must give
+exactly the ONNX Runtime backend's tokens. The slot engines of several ranks: test_simulated_nccl
+and test_simulated_pipeline; the slot pools' moves: test_device_pools."""
 from __future__ import annotations
 
 import pytest
 
-from trtbuild.runtime.core.kv_pools import DevicePools
+from trtbuild.runtime.core.paged_pools import DeviceBlockPools, pool_block
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.backends.tensorrt.engine import TensorRTEngine
@@ -45,7 +47,9 @@ def test_plain_decode_pads_to_buckets_replays_graphs_and_matches_cpu(device, tin
     assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == cpu_tokens(tiny_engine, prompts)
     bucket = next(b for b in llm.engine.buckets if b >= batch)  # 3 rows run in the bucket of 4
     assert {key[0] for key in llm.engine.graphs} >= {bucket}
-    assert device.calls["cudaGraphLaunch"] >= GREEDY.max_tokens - 2  # decode steps replay their capture
+    # Every decode step replays its (bucket, S, table width) capture, but the one that captured it;
+    # the paged engine's table widens (1 → 2 → 4 blocks) as the rows grow: a capture per width.
+    assert device.calls["cudaGraphLaunch"] == llm.core.stats.decode_steps - len(llm.engine.graphs)
     assert device.calls["cudaStreamBeginCapture"] == len(llm.engine.graphs)
     llm.engine.close()
     assert not device.buffers  # every allocation freed
@@ -104,18 +108,16 @@ def test_a_verification_copies_to_the_host_only_what_the_core_reads(device, medu
 
 # -- planted bugs: the simulation must notice them ---------------------------------------------
 
-def keep_path_off_by_one(self, slot, start, nodes):
+def keep_path_off_by_one(self, blocks, start, nodes):
     """The accepted nodes' K/V moved one position too early (start + i instead of start + 1 + i)."""
     for name in self.pools:
-        base = self.slot_address(name, slot)
         for i, node in enumerate(nodes):
-            self._copy2d(base + (start + i) * self.position, self.row, base + (start + node) * self.position,
-                         self.row, self.position)
+            self._copy(self._token(name, blocks, start + i), self._token(name, blocks, start + node), self.token_bytes)
 
 
 def test_a_planted_keep_path_off_by_one_changes_the_tokens(device, medusa_engine, monkeypatch):
     expected = cpu_tokens(medusa_engine, PROMPTS[:4], medusa_tree_size=0)
-    monkeypatch.setattr(DevicePools, "keep_path", keep_path_off_by_one)
+    monkeypatch.setattr(DeviceBlockPools, "keep_path_in_blocks", keep_path_off_by_one)
     llm = gpu(medusa_engine, medusa_tree_size=63)
     assert [c.token_ids for c in llm.generate(PROMPTS[:4], GREEDY)] != expected
 
@@ -123,9 +125,8 @@ def test_a_planted_keep_path_off_by_one_changes_the_tokens(device, medusa_engine
 def test_a_planted_block_offset_changes_the_tokens(device, tiny_engine, monkeypatch):
     prompts = [SHARED + tail for tail in ("    return", "    if")]
     expected = cpu_tokens(tiny_engine, prompts, prefix_cache=False)
-    load_block = DevicePools.load_block  # planted: each cached block lands one block too far
-    monkeypatch.setattr(DevicePools, "load_block", lambda self, block, slot, index: load_block(
-        self, block, slot, index + 1))
+    copy_block = DeviceBlockPools.copy_block  # planted: each copy reads the block after the one asked for
+    monkeypatch.setattr(DeviceBlockPools, "copy_block", lambda self, src, dst: copy_block(self, src + 1, dst))
     llm = gpu(tiny_engine, prefix_cache=True)
     outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
     assert outs[1].cached_tokens >= 32  # the bug's path ran
@@ -134,9 +135,11 @@ def test_a_planted_block_offset_changes_the_tokens(device, tiny_engine, monkeypa
 
 def test_an_overrun_is_a_cuda_error_not_silent(device, tiny_engine, monkeypatch):
     llm = gpu(tiny_engine)
-    monkeypatch.setattr(llm.engine.kv, "slot_bytes", llm.engine.kv.slot_bytes + 4)  # the last slot overruns
+    last = llm.scheduler.kv.num_blocks - 1
+    assert pool_block(last) == llm.engine.kv.shape.pool[0] - 1  # the pool's last block: the budget's last
+    monkeypatch.setattr(llm.engine.kv, "block_bytes", llm.engine.kv.block_bytes + 4)  # the last block overruns
     with pytest.raises(RuntimeError, match="overrun an allocation"):
-        llm.engine.copy_slot(llm.engine.dir.max_batch_size, 0, llm.engine.dir.max_seq_len)
+        llm.engine.copy_block(last, 0)
 
 
 def test_capture_checks_the_enqueue_and_frees_every_graph(device, tiny_engine, monkeypatch):
@@ -161,8 +164,8 @@ def test_capture_checks_the_enqueue_and_frees_every_graph(device, tiny_engine, m
 
 def test_a_share_of_memory_is_of_the_gpus_free_memory_on_tensorrt(monkeypatch, tiny_engine):
     """kv_cache_memory 0.5 on the TensorRT backend: half of what the GPU has free (cudaMemGetInfo),
-    not of the host's MemAvailable; the reserved rows come first, the rest is the prefix cache's.
-    A byte budget beyond the GPU's free memory is refused naming it."""
+    not of the host's MemAvailable, all of it the paged pool's blocks (and one scratch block). A
+    byte budget beyond the GPU's free memory is refused naming it."""
     device = SimulatedDevice(compute_capability="sm89", per_thread_device=True, memory_bytes=64 << 20)
     device.install(monkeypatch, [tiny_engine])
     from trtbuild.runtime.core.kv_budget import kv_bytes_per_token
@@ -170,9 +173,10 @@ def test_a_share_of_memory_is_of_the_gpus_free_memory_on_tensorrt(monkeypatch, t
 
     d = load(tiny_engine)
     per_token = kv_bytes_per_token(d)
-    reserved = (d.max_batch_size + 1) * d.max_seq_len * per_token
     with gpu(tiny_engine, kv_cache_memory=0.5, prefix_cache=True) as llm:
-        assert llm.scheduler.kv.num_blocks == ((32 << 20) - reserved) // (16 * per_token)
+        blocks = llm.scheduler.kv.num_blocks
+        assert blocks == (32 << 20) // (16 * per_token)
+        assert llm.engine.kv.nbytes == (blocks + 1) * 16 * per_token
         assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == cpu_tokens(tiny_engine, PROMPTS[:2])
     with pytest.raises(ValueError, match=r"exceeds the memory available now \(\d+ bytes, free on the GPU\)"):
         gpu(tiny_engine, kv_cache_memory=65 << 20)

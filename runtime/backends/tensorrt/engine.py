@@ -100,9 +100,11 @@ class TensorRTEngine:
         if self.paged:
             width = self._table_width(step)
             arrays = paged_step_arrays(step, self.block_size, width, pad_batch=bucket)
+            plain = arrays.step
         else:
             width, arrays = 0, step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
-        logit_rows = arrays.logits_index.shape[1]
+            plain = arrays
+        logit_rows = plain.logits_index.shape[1]
         key = (bucket, step.seq_len, width)
         self.upload(arrays)
         context = self.contexts[step.kind]
@@ -150,11 +152,11 @@ class TensorRTEngine:
             if name in self.inputs:
                 context.set_input_shape(name, value.shape)
                 context.set_tensor_address(name, self.inputs[name])
-        batch = arrays.position_ids.shape[0]
         if self.paged:  # one pool for every row, at one address
             shape = self.kv.shape.pool
             addresses = dict(self.kv.pools)
         else:
+            batch = arrays.position_ids.shape[0]
             shape = (batch, self.dir.num_kv_heads, self.dir.max_seq_len, self.dir.head_dim)
             addresses = {name: self.kv.slot_address(name, first_slot) for name in self.kv.pools}
         for name, address in addresses.items():
