@@ -117,6 +117,8 @@ def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> S
 
 
 def paged_step_arrays(step: Step, block_size: int, width: int, pad_batch: int | None = None) -> PagedStepArrays:
-    """The contract's arrays of a scheduler step for a paged engine, its table ``width`` blocks wide."""
-    return contract_paged_step_arrays(step.block_tables, step.starts, step.tokens, block_size, width,
+    """The contract's arrays of a scheduler step for a paged engine, its table ``width`` blocks wide
+    (a step without tables, a timing step, writes the scratch block)."""
+    tables = step.block_tables or ((),) * len(step.rids)
+    return contract_paged_step_arrays(tables, step.starts, step.tokens, block_size, width,
                                       pad_batch=pad_batch, trees=step.trees)

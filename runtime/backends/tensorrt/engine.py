@@ -128,7 +128,10 @@ class TensorRTEngine:
         writes has one), rounded up to a power of two (so a bucket's CUDA graphs number log2 of the
         widest table), at most S_max/bs. Attention reads M·bs positions a row: the width follows
         the rows' lengths, not max_seq_len."""
-        need = max(max(len(blocks) for blocks in step.block_tables), 1)  # a greedy run's rows hold its blocks
+        bs, tables = self.block_size, step.block_tables or ((),) * len(step.rids)
+        # A greedy run's rows hold its blocks already; a timing step (speculation's calibration)
+        # holds none, and reads and writes the scratch block over its positions' width.
+        need = max(max(len(blocks), -(-(start + step.seq_len) // bs)) for blocks, start in zip(tables, step.starts))
         return min(1 << (need - 1).bit_length(), self.max_blocks)
 
     def _to_host(self, address: int, shape: tuple[int, ...]) -> np.ndarray:
