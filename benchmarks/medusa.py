@@ -90,13 +90,13 @@ def run(engine: Path, prompts: list[list[int]], tokens: int, batch: int, size: i
     ``skip_idle_heads`` False: a multi-step run's steps compute the heads too (as before the
     decode graph held them behind draft_heads), the engine otherwise the same."""
     from trtbuild.runtime.engine_dir import load
-    from trtbuild.runtime.core.kv_budget import kv_manager_for
+    from trtbuild.runtime.core.kv_budget import RowMemory, kv_manager_for
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.core.sampling import SamplingParams
 
     d = load(engine)
     # LLM's default budget (no kv_cache_memory): its engine's prefix store has one block per budget block.
-    blocks = kv_manager_for(d, None, d.kv_block_size, True, rows_reserved=False).num_blocks
+    blocks = kv_manager_for(d, None, d.kv_block_size, True, RowMemory.pages).num_blocks
     own = None if skip_idle_heads else _heads_in_every_step_engine(d, threads=threads, prefix_blocks=blocks,
                                                                    block_size=d.kv_block_size)
     llm = LLM(engine, backend="onnxruntime", threads=threads, medusa_tree_size=size, engine=own)

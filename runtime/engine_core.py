@@ -16,7 +16,7 @@ from ..contract.speculation import Source
 from .core.engine import Engine, StepOutput
 from .core.sampling import Sampler
 from .core.scheduler import Draft, Phase, Request, Scheduler, TokenSink
-from .core.step import CopyBlock, CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step, StepKind
+from .core.step import CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step, StepKind
 from .core.tree import Accepted
 from .speculation.chain import chain_tree
 from .speculation.medusa import accept_greedy, accept_sampled, candidates
@@ -341,8 +341,6 @@ class EngineCore:
                 self.engine.keep_path(op.slot, op.start, op.nodes)
             elif isinstance(op, Discard):
                 self.engine.discard(op.slots, op.blocks)
-            elif isinstance(op, CopyBlock):  # a paged engine's (the scheduler is paged only for one)
-                self.engine.copy_block(op.src, op.dst)
-            elif isinstance(op, KeepPathInBlocks):
+            elif isinstance(op, KeepPathInBlocks):  # a paged engine's (the scheduler is paged only for one)
                 self.engine.keep_path_in_blocks(op.blocks, op.start, op.nodes)
 

@@ -28,7 +28,7 @@ from .input_processor import InputProcessor, checked_multi_step
 from .output_processor import OutputProcessor
 from .outputs import Completion, Delta
 from .backends.tensorrt.library import device_free_bytes
-from .core.kv_budget import FreeMemory, check_block_size, kv_manager_for
+from .core.kv_budget import FreeMemory, RowMemory, check_block_size, kv_manager_for
 from .core.sampling import SamplingParams
 from .core.scheduler import Batching, Scheduler
 from ..contract.speculation import Source
@@ -93,8 +93,8 @@ class LLM:
         if paged and block_size != d.kv_cache.block_size:
             raise ValueError(f"block_size {block_size}: this TensorRT engine was built paged with blocks of "
                              f"{d.kv_cache.block_size} tokens (runtime.kv_block_size); pass that or None")
-        kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows_reserved=on_gpu and not paged,
-                            device_free=device_free)
+        rows = RowMemory.blocks if paged else RowMemory.reserved if on_gpu else RowMemory.pages
+        kv = kv_manager_for(d, kv_cache_memory, block_size, use_prefix, rows, device_free=device_free)
         # The engine's prefix store (one block per budget block) or, paged, its pool.
         blocks = kv.num_blocks if use_prefix or paged else 0
         try:

@@ -9,7 +9,7 @@ import pytest
 
 from trtbuild.runtime.core import kv_budget
 from trtbuild.contract.kv_budget import parse_kv_cache_memory
-from trtbuild.runtime.core.kv_budget import kv_manager_for
+from trtbuild.runtime.core.kv_budget import RowMemory, kv_manager_for
 from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.sampling import SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Request, Scheduler
@@ -243,22 +243,22 @@ class _Dir:
 def test_budget_in_blocks_from_bytes_share_spec_or_default(monkeypatch):
     monkeypatch.setattr(kv_budget, "available_memory", lambda: 100_000)
     block = 16 * 256
-    assert kv_manager_for(_Dir(), 10 * block + 5, 16, True, False).num_blocks == 10
-    assert kv_manager_for(_Dir(), 0.5, 16, True, False).num_blocks == 50_000 // block
-    assert kv_manager_for(_Dir({"kv_cache_memory": "16KiB"}), None, 16, True, False).num_blocks == 4
-    assert kv_manager_for(_Dir(), None, 16, True, False).num_blocks == 4 * 4 + 2 * 64 // 16  # every slot full + cache
+    assert kv_manager_for(_Dir(), 10 * block + 5, 16, True, RowMemory.pages).num_blocks == 10
+    assert kv_manager_for(_Dir(), 0.5, 16, True, RowMemory.pages).num_blocks == 50_000 // block
+    assert kv_manager_for(_Dir({"kv_cache_memory": "16KiB"}), None, 16, True, RowMemory.pages).num_blocks == 4
+    assert kv_manager_for(_Dir(), None, 16, True, RowMemory.pages).num_blocks == 4 * 4 + 2 * 64 // 16  # every slot full + cache
     with pytest.raises(ValueError, match=re.escape("kv_cache_memory 100 = 100 bytes holds no KV block of 16 tokens "
                                                    "(4096 bytes); give at least 4096")):
-        kv_manager_for(_Dir(), 100, 16, True, False)
+        kv_manager_for(_Dir(), 100, 16, True, RowMemory.pages)
     with pytest.raises(ValueError, match=re.escape("kv_cache_memory 100001 = 100001 bytes exceeds the memory available "
                                                    "now (100000 bytes, MemAvailable)")):
-        kv_manager_for(_Dir(), 100_001, 16, True, False)
+        kv_manager_for(_Dir(), 100_001, 16, True, RowMemory.pages)
 
 
 def test_tensorrt_budget_covers_the_reserved_slots_or_is_refused():
     reserved = 5 * 64 * 256                  # 4 slots + scratch of 64 tokens, reserved on the device
-    kv = kv_manager_for(_Dir(), reserved + 3 * 16 * 256, 16, True, rows_reserved=True)
+    kv = kv_manager_for(_Dir(), reserved + 3 * 16 * 256, 16, True, RowMemory.reserved)
     assert kv.num_blocks == 3 and kv.grow("a", 64) and kv.row("a") == []   # rows take no blocks
     with pytest.raises(ValueError, match=re.escape(f"TensorRT reserves every KV slot in full (4 + 1 scratch × "
                                                    f"max_seq_len 64 = {reserved} bytes)")):
-        kv_manager_for(_Dir(), reserved - 1, 16, True, rows_reserved=True)
+        kv_manager_for(_Dir(), reserved - 1, 16, True, RowMemory.reserved)

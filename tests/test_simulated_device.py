@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from trtbuild.runtime.core.kv_manager import KVManager
 from trtbuild.runtime.core.paged_pools import DeviceBlockPools, pool_block
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.core.sampling import SamplingParams
@@ -68,12 +69,17 @@ def test_requests_joining_mid_decode_match_cpu(device, tiny_engine):
     assert run(gpu(tiny_engine)) == run(LLM(tiny_engine, backend="onnxruntime", threads=2))
 
 
-def test_prefix_cache_hits_load_saved_blocks_and_match_cpu(device, tiny_engine):
+def test_prefix_cache_hits_share_blocks_and_match_cpu(device, tiny_engine):
     prompts = [SHARED + tail for tail in ("    return", "    if", "    parser.add_argument(")]
     llm = gpu(tiny_engine, prefix_cache=True)
-    outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
+    outs = llm.generate(prompts[:1], GREEDY)
+    tables = []
+    step = llm.engine.step
+    llm.engine.step = lambda s: tables.append(s.block_tables) or step(s)
+    outs += llm.generate(prompts[1:], GREEDY)  # together: both rows' tables start with the same blocks
     assert [c.token_ids for c in outs] == cpu_tokens(tiny_engine, prompts, prefix_cache=False)
     assert all(c.cached_tokens >= 32 for c in outs[1:]) and llm.scheduler.kv.stats.hits >= 4
+    assert any(len(rows) == 2 and rows[0][:2] == rows[1][:2] for rows in tables)  # zero copy: one block, two rows
 
 
 def test_medusa_verification_and_keep_path_match_plain_decoding(device, medusa_engine):
@@ -122,11 +128,14 @@ def test_a_planted_keep_path_off_by_one_changes_the_tokens(device, medusa_engine
     assert [c.token_ids for c in llm.generate(PROMPTS[:4], GREEDY)] != expected
 
 
-def test_a_planted_block_offset_changes_the_tokens(device, tiny_engine, monkeypatch):
+def test_a_planted_shared_block_changes_the_tokens(device, tiny_engine, monkeypatch):
     prompts = [SHARED + tail for tail in ("    return", "    if")]
     expected = cpu_tokens(tiny_engine, prompts, prefix_cache=False)
-    copy_block = DeviceBlockPools.copy_block  # planted: each copy reads the block after the one asked for
-    monkeypatch.setattr(DeviceBlockPools, "copy_block", lambda self, src, dst: copy_block(self, src + 1, dst))
+    # Planted: a hit's second shared block enters the row's table in the first's place too (a
+    # permutation would not show: a query that sees every cached position sees them in any order).
+    hit = KVManager.hit
+    monkeypatch.setattr(KVManager, "hit", lambda self, rid, prompt, blocks: hit(self, rid, prompt,
+                                                                                 blocks[1:2] + blocks[1:]))
     llm = gpu(tiny_engine, prefix_cache=True)
     outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
     assert outs[1].cached_tokens >= 32  # the bug's path ran
@@ -139,7 +148,7 @@ def test_an_overrun_is_a_cuda_error_not_silent(device, tiny_engine, monkeypatch)
     assert pool_block(last) == llm.engine.kv.shape.pool[0] - 1  # the pool's last block: the budget's last
     monkeypatch.setattr(llm.engine.kv, "block_bytes", llm.engine.kv.block_bytes + 4)  # the last block overruns
     with pytest.raises(RuntimeError, match="overrun an allocation"):
-        llm.engine.copy_block(last, 0)
+        llm.engine.keep_path_in_blocks((last,), 0, (llm.engine.block_size - 1,))
 
 
 def test_capture_checks_the_enqueue_and_frees_every_graph(device, tiny_engine, monkeypatch):

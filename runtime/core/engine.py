@@ -58,10 +58,8 @@ class Engine(Protocol):
 class PagedEngine(Engine, Protocol):
     """An Engine whose K/V lives in one pool of the KV budget's blocks, read and written through
     each step's block tables (``Step.block_tables``), not in a slot per row: the scheduler runs
-    paged for it and sends block moves instead of slot moves (the slot ones never come)."""
-
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copies block ``src``'s K/V (every layer) into block ``dst`` (KV-manager ids)."""
+    paged for it: prefix blocks are shared by reference (nothing copied), and of the slot moves
+    only an accepted path's remains, within the row's blocks."""
 
     def keep_path_in_blocks(self, blocks: tuple[int, ...], start: int, nodes: tuple[int, ...]) -> None:
         """``keep_path`` for a row whose position p lives in blocks[p // block_size]."""

@@ -7,6 +7,7 @@ rank process (each rank's pools hold its layers and KV heads); rank 0's shape si
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from ...contract.dtypes import HOST_DTYPES
 from ...contract.kv_budget import block_size_problem, budget_bytes, parse_kv_cache_memory
@@ -85,19 +86,26 @@ def kv_blocks(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool
     return blocks
 
 
-def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool, rows_reserved: bool,
+class RowMemory(Enum):
+    """How an engine's rows hold their K/V, which decides what the budget counts."""
+    pages = "pages"        # a demand-paged slot per row (the CPU's host pools): rows take blocks
+    blocks = "blocks"      # one pool of the budget's blocks (a paged TensorRT engine): rows and the cache share them
+    reserved = "reserved"  # a slot per row reserved in full (a slot TensorRT engine): the budget is the cache's
+
+
+def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching: bool, rows: RowMemory,
                    device_free: FreeMemory | None = None) -> KVManager:
-    """The LLM's KV manager. Rows draw blocks from the budget (the CPU's demand-paged slots, the
-    paged TensorRT engine's pool); a share is of ``device_free`` where given (the GPU's free
-    memory), else of MemAvailable. ``rows_reserved`` (a TensorRT engine built with slots: device
+    """The LLM's KV manager. Rows draw blocks from the budget (``pages``, ``blocks``; with
+    ``blocks`` they share the prefix cache's by reference); a share is of ``device_free`` where
+    given (the GPU's free memory), else of MemAvailable. ``reserved`` (a TensorRT engine built with slots: device
     memory cannot demand-page, every slot is reserved in full): the budget must cover the slots, capacity + 1 scratch rows of
     max_seq_len tokens, or it is refused; what remains is the prefix cache's (without a budget:
     two slots' tokens, as before budgets); a share is of ``device_free`` there (the GPU's free
     memory, which the caller measures), where host pools take it of MemAvailable."""
     d = engine_dir
-    if not rows_reserved:
+    if rows != RowMemory.reserved:
         return KVManager(kv_blocks(d, kv_cache_memory, block_size, prefix_caching, device_free), block_size,
-                         prefix_caching)
+                         prefix_caching, shared=rows == RowMemory.blocks)
     if kv_cache_memory is None:
         kv_cache_memory = d.kv_cache_memory
     if kv_cache_memory is None:

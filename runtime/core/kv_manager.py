@@ -12,6 +12,12 @@ ONNX Runtime's CPU GroupQueryAttention needs):
   row once, at admission (LoadBlock), never per step; so while a request runs, its cached prompt
   blocks exist twice (row and store) and are counted twice.
 
+With ``shared`` (the paged TensorRT engine, whose rows read their K/V through block tables from one
+pool of these ids), the ids are places and nothing is copied: a hit's cached blocks become the
+first blocks of the row's table, shared by reference; a computed prompt's full blocks are cached
+where they are; a row that ends hands back the blocks nobody caches. A block in some row's table
+is never evicted: only unreferenced cached blocks are.
+
 Cached blocks are keyed by the chained hash of the whole prefix (``block_hashes``) and reference
 counted by the running requests whose prompts they hold. Unreferenced ones stay cached and are
 evicted least recently used first when the budget is needed; a row that must grow may also evict
@@ -47,15 +53,17 @@ class KVStats:
 
 
 class KVManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, rows_reserved: bool = False):
-        """``rows_reserved``: the engine's rows are reserved in full (TensorRT's device pools), so
-        rows take no blocks and the budget is the prefix cache's alone."""
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, rows_reserved: bool = False,
+                 shared: bool = False):
+        """``rows_reserved``: the engine's rows are reserved in full (a slot TensorRT engine's device
+        pools), so rows take no blocks and the budget is the prefix cache's alone. ``shared``: rows
+        and the cache share blocks by reference (see above)."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size {block_size}: must be a power of two ≥ 1")
         if num_blocks < 1:
             raise ValueError(f"num_blocks {num_blocks}: the KV budget must hold at least one block")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        self.rows_reserved = rows_reserved
+        self.rows_reserved, self.shared = rows_reserved, shared
         self._free: deque[int] = deque(range(num_blocks))
         self._rows: dict[str, list[int]] = {}                 # rid → blocks its row holds
         self._cached: dict[bytes, int] = {}                   # prefix hash → block id
@@ -82,9 +90,24 @@ class KVManager:
         return self.num_blocks - len(self._free)
 
     def reclaimable(self, evict_used: bool) -> int:
-        """Blocks a row could take now: free ones, unreferenced cached ones, and (``evict_used``)
-        referenced cached ones."""
-        return len(self._free) + (len(self._cached) if evict_used else len(self._unused))
+        """Blocks a row could take now: free ones, unreferenced cached ones, and (``evict_used``,
+        unless shared: a referenced block is in a row's table) referenced cached ones."""
+        return len(self._free) + (len(self._cached) if evict_used and not self.shared else len(self._unused))
+
+    def fits(self, rid: str, hit: list[int], positions: int) -> bool:
+        """Whether ``rid``, admitted with ``hit`` (``match``'s), could hold positions [0, positions)
+        from free and unreferenced cached blocks: shared, the hit's blocks are the row's first ones
+        and no longer unreferenced once it uses them."""
+        if not self.shared:
+            return self.missing(rid, positions) <= self.reclaimable(evict_used=False)
+        unused_hit = sum(block in self._unused for block in hit)
+        return blocks_for(positions, self.block_size) - len(hit) <= self.reclaimable(False) - unused_hit
+
+    def freed_by_release(self, rid: str) -> int:
+        """Blocks ``release(rid)`` would make reclaimable: its row's own ones and, shared, the cached
+        ones of its row that no other request uses."""
+        return sum(1 for block in self._rows.get(rid, ())
+                   if block not in self._hash_of or self._users.get(block, set()) <= {rid})
 
     def row(self, rid: str) -> list[int]:
         return list(self._rows.get(rid, ()))
@@ -125,9 +148,9 @@ class KVManager:
         return True
 
     def release(self, rid: str) -> None:
-        """``rid`` ended or was preempted: its row blocks are free, its cached blocks lose a user
-        (unused ones stay cached, most recently used last)."""
-        self._free.extend(self._rows.pop(rid, ()))
+        """``rid`` ended or was preempted: its row blocks are free (shared: those not cached), its
+        cached blocks lose a user (unused ones stay cached, most recently used last)."""
+        self._free.extend(block for block in self._rows.pop(rid, ()) if block not in self._hash_of)
         for block in self._uses.pop(rid, ()):
             users = self._users[block]
             users.discard(rid)
@@ -139,7 +162,7 @@ class KVManager:
             return self._free.popleft()
         if self._unused:
             block = next(iter(self._unused))
-        elif evict_used and self._recent:
+        elif evict_used and self._recent and not self.shared:
             block = next(iter(self._recent))
         else:
             raise RuntimeError("the KV budget is exhausted")  # grow/save checked first
@@ -180,6 +203,8 @@ class KVManager:
         recently used; the hit and miss counts grow."""
         for block in blocks:
             self._use(rid, block)
+        if self.shared:
+            self._rows[rid] = list(blocks)  # the row's first blocks, by reference
         usable = (len(prompt) - 1) // self.block_size if self.prefix_caching else 0
         self.stats.hits += len(blocks)
         self.stats.misses += usable - len(blocks)
@@ -190,6 +215,9 @@ class KVManager:
         copies from the row into the store. New blocks come from free ones or unreferenced
         cached ones, never from a referenced block or a preemption; saving stops when none is left."""
         if not self.prefix_caching:
+            return []
+        if self.shared:
+            self._cache_in_place(rid, prompt)
             return []
         new = []
         for index, h in enumerate(block_hashes(prompt, self.block_size)):
@@ -207,6 +235,28 @@ class KVManager:
                 self._recent.move_to_end(block)
         self.stats.inserted += len(new)
         return new
+
+    def _cache_in_place(self, rid: str, prompt) -> None:
+        """Shared: the row's full prompt blocks become cached where they are. Where another row
+        cached the same prefix block first, this row keeps its own copy uncached (its table cannot
+        change under it) and the cache keeps the other; the chain goes on in this row's blocks
+        (a chained hash names content, not places)."""
+        row = self._rows.get(rid, [])
+        inserted = 0
+        for index, h in enumerate(block_hashes(prompt, self.block_size)):
+            block = self._cached.get(h)
+            if block is None:
+                block = row[index]
+                self._cached[h], self._hash_of[block] = block, h
+                self._users[block] = set()
+                inserted += 1
+            elif block != row[index]:
+                continue
+            if rid not in self._users[block]:
+                self._use(rid, block)
+            else:
+                self._recent.move_to_end(block)
+        self.stats.inserted += inserted
 
     def _use(self, rid: str, block: int) -> None:
         self._users[block].add(rid)

@@ -66,12 +66,6 @@ class DeviceBlockPools:
         bs = self.shape.block_size
         return self.pools[name] + pool_block(blocks[position // bs]) * self.block_bytes + (position % bs) * self.token_bytes
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """A block's K/V in every pool (prefix-cache hits and saves)."""
-        for base in self.pools.values():
-            self._copy(base + pool_block(dst) * self.block_bytes, base + pool_block(src) * self.block_bytes,
-                       self.block_bytes)
-
     def keep_path_in_blocks(self, blocks: tuple[int, ...], start: int, nodes: tuple[int, ...]) -> None:
         """Positions start + nodes[i] → start + 1 + i, in order (nodes[i] ≥ i + 1: no source is
         overwritten before it is read), one token-sized copy per pool and kept token."""

@@ -29,8 +29,7 @@ from .tree import Accepted, Tree
 from .kv_manager import KVManager, blocks_for
 from .sampling import SamplingParams
 from .slots import Move, SlotTable
-from .step import (CacheOp, CopyBlock, CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step,
-                   StepKind)
+from .step import CacheOp, CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step, StepKind
 
 NOTHING_ACCEPTED = Accepted((), ())  # a plain row's "path": no guesses
 
@@ -127,9 +126,9 @@ class Scheduler:
                  batching: Batching = Batching.inflight, paged: bool = False):
         """``kv``: the block budget (None: enough for every slot to reach max_seq_len, in blocks
         of the default size, without a prefix cache). ``paged``: the engine keeps K/V in a pool of
-        the budget's blocks (the paged TensorRT engine): steps carry each row's block ids, the
-        prefix cache moves blocks within that pool (CopyBlock), and rows moving between slots
-        move nothing (a row's K/V stays in its blocks)."""
+        the budget's blocks (the paged TensorRT engine; ``kv`` must share blocks by reference):
+        steps carry each row's block ids, prefix hits and saves move nothing (the blocks are
+        shared), and neither do rows moving between slots (a row's K/V stays in its blocks)."""
         self.slots = SlotTable(capacity)
         self.max_seq_len, self.max_chunk = max_seq_len, max_chunk
         self.token_budget = token_budget or max_chunk
@@ -137,6 +136,8 @@ class Scheduler:
                                                     DEFAULT_BLOCK_SIZE, prefix_caching=False)
         self.eos_token_ids = tuple(eos_token_ids)
         self.batching = batching
+        if paged and not self.kv.shared:
+            raise ValueError("a paged engine's scheduler needs a KV manager that shares blocks (shared=True)")
         self.paged = paged
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
@@ -255,7 +256,7 @@ class Scheduler:
             hit = self.kv.match(request.prompt)
             computed = len(hit) * self.kv.block_size
             first_chunk = min(request.prefill_len - computed, self.max_chunk, self.token_budget)
-            if self.kv.missing(request.rid, computed + first_chunk) > self.kv.reclaimable(evict_used=False):
+            if not self.kv.fits(request.rid, hit, computed + first_chunk):
                 break  # FCFS: nobody overtakes the request at the front
             self.waiting.popleft()
             slot = self.slots.admit(request.rid)
@@ -265,12 +266,9 @@ class Scheduler:
             if not self.paged:
                 self._pending += [LoadBlock(block, slot, index) for index, block in enumerate(hit)]
             # Free and unused blocks sufficed before the hit took its own; the row may evict those
-            # (loaded already: the eviction's Discard comes after the LoadBlocks; in a paged pool,
-            # a hit block the row takes for a later index is copied before the step writes it).
+            # (loaded already: the eviction's Discard comes after the LoadBlocks). Shared, the hit's
+            # blocks are the row's own first ones.
             self.kv.grow(request.rid, computed + first_chunk)
-            if self.paged:
-                row = self.kv.row(request.rid)
-                self._pending += [CopyBlock(block, row[index]) for index, block in enumerate(hit)]
             request.computed = computed
             if not request.preemptions:
                 request.cached_tokens = computed
@@ -300,7 +298,7 @@ class Scheduler:
         if not self.kv.grow(first.rid, first.computed + want):
             # Short of blocks: preempt newer requests, newest first, or take what fits.
             newer = [r for r in self._running_newest_first() if r.arrival > first.arrival]
-            room = self.kv.reclaimable(evict_used=True) + sum(len(self.kv.row(r.rid)) for r in newer)
+            room = self.kv.reclaimable(evict_used=True) + sum(self.kv.freed_by_release(r.rid) for r in newer)
             want = min(want, (len(self.kv.row(first.rid)) + room) * self.kv.block_size - first.computed)
             if want <= 0:
                 return None
@@ -456,9 +454,7 @@ class Scheduler:
     def _save_prompt_blocks(self, request: Request) -> None:
         saved = self.kv.save(request.rid, request.prompt)
         if self.paged:
-            row = self.kv.row(request.rid)
-            self._pending += [CopyBlock(row[index], block) for index, block in saved]
-            return
+            return  # shared: cached where they are, nothing to copy or discard
         dropped = self.kv.take_dropped()  # evicted for these saves: discarded before they are written
         if dropped:
             self._pending.append(Discard((), tuple(dropped)))

@@ -58,14 +58,6 @@ class Discard:
 
 
 @dataclass(frozen=True)
-class CopyBlock:
-    """A paged engine's prefix-cache move, block to block in its pool (KV-manager ids): a cached
-    block into a row's (a hit, at admission) or a row's into a cached one (a computed prompt)."""
-    src: int
-    dst: int
-
-
-@dataclass(frozen=True)
 class KeepPathInBlocks:
     """KeepPath for a paged engine: the row's positions live in ``blocks`` (KV-manager ids, in
     order; position p in blocks[p // block_size])."""
@@ -74,7 +66,7 @@ class KeepPathInBlocks:
     nodes: tuple[int, ...]
 
 
-CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath | Discard | CopyBlock | KeepPathInBlocks
+CacheOp = CopySlot | SaveBlock | LoadBlock | KeepPath | Discard | KeepPathInBlocks
 
 
 @dataclass(frozen=True)

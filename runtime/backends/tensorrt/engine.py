@@ -204,10 +204,6 @@ class TensorRTEngine:
         self.on_device()
         self.kv.load_block(block, slot, index)
 
-    def copy_block(self, src: int, dst: int) -> None:
-        self.on_device()
-        self.kv.copy_block(src, dst)
-
     def keep_path_in_blocks(self, blocks: tuple[int, ...], start: int, nodes: tuple[int, ...]) -> None:
         self.on_device()
         self.kv.keep_path_in_blocks(blocks, start, nodes)
