@@ -36,3 +36,18 @@ def test_the_check_catches_a_planted_block_offset(monkeypatch):
         self, slot, max(0, index - 1), block))  # planted: saves the block before the one asked for
     results = gpu_memory_check().check(SimulatedDevice().module())
     assert results[0][:2] == ("random moves equal numpy", False)
+
+
+def test_paged_pool_moves_equal_host_moves_and_a_planted_offset_is_caught(monkeypatch):
+    from trtbuild.runtime.core.paged_pools import DeviceBlockPools
+
+    device = SimulatedDevice()
+    assert [r[:2] for r in gpu_memory_check().block_pool_check(device.module())] == [
+        ("paged keep_path equals numpy", True)]
+    assert not device.buffers
+    token = DeviceBlockPools._token  # planted: positions one token further into their block
+    monkeypatch.setattr(DeviceBlockPools, "_token", lambda self, name, blocks, position: token(
+        self, name, blocks, position) + (self.token_bytes if position % self.shape.block_size < self.shape.block_size - 1
+                                         else 0))
+    assert [r[:2] for r in gpu_memory_check().block_pool_check(SimulatedDevice().module())] == [
+        ("paged keep_path equals numpy", False)]

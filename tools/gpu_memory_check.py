@@ -4,6 +4,10 @@ runs on every lent GPU): KV pools from cudaMalloc moved by ``copy_slot``, ``keep
 backend's numpy moves (HostPools) byte for byte after a random sequence of moves, and a
 stream capture → instantiate → launch of a move must do what the move does eagerly.
 
+A paged engine's pools (runtime/core/paged_pools.py DeviceBlockPools) are checked the same way:
+``keep_path_in_blocks`` on random rows of out-of-order blocks must equal the numpy moves of the
+same positions.
+
 A pipeline stage's hand-off (runtime/parallel/transport.py NcclTransport) is checked too where torch has
 CUDA: a cudaMalloc'd region wrapped as a torch tensor shares its memory, and torch work issued with
 the engine's cuda-python stream as torch's current stream runs after what that stream holds (NCCL
@@ -21,6 +25,7 @@ import sys
 import numpy as np
 
 from trtbuild.runtime.core.kv_pools import DevicePools, HostPools, PoolShape
+from trtbuild.runtime.core.paged_pools import BlockPoolShape, DeviceBlockPools, pool_block
 from trtbuild.runtime.backends.tensorrt.library import cuda_check
 
 
@@ -80,6 +85,36 @@ def check(cudart, dtype=np.float16, moves: int = 300, seed: int = 0) -> list[tup
     return results
 
 
+def block_pool_check(cudart, dtype=np.float16, moves: int = 200, seed: int = 0) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail): the paged pools' accepted-path moves against numpy's."""
+    ok = cuda_check(cudart)
+    shape = BlockPoolShape(names=("key_0", "value_0", "key_1", "value_1"), num_blocks=12, block_size=4,
+                           num_kv_heads=2, head_dim=16, dtype=np.dtype(dtype))
+    stream = ok(cudart.cudaStreamCreate())
+    device = DeviceBlockPools(shape, cudart, stream, ok)
+    rng, data = random.Random(seed), np.random.default_rng(seed)
+    host = {name: data.standard_normal(shape.pool).astype(dtype) for name in shape.names}  # [N+1, bs, H, D]
+    try:
+        for name, values in host.items():
+            ok(cudart.cudaMemcpy(device.pools[name], values.ctypes.data, values.nbytes,
+                                 cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        bs = shape.block_size
+        for _ in range(moves):
+            blocks = tuple(rng.sample(range(shape.num_blocks), 4))  # a row of 16 positions, blocks out of order
+            nodes = tuple(sorted(rng.sample(range(1, 8), rng.randint(1, 4))))  # nodes[i] ≥ i + 1
+            start = rng.randrange(16 - 8)
+            device.keep_path_in_blocks(blocks, start, nodes)
+            for values in host.values():
+                for i, node in enumerate(nodes):
+                    src, dst = start + node, start + 1 + i
+                    values[pool_block(blocks[dst // bs]), dst % bs] = values[pool_block(blocks[src // bs]), src % bs]
+        equal = all(np.array_equal(device.read(n).view(np.uint8), host[n].view(np.uint8)) for n in shape.names)
+        return [("paged keep_path equals numpy", equal, f"{moves} accepted paths in rows of out-of-order blocks")]
+    finally:
+        device.close()
+        cudart.cudaStreamDestroy(stream)
+
+
 def hand_off_checks(cudart, mib: int = 64) -> list[tuple[str, bool, str]]:
     """(check, passed, detail) for the NCCL transport's device side on GPU 0."""
     import torch
@@ -119,7 +154,7 @@ def main() -> int:
     print(f"gpu {props.name.decode(errors='replace')} sm{props.major}{props.minor}")
     failed = False
     for dtype in (np.float16, np.float32):
-        for name, passed, detail in check(cudart, dtype):
+        for name, passed, detail in check(cudart, dtype) + block_pool_check(cudart, dtype):
             print(f"{np.dtype(dtype).name:<8} {name:<32} {'ok' if passed else 'MISMATCH'}  ({detail})")
             failed |= not passed
     for name, passed, detail in hand_off_checks(cudart):
