@@ -38,7 +38,9 @@ def build(ctx, spec: Path, out: Path | None, dump_after, disable_pass, jobs: int
     pipeline (canonicalize, fuse_rmsnorm, fuse_rotary, fuse_attention, quantize_weights, attach_medusa,
     plan_cuda_graphs)
     with a numerics check after each pass, and writes OUT/rank{N}.onnx, OUT/rank{N}.engine,
-    OUT/passes.jsonl and OUT/manifest.json. Works without a GPU (TensorRT-RTX).
+    OUT/passes.jsonl and OUT/manifest.json; a paged engine (build.kv_cache_layout, the default for
+    one rank: KV in one pool of blocks read through block tables) is compiled from
+    OUT/rank{N}.paged.onnx, which shares rank{N}.onnx's weights. Works without a GPU (TensorRT-RTX).
 
     \b
     Example:
