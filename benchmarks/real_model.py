@@ -20,7 +20,7 @@ Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are mad
 2. Speed: benchmarks/cpu_decode.py's measurement (a process per engine, rounds with rotation,
    64-token random prompts, 128 greedy new tokens, decode tok/s at batch 1 and 8, batch-1 prefill)
    for trtbuild float32, int4 RTN g64 and the same with int8 activations, RTN g32 with the LM head
-   in int4 too, the file's Q4_1 codes kept (int8 activations), onnxruntime-genai float32
+   in int4 too, the file's Q4_1 codes kept (float and int8 activations), onnxruntime-genai float32
    and int4 (its defaults) built from the dequantized dir, llama.cpp F32/Q8_0/Q4_1 (batch 1 and 8
    through its C API, benchmarks/llama_cpp_decode.py).
 3. Build: seconds per stage and peak RSS per process (`trtbuild build --json`) for the float32,
@@ -43,7 +43,8 @@ from quantization import TARGETS, calibration_text  # noqa: E402
 from trtbuild.builder.progress import table as format_table  # noqa: E402
 
 SPEC = REPO / "specs" / "smollm2-135m.yaml"
-SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8", "int4-rtn-g32-a8-all", "int4-q4_1-kept-a8"]
+SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8", "int4-rtn-g32-a8-all", "int4-q4_1-kept",
+               "int4-q4_1-kept-a8"]
 BUILD_MODES = ["float32", "float16", "int4-rtn-g64", "float32-from-dir"]
 LLAMA_KINDS = ["F32", "Q8_0", "Q4_1"]
 TRANSFORMERS = "transformers float32 (its GGUF reader)"
