@@ -84,9 +84,15 @@ class LLM:
         block_size = d.kv_block_size if block_size is None else check_block_size(block_size, d.max_seq_len)
         backend = engine.name if engine is not None else resolve_backend(d, backend)
         on_gpu = backend.startswith("tensorrt")
-        # A share of memory on the TensorRT backend is of the GPU's free memory, not the host's.
+        # A share of memory on the TensorRT backend is of the GPU's free memory, not the host's, less
+        # what loading the engine will take: measured before it loads, so its serialized size (its
+        # weights and kernels) comes off (its activations' workspace is not counted).
         budget_given = kv_cache_memory is not None or d.kv_cache_memory is not None
-        device_free = FreeMemory(device_free_bytes(), "free on the GPU") if on_gpu and budget_given else None
+        device_free = None
+        if on_gpu and budget_given:
+            engine_bytes = d.rank_file(0, "engine").stat().st_size
+            device_free = FreeMemory(max(device_free_bytes() - engine_bytes, 0),
+                                     f"free on the GPU less the {engine_bytes}-byte engine")
         # A paged TensorRT engine's rows draw the budget's blocks from one device pool; a slot one
         # reserves every row in full.
         paged = on_gpu and d.kv_cache.paged
