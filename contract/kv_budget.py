@@ -77,3 +77,13 @@ def block_size_problem(block_size: int, max_seq_len: int) -> str | None:
     if max_seq_len % block_size:
         return f"{block_size} does not divide max_seq_len {max_seq_len}; valid: a power of two that does (e.g. 16)"
     return None
+
+
+# TensorRT's Scatter layer takes tensors of fewer than 2^31 elements: a paged engine's pool of
+# blocks [N, block_size, H_kv, D] (the scratch block included) stays under it.
+SCATTER_MAX_ELEMENTS = 2**31 - 1
+
+
+def max_pool_blocks(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """The most blocks N a paged TensorRT engine's pool can have (its profile's maximum)."""
+    return SCATTER_MAX_ELEMENTS // (block_size * num_kv_heads * head_dim)

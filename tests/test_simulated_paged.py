@@ -58,3 +58,12 @@ def test_host_drafted_chains_and_structured_outputs_in_the_pool(device, speculat
     cpu, _, _ = tokens(speculation_engine, PROMPTS[:3], digits, "onnxruntime")
     gpu, _, _ = tokens(speculation_engine, PROMPTS[:3], digits, "tensorrt")
     assert gpu == cpu and all(len(t) >= 3 for t in gpu)
+
+
+def test_a_budget_over_what_the_engines_pools_can_hold_is_refused(device, tiny_engine, monkeypatch):
+    from trtbuild.runtime.backends.tensorrt import engine as tensorrt_engine
+
+    monkeypatch.setattr(tensorrt_engine, "max_pool_blocks", lambda block_size, heads, head_dim: 11)
+    with pytest.raises(ValueError, match=r"kv_cache_memory buys \d+ KV blocks; this engine's pools hold at most 10 "):
+        LLM(tiny_engine, backend="tensorrt", kv_cache_memory="1MiB")
+    assert not device.buffers  # nothing allocated and left behind

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ...contract.gpu_targets import MODULES, RTX_TARGETS, built_for, sm, tensorrt_only_refusal
+from ...contract.kv_budget import max_pool_blocks
 from ...contract.pipeline import HIDDEN_STATES
 from ...contract.step import BLOCK_TABLE, KV_SLOTS
 from ..errors import SpecError, UserError
@@ -169,16 +170,12 @@ def optimization_profiles(spec: Spec) -> list[dict[str, tuple[tuple[int, ...], .
     ]
 
 
-# TensorRT's Scatter layer takes tensors of fewer than 2^31 elements: each pool stays under it.
-SCATTER_MAX_ELEMENTS = 2**31 - 1
-
-
 def pool_blocks_range(spec: Spec) -> tuple[int, int, int]:
     """min/opt/max blocks N of a paged engine's pools [N, bs, H_kv, D]: the scratch block and one,
     every row's whole context plus the scratch (capped), the most a pool holds under TensorRT's
     Scatter volume limit."""
     bs = spec.runtime.kv_block_size
-    most = SCATTER_MAX_ELEMENTS // (bs * spec.kv_heads_per_rank * spec.arch.head_dim)
+    most = max_pool_blocks(bs, spec.kv_heads_per_rank, spec.arch.head_dim)
     whole = spec.build.max_batch_size * (spec.build.max_seq_len // bs) + 1
     return 2, max(2, min(whole, most)), max(2, most)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ....contract.dtypes import HOST_DTYPES
+from ....contract.kv_budget import max_pool_blocks
 from ....contract.step import BLOCK_TABLE, KV_SLOTS, LOGITS, MEDUSA_LOGITS
 from ...core.engine import GreedyRun, StepOutput, StepwiseGreedyRun, paged_step_arrays, step_arrays
 from ...engine_dir import EngineDir
@@ -56,6 +57,10 @@ class TensorRTEngine:
             if block_size != d.kv_cache.block_size:
                 raise ValueError(f"block_size {block_size}: this engine was built paged with blocks of "
                                  f"{d.kv_cache.block_size} tokens (runtime.kv_block_size); use that")
+            most = max_pool_blocks(block_size, d.num_kv_heads, d.head_dim) - 1  # and the scratch block
+            if prefix_blocks > most:
+                raise ValueError(f"kv_cache_memory buys {prefix_blocks} KV blocks; this engine's pools hold at most "
+                                 f"{most} (TensorRT's limit of 2^31 - 1 elements a tensor): give a smaller budget")
             self.kv = DeviceBlockPools(BlockPoolShape.of(d, self.element, prefix_blocks, rank), cudart, self.stream, _ok)
         else:
             self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
