@@ -34,19 +34,20 @@ def _spec(build: dict | None = None, runtime: dict | None = None, **sections):
 
 # -- the spec ------------------------------------------------------------------------------------
 
-def test_layout_is_paged_for_one_rank_and_slots_for_several():
+def test_layout_is_paged_unless_slots_are_asked_for():
     assert _spec().kv_cache_layout == KVCacheLayout.paged
-    assert _spec(parallel={"tensor": 2}).kv_cache_layout == KVCacheLayout.slots
-    assert _spec(parallel={"pipeline": 2}).kv_cache_layout == KVCacheLayout.slots
+    assert _spec(parallel={"tensor": 2}).kv_cache_layout == KVCacheLayout.paged
+    assert _spec(parallel={"pipeline": 2}).kv_cache_layout == KVCacheLayout.paged
     assert _spec({"kv_cache_layout": "slots"}).kv_cache_layout == KVCacheLayout.slots
+    assert _spec({"kv_cache_layout": "slots"}, parallel={"tensor": 2}).kv_cache_layout == KVCacheLayout.slots
 
 
-@pytest.mark.parametrize("parallel", [{"tensor": 2}, {"pipeline": 2}])
-def test_paged_with_several_ranks_is_refused(parallel):
-    with pytest.raises(SpecError) as refused:
-        _spec({"kv_cache_layout": "paged"}, parallel=parallel)
-    assert str(refused.value) == ("build.kv_cache_layout: paged: not yet for tensor/pipeline parallel engines (this "
-                                  "one has 2 ranks); use slots or leave it unset")
+@pytest.mark.parametrize("parallel, heads", [({"tensor": 2}, [1, 1]), ({"pipeline": 2}, [2, 2])])
+def test_paged_with_several_ranks_gives_each_rank_its_pool(parallel, heads):
+    from trtbuild.builder.manifest_entries import kv_cache_entry
+
+    entry = kv_cache_entry(_spec({"kv_cache_layout": "paged"}, parallel=parallel))
+    assert entry == {"layout": "paged", "block_size": BLOCK, "pool": [[BLOCK, h, 32] for h in heads]}
 
 
 @pytest.mark.parametrize("size, problem", [(48, "is not a power of two"), (256, "does not divide max_seq_len 128")])
