@@ -5,6 +5,7 @@ engine's profiles, and the TensorRT-RTX build of a paged engine dir."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -34,19 +35,20 @@ def _spec(build: dict | None = None, runtime: dict | None = None, **sections):
 
 # -- the spec ------------------------------------------------------------------------------------
 
-def test_layout_is_paged_for_one_rank_and_slots_for_several():
+def test_layout_is_paged_unless_slots_are_asked_for():
     assert _spec().kv_cache_layout == KVCacheLayout.paged
-    assert _spec(parallel={"tensor": 2}).kv_cache_layout == KVCacheLayout.slots
-    assert _spec(parallel={"pipeline": 2}).kv_cache_layout == KVCacheLayout.slots
+    assert _spec(parallel={"tensor": 2}).kv_cache_layout == KVCacheLayout.paged
+    assert _spec(parallel={"pipeline": 2}).kv_cache_layout == KVCacheLayout.paged
     assert _spec({"kv_cache_layout": "slots"}).kv_cache_layout == KVCacheLayout.slots
+    assert _spec({"kv_cache_layout": "slots"}, parallel={"tensor": 2}).kv_cache_layout == KVCacheLayout.slots
 
 
-@pytest.mark.parametrize("parallel", [{"tensor": 2}, {"pipeline": 2}])
-def test_paged_with_several_ranks_is_refused(parallel):
-    with pytest.raises(SpecError) as refused:
-        _spec({"kv_cache_layout": "paged"}, parallel=parallel)
-    assert str(refused.value) == ("build.kv_cache_layout: paged: not yet for tensor/pipeline parallel engines (this "
-                                  "one has 2 ranks); use slots or leave it unset")
+@pytest.mark.parametrize("parallel, heads", [({"tensor": 2}, [1, 1]), ({"pipeline": 2}, [2, 2])])
+def test_paged_with_several_ranks_gives_each_rank_its_pool(parallel, heads):
+    from trtbuild.builder.manifest_entries import kv_cache_entry
+
+    entry = kv_cache_entry(_spec({"kv_cache_layout": "paged"}, parallel=parallel))
+    assert entry == {"layout": "paged", "block_size": BLOCK, "pool": [[BLOCK, h, 32] for h in heads]}
 
 
 @pytest.mark.parametrize("size, problem", [(48, "is not a power of two"), (256, "does not divide max_seq_len 128")])
@@ -291,3 +293,22 @@ def test_paged_engine_dir_lists_its_graph_and_layout_and_inspects(tiny_engine, t
                                              r"table \(block_table\)"):
         load(copy, verify_hashes=False)
 
+
+
+@pytest.mark.slow  # builds specs/tiny-code-tp2.yaml
+def test_a_tensor_parallel_engine_dir_is_paged_with_each_ranks_pool(tp2_engine, tmp_path):
+    """Paged is the default for several ranks too: each rank's engine comes from its rankN.paged.onnx
+    and its pool holds its own KV head; a manifest whose pools are not the ranks' is refused at load."""
+    from trtbuild.runtime.engine_dir import EngineDirError, load
+
+    manifest = json.loads((tp2_engine / "manifest.json").read_text())
+    assert manifest["kv_cache"] == {"layout": "paged", "block_size": 16, "pool": [[16, 1, 32], [16, 1, 32]]}
+    assert [rank["paged_onnx"] for rank in manifest["ranks"]] == ["rank0.paged.onnx", "rank1.paged.onnx"]
+    assert load(tp2_engine).kv_cache.paged
+    copy = tmp_path / "claims-other-pools"
+    shutil.copytree(tp2_engine, copy)
+    for pools, refusal in [([[16, 1, 32], [16, 2, 32]], "rank 1's engine I/O is not the paged layout the manifest claims"),
+                           ([[16, 1, 32]], "kv_cache.pool must give each of the 2 ranks' pool")]:
+        (copy / "manifest.json").write_text(json.dumps({**manifest, "kv_cache": {**manifest["kv_cache"], "pool": pools}}))
+        with pytest.raises(EngineDirError, match=re.escape(refusal)):
+            load(copy, verify_hashes=False)

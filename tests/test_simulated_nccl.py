@@ -209,10 +209,14 @@ def test_tensor_ranks_on_the_simulated_device_all_reduce_over_nccl(monkeypatch, 
 
     assert _run_ranks(fabric, [join, join], ENGINE_TIMEOUT_S) == ([False, False], [None, None])
     engine_dir = load(tp2_engine)
-    ranks = [TensorRTEngine(engine_dir, rank=rank, communicator=communicators[rank].capsule()) for rank in range(2)]
+    assert engine_dir.kv_cache.paged  # the default layout of every TensorRT build
+    ranks = [TensorRTEngine(engine_dir, prefix_blocks=4, rank=rank, communicator=communicators[rank].capsule())
+             for rank in range(2)]
+    assert all(engine.paged for engine in ranks)
     one_rank = OnnxRuntimeEngine(load(tiny_engine), threads=1)
     prompts = ((1, 2, 3, 4, 5), (6, 7, 8))
-    step = Step(StepKind.prefill, 0, ("a", "b"), prompts, (0, 0), (True, True))
+    tables = ((2,), (0,))  # each row's one block (its positions stay under 16), the same ids on both ranks
+    step = Step(StepKind.prefill, 0, ("a", "b"), prompts, (0, 0), (True, True), block_tables=tables)
     tokens = {"tp2": [], "tp1": []}
     for index in range(4):
         outputs = [None, None]
@@ -225,9 +229,113 @@ def test_tensor_ranks_on_the_simulated_device_all_reduce_over_nccl(monkeypatch, 
         tokens["tp2"].append(outputs[0])
         tokens["tp1"].append(one_rank.step(step).logits.argmax(-1)[:, -1].tolist())
         step = Step(StepKind.decode, 0, ("a", "b"), tuple((t,) for t in outputs[0]),
-                    tuple(len(p) + index for p in prompts), (True, True))
+                    tuple(len(p) + index for p in prompts), (True, True), block_tables=tables)
     assert tokens["tp2"] == tokens["tp1"]
     for engine, communicator in zip(ranks, communicators):
         engine.close()
         communicator.close()
     assert fabric.leaks() == []
+
+
+def _tensor_parallel_over_threads(monkeypatch, device, engine_dir, blocks: int, sent: list):
+    """The real TensorParallelEngine (rank 0's Engine) over two TensorRT ranks on the simulated
+    device, rank 1 on a thread of this process instead of a process (the NCCL stand-in joins
+    threads): each message rank 0 broadcasts is encoded, and rank 1 decodes it under its limits and
+    runs it (run_message), as serve_rank does. ``sent``: every message, as rank 1 decoded it."""
+    import queue
+
+    from trtbuild.runtime.parallel import nccl, tensor_parallel
+    from trtbuild.runtime.parallel.protocol import Stop, decode, encode
+    from trtbuild.runtime.parallel.rank_engines import RankEngine, rank_limits, run_message
+    from trtbuild.runtime.backends.tensorrt.engine import TensorRTEngine
+
+    monkeypatch.setattr(nccl, "_library", lambda: device.nccl)
+    unique, communicators = nccl.draw_unique_id(), [None, None]
+
+    def join(rank):
+        communicators[rank] = nccl.NcclCommunicator(rank, 2, unique)
+
+    assert _run_ranks(device.nccl.fabric, [join, join], ENGINE_TIMEOUT_S) == ([False, False], [None, None])
+    limits = rank_limits(engine_dir, engine_dir.kv_block_size)
+    ranks = [RankEngine(TensorRTEngine(engine_dir, prefix_blocks=blocks, block_size=engine_dir.kv_block_size,
+                                       rank=rank, communicator=communicators[rank].capsule()), communicators[rank], limits)
+             for rank in range(2)]
+    inbox, failed = queue.Queue(), []
+
+    def rank_1():
+        try:
+            while not isinstance(message := decode(*inbox.get(), rank=1, limits=limits), Stop):
+                sent.append(message)
+                run_message(ranks[1].engine, message)
+        except Exception as exc:  # noqa: BLE001  (the test asserts there was none)
+            failed.append(exc)
+            device.nccl.fabric.abort()
+
+    thread = threading.Thread(target=rank_1, daemon=True)
+    thread.start()
+    monkeypatch.setattr(tensor_parallel, "broadcast", lambda message, group=None, limits=None:
+                        inbox.put(encode(message, limits)))
+    engine = object.__new__(tensor_parallel.TensorParallelEngine)
+    engine.world = engine.tensor = 2
+    engine.name, engine.paged, engine.limits = "tensorrt (tensor parallel 2)", engine_dir.kv_cache.paged, limits
+    engine.own, engine.local, engine.processes, engine.stderr, engine.closed = ranks[0], ranks[0].engine, {}, {}, False
+
+    def stop():
+        inbox.put(encode(Stop()))
+        thread.join(ENGINE_TIMEOUT_S)
+        ranks[1].close()
+        assert failed == [] and not thread.is_alive()
+
+    return engine, stop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget_blocks", [None, 12])
+def test_tensor_ranks_share_rank_0s_blocks_and_give_the_cpu_tokens(monkeypatch, tp2_engine, tiny_engine,
+                                                                    budget_blocks):
+    """The LLM over a paged TP=2 TensorRT engine on the simulated device: every rank holds its own KV
+    head's pools under rank 0's block tables (sent in each Step) and moves nothing else. With the
+    prefix cache, two rows' tables start with the same blocks (shared by reference on every rank);
+    with a pool of 12 blocks for 6 requests, rows are preempted and resumed. Greedy tokens are
+    exactly the CPU backend's."""
+    from simulated_device import SimulatedDevice
+    from trtbuild.runtime.core.kv_budget import RowMemory, kv_bytes_per_token, kv_manager_for
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.core.step import Step
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.llm import LLM
+
+    shared = "import os\nimport sys\nimport json\nimport time\n" * 2  # over one 16-token block
+    prompts = [shared + "def main():", "def fibonacci(n):", shared + "class Config:", "class Stack:",
+               "x = [", shared + "while True:"]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with LLM(tiny_engine, backend="onnxruntime") as llm:
+        cpu = [c.token_ids for c in llm.generate(prompts, params)]
+    device = SimulatedDevice(compute_capability="sm89")
+    device.install(monkeypatch, [tp2_engine])
+    engine_dir = load(tp2_engine)
+    assert engine_dir.kv_cache.paged
+    memory = None if budget_blocks is None else budget_blocks * 16 * kv_bytes_per_token(engine_dir)
+    prefix = budget_blocks is None
+    blocks = kv_manager_for(engine_dir, memory, 16, prefix, RowMemory.blocks).num_blocks
+    sent = []
+    engine, stop = _tensor_parallel_over_threads(monkeypatch, device, engine_dir, blocks, sent)
+    try:
+        with LLM(tp2_engine, engine=engine, kv_cache_memory=memory, prefix_cache=prefix) as llm:
+            assert llm.scheduler.paged and llm.engine.paged
+            first = [llm.submit(p, params) for p in prompts[:2]]
+            for _ in range(3):
+                llm.step()  # the shared prompt's blocks are cached before the others arrive
+            later = [llm.submit(p, params) for p in prompts[2:]]
+            done = {c.rid: c.token_ids for c in llm.run_until_done()}
+            stats = llm.scheduler.kv.stats
+    finally:
+        stop()
+    assert [done[r] for r in first + later] == cpu
+    steps = [m for m in sent if isinstance(m, Step)]
+    assert steps and all(m.block_tables for m in steps)  # every step the ranks ran was paged
+    if prefix:
+        firsts = [[t[0] for t, rid in zip(m.block_tables, m.rids) if rid in (first[0], later[0])] for m in steps]
+        assert any(len(ids) == 2 and ids[0] == ids[1] for ids in firsts)  # one block, two rows
+    else:
+        assert stats.preemptions > 0

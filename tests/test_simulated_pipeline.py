@@ -45,6 +45,7 @@ def gpu_tokens(engine_dir) -> tuple[list[list[int]], dict]:
     from trtbuild.runtime.parallel.tensorrt_stage import TensorRTStage
 
     with LLM(engine_dir, backend="tensorrt", prefix_cache=True) as llm:
+        assert llm.engine.paged and llm.scheduler.paged  # each stage pools its own layers' caches
         stage = llm.engine.local
         assert isinstance(stage, StageRunner) and isinstance(stage.engine, TensorRTStage)
         assert isinstance(stage.transport, HostStagedTransport)  # torch here has no CUDA: no NCCL
@@ -54,7 +55,7 @@ def gpu_tokens(engine_dir) -> tuple[list[list[int]], dict]:
         later = [llm.submit(p, GREEDY) for p in PROMPTS[5:]]  # joins mid-decode, hits the prefix cache
         done = {c.rid: c for c in llm.run_until_done()}
         seen = {"name": llm.engine.name, "sent_bytes": stage.sent_bytes,
-                "cached": [done[r].cached_tokens for r in later]}
+                "cached": [done[r].cached_tokens for r in later], "hits": llm.scheduler.kv.stats.hits}
         return [done[r].token_ids for r in first + later], seen
 
 
@@ -63,7 +64,7 @@ def test_stages_on_the_simulated_device_give_the_cpu_runtime_tokens(device, pp2_
     tokens, seen = gpu_tokens(pp2_engine)
     assert tokens == cpu_tokens
     assert seen["name"] == "tensorrt (2 pipeline stages × 1 tensor ranks)"
-    assert seen["sent_bytes"] > 0 and seen["cached"][0] >= 32
+    assert seen["sent_bytes"] > 0 and seen["cached"][0] >= 32 and seen["hits"] >= 2  # the shared blocks, by reference
     assert device.calls["cudaGraphLaunch"] == 0  # stage steps run eagerly
 
 
@@ -88,6 +89,7 @@ def test_medusa_heads_on_the_last_stage_verify_on_the_simulated_device(monkeypat
     SimulatedDevice().install(monkeypatch, [engine])
     install_in_rank_processes(monkeypatch, [engine])
     with LLM(engine, backend="tensorrt", medusa_tree_size=63) as llm:
+        assert llm.engine.paged  # accepted paths kept in both stages' blocks (KeepPathInBlocks)
         assert [c.token_ids for c in llm.generate(PROMPTS[:4], params)] == plain
         assert llm.speculation.stats.verify_steps > 0 and llm.speculation.stats.accepted_tokens > 0
 

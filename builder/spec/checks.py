@@ -10,7 +10,6 @@ from ...contract.kv_budget import block_size_problem, blocks_for_tokens
 from ...contract.speculation import Source
 from ..errors import SpecError
 from ..frontend.checkpoint import ArchConfig
-from .document import KVCacheLayout
 from .model import Spec, linear_names
 
 
@@ -29,7 +28,6 @@ def check_against_checkpoint(spec: Spec) -> None:
     _check_quantization(spec)
     _check_verification(spec)
     _check_kv_budget(spec)
-    _check_kv_cache_layout(spec)
     if spec.model.dtype.value == "float32" and "sm75" in spec.build.targets:
         raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
                                          "float16 or drop sm75")
@@ -62,12 +60,6 @@ def _check_kv_budget(spec: Spec) -> None:
                                                        f"build.max_seq_len={b.max_seq_len} tokens "
                                                        f"({spec.kv_bytes_per_token} bytes a token on a rank); "
                                                        f"give at least {need} bytes ({need / 2**20:.1f} MiB)")
-
-
-def _check_kv_cache_layout(spec: Spec) -> None:
-    if spec.kv_cache_layout == KVCacheLayout.paged and spec.world_size > 1:
-        raise SpecError("build.kv_cache_layout", f"paged: not yet for tensor/pipeline parallel engines (this one has "
-                                                 f"{spec.world_size} ranks); use slots or leave it unset")
 
 
 def _check_tensor_parallel(spec: Spec) -> None:

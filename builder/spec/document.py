@@ -51,8 +51,8 @@ class BuildSection(_Section):
     cuda_graph_batch_sizes: tuple[StrictInt, ...] | None = None
     builder_optimization_level: StrictInt = Field(3, ge=0, le=5)
     kv_cache_layout: KVCacheLayout | None = Field(None, description=(
-        "the TensorRT engine's KV caches: paged (pools of runtime.kv_block_size blocks) or slots; unset: "
-        "paged for a single-rank engine, slots for tensor/pipeline parallel ones"))
+        "the TensorRT engine's KV caches: paged (pools of runtime.kv_block_size blocks; every rank "
+        "pools its own layers' and KV heads' caches) or slots; unset: paged"))
     cpu_graphs: StrictBool = Field(True, description=(
         "keep each rank's ONNX graphs and their weights in the engine dir (the CPU runtime and "
         "trtbuild eval run them); false ships the TensorRT engines alone, about half the size"))

@@ -91,11 +91,9 @@ class Spec:
 
     @property
     def kv_cache_layout(self) -> KVCacheLayout:
-        """The TensorRT engine's KV layout: build.kv_cache_layout, else paged for a single-rank engine
-        and slots for several ranks (the paged graph is not yet built for them: spec/checks.py)."""
-        if self.build.kv_cache_layout is not None:
-            return self.build.kv_cache_layout
-        return KVCacheLayout.paged if self.world_size == 1 else KVCacheLayout.slots
+        """The TensorRT engine's KV layout: build.kv_cache_layout, else paged (every rank, of any
+        tensor/pipeline grid, pages the caches of its own layers and KV heads)."""
+        return self.build.kv_cache_layout or KVCacheLayout.paged
 
     @property
     def kv_heads_per_rank(self) -> int:

@@ -107,6 +107,9 @@ class CacheOpsOfEngine:
     def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
         self.engine.discard(slots, blocks)
 
+    def keep_path_in_blocks(self, blocks: tuple[int, ...], start: int, nodes: tuple[int, ...]) -> None:
+        self.engine.keep_path_in_blocks(blocks, start, nodes)
+
 
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:
     """The contract's arrays for a scheduler step (``pad_batch``: a CUDA-graph bucket)."""

@@ -44,7 +44,8 @@ def micro_batches(step: Step, count: int) -> list[Step]:
         cut = slice(start, start + size)
         parts.append(replace(step, first_slot=step.first_slot + start, rids=step.rids[cut], tokens=step.tokens[cut],
                              starts=step.starts[cut], samples=step.samples[cut],
-                             trees=step.trees[cut] if step.trees else ()))
+                             trees=step.trees[cut] if step.trees else (),
+                             block_tables=step.block_tables[cut] if step.block_tables else ()))
         start += size
     return parts
 

@@ -11,10 +11,15 @@ only on a decode step, on some row, each row's tree as many nodes as its tokens)
 accepted re-encodes to itself; ``encode`` refuses an ill-formed message before it is sent.
 Values are not checked against the engine's limits (slots, max_seq_len, vocabulary): rank 0 is
 the same job's trusted peer, and the engine bounds its own inputs as it does for rank 0's steps.
+The exception is a paged engine's block ids (``PagedLimits``): a block table wider than the
+engine's widest (max_seq_len / block_size), and a kept path whose positions fall outside its
+row's blocks, are refused, as block ids are (< 0), before any rank copies through them.
 
-Step payload: kind, first_slot, rows, draft_heads, has_trees; per row (rid bytes, tokens,
-start, sample, tree choices or −1 for no tree); then every row's rid as UTF-8 bytes, its
-tokens, and its tree's choices (each: its length, then its ranks).
+Step payload: kind, first_slot, rows, draft_heads, has_trees, has_tables; per row (rid bytes,
+tokens, start, sample, tree choices or −1 for no tree, table blocks); then every row's rid as
+UTF-8 bytes, its tokens, its block table (a paged engine's: KV-manager block ids), and its
+tree's choices (each: its length, then its ranks). KeepPathInBlocks: start, blocks, the block
+ids, nodes, the nodes.
 """
 from __future__ import annotations
 
@@ -24,18 +29,26 @@ from enum import IntEnum
 import numpy as np
 
 from ..core.tree import Tree
-from ..core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step, StepKind
+from ..core.step import CopySlot, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step, StepKind
 
 MAGIC = 0x7472_7462_726B  # "trtbrk"
-VERSION = 1
+VERSION = 2
 HEADER_WORDS = 4
 # A Step of B rows × S tokens takes about B · (S + 6) words (a Medusa tree adds its choices): this
 # is far above any engine's (256 rows of 8192 tokens take 2.1 M), and the receive buffer it bounds
 # is 32 MiB. The other kinds have fixed sizes, so a header cannot make a rank allocate for them.
 MAX_PAYLOAD_WORDS = 1 << 22
 MAX_KEEP_NODES = 4096
+MAX_KEEP_BLOCKS = 1 << 17  # a kept path's row: its blocks (max_seq_len / block_size) are far fewer
 STEP_KINDS = (StepKind.prefill, StepKind.decode)   # index = its code on the wire
-ROW_WORDS = 5                                      # rid bytes, tokens, start, sample, tree choices
+ROW_WORDS = 6  # rid bytes, tokens, start, sample, tree choices, table blocks
+
+
+@dataclass(frozen=True)
+class PagedLimits:
+    """What bounds a paged engine's block ids on a rank: its blocks' positions and a table's widest."""
+    block_size: int
+    max_blocks: int  # max_seq_len // block_size
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class Stop:
     """The last message: the other ranks stop serving."""
 
 
-Message = Step | CopySlot | KeepPath | SaveBlock | LoadBlock | Stop
+Message = Step | CopySlot | KeepPath | SaveBlock | LoadBlock | KeepPathInBlocks | Stop
 
 
 class MessageKind(IntEnum):
@@ -53,16 +66,18 @@ class MessageKind(IntEnum):
     keep_path = 3
     save_block = 4
     load_block = 5
+    keep_path_in_blocks = 6
 
 
 class RankProtocolError(ValueError):
     """A message this rank refuses; the text names the rank and what was wrong."""
 
 
-def encode(message: Message) -> tuple[np.ndarray, np.ndarray]:
+def encode(message: Message, limits: PagedLimits | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``message`` as (header [HEADER_WORDS], payload [N]) int64 arrays; ValueError for a
-    message no rank would accept (``message_problem``, or more words than a rank receives)."""
-    problem = message_problem(message)
+    message no rank would accept (``message_problem`` under ``limits``, or more words than a rank
+    receives)."""
+    problem = message_problem(message, limits)
     if problem is not None:
         raise ValueError(f"rank 0 cannot send {type(message).__name__}: {problem}")
     if isinstance(message, Step):
@@ -75,6 +90,9 @@ def encode(message: Message) -> tuple[np.ndarray, np.ndarray]:
         kind, words = MessageKind.save_block, [message.slot, message.index, message.block]
     elif isinstance(message, LoadBlock):
         kind, words = MessageKind.load_block, [message.block, message.slot, message.index]
+    elif isinstance(message, KeepPathInBlocks):
+        kind, words = MessageKind.keep_path_in_blocks, [message.start, len(message.blocks), *message.blocks,
+                                                        len(message.nodes), *message.nodes]
     elif isinstance(message, Stop):
         kind, words = MessageKind.stop, []
     else:
@@ -86,10 +104,13 @@ def encode(message: Message) -> tuple[np.ndarray, np.ndarray]:
     return np.array([MAGIC, VERSION, kind, payload.size], np.int64), payload
 
 
-def message_problem(message: Message) -> str | None:
-    """What makes ``message`` one rank 0 never sends (so no rank runs it), or None."""
+def message_problem(message: Message, limits: PagedLimits | None = None) -> str | None:
+    """What makes ``message`` one rank 0 never sends (so no rank runs it), or None; ``limits``: a
+    paged engine's, which its block tables and kept paths must keep within (None: unchecked)."""
     if isinstance(message, Step):
-        return _step_problem(message)
+        return _step_problem(message) or _tables_problem(message, limits)
+    if isinstance(message, KeepPathInBlocks):
+        return _keep_in_blocks_problem(message, limits)
     if isinstance(message, KeepPath):
         fields = {"slot": message.slot, "start": message.start, **{f"node {i}": n for i, n in enumerate(message.nodes)}}
     elif isinstance(message, (CopySlot, SaveBlock, LoadBlock)):
@@ -128,16 +149,56 @@ def _step_problem(step: Step) -> str | None:
     return None
 
 
+def _tables_problem(step: Step, limits: PagedLimits | None) -> str | None:
+    tables = step.block_tables
+    if not tables:
+        return None
+    if len(tables) != len(step.rids):
+        return f"{len(tables)} block tables for {len(step.rids)} rows (one per row, or none)"
+    for row, blocks in enumerate(tables):
+        if blocks and min(blocks) < 0:
+            return f"row {row}'s block table holds block {min(blocks)} (block ids are ≥ 0)"
+        if limits is not None and len(blocks) > limits.max_blocks:
+            return (f"row {row}'s block table has {len(blocks)} blocks; the engine's widest is {limits.max_blocks} "
+                    f"(max_seq_len / block_size)")
+    return None
+
+
+def _keep_in_blocks_problem(keep: KeepPathInBlocks, limits: PagedLimits | None) -> str | None:
+    if keep.start < 0:
+        return f"start {keep.start} is negative"
+    if keep.blocks and min(keep.blocks) < 0:
+        return f"block {min(keep.blocks)} is negative (block ids are ≥ 0)"
+    # The accepted path, in tree order: node i is at least i + 1, so no source is overwritten
+    # before it is read (runtime/core/paged_pools.py).
+    bad = next((i for i, node in enumerate(keep.nodes) if node < i + 1), None)
+    if bad is not None:
+        return f"node {bad} is {keep.nodes[bad]} (node i of a kept path is at least i + 1)"
+    if limits is None:
+        return None
+    if len(keep.blocks) > limits.max_blocks:
+        return f"{len(keep.blocks)} blocks; the engine's widest row is {limits.max_blocks} (max_seq_len / block_size)"
+    last = keep.start + max(keep.nodes, default=0)
+    held = len(keep.blocks) * limits.block_size
+    if keep.nodes and last >= held:
+        return f"position {last} (start {keep.start} + node {max(keep.nodes)}) is outside its {held} positions' blocks"
+    return None
+
+
 def _step_words(step: Step) -> list[int]:
-    trees = step.row_trees
-    words = [STEP_KINDS.index(step.kind), step.first_slot, len(step.rids), int(step.draft_heads), int(bool(step.trees))]
+    trees, tables = step.row_trees, step.block_tables or ((),) * len(step.rids)
+    words = [STEP_KINDS.index(step.kind), step.first_slot, len(step.rids), int(step.draft_heads), int(bool(step.trees)),
+             int(bool(step.block_tables))]
     rids = [rid.encode() for rid in step.rids]
-    for rid, tokens, start, sample, tree in zip(rids, step.tokens, step.starts, step.samples, trees, strict=True):
-        words += [len(rid), len(tokens), start, int(sample), -1 if tree is None else len(tree.choices)]
+    for rid, tokens, start, sample, tree, blocks in zip(rids, step.tokens, step.starts, step.samples, trees, tables,
+                                                        strict=True):
+        words += [len(rid), len(tokens), start, int(sample), -1 if tree is None else len(tree.choices), len(blocks)]
     for rid in rids:
         words += list(rid)
     for tokens in step.tokens:
         words += tokens
+    for blocks in tables:
+        words += blocks
     for tree in trees:
         for path in tree.choices if tree is not None else ():
             words += [len(path), *path]
@@ -164,11 +225,13 @@ def payload_words(header: np.ndarray, rank: int) -> int:
 
 def _payload_limit(kind: MessageKind) -> int:
     return {MessageKind.stop: 0, MessageKind.copy_slot: 3, MessageKind.save_block: 3, MessageKind.load_block: 3,
-            MessageKind.keep_path: 3 + MAX_KEEP_NODES}.get(kind, MAX_PAYLOAD_WORDS)
+            MessageKind.keep_path: 3 + MAX_KEEP_NODES,
+            MessageKind.keep_path_in_blocks: 3 + MAX_KEEP_BLOCKS + MAX_KEEP_NODES}.get(kind, MAX_PAYLOAD_WORDS)
 
 
-def decode(header: np.ndarray, payload: np.ndarray, rank: int) -> Message:
-    """The message ``header`` and ``payload`` encode, checked; ``rank``: the receiving rank (for the error)."""
+def decode(header: np.ndarray, payload: np.ndarray, rank: int, limits: PagedLimits | None = None) -> Message:
+    """The message ``header`` and ``payload`` encode, checked (a paged engine's block ids against
+    ``limits``); ``rank``: the receiving rank (for the error)."""
     length = payload_words(header, rank)
     payload = np.asarray(payload)
     if payload.dtype != np.int64 or payload.shape != (length,):
@@ -180,6 +243,10 @@ def decode(header: np.ndarray, payload: np.ndarray, rank: int) -> Message:
     elif kind == MessageKind.keep_path:
         slot, start = words.count("slot"), words.count("start")
         message = KeepPath(slot, start, tuple(words.count("node") for _ in range(words.count("nodes"))))
+    elif kind == MessageKind.keep_path_in_blocks:
+        start = words.count("start")
+        blocks = tuple(words.take(words.count("blocks"), "blocks"))
+        message = KeepPathInBlocks(blocks, start, tuple(words.take(words.count("nodes"), "nodes")))
     elif kind == MessageKind.stop:
         message = Stop()
     else:
@@ -187,7 +254,7 @@ def decode(header: np.ndarray, payload: np.ndarray, rank: int) -> Message:
         message = {MessageKind.copy_slot: CopySlot, MessageKind.save_block: SaveBlock,
                    MessageKind.load_block: LoadBlock}[kind](a, b, c)
     words.end()
-    problem = message_problem(message)
+    problem = message_problem(message, limits)
     if problem is not None:
         raise _refused(rank, f"{kind.name}: {problem}")
     return message
@@ -201,13 +268,16 @@ def _step(words: _Words) -> Step:
     kind = words.choice("step kind", len(STEP_KINDS))
     first_slot, rows = words.count("first_slot"), words.count("rows")
     draft_heads, has_trees = words.choice("draft_heads", 2), words.choice("has_trees", 2)
+    has_tables = words.choice("has_tables", 2)
     table = [words.take(ROW_WORDS, "row table") for _ in range(rows)]
-    for row, (rid_bytes, tokens, start, sample, choices) in enumerate(table):
-        words.check(min(rid_bytes, tokens, start) >= 0 and sample in (0, 1) and choices >= -1,
+    for row, (rid_bytes, tokens, start, sample, choices, blocks) in enumerate(table):
+        words.check(min(rid_bytes, tokens, start, blocks) >= 0 and sample in (0, 1) and choices >= -1,
                     f"row {row}: rid bytes {rid_bytes}, tokens {tokens}, start {start}, sample {sample}, "
-                    f"tree choices {choices}")
+                    f"tree choices {choices}, table blocks {blocks}")
         words.check(has_trees or choices == -1, f"row {row} has a tree in a step without trees")
+        words.check(has_tables or blocks == 0, f"row {row} has a block table in a step without tables")
     words.check(not has_trees or any(row[4] != -1 for row in table), "has_trees 1 but no row has a tree")
+    words.check(not has_tables or rows, "has_tables 1 in a step of no rows")
     rids = []
     for row, (rid_bytes, *_) in enumerate(table):
         raw = words.take(rid_bytes, f"row {row}'s rid")
@@ -217,9 +287,11 @@ def _step(words: _Words) -> Step:
         except UnicodeDecodeError:
             raise _refused(words.rank, f"step: row {row}'s rid is not UTF-8") from None
     tokens = tuple(tuple(words.take(row[1], "tokens")) for row in table)
+    tables = tuple(tuple(words.take(row[5], "block table")) for row in table)
     trees = tuple(None if row[4] == -1 else _tree(words, row[4]) for row in table)
     return Step(STEP_KINDS[kind], first_slot, tuple(rids), tokens, tuple(row[2] for row in table),
-                tuple(bool(row[3]) for row in table), trees if has_trees else (), bool(draft_heads))
+                tuple(bool(row[3]) for row in table), trees if has_trees else (), bool(draft_heads),
+                tables if has_tables else ())
 
 
 def _tree(words: _Words, choices: int) -> Tree:
@@ -264,19 +336,20 @@ def _refused(rank: int, what: str) -> RankProtocolError:
     return RankProtocolError(f"rank {rank} refused a message from rank 0: {what}")
 
 
-def broadcast(message: Message, group=None) -> None:
+def broadcast(message: Message, group=None, limits: PagedLimits | None = None) -> None:
     """Rank 0: ``message`` to every rank of ``group`` (header, then payload if any)."""
     import torch
     import torch.distributed as dist
 
-    header, payload = encode(message)
+    header, payload = encode(message, limits)
     dist.broadcast(torch.from_numpy(header), src=0, group=group)
     if payload.size:
         dist.broadcast(torch.from_numpy(payload), src=0, group=group)
 
 
-def receive(rank: int, group=None) -> Message:
-    """A non-zero rank: the next message rank 0 broadcasts, checked (RankProtocolError if malformed)."""
+def receive(rank: int, group=None, limits: PagedLimits | None = None) -> Message:
+    """A non-zero rank: the next message rank 0 broadcasts, checked (RankProtocolError if malformed;
+    a paged engine's block ids against ``limits``)."""
     import torch
     import torch.distributed as dist
 
@@ -285,4 +358,4 @@ def receive(rank: int, group=None) -> Message:
     payload = torch.empty(payload_words(header.numpy(), rank), dtype=torch.int64)
     if payload.numel():
         dist.broadcast(payload, src=0, group=group)
-    return decode(header.numpy(), payload.numpy(), rank)
+    return decode(header.numpy(), payload.numpy(), rank, limits)

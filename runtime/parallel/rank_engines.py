@@ -13,8 +13,8 @@ import numpy as np
 from ...plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
 from ..engine_dir import EngineDir
 from .pipeline_parallel import StageRunner, stage_groups
-from .protocol import Stop, receive
-from ..core.step import CopySlot, KeepPath, LoadBlock, SaveBlock, Step
+from .protocol import PagedLimits, Stop, receive
+from ..core.step import CopySlot, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step
 from .transport import HostTransport
 
 
@@ -50,10 +50,11 @@ class TorchCollectives:
 
 class RankEngine:
     """This rank's engine and the NCCL communicator its TensorRT contexts use (None on CPU, or
-    one tensor rank): ``close`` frees both, the engine first (its contexts hold the communicator)."""
+    one tensor rank): ``close`` frees both, the engine first (its contexts hold the communicator).
+    ``limits``: what bounds the block ids of rank 0's messages here (protocol.PagedLimits)."""
 
-    def __init__(self, engine, communicator=None):
-        self.engine, self.communicator = engine, communicator
+    def __init__(self, engine, communicator=None, limits: PagedLimits | None = None):
+        self.engine, self.communicator, self.limits = engine, communicator, limits
 
     def close(self) -> None:
         try:
@@ -72,6 +73,7 @@ def rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: i
     groups = stage_groups(engine_dir)  # every rank creates every stage's group
     local = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend,
                           groups[rank // engine_dir.tensor_parallel])
+    local.limits = rank_limits(engine_dir, block_size)
     if engine_dir.pipeline_parallel == 1:
         return local
     if backend == "tensorrt":
@@ -81,7 +83,12 @@ def rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: i
                              _device_transport(local.engine))
     else:
         runner = StageRunner(local.engine, engine_dir, rank, micro_batches, HostTransport())
-    return RankEngine(runner, local.communicator)
+    return RankEngine(runner, local.communicator, local.limits)
+
+
+def rank_limits(engine_dir: EngineDir, block_size: int) -> PagedLimits:
+    """The block ids a rank takes from rank 0: tables of at most max_seq_len / block_size blocks."""
+    return PagedLimits(block_size, engine_dir.max_seq_len // block_size)
 
 
 def _device_transport(engine):
@@ -145,6 +152,8 @@ def run_message(engine, message):
         return engine.save_block(message.slot, message.index, message.block)
     if isinstance(message, LoadBlock):
         return engine.load_block(message.block, message.slot, message.index)
+    if isinstance(message, KeepPathInBlocks):  # a paged TensorRT rank's (CPU ranks are never sent one)
+        return engine.keep_path_in_blocks(message.blocks, message.start, message.nodes)
     raise TypeError(f"no engine call for {type(message).__name__}")
 
 
@@ -152,7 +161,7 @@ def serve_rank(rank: int, local: RankEngine) -> None:
     """A non-zero rank: run rank 0's messages on this rank's engine until told to stop, then free
     it (its communicator included)."""
     try:
-        while not isinstance(message := receive(rank), Stop):
+        while not isinstance(message := receive(rank, limits=local.limits), Stop):
             run_message(local.engine, message)
     finally:
         local.close()

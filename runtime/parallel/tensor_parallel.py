@@ -31,9 +31,9 @@ from pathlib import Path
 from ...contract.processes import die_with_parent
 from ..core.engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from ..engine_dir import EngineDir, load
-from .rank_engines import RankEngine, rank_engine, run_message, serve_rank
+from .rank_engines import RankEngine, rank_engine, rank_limits, run_message, serve_rank
 from .protocol import Message, Stop, broadcast
-from ..core.step import CopySlot, KeepPath, LoadBlock, SaveBlock
+from ..core.step import CopySlot, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock
 
 # A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
 # bundled model takes milliseconds; a first step of a large one, seconds).
@@ -96,6 +96,11 @@ class TensorParallelEngine:
         self.name = (f"{backend} (tensor parallel {self.world})" if pipeline == 1 else
                      f"{backend} ({pipeline} pipeline stages × {engine_dir.tensor_parallel} tensor ranks)")
         self.local = None  # rank 0's own engine, once loaded
+        # A paged TensorRT dir: every rank pools its own KV heads (and stage's layers) under rank
+        # 0's block ids, so rank 0 sends each step's block tables and KeepPathInBlocks; CPU ranks
+        # keep slots (the LLM schedules paged on a GPU only: runtime/llm.py).
+        self.paged = backend == "tensorrt" and engine_dir.kv_cache.paged
+        self.limits = rank_limits(engine_dir, block_size)
         self.own: RankEngine | None = None  # that engine with its NCCL communicator: closing frees both
         self.processes: dict[int, subprocess.Popen] = {}
         self.stderr: dict[int, object] = {}  # rank → the file its stderr goes to
@@ -140,7 +145,7 @@ class TensorParallelEngine:
         if self.closed:
             raise RankFailure("the tensor-parallel engine is closed")
         try:
-            broadcast(message)
+            broadcast(message, limits=self.limits)
             return run_message(self.local, message)
         except RankFailure:
             raise
@@ -199,6 +204,9 @@ class TensorParallelEngine:
 
     def load_block(self, block: int, slot: int, index: int) -> None:
         self._everywhere(LoadBlock(block, slot, index))
+
+    def keep_path_in_blocks(self, blocks: tuple[int, ...], start: int, nodes: tuple[int, ...]) -> None:
+        self._everywhere(KeepPathInBlocks(tuple(blocks), start, tuple(nodes)))
 
     def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
         """Not sent to the ranks (the rank protocol has no message for it yet): their demand-paged

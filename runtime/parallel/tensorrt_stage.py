@@ -7,7 +7,8 @@ moves them between ranks. Each buffer holds max_batch slots' worth, and a micro-
 region of its own slots (from ``first_slot``): the micro-batches of a step never share memory,
 so a stage may start micro-batch m + 1 while m is still being sent. Stage steps run eagerly at
 their exact batch (no CUDA graphs: a graph's padded rows would spill into the next
-micro-batch's slots).
+micro-batch's slots). A paged engine's stage binds its pools (its layers' caches, of its KV heads)
+and the micro-batch's block_table and kv_slots: every stage reads and writes the same block ids.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from ...contract.step import LOGITS, MEDUSA_LOGITS, step_shape
 from ..backends.tensorrt.engine import TensorRTEngine
-from ..core.engine import CacheOpsOfEngine, step_arrays
+from ..core.engine import CacheOpsOfEngine, paged_step_arrays, step_arrays
 from ..core.kv_pools import device_alloc
 from ..core.step import Step
 from .transport import DeviceArray
@@ -62,9 +63,13 @@ class TensorRTStage(CacheOpsOfEngine):
                              f"stage that {'reads' if self.hidden_in is not None else 'does not read'} them")
         self.engine.on_device()
         e = self.engine
-        arrays = step_arrays(step, e.dir.max_seq_len)
-        batch, seq = arrays.position_ids.shape
-        rows = arrays.logits_index.shape[1]
+        if e.paged:
+            arrays = paged_step_arrays(step, e.block_size, e.table_width(step))
+            plain = arrays.step
+        else:
+            arrays = plain = step_arrays(step, e.dir.max_seq_len)
+        batch, seq = plain.position_ids.shape
+        rows = plain.logits_index.shape[1]
         e.upload(arrays)
         context = e.contexts[step.kind]
         e.bind_inputs(context, arrays, step.first_slot)

@@ -103,7 +103,7 @@ class TensorRTEngine:
         # long prompt still prefilling could own: it runs eagerly at its exact batch instead.
         bucket = self._bucket(rows) if step.kind == StepKind.decode and not step.verifies else None
         if self.paged:
-            width = self._table_width(step)
+            width = self.table_width(step)
             arrays = paged_step_arrays(step, self.block_size, width, pad_batch=bucket)
             plain = arrays.step
         else:
@@ -128,7 +128,7 @@ class TensorRTEngine:
         _ok(cudart.cudaStreamSynchronize(self.stream))
         return StepOutput(logits=logits, medusa=medusa)
 
-    def _table_width(self, step) -> int:
+    def table_width(self, step) -> int:
         """A paged step's block-table width M: the most blocks a row holds (every position the step
         writes has one), rounded up to a power of two (so a bucket's CUDA graphs number log2 of the
         widest table), at most S_max/bs. Attention reads M·bs positions a row: the width follows
