@@ -158,3 +158,21 @@ def test_medusa_trees_keep_their_tokens_under_preemption(medusa_engine):
         got = llm.generate(TEXTS, params)
         assert llm.scheduler.kv.stats.preemptions > 0 and sum(o.accepted_tokens for o in got) > 0
     assert [o.token_ids for o in got] == expected
+
+
+def test_a_tensor_rank_returns_a_discarded_slots_pages(tiny_engine):
+    """What rank 0 broadcasts when slots hold nothing (runtime/parallel/protocol.py Discard), decoded
+    and run on another rank's engine as serve_rank does: its pages go back."""
+    from trtbuild.runtime.core.step import Discard
+    from trtbuild.runtime.parallel.protocol import decode, encode
+    from trtbuild.runtime.parallel.rank_engines import run_message
+
+    with LLM(tiny_engine, backend="onnxruntime", threads=2, prefix_cache=False) as llm:
+        rank = llm.engine  # stands in for rank 1's engine: the same class, its own pools
+        rid = llm.submit(llm.tokenizer.encode("def fibonacci(n):\n").ids, SamplingParams(max_tokens=60, ignore_eos=True))
+        for _ in range(3):
+            llm.step()
+        slot = llm.scheduler.slots.slot_of(rid)
+        assert rank.kv.resident_bytes() > 0
+        run_message(rank, decode(*encode(Discard((slot,), ())), rank=1))
+        assert rank.kv.resident_bytes() == 0

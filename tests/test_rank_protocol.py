@@ -12,7 +12,8 @@ import pytest
 from trtbuild.runtime.core.tree import Tree
 from trtbuild.runtime.parallel.protocol import (HEADER_WORDS, MAGIC, MAX_KEEP_NODES, MAX_PAYLOAD_WORDS, VERSION, MessageKind,
                                             PagedLimits, RankProtocolError, Stop, decode, encode)
-from trtbuild.runtime.core.step import CopySlot, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step, StepKind
+from trtbuild.runtime.core.step import (CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step,
+                                        StepKind)
 
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
 
@@ -25,7 +26,8 @@ EMPTY = Step(StepKind.decode, 0, (), (), (), ())
 PAGED = replace(VERIFY, block_tables=((4, 0), (4, 2, 9)))
 KEEP_IN_BLOCKS = KeepPathInBlocks((4, 2, 9), 31, (1, 3))
 MESSAGES = [PREFILL, DECODE, VERIFY, EMPTY, PAGED, CopySlot(1, 4, 33), KeepPath(2, 40, (3, 5)), KeepPath(0, 0, ()),
-            SaveBlock(1, 2, 7), LoadBlock(7, 3, 0), KEEP_IN_BLOCKS, KeepPathInBlocks((), 0, ()), Stop()]
+            SaveBlock(1, 2, 7), LoadBlock(7, 3, 0), KEEP_IN_BLOCKS, KeepPathInBlocks((), 0, ()),
+            Discard((5, 6, 8), (3,)), Discard((), ()), Stop()]
 LIMITS = PagedLimits(block_size=16, max_blocks=4)  # max_seq_len 64
 
 
@@ -70,7 +72,7 @@ def _header(kind=MessageKind.step, length=0, magic=MAGIC, version=VERSION):
     ([0, 0, 0, 0], "rank 2 refused a message from rank 0: header magic 0x0, not 0x74727462726b"),
     (_header(version=1), "rank 2 refused a message from rank 0: protocol version 1; this rank speaks 2"),
     (_header(kind=9), "rank 2 refused a message from rank 0: unknown message kind 9 (known: 0 stop, 1 step, "
-                      "2 copy_slot, 3 keep_path, 4 save_block, 5 load_block, 6 keep_path_in_blocks)"),
+                      "2 copy_slot, 3 keep_path, 4 save_block, 5 load_block, 6 keep_path_in_blocks, 7 discard)"),
     (_header(length=MAX_PAYLOAD_WORDS + 1),
      f"rank 2 refused a message from rank 0: step payload of {MAX_PAYLOAD_WORDS + 1} words (0 to {MAX_PAYLOAD_WORDS})"),
     (_header(length=-1), f"rank 2 refused a message from rank 0: step payload of -1 words (0 to {MAX_PAYLOAD_WORDS})"),
@@ -163,6 +165,8 @@ def test_a_tree_step_encode_never_makes_is_refused(edit, message):
     (KeepPath(0, 3, (1, -2)), "node 1 -2 is negative"),
     (CopySlot(0, -1, 3), "dst -1 is negative"),
     (LoadBlock(-1, 0, 0), "block -1 is negative"),
+    (Discard((2, -1), ()), "slot -1 is negative"),
+    (Discard((), (4, -3)), "block -3 is negative"),
 ])
 def test_rank_0_refuses_to_send_a_negative_index(message, problem):
     with pytest.raises(ValueError, match=f"rank 0 cannot send {type(message).__name__}: {problem}"):
@@ -234,6 +238,8 @@ def test_rank_0_refuses_to_send_more_than_a_rank_receives():
 
 def _well_formed(message) -> bool:
     """The messages rank 0 sends, written out independently of the protocol's own checks."""
+    if isinstance(message, Discard):
+        return all(i >= 0 for i in (*message.slots, *message.blocks))
     if isinstance(message, KeepPathInBlocks):
         return (message.start >= 0 and all(b >= 0 for b in message.blocks)
                 and all(node >= i + 1 for i, node in enumerate(message.nodes)))

@@ -19,7 +19,8 @@ Step payload: kind, first_slot, rows, draft_heads, has_trees, has_tables; per ro
 tokens, start, sample, tree choices or −1 for no tree, table blocks); then every row's rid as
 UTF-8 bytes, its tokens, its block table (a paged engine's: KV-manager block ids), and its
 tree's choices (each: its length, then its ranks). KeepPathInBlocks: start, blocks, the block
-ids, nodes, the nodes.
+ids, nodes, the nodes. Discard: slots, the slots, blocks, the blocks (ids ≥ 0, at most
+MAX_DISCARD of each).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from enum import IntEnum
 import numpy as np
 
 from ..core.tree import Tree
-from ..core.step import CopySlot, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step, StepKind
+from ..core.step import CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step, StepKind
 
 MAGIC = 0x7472_7462_726B  # "trtbrk"
 VERSION = 2
@@ -40,6 +41,7 @@ HEADER_WORDS = 4
 MAX_PAYLOAD_WORDS = 1 << 22
 MAX_KEEP_NODES = 4096
 MAX_KEEP_BLOCKS = 1 << 17  # a kept path's row: its blocks (max_seq_len / block_size) are far fewer
+MAX_DISCARD = 1 << 18      # slots or store blocks one Discard names (a budget's blocks are fewer)
 STEP_KINDS = (StepKind.prefill, StepKind.decode)   # index = its code on the wire
 ROW_WORDS = 6  # rid bytes, tokens, start, sample, tree choices, table blocks
 
@@ -56,7 +58,7 @@ class Stop:
     """The last message: the other ranks stop serving."""
 
 
-Message = Step | CopySlot | KeepPath | SaveBlock | LoadBlock | KeepPathInBlocks | Stop
+Message = Step | CopySlot | KeepPath | SaveBlock | LoadBlock | KeepPathInBlocks | Discard | Stop
 
 
 class MessageKind(IntEnum):
@@ -67,6 +69,7 @@ class MessageKind(IntEnum):
     save_block = 4
     load_block = 5
     keep_path_in_blocks = 6
+    discard = 7
 
 
 class RankProtocolError(ValueError):
@@ -93,6 +96,8 @@ def encode(message: Message, limits: PagedLimits | None = None) -> tuple[np.ndar
     elif isinstance(message, KeepPathInBlocks):
         kind, words = MessageKind.keep_path_in_blocks, [message.start, len(message.blocks), *message.blocks,
                                                         len(message.nodes), *message.nodes]
+    elif isinstance(message, Discard):
+        kind, words = MessageKind.discard, [len(message.slots), *message.slots, len(message.blocks), *message.blocks]
     elif isinstance(message, Stop):
         kind, words = MessageKind.stop, []
     else:
@@ -111,6 +116,8 @@ def message_problem(message: Message, limits: PagedLimits | None = None) -> str 
         return _step_problem(message) or _tables_problem(message, limits)
     if isinstance(message, KeepPathInBlocks):
         return _keep_in_blocks_problem(message, limits)
+    if isinstance(message, Discard):
+        return _discard_problem(message)
     if isinstance(message, KeepPath):
         fields = {"slot": message.slot, "start": message.start, **{f"node {i}": n for i, n in enumerate(message.nodes)}}
     elif isinstance(message, (CopySlot, SaveBlock, LoadBlock)):
@@ -161,6 +168,15 @@ def _tables_problem(step: Step, limits: PagedLimits | None) -> str | None:
         if limits is not None and len(blocks) > limits.max_blocks:
             return (f"row {row}'s block table has {len(blocks)} blocks; the engine's widest is {limits.max_blocks} "
                     f"(max_seq_len / block_size)")
+    return None
+
+
+def _discard_problem(discard: Discard) -> str | None:
+    for what, ids in (("slot", discard.slots), ("block", discard.blocks)):
+        if len(ids) > MAX_DISCARD:
+            return f"{len(ids)} {what}s; a Discard names at most {MAX_DISCARD}"
+        if ids and min(ids) < 0:
+            return f"{what} {min(ids)} is negative"
     return None
 
 
@@ -226,7 +242,8 @@ def payload_words(header: np.ndarray, rank: int) -> int:
 def _payload_limit(kind: MessageKind) -> int:
     return {MessageKind.stop: 0, MessageKind.copy_slot: 3, MessageKind.save_block: 3, MessageKind.load_block: 3,
             MessageKind.keep_path: 3 + MAX_KEEP_NODES,
-            MessageKind.keep_path_in_blocks: 3 + MAX_KEEP_BLOCKS + MAX_KEEP_NODES}.get(kind, MAX_PAYLOAD_WORDS)
+            MessageKind.keep_path_in_blocks: 3 + MAX_KEEP_BLOCKS + MAX_KEEP_NODES,
+            MessageKind.discard: 2 + 2 * MAX_DISCARD}.get(kind, MAX_PAYLOAD_WORDS)
 
 
 def decode(header: np.ndarray, payload: np.ndarray, rank: int, limits: PagedLimits | None = None) -> Message:
@@ -247,6 +264,9 @@ def decode(header: np.ndarray, payload: np.ndarray, rank: int, limits: PagedLimi
         start = words.count("start")
         blocks = tuple(words.take(words.count("blocks"), "blocks"))
         message = KeepPathInBlocks(blocks, start, tuple(words.take(words.count("nodes"), "nodes")))
+    elif kind == MessageKind.discard:
+        slots = tuple(words.take(words.count("slots"), "slots"))
+        message = Discard(slots, tuple(words.take(words.count("blocks"), "blocks")))
     elif kind == MessageKind.stop:
         message = Stop()
     else:

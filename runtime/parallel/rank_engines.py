@@ -14,7 +14,7 @@ from ...plugins.collectives import ALL_GATHER, ALL_REDUCE, Collective
 from ..engine_dir import EngineDir
 from .pipeline_parallel import StageRunner, stage_groups
 from .protocol import PagedLimits, Stop, receive
-from ..core.step import CopySlot, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step
+from ..core.step import CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock, Step
 from .transport import HostTransport
 
 
@@ -154,6 +154,8 @@ def run_message(engine, message):
         return engine.load_block(message.block, message.slot, message.index)
     if isinstance(message, KeepPathInBlocks):  # a paged TensorRT rank's (CPU ranks are never sent one)
         return engine.keep_path_in_blocks(message.blocks, message.start, message.nodes)
+    if isinstance(message, Discard):
+        return engine.discard(message.slots, message.blocks)
     raise TypeError(f"no engine call for {type(message).__name__}")
 
 

@@ -33,7 +33,7 @@ from ..core.engine import GreedyRun, StepOutput, StepwiseGreedyRun
 from ..engine_dir import EngineDir, load
 from .rank_engines import RankEngine, rank_engine, rank_limits, run_message, serve_rank
 from .protocol import Message, Stop, broadcast
-from ..core.step import CopySlot, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock
+from ..core.step import CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, SaveBlock
 
 # A collective that waits longer than this means a rank is gone or stuck (a CPU step of the
 # bundled model takes milliseconds; a first step of a large one, seconds).
@@ -209,8 +209,8 @@ class TensorParallelEngine:
         self._everywhere(KeepPathInBlocks(tuple(blocks), start, tuple(nodes)))
 
     def discard(self, slots: tuple[int, ...], blocks: tuple[int, ...]) -> None:
-        """Not sent to the ranks (the rank protocol has no message for it yet): their demand-paged
-        pools keep a freed slot's pages until the slot is written again."""
+        """Every rank's demand-paged pools hand those slots' and store blocks' pages back."""
+        self._everywhere(Discard(tuple(slots), tuple(blocks)))
 
     def close(self, graceful: bool = True) -> None:
         import torch.distributed as dist
