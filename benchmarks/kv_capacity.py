@@ -51,9 +51,12 @@ MAX_BATCH = 64
 
 
 def engine_dir(gguf: Path, work: Path, max_seq_len: int) -> Path:
+    from trtbuild.contract.manifest import SCHEMA_VERSION
+
     out = work / f"smollm2-float32-{max_seq_len}"
-    if (out / "manifest.json").is_file():
-        return out
+    manifest = out / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("schema_version") == SCHEMA_VERSION:
+        return out  # built by this version (an older dir is rebuilt: the runtime refuses it)
     spec = work / f"smollm2-float32-{max_seq_len}.yaml"
     spec.write_text(
         f"model: {{checkpoint: {gguf}, dtype: float32}}\n"
