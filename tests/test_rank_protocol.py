@@ -28,7 +28,7 @@ KEEP_IN_BLOCKS = KeepPathInBlocks((4, 2, 9), 31, (1, 3))
 MESSAGES = [PREFILL, DECODE, VERIFY, EMPTY, PAGED, CopySlot(1, 4, 33), KeepPath(2, 40, (3, 5)), KeepPath(0, 0, ()),
             SaveBlock(1, 2, 7), LoadBlock(7, 3, 0), KEEP_IN_BLOCKS, KeepPathInBlocks((), 0, ()),
             Discard((5, 6, 8), (3,)), Discard((), ()), Stop()]
-LIMITS = PagedLimits(block_size=16, max_blocks=4)  # max_seq_len 64
+LIMITS = PagedLimits(block_size=16, max_blocks=4, num_blocks=10)  # max_seq_len 64, a pool of 10 blocks
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
@@ -202,6 +202,11 @@ def test_rank_0_refuses_to_send_a_step_no_rank_accepts(step, problem):
     (KeepPathInBlocks((4, 2), 3, (1, 1)), "keep_path_in_blocks: node 1 is 1 (node i of a kept path is at least i + 1)"),
     (KeepPathInBlocks((1, 2, 3, 4, 5), 0, (1,)),
      "keep_path_in_blocks: 5 blocks; the engine's widest row is 4 (max_seq_len / block_size)"),
+    # ids past the pool's last block: a rank would copy or gather beyond its pools
+    (replace(PAGED, block_tables=((4, 0), (4, 10, 9))),
+     "step: row 1's block table holds block 10; the pool holds blocks 0 to 9"),
+    (KeepPathInBlocks((4, 1_000_000), 3, (1,)),
+     "keep_path_in_blocks: block 1000000 is outside the pool (blocks 0 to 9)"),
 ])
 def test_block_ids_outside_the_engines_pool_are_refused(message, problem):
     kind = "Step" if isinstance(message, Step) else "KeepPathInBlocks"

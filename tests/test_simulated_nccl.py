@@ -256,7 +256,7 @@ def _tensor_parallel_over_threads(monkeypatch, device, engine_dir, blocks: int, 
         communicators[rank] = nccl.NcclCommunicator(rank, 2, unique)
 
     assert _run_ranks(device.nccl.fabric, [join, join], ENGINE_TIMEOUT_S) == ([False, False], [None, None])
-    limits = rank_limits(engine_dir, engine_dir.kv_block_size)
+    limits = rank_limits(engine_dir, engine_dir.kv_block_size, blocks)
     ranks = [RankEngine(TensorRTEngine(engine_dir, prefix_blocks=blocks, block_size=engine_dir.kv_block_size,
                                        rank=rank, communicator=communicators[rank].capsule()), communicators[rank], limits)
              for rank in range(2)]

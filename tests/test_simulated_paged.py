@@ -63,7 +63,13 @@ def test_host_drafted_chains_and_structured_outputs_in_the_pool(device, speculat
 def test_a_budget_over_what_the_engines_pools_can_hold_is_refused(device, tiny_engine, monkeypatch):
     from trtbuild.runtime.backends.tensorrt import engine as tensorrt_engine
 
-    monkeypatch.setattr(tensorrt_engine, "max_pool_blocks", lambda block_size, heads, head_dim: 11)
+    from trtbuild.runtime.core import kv_budget
+
+    for module in (tensorrt_engine, kv_budget):
+        monkeypatch.setattr(module, "max_pool_blocks", lambda block_size, heads, head_dim: 11)
     with pytest.raises(ValueError, match=r"kv_cache_memory buys \d+ KV blocks; this engine's pools hold at most 10 "):
         LLM(tiny_engine, backend="tensorrt", kv_cache_memory="1MiB")
-    assert not device.buffers  # nothing allocated and left behind
+    assert not device.buffers and device.calls["cudaStreamCreate"] == 0  # refused before anything is made
+    # No budget given: every row's whole context would be 8 × 64 blocks; the pools' most is taken.
+    with LLM(tiny_engine, backend="tensorrt") as llm:
+        assert llm.scheduler.kv.num_blocks == 10 and llm.engine.kv.shape.pool[0] == 11

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ...contract.dtypes import HOST_DTYPES
-from ...contract.kv_budget import block_size_problem, budget_bytes, parse_kv_cache_memory
+from ...contract.kv_budget import block_size_problem, budget_bytes, max_pool_blocks, parse_kv_cache_memory
 from ...contract.kv_budget import kv_bytes_per_token as per_token
 from ...contract.processes import meminfo
 from .kv_manager import KVManager, blocks_for
@@ -104,8 +104,12 @@ def kv_manager_for(engine_dir, kv_cache_memory, block_size: int, prefix_caching:
     memory, which the caller measures), where host pools take it of MemAvailable."""
     d = engine_dir
     if rows != RowMemory.reserved:
-        return KVManager(kv_blocks(d, kv_cache_memory, block_size, prefix_caching, device_free), block_size,
-                         prefix_caching, shared=rows == RowMemory.blocks)
+        blocks = kv_blocks(d, kv_cache_memory, block_size, prefix_caching, device_free)
+        if rows == RowMemory.blocks and kv_cache_memory is None and d.kv_cache_memory is None:
+            # No budget given: every row's whole context, but no more than the engine's pools hold
+            # (a budget given beyond that is refused by the engine, naming it).
+            blocks = min(blocks, max_pool_blocks(block_size, d.num_kv_heads, d.head_dim) - 1)
+        return KVManager(blocks, block_size, prefix_caching, shared=rows == RowMemory.blocks)
     if kv_cache_memory is None:
         kv_cache_memory = d.kv_cache_memory
     if kv_cache_memory is None:

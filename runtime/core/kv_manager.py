@@ -2,7 +2,7 @@
 requests and the prefix cache. Plain Python: it decides which block ids are held, by whom,
 which cached ones match a prompt and which to evict; the engine's pools hold the data.
 
-Where the data lives (the engine-graph contract keeps one contiguous KV row per request, which
+Where the data lives with slot rows (the CPU graphs keep one contiguous KV row per request, which
 ONNX Runtime's CPU GroupQueryAttention needs):
 - a running request's K/V is in its row; it holds ceil(positions written / block_size) block
   ids (rejected speculative tree nodes count while written). The ids name budget units, not
@@ -22,7 +22,8 @@ Cached blocks are keyed by the chained hash of the whole prefix (``block_hashes`
 counted by the running requests whose prompts they hold. Unreferenced ones stay cached and are
 evicted least recently used first when the budget is needed; a row that must grow may also evict
 referenced ones (its users have their own copies: that only costs future hits), so the cache
-never forces a preemption. Blocks are handed out lowest id first from the free list.
+never forces a preemption; not so when ``shared``, where a referenced block is in a table. Blocks
+are handed out lowest id first from the free list.
 """
 from __future__ import annotations
 

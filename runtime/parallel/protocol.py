@@ -48,9 +48,11 @@ ROW_WORDS = 6  # rid bytes, tokens, start, sample, tree choices, table blocks
 
 @dataclass(frozen=True)
 class PagedLimits:
-    """What bounds a paged engine's block ids on a rank: its blocks' positions and a table's widest."""
+    """What bounds a paged engine's block ids on a rank: its blocks' positions, a table's widest,
+    and its pool (KV-manager ids below ``num_blocks``)."""
     block_size: int
     max_blocks: int  # max_seq_len // block_size
+    num_blocks: int  # the KV budget's blocks: every rank's pool holds them (and the scratch block)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ def _tables_problem(step: Step, limits: PagedLimits | None) -> str | None:
         if limits is not None and len(blocks) > limits.max_blocks:
             return (f"row {row}'s block table has {len(blocks)} blocks; the engine's widest is {limits.max_blocks} "
                     f"(max_seq_len / block_size)")
+        if limits is not None and blocks and max(blocks) >= limits.num_blocks:
+            return f"row {row}'s block table holds block {max(blocks)}; the pool holds blocks 0 to {limits.num_blocks - 1}"
     return None
 
 
@@ -194,6 +198,8 @@ def _keep_in_blocks_problem(keep: KeepPathInBlocks, limits: PagedLimits | None) 
         return None
     if len(keep.blocks) > limits.max_blocks:
         return f"{len(keep.blocks)} blocks; the engine's widest row is {limits.max_blocks} (max_seq_len / block_size)"
+    if keep.blocks and max(keep.blocks) >= limits.num_blocks:
+        return f"block {max(keep.blocks)} is outside the pool (blocks 0 to {limits.num_blocks - 1})"
     last = keep.start + max(keep.nodes, default=0)
     held = len(keep.blocks) * limits.block_size
     if keep.nodes and last >= held:

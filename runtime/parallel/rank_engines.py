@@ -73,7 +73,7 @@ def rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: i
     groups = stage_groups(engine_dir)  # every rank creates every stage's group
     local = _local_engine(engine_dir, rank, threads, prefix_blocks, block_size, backend,
                           groups[rank // engine_dir.tensor_parallel])
-    local.limits = rank_limits(engine_dir, block_size)
+    local.limits = rank_limits(engine_dir, block_size, prefix_blocks)
     if engine_dir.pipeline_parallel == 1:
         return local
     if backend == "tensorrt":
@@ -86,9 +86,10 @@ def rank_engine(engine_dir: EngineDir, rank: int, threads: int, prefix_blocks: i
     return RankEngine(runner, local.communicator, local.limits)
 
 
-def rank_limits(engine_dir: EngineDir, block_size: int) -> PagedLimits:
-    """The block ids a rank takes from rank 0: tables of at most max_seq_len / block_size blocks."""
-    return PagedLimits(block_size, engine_dir.max_seq_len // block_size)
+def rank_limits(engine_dir: EngineDir, block_size: int, num_blocks: int) -> PagedLimits:
+    """The block ids a rank takes from rank 0: tables of at most max_seq_len / block_size blocks,
+    ids below ``num_blocks`` (the budget's: a paged rank's pool)."""
+    return PagedLimits(block_size, engine_dir.max_seq_len // block_size, num_blocks)
 
 
 def _device_transport(engine):

@@ -100,7 +100,7 @@ class TensorParallelEngine:
         # 0's block ids, so rank 0 sends each step's block tables and KeepPathInBlocks; CPU ranks
         # keep slots (the LLM schedules paged on a GPU only: runtime/llm.py).
         self.paged = backend == "tensorrt" and engine_dir.kv_cache.paged
-        self.limits = rank_limits(engine_dir, block_size)
+        self.limits = rank_limits(engine_dir, block_size, prefix_blocks)
         self.own: RankEngine | None = None  # that engine with its NCCL communicator: closing frees both
         self.processes: dict[int, subprocess.Popen] = {}
         self.stderr: dict[int, object] = {}  # rank → the file its stderr goes to

@@ -33,6 +33,16 @@ class TensorRTEngine:
         """``communicator``: for a rank of a tensor-parallel engine, the NCCL communicator capsule
         (runtime/parallel/nccl.py) its DistCollective layers run over. ``prefix_blocks``: the
         prefix store's blocks or, for a paged engine, the KV budget's blocks (its pool)."""
+        d = engine_dir
+        self.paged = d.kv_cache.paged
+        if self.paged:  # refused before anything is created on the device
+            if block_size != d.kv_cache.block_size:
+                raise ValueError(f"block_size {block_size}: this engine was built paged with blocks of "
+                                 f"{d.kv_cache.block_size} tokens (runtime.kv_block_size); use that")
+            most = max_pool_blocks(block_size, d.num_kv_heads, d.head_dim) - 1  # and the scratch block
+            if prefix_blocks > most:
+                raise ValueError(f"kv_cache_memory buys {prefix_blocks} KV blocks; this engine's pools hold at most "
+                                 f"{most} (TensorRT's limit of 2^31 - 1 elements a tensor): give a smaller budget")
         # The flavour the manifest names (tensorrt or tensorrt_rtx), checked against this GPU.
         trt, cudart = load_flavor(engine_dir, device), cuda_runtime()
         self.trt, self.cudart, self.dir, self.block_size, self.device = trt, cudart, engine_dir, block_size, device
@@ -50,17 +60,8 @@ class TensorRTEngine:
             if communicator is not None and not context.set_communicator(communicator):  # collective: all ranks
                 raise RuntimeError(f"TensorRT refused the NCCL communicator for rank {rank}")
             self.contexts[kind] = context
-        d = engine_dir
         self.element = HOST_DTYPES[d.dtype]
-        self.paged = d.kv_cache.paged
         if self.paged:
-            if block_size != d.kv_cache.block_size:
-                raise ValueError(f"block_size {block_size}: this engine was built paged with blocks of "
-                                 f"{d.kv_cache.block_size} tokens (runtime.kv_block_size); use that")
-            most = max_pool_blocks(block_size, d.num_kv_heads, d.head_dim) - 1  # and the scratch block
-            if prefix_blocks > most:
-                raise ValueError(f"kv_cache_memory buys {prefix_blocks} KV blocks; this engine's pools hold at most "
-                                 f"{most} (TensorRT's limit of 2^31 - 1 elements a tensor): give a smaller budget")
             self.kv = DeviceBlockPools(BlockPoolShape.of(d, self.element, prefix_blocks, rank), cudart, self.stream, _ok)
         else:
             self.kv = DevicePools(PoolShape.of(d, self.element, prefix_blocks, block_size, rank), cudart, self.stream, _ok)
