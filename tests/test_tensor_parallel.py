@@ -169,7 +169,8 @@ def test_rank_weight_files_hold_their_slice(tp_engines):
             assert (tp_engines[world] / entry["onnx_data"]).stat().st_size == entry["weight_bytes"]
             assert entry["num_kv_heads"] == kv_rank
             cache = next(r for r in entry["io"] if r["name"] == "past_key_0")
-            assert cache["shape"][1] == kv_rank
+            assert manifest["kv_cache"]["layout"] == "paged"
+            assert cache["shape"][2] == kv_rank  # the engine's pool of blocks [N, block_size, H_kv, D]
         assert (tp_engines[world] / "rank0.engine").is_file()   # DistCollective built by TensorRT-RTX
         records = [json.loads(line) for line in (tp_engines[world] / "passes.jsonl").read_text().splitlines()]
         shard = [r for r in records if r["pass"] == "shard_tensor_parallel"]
