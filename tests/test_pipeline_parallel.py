@@ -170,7 +170,8 @@ def test_stage_weight_files_hold_exactly_their_layers(pp_engines, tiny_engine):
             io = {row["name"]: row for row in entry["io"]}
             caches = sorted(name for name in io if name.startswith("past_"))
             assert caches == sorted(f"past_{k}_{layer}" for layer in range(start, stop) for k in ("key", "value"))
-            assert io[caches[0]]["shape"][1] == entry["num_kv_heads"] == max(1, CONFIG["num_key_value_heads"] // tensor)
+            # The engine's pools of blocks [N, block_size, H_kv, D] hold the rank's own KV heads.
+            assert io[caches[0]]["shape"][2] == entry["num_kv_heads"] == max(1, CONFIG["num_key_value_heads"] // tensor)
             first, last = entry["stage"] == 0, entry["stage"] == pipeline - 1
             assert ("input_ids" in io, HIDDEN_STATES in io) == (first, not first)
             assert ("logits" in io, "logits_index" in io, HIDDEN_STATES_OUT in io) == (last, last, not last)
