@@ -99,9 +99,10 @@ class TensorRTEngine:
         cudart, _ok = self.cudart, self.ok
         self.on_device()
         rows = len(step.rids)
-        # Plain decode pads to a CUDA-graph bucket; dummy rows write the last position of free or
-        # prefilling slots, which no prompt reaches. A verification writes S positions, which a
-        # long prompt still prefilling could own: it runs eagerly at its exact batch instead.
+        # Plain decode pads to a CUDA-graph bucket; dummy rows write the scratch block (paged) or the
+        # last position of free or prefilling slots, which no prompt reaches. A verification writes
+        # S positions, which a long prompt still prefilling could own in a slot engine: it runs
+        # eagerly at its exact batch instead.
         bucket = self._bucket(rows) if step.kind == StepKind.decode and not step.verifies else None
         if self.paged:
             width = self.table_width(step)
