@@ -26,7 +26,8 @@ class StepOutput:
 
 
 class Engine(Protocol):
-    """Runs steps over contiguous KV slots it owns; everything above it is shared Python."""
+    """Runs steps over the KV it owns (a slot per row, or a paged engine's pool of blocks:
+    PagedEngine); everything above it is shared Python."""
 
     name: str
 
@@ -114,7 +115,6 @@ class CacheOpsOfEngine:
 def step_arrays(step: Step, max_seq_len: int, pad_batch: int | None = None) -> StepArrays:
     """The contract's arrays for a scheduler step (``pad_batch``: a CUDA-graph bucket)."""
     return contract_step_arrays(step.tokens, step.starts, max_seq_len, pad_batch=pad_batch, trees=step.trees)
-
 
 
 def paged_step_arrays(step: Step, block_size: int, width: int, pad_batch: int | None = None) -> PagedStepArrays:

@@ -17,7 +17,7 @@ import numpy as np
 from ...contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from ...contract.step import LOGITS, MEDUSA_LOGITS, step_shape
 from ..backends.tensorrt.engine import TensorRTEngine
-from ..core.engine import CacheOpsOfEngine, paged_step_arrays, step_arrays
+from ..core.engine import CacheOpsOfEngine
 from ..core.kv_pools import device_alloc
 from ..core.step import Step
 from .transport import DeviceArray
@@ -63,11 +63,7 @@ class TensorRTStage(CacheOpsOfEngine):
                              f"stage that {'reads' if self.hidden_in is not None else 'does not read'} them")
         self.engine.on_device()
         e = self.engine
-        if e.paged:
-            arrays = paged_step_arrays(step, e.block_size, e.table_width(step))
-            plain = arrays.step
-        else:
-            arrays = plain = step_arrays(step, e.dir.max_seq_len)
+        arrays, plain, _ = e.host_arrays(step)
         batch, seq = plain.position_ids.shape
         rows = plain.logits_index.shape[1]
         e.upload(arrays)

@@ -104,13 +104,7 @@ class TensorRTEngine:
         # S positions, which a long prompt still prefilling could own in a slot engine: it runs
         # eagerly at its exact batch instead.
         bucket = self._bucket(rows) if step.kind == StepKind.decode and not step.verifies else None
-        if self.paged:
-            width = self.table_width(step)
-            arrays = paged_step_arrays(step, self.block_size, width, pad_batch=bucket)
-            plain = arrays.step
-        else:
-            width, arrays = 0, step_arrays(step, self.dir.max_seq_len, pad_batch=bucket)
-            plain = arrays
+        arrays, plain, width = self.host_arrays(step, pad_batch=bucket)
         logit_rows = plain.logits_index.shape[1]
         key = (bucket, step.seq_len, width)
         self.upload(arrays)
@@ -129,6 +123,16 @@ class TensorRTEngine:
                                                                               self.dir.vocab_size))  # [B, 1, K, V]
         _ok(cudart.cudaStreamSynchronize(self.stream))
         return StepOutput(logits=logits, medusa=medusa)
+
+    def host_arrays(self, step: Step, pad_batch: int | None = None):
+        """What ``upload`` and ``bind_inputs`` take for ``step``, the contract's plain arrays among
+        them (shapes, logits rows), and the block table's width (0 for a slot engine)."""
+        if not self.paged:
+            arrays = step_arrays(step, self.dir.max_seq_len, pad_batch=pad_batch)
+            return arrays, arrays, 0
+        width = self.table_width(step)
+        arrays = paged_step_arrays(step, self.block_size, width, pad_batch=pad_batch)
+        return arrays, arrays.step, width
 
     def table_width(self, step) -> int:
         """A paged step's block-table width M: the most blocks a row holds (every position the step
