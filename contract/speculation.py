@@ -13,6 +13,8 @@ Draft sources (runtime/speculation/sources/):
 - ``suffix``: a suffix trie over the request's prompt and output (and over recent requests'
   outputs, ``cross_request``), the continuation of the longest matched suffix grown by frequency,
   as a chain (the greedy path of the tree SuffixDecoding would grow).
+- ``draft_head``: a trained draft head (contract/draft_head.py) run on the target's features, its
+  chain drafted autoregressively (needs the head built into the engine).
 Each source's proposal is verified by the same step (a tree mask over S tokens a row; a chain is
 the tree whose every node has one child).
 """
@@ -26,6 +28,7 @@ class Source(str, Enum):
     medusa = "medusa"
     prompt_lookup = "prompt_lookup"
     suffix = "suffix"
+    draft_head = "draft_head"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,16 @@ class SuffixConfig:
 
 
 @dataclass(frozen=True)
+class DraftHeadSourceConfig:
+    num_tokens: int = 6      # longest chain the draft head proposes (tokens after the root)
+
+    def problem(self) -> str | None:
+        if not 1 <= self.num_tokens <= 64:
+            return f"num_tokens {self.num_tokens}: valid 1 to 64"
+        return None
+
+
+@dataclass(frozen=True)
 class SpeculationConfig:
     """The engine's draft sources, in the spec's order (the default a request gets), and the
     largest S of a verification step (root included) the engine was built for."""
@@ -73,11 +86,13 @@ class SpeculationConfig:
     verify_tokens: int
     prompt_lookup: PromptLookupConfig | None = None
     suffix: SuffixConfig | None = None
+    draft_head: DraftHeadSourceConfig | None = None
 
     def to_manifest(self) -> dict:
         return {"sources": [s.value for s in self.sources], "verify_tokens": self.verify_tokens,
                 "prompt_lookup": asdict(self.prompt_lookup) if self.prompt_lookup else None,
-                "suffix": asdict(self.suffix) if self.suffix else None}
+                "suffix": asdict(self.suffix) if self.suffix else None,
+                "draft_head": asdict(self.draft_head) if self.draft_head else None}
 
     @classmethod
     def from_manifest(cls, entry: object, where: str) -> "SpeculationConfig":
@@ -88,7 +103,7 @@ class SpeculationConfig:
 
         if not isinstance(entry, dict):
             raise bad("", f"must be an object, got {type(entry).__name__}")
-        unknown = set(entry) - {"sources", "verify_tokens", "prompt_lookup", "suffix"}
+        unknown = set(entry) - {"sources", "verify_tokens", "prompt_lookup", "suffix", "draft_head"}
         if unknown:
             raise bad(sorted(unknown)[0], "is not a known field")
         sources_raw = entry.get("sources")
@@ -104,8 +119,12 @@ class SpeculationConfig:
         if not isinstance(verify, int) or isinstance(verify, bool) or not 2 <= verify <= 4096:
             raise bad("verify_tokens", f"{verify!r}: must be an integer in [2, 4096]")
         configs = {}
-        for name, kind in (("prompt_lookup", PromptLookupConfig), ("suffix", SuffixConfig)):
+        for name, kind in (("prompt_lookup", PromptLookupConfig), ("suffix", SuffixConfig),
+                           ("draft_head", DraftHeadSourceConfig)):
             raw = entry.get(name)
+            if name == "draft_head" and raw is None and Source.draft_head not in sources:
+                configs[name] = None  # manifests before the draft head have no such key
+                continue
             if (raw is None) == (Source(name) in sources):
                 raise bad(name, "must be given exactly when sources lists it")
             if raw is None:
