@@ -70,6 +70,12 @@ class SamplingParams:
         return self.greedy and not self.logprobs and self.constraint is None
 
 
+# Independent uniforms per output position (Sampler.uniform's stream): the token draw, then the
+# acceptance test and the draft's own draw of the full-distribution speculative rule
+# (runtime/speculation/full_sampling.py).
+PLAIN_STREAM, ACCEPT_STREAM, DRAFT_STREAM = 0, 1, 2
+
+
 @dataclass
 class Sampler:
     """Draws one token from a row of logits. The randomness of output position t (the index of
@@ -101,9 +107,12 @@ class Sampler:
         """The token at output ``position`` from ``probs`` [V]: the inverse CDF at its uniform."""
         return inverse_cdf(probs, self.uniform(position))
 
-    def uniform(self, position: int) -> float:
-        """U[0, 1) for output ``position``: 53 bits of a hash of (key, position)."""
-        bits = np.random.SeedSequence((self.key, position)).generate_state(1, np.uint64)[0]
+    def uniform(self, position: int, stream: int = 0) -> float:
+        """U[0, 1) for output ``position``: 53 bits of a hash of (key, position), or of (key,
+        position, stream) for another independent uniform of the same position (``ACCEPT_STREAM``,
+        ``DRAFT_STREAM``: the full-distribution speculative rule's test and draft draws)."""
+        entropy = (self.key, position) if stream == PLAIN_STREAM else (self.key, position, stream)
+        bits = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
         return float(bits >> np.uint64(11)) * 2.0 ** -53
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
