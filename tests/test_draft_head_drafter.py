@@ -1,0 +1,166 @@
+"""The draft head's runtime drafter against a pure-torch reference: DraftHead.forward run
+autoregressively over the same features and tokens, its own hidden state as the next feature."""
+import numpy as np
+import pytest
+import torch
+
+from trtbuild.builder.draft_head.export import export_draft_graph
+from trtbuild.builder.draft_head.model import DraftHead
+from trtbuild.contract.draft_head import DraftHeadConfig, DraftLayerShape
+from trtbuild.runtime.speculation.draft_head import DraftHeadDrafter, Observation
+
+HIDDEN, TARGET_VOCAB, DRAFT_VOCAB, MAX_SEQ = 32, 64, 24, 48
+KV_TOLERANCE = 1e-5  # max abs difference of the draft's K/V fed the same history in other pieces
+
+
+@pytest.fixture(scope="module")
+def draft_graph(tmp_path_factory):
+    torch.manual_seed(0)
+    config = DraftHeadConfig(taps=(0, 1, 2), target_vocab_size=TARGET_VOCAB, target_num_layers=4,
+                             draft_vocab_size=DRAFT_VOCAB,
+                             layer=DraftLayerShape(hidden_size=HIDDEN, intermediate_size=64, num_heads=4,
+                                                   num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                                                   rope_theta=10000.0))
+    draft = DraftHead(config, torch.nn.Embedding(TARGET_VOCAB, HIDDEN))
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.normal_(0, 0.3)
+        draft.draft_to_target.copy_(torch.randperm(TARGET_VOCAB)[:DRAFT_VOCAB])
+    draft.eval()
+    path = export_draft_graph(draft, MAX_SEQ, max_batch=4, max_step_tokens=16,
+                              path=tmp_path_factory.mktemp("draft") / "draft.onnx")
+    return draft, path
+
+
+def drafter(draft_graph, capacity=4) -> DraftHeadDrafter:
+    draft, path = draft_graph
+    return DraftHeadDrafter(path, draft.draft_to_target.numpy(), MAX_SEQ, capacity)
+
+
+def history(seed: int, length: int):
+    """A request's target features at positions 0..length−1 and tokens at 1..length."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(0, 1, (length, HIDDEN)).astype(np.float32), rng.integers(0, TARGET_VOCAB, length).tolist()
+
+
+def reference_chain(draft, features, tokens, start, k) -> list[int]:
+    """Greedy chain of ``k`` from the draft having seen positions start.. (features, tokens),
+    recomputing the whole sequence per token with the training forward."""
+    mapping = draft.draft_to_target
+    feats, toks, chain = torch.tensor(features), torch.tensor(tokens), []
+    with torch.no_grad():
+        for _ in range(k):
+            seq = len(toks)
+            positions = torch.arange(start, start + seq)[None]
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+            logits, hidden, _ = draft(toks[None], feats[None], positions, mask)
+            token = int(mapping[int(logits[0, -1].argmax())])
+            chain.append(token)
+            toks = torch.cat((toks, torch.tensor([token])))
+            feats = torch.cat((feats, hidden[0, -1:]))
+    return chain
+
+
+def test_chain_equals_the_reference_batch_1(draft_graph):
+    features, tokens = history(1, 9)
+    d = drafter(draft_graph)
+    d.observe([Observation("a", 0, features, tokens)])
+    chain = d.propose(["a"], 5)["a"]
+    assert list(chain.tokens) == reference_chain(draft_graph[0], features, tokens, 0, 5)
+    assert len(chain.probabilities) == 5 and all(0 < p <= 1 for p in chain.probabilities)
+    assert d.seconds_per_token > 0 and d.observe_seconds > 0
+
+
+def test_chain_equals_the_reference_batch_3_of_different_lengths(draft_graph):
+    d = drafter(draft_graph)
+    lengths = {"a": 5, "b": 11, "c": 1}
+    histories = {rid: history(i + 10, n) for i, (rid, n) in enumerate(lengths.items())}
+    d.observe([Observation(rid, 0, *histories[rid]) for rid in lengths])  # one padded run
+    chains = d.propose(list(lengths), 4)
+    for rid in lengths:
+        assert list(chains[rid].tokens) == reference_chain(draft_graph[0], *histories[rid], 0, 4), rid
+    # Step by step too: each row observes a different number of new positions in one call.
+    more = {rid: history(i + 20, n) for i, (rid, n) in enumerate({"a": 3, "b": 1, "c": 2}.items())}
+    d.observe([Observation(rid, lengths[rid], *more[rid]) for rid in lengths])
+    chains = d.propose(list(lengths), 3)
+    for rid in lengths:
+        features = np.concatenate((histories[rid][0], more[rid][0]))
+        tokens = histories[rid][1] + more[rid][1]
+        assert list(chains[rid].tokens) == reference_chain(draft_graph[0], features, tokens, 0, 3), rid
+    # Rows out of slot order (their caches gathered, not a view of the pool) draft the same.
+    assert {rid: c.tokens for rid, c in d.propose(["c", "a"], 3).items()} == \
+        {rid: chains[rid].tokens for rid in ("c", "a")}
+
+
+def test_rollback_after_a_rejection(draft_graph):
+    """Draft 4, then the target accepts 2 and samples 1: positions L−1, L, L+1 are observed with the
+    target's features; the drafted scratch at L+2 is never read."""
+    length = 8
+    features, tokens = history(3, length)
+    d = drafter(draft_graph)
+    d.observe([Observation("a", 0, features, tokens)])
+    drafted = d.propose(["a"], 4)["a"].tokens
+    new_features, _ = history(4, 3)
+    new_tokens = [drafted[0], drafted[1], (drafted[2] + 1) % TARGET_VOCAB]  # 2 accepted, 1 sampled
+    d.observe([Observation("a", length, new_features, new_tokens)])
+    all_features, all_tokens = np.concatenate((features, new_features)), tokens + new_tokens
+    fresh = drafter(draft_graph)
+    fresh.observe([Observation("a", 0, all_features, all_tokens)])
+    committed = length + 3  # positions 0..committed−1 computed by the target
+    for mine, theirs in zip(d.cache("a"), fresh.cache("a")):
+        assert np.abs(mine[:, :committed] - theirs[:, :committed]).max() < KV_TOLERANCE
+    assert d.propose(["a"], 4)["a"].tokens == fresh.propose(["a"], 4)["a"].tokens
+    assert list(d.propose(["a"], 4)["a"].tokens) == reference_chain(draft_graph[0], all_features, all_tokens, 0, 4)
+    # A rejection at the first draft: only the sampled token's position is observed.
+    d.observe([Observation("a", committed, *history(5, 1))])
+    reference = reference_chain(draft_graph[0], np.concatenate((all_features, history(5, 1)[0])),
+                                all_tokens + history(5, 1)[1], 0, 3)
+    assert list(d.propose(["a"], 3)["a"].tokens) == reference
+
+
+def test_unseen_prefix_positions_are_masked_not_read_as_zeros(draft_graph):
+    """A request whose first 6 positions came from a prefix cache: the draft sees only 6.. ."""
+    features, tokens = history(6, 10)
+    d = drafter(draft_graph)
+    d.observe([Observation("a", 6, features[6:], tokens[6:])])
+    assert list(d.propose(["a"], 4)["a"].tokens) == reference_chain(draft_graph[0], features[6:], tokens[6:], 6, 4)
+
+
+def test_slot_reuse_after_close(draft_graph):
+    d = drafter(draft_graph, capacity=1)
+    d.observe([Observation("a", 0, *history(7, 12))])
+    d.propose(["a"], 3)
+    with pytest.raises(ValueError, match="all 1 draft slots are taken"):
+        d.observe([Observation("b", 0, *history(8, 4))])
+    d.close("a")
+    # "b" gets a's slot; a's K/V there is stale, and "b" started at 2 never attends to 0..1.
+    features, tokens = history(8, 5)
+    d.observe([Observation("b", 2, features[2:], tokens[2:])])
+    assert list(d.propose(["b"], 3)["b"].tokens) == reference_chain(draft_graph[0], features[2:], tokens[2:], 2, 3)
+
+
+def test_distributions_and_sampled_drafts(draft_graph):
+    d = drafter(draft_graph)
+    d.observe([Observation("a", 0, *history(9, 6))])
+    greedy = d.propose(["a"], 3, with_distributions=True)["a"]
+    assert greedy.distributions.shape == (3, DRAFT_VOCAB)
+    np.testing.assert_allclose(greedy.distributions.sum(1), 1, rtol=1e-9)
+    mapping = draft_graph[0].draft_to_target.numpy()
+    for row, token, prob in zip(greedy.distributions, greedy.tokens, greedy.probabilities):
+        assert mapping[row.argmax()] == token and row.max() == prob
+    # Drawn at uniforms: a uniform of 0 takes the first draft id with probability above 0.
+    sampled = d.propose(["a"], 2, with_distributions=True, uniforms=np.zeros((1, 2)))["a"]
+    assert sampled.tokens[0] == mapping[0]
+    assert sampled.distributions.shape == (2, DRAFT_VOCAB)
+
+
+def test_bad_input(draft_graph):
+    d = drafter(draft_graph)
+    with pytest.raises(ValueError, match=rf"features have shape \[3, 16\]; \[n, {HIDDEN}\] expected"):
+        d.observe([Observation("a", 0, np.zeros((3, 16), np.float32), [1, 2, 3])])
+    with pytest.raises(ValueError, match="outside the cache"):
+        d.observe([Observation("a", MAX_SEQ - 1, *history(1, 2))])
+    with pytest.raises(ValueError, match="has not been observed"):
+        d.propose(["nobody"], 2)
+    with pytest.raises(ValueError, match=rf"draft_to_target has shape \[3\]; \[{DRAFT_VOCAB}\] expected"):
+        DraftHeadDrafter(draft_graph[1], np.arange(3), MAX_SEQ, 2)
