@@ -162,5 +162,25 @@ def test_bad_input(draft_graph):
         d.observe([Observation("a", MAX_SEQ - 1, *history(1, 2))])
     with pytest.raises(ValueError, match="has not been observed"):
         d.propose(["nobody"], 2)
+    d.observe([Observation("a", 0, *history(1, 2))])
+    with pytest.raises(ValueError, match="repeat"):
+        d.propose(["a", "a"], 2)
     with pytest.raises(ValueError, match=rf"draft_to_target has shape \[3\]; \[{DRAFT_VOCAB}\] expected"):
         DraftHeadDrafter(draft_graph[1], np.arange(3), MAX_SEQ, 2)
+
+
+def test_long_catch_up_in_chunks_and_rows_at_the_cache_end(draft_graph):
+    """A 20-position prompt observed in chunks of 6 beside a 2-position row that ends the cache
+    (padding it to the chunk would run past S_max): both draft as the reference."""
+    draft, path = draft_graph
+    d = DraftHeadDrafter(path, draft.draft_to_target.numpy(), MAX_SEQ, 4, max_step_tokens=6)
+    long_features, long_tokens = history(11, 20)
+    end_features, end_tokens = history(12, MAX_SEQ - 1)
+    d.observe([Observation("end", 0, end_features[:-2], end_tokens[:-2])])
+    d.observe([Observation("long", 0, long_features, long_tokens),
+               Observation("end", MAX_SEQ - 3, end_features[-2:], end_tokens[-2:])])
+    assert list(d.propose(["long"], 3)["long"].tokens) == reference_chain(draft, long_features, long_tokens, 0, 3)
+    # At the cache's end the chain stops where a draft step would write past it.
+    assert list(d.propose(["end"], 3)["end"].tokens) == reference_chain(draft, end_features, end_tokens, 0, 2)
+    with pytest.raises(ValueError, match="repeat"):
+        d.observe([Observation("long", 20, *history(1, 1)), Observation("long", 21, *history(2, 1))])

@@ -71,10 +71,11 @@ class _Request:
 
 class DraftHeadDrafter:
     """Drafts chains for up to ``capacity`` live requests from ``draft.onnx`` (builder/draft_head/
-    export.py); ``draft_to_target`` int [K] maps each draft id to its target id."""
+    export.py); ``draft_to_target`` int [K] maps each draft id to its target id (the engine dir's
+    map). ``threads``: the session's (0: ONNX Runtime chooses)."""
 
     def __init__(self, graph: Path, draft_to_target: np.ndarray, max_seq_len: int, capacity: int,
-                 threads: int = 0):
+                 threads: int = 0, max_step_tokens: int = 512):
         self.session = session(Path(graph), threads)
         inputs = {i.name: i for i in self.session.get_inputs()}
         past, features = inputs["past_key_0"], inputs[FEATURES]
@@ -92,6 +93,9 @@ class DraftHeadDrafter:
                              f"[{draft_vocab}] expected (one target id per draft id of {graph})")
         if capacity < 1:
             raise ValueError(f"capacity {capacity}: valid 1 or more")
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens {max_step_tokens}: valid 1 or more")
+        self.max_step_tokens = max_step_tokens  # the most positions of one row in one observe run
         self.max_seq_len, self.capacity = max_seq_len, capacity
         self.dtype = ORT_FLOATS[features.type]
         # Slot 0 is never assigned (a scratch slot, as the target's pools keep one).
@@ -157,22 +161,33 @@ class DraftHeadDrafter:
 
     def observe(self, rows: Sequence[Observation]) -> None:
         """Writes each row's positions into its draft cache and keeps its last position's logits and
-        hidden state. Rows of different lengths share one session run (padded), except rows whose
-        padding would run past the cache's end, which run on their own."""
+        hidden state. Rows of different lengths share one session run, padded (measured with a
+        SmolLM2-shaped draft at B = 4 and 8, rows of 1..4 new positions: no slower than one run
+        per distinct length, up to 1.2× faster, since a run's cost is mostly per-row work over the
+        whole cache), except rows whose padding would run past the cache's end, which run on
+        their own. Rows longer than ``max_step_tokens`` (a prompt's catch-up) run in chunks."""
         began = time.perf_counter()
-        checked = [self._checked(row) for row in rows]
-        checked = [c for c in checked if c is not None]
-        if not checked:
-            return
-        seq = max(len(row.tokens) for _, row in checked)
-        together = [c for c in checked if c[1].start + seq <= self.max_seq_len]
-        groups = [together] if together else []
-        groups += [[c] for c in checked if c[1].start + seq > self.max_seq_len]
-        for group in groups:
-            self._observe_group(group)
-        self.observe_seconds = _smoothed(self.observe_seconds, time.perf_counter() - began)
+        rows = [row for row in rows if self._check(row)]
+        rids = [row.rid for row in rows]
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"observe: request ids {rids} repeat; one row per request per call expected")
+        requests = [self._request(rid) for rid in rids]
+        chunk = self.max_step_tokens
+        longest = max((len(row.tokens) for row in rows), default=0)
+        for offset in range(0, longest, chunk):
+            piece = [(request, Observation(row.rid, row.start + offset, np.asarray(row.features)[offset:offset + chunk],
+                                           list(row.tokens)[offset:offset + chunk]))
+                     for request, row in zip(requests, rows) if len(row.tokens) > offset]
+            seq = max(len(row.tokens) for _, row in piece)
+            fits = [row.start + seq <= self.max_seq_len for _, row in piece]
+            together = [c for c, fit in zip(piece, fits) if fit]
+            for group in ([together] if together else []) + [[c] for c, fit in zip(piece, fits) if not fit]:
+                self._observe_group(group)
+        if rows:
+            self.observe_seconds = _smoothed(self.observe_seconds, time.perf_counter() - began)
 
-    def _checked(self, row: Observation) -> tuple[_Request, Observation] | None:
+    def _check(self, row: Observation) -> bool:
+        """Whether the row has positions; a one-line ValueError where it is malformed."""
         features = np.asarray(row.features)
         n = len(row.tokens)
         if features.ndim != 2 or features.shape[1] != self.hidden_size:
@@ -184,9 +199,7 @@ class DraftHeadDrafter:
         if row.start < 0 or row.start + n > self.max_seq_len:
             raise ValueError(f"observe: request {row.rid!r}: positions {row.start}..{row.start + n - 1} "
                              f"outside the cache [0, {self.max_seq_len})")
-        if n == 0:
-            return None
-        return self._request(row.rid), row
+        return n > 0
 
     def _observe_group(self, group: list[tuple[_Request, Observation]]) -> None:
         seq = max(len(row.tokens) for _, row in group)
@@ -220,6 +233,8 @@ class DraftHeadDrafter:
         began = time.perf_counter()
         if max_tokens < 0:
             raise ValueError(f"max_tokens {max_tokens}: valid 0 or more")
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"propose: request ids {list(rids)} repeat; one chain per request per call")
         requests = []
         for rid in rids:
             request = self.requests.get(rid)
