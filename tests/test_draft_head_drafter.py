@@ -7,7 +7,9 @@ import torch
 from trtbuild.builder.draft_head.export import export_draft_graph
 from trtbuild.builder.draft_head.model import DraftHead
 from trtbuild.contract.draft_head import DraftHeadConfig, DraftLayerShape
+from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.speculation.draft_head import DraftHeadDrafter, Observation
+from trtbuild.runtime.speculation.full_sampling import accept_sampled_full, draft_uniforms
 
 HIDDEN, TARGET_VOCAB, DRAFT_VOCAB, MAX_SEQ = 32, 64, 24, 48
 KV_TOLERANCE = 1e-5  # max abs difference of the draft's K/V fed the same history in other pieces
@@ -152,6 +154,13 @@ def test_distributions_and_sampled_drafts(draft_graph):
     sampled = d.propose(["a"], 2, with_distributions=True, uniforms=np.zeros((1, 2)))["a"]
     assert sampled.tokens[0] == mapping[0]
     assert sampled.distributions.shape == (2, DRAFT_VOCAB)
+    # The full-distribution rule takes the chain and its q over the draft's ids as they come.
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    uniforms = draft_uniforms(sampler, 0, 3)[None]
+    chain = d.propose(["a"], 3, with_distributions=True, uniforms=uniforms)["a"]
+    logits = np.random.default_rng(0).normal(0, 1, (4, TARGET_VOCAB))
+    out = accept_sampled_full(chain.tokens, chain.distributions, logits, sampler, 0, q_ids=mapping)
+    assert out.tokens == chain.tokens[:len(out.tokens)] and 0 <= out.next_token < TARGET_VOCAB
 
 
 def test_bad_input(draft_graph):
