@@ -293,7 +293,7 @@ class EngineCore:
             return
         medusa = spec.medusa.candidate() if heads_at and spec.medusa is not None else None
         offers: dict[str, list[Candidate]] = {}   # rid → its candidates, one per source
-        chains: dict[str, HostDraft] = {}
+        chains: dict[tuple[str, Source], HostDraft] = {}   # (rid, source) → its chain
         host_start = time.perf_counter()
         for request in decoding:
             if request.phase != Phase.decoding or request.draft is not None:
@@ -306,7 +306,7 @@ class EngineCore:
                 left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
                 chain = host.draft(rid, request.context, sources, left) if left > 0 else None
                 if chain is not None:
-                    chains[rid] = chain
+                    chains[rid, chain.source] = chain
                     row.append(Candidate(chain.source, chain.expected))
         decision = policy.choose(len(decoding), offers, Context.of([r.computed for r in decoding]))
         if host is not None:
@@ -319,7 +319,7 @@ class EngineCore:
                 tree = spec.medusa.prefix(k)
                 request.draft = Draft(tree, tuple(candidates(tree, request.last_token, heads_at[rid])[1:]), source)
             else:
-                chain = chains[rid]
+                chain = chains[rid, source]
                 request.draft = Draft(chain_tree(k), chain.tokens[:k], chain.source, chain.stated[:k])
 
     def _apply(self, plan: Plan) -> None:

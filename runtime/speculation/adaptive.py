@@ -10,7 +10,8 @@ cost per token is calibrated and observed separately from a single plain step's 
 run's step skips the Medusa heads and costs a third of even a one-guess verification: on the
 bundled model no tree pays at any batch there, docs/benchmarks.md; on a GPU at small batch a
 verification costs about one step, and trees pay). The step times are step_times.py's
-(calibrated at load, refined by every step); what a draft is worth is its source's acceptance
+(calibrated at load, refined by every step: calibration runs B in powers of four up to max_batch
+× a few tree sizes, and greedy runs per B, ~2 s for the bundled model on 2 CPU cores); what a draft is worth is its source's acceptance
 model's: Medusa's per (head, rank) (acceptance.py, trees.py), a chain source's per depth with
 its stated probabilities calibrated (host.py).
 
@@ -22,7 +23,8 @@ expected tokens per second, Σ_rows (1 + E_row[n]) / (t(B, S) + drafting), again
 (contract/medusa_acceptance.py: `trtbuild plan` applies the same margin). Drafting is priced in
 two parts: the drafting call that follows a verification (proposals, estimates, this decision:
 the recent median per row; ~1 ms a call on 2 CPU cores, a quarter of an 8-step greedy run of the
-bundled model, which lost it 0.56–0.89× of plain decoding at batch 1 while nothing was verified),
+bundled model (0.46 ms a step), which lost it 0.56–0.89× of plain decoding at batch 1 while
+nothing was verified),
 and, for a source whose drafting computes (a draft model), its measured seconds per drafted token
 per row (``measured``), which a row pays for each token it verifies from that source.
 
