@@ -105,7 +105,7 @@ def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: st
     tokens, and draft tokens kept per verified row."""
     from trtbuild.runtime.core.sampling import SamplingParams
     from trtbuild.runtime.llm import LLM
-    from trtbuild.runtime.speculation.host import SpeculationMode
+    from trtbuild.runtime.speculation.adaptive import SpeculationMode
 
     arms = {"plain": SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculation=()),
             "spec": SamplingParams(max_tokens=max_tokens, ignore_eos=True)}

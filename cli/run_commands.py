@@ -74,7 +74,7 @@ def _load(out: Path, backend: str, threads: int, multi_step: int | None, prefix_
     from ..runtime.engine_dir import EngineDirError
     from ..runtime.llm import LLM
     from ..runtime.core.scheduler import Batching
-    from ..runtime.speculation.host import SpeculationMode
+    from ..runtime.speculation.adaptive import SpeculationMode
 
     try:
         return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching),

@@ -115,7 +115,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
     from ..runtime.server.app import create_app
     from ..runtime.server.connections import with_header_timeout
     from ..runtime.server.inputs import Limits
-    from ..runtime.speculation.host import SpeculationMode
+    from ..runtime.speculation.adaptive import SpeculationMode
     from ..runtime.structured import CompilePool
 
     try:

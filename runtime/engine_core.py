@@ -18,7 +18,9 @@ from .core.sampling import Sampler
 from .core.scheduler import Draft, Phase, Request, Scheduler, TokenSink
 from .core.step import CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step, StepKind
 from .core.tree import Accepted
+from .speculation.adaptive import Candidate
 from .speculation.chain import chain_tree
+from .speculation.host import HostDraft
 from .speculation.medusa import accept_greedy, accept_sampled, candidates
 from .speculation.speculation import Speculation
 from .speculation.step_times import Context
@@ -87,9 +89,8 @@ class EngineCore:
             if request is not None:
                 self.scheduler.finish(rid, "abort")
                 del self.scheduler.requests[rid]
-            if self.sampling.pop(rid, None) is not None and self.speculation is not None \
-                    and self.speculation.host is not None:
-                self.speculation.host.close(rid, request.tokens if request is not None else [])
+            if self.sampling.pop(rid, None) is not None and self.speculation is not None:
+                self.speculation.policy.close(rid, request.tokens if request is not None else [])
             self.constrained.discard(rid)
 
     def has_work(self) -> bool:
@@ -118,7 +119,7 @@ class EngineCore:
             if self.speculation is not None:  # stepped aside: plain steps, in a run
                 context = Context.of(step.starts)
                 self.speculation.times.observe_run(len(step.rids), done, time.perf_counter() - start, context)
-                self.speculation.stood_aside(len(step.rids), done, context)
+                self.speculation.policy.stood_aside(len(step.rids), done, context)
         elif step is not None:
             engine_start = time.perf_counter()
             out = self.engine.step(step)
@@ -129,13 +130,12 @@ class EngineCore:
                 self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start,
                                                Context.of(step.starts))
         if self.speculation is not None:
-            if self.speculation.host is not None:
-                self.speculation.host.stepped(time.perf_counter() - start)
+            self.speculation.policy.stepped(time.perf_counter() - start)
             self._draft(heads_at)
         finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
-        if self.speculation is not None and self.speculation.host is not None:
+        if self.speculation is not None:
             for request, _ in finished:
-                self.speculation.host.close(request.rid, request.tokens)
+                self.speculation.policy.close(request.rid, request.tokens)
         if self.constrained:
             self.constrained.difference_update(r.rid for r, _ in finished)
         if not self.scheduler.has_work():
@@ -168,8 +168,9 @@ class EngineCore:
         batch, else runs of ``multi_step``, whose steps (and a single one, where rows cannot run
         on) nobody drafts from."""
         if (self.speculation is not None and step.kind == StepKind.decode
-                and any(Source.medusa in self.sampling[rid].sources for rid in step.rids)
-                and self.speculation.choose_medusa(len(step.rids), Context.of(step.starts))):
+                and self.speculation.verifies_medusa(
+                    len(step.rids), [rid for rid in step.rids if Source.medusa in self.sampling[rid].sources],
+                    Context.of(step.starts))):
             return 1, True
         return self.multi_step, False
 
@@ -190,7 +191,7 @@ class EngineCore:
         heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
         spec = self.speculation
         if spec is not None and step.kind == StepKind.decode:
-            spec.count_step(len(step.rids), step.verifies, step.seq_len)
+            spec.policy.count_step(len(step.rids), step.verifies, step.seq_len)
         # Plain rows read logits row 0: those that take its argmax share one over the batch.
         plain, argmax = not step.trees and out.logits.shape[1] == 1, None
         for row, (rid, samples, tree) in enumerate(zip(step.rids, step.samples, step.row_trees)):
@@ -215,11 +216,7 @@ class EngineCore:
                     path = Accepted(path.nodes[:keep], path.tokens[:keep])
                 accepted[rid], node = path, path.last_node
                 position += len(path.nodes)  # the sampled token follows the accepted ones
-                if draft.source == Source.medusa:
-                    spec.medusa.record(tree, path)
-                else:
-                    spec.host.record(rid, draft.source, draft.probabilities, len(path.nodes))
-                    spec.stats.count_row(draft.source.value, len(path.nodes))
+                spec.policy.record(rid, draft, path)
                 if params.logprobs:
                     state.logprobs += [sampler.logprob(logits[tree.parents[n]], tokens[n]) for n in path.nodes]
                 if params.logprobs and params.top_logprobs:
@@ -279,54 +276,51 @@ class EngineCore:
         return len(produced)
 
     def _draft(self, heads_at: dict) -> None:
-        """Next step's drafts for the decoding requests that have none pending: Medusa's tree
-        prefix for this batch (from the heads at their newest token) and the host sources'
-        chains, whichever a request is expected to keep more of; then the chain length the batch
-        verifies, 0 where speculating would not beat plain decoding (runtime/speculation/host.py)."""
+        """Next step's drafts for the decoding requests that have none pending: each source's
+        candidate per row (Medusa's tree, from the heads at the row's newest token; the host
+        sources' chain), then the policy's decision (runtime/speculation/adaptive.py): which rows
+        verify which source's draft and how much of it, none where speculating would not beat
+        plain decoding."""
         spec = self.speculation
-        if not heads_at and spec.host is None:  # Medusa alone drafts only from heads just computed
+        policy, host = spec.policy, spec.host
+        if not heads_at and host is None:  # Medusa alone drafts only from heads just computed
             return
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
         rids = [r.rid for r in decoding if r.phase == Phase.decoding]
-        host = spec.host if spec.host is not None and spec.host.due(rids) else None
-        if not heads_at and host is None:  # host drafting is backing off
+        if host is not None and not policy.due(rids):  # host drafting is backing off
+            host = None
+        if not heads_at and host is None:
             return
-        context = Context.of([r.computed for r in decoding])
-        size = spec.choose_medusa(len(decoding), context) if heads_at else 0
-        tree = spec.medusa.prefix(size) if size else None
-        # What a tree is worth beside a chain: only asked where there are host sources to weigh.
-        medusa_kept = (float(spec.medusa.acceptance.expected_accepted(tree)[-1])
-                       if size and host is not None else 0.0)
-        medusa: dict[str, Draft] = {}
-        chains = {}
+        medusa = spec.medusa.candidate() if heads_at and spec.medusa is not None else None
+        offers: dict[str, list[Candidate]] = {}   # rid → its candidates, one per source
+        chains: dict[tuple[str, Source], HostDraft] = {}   # (rid, source) → its chain
         host_start = time.perf_counter()
         for request in decoding:
             if request.phase != Phase.decoding or request.draft is not None:
                 continue
             sources, rid = self.sampling[request.rid].sources, request.rid
-            heads = heads_at.get(rid)
-            if tree is not None and heads is not None and Source.medusa in sources:
-                medusa[rid] = Draft(tree, tuple(candidates(tree, request.last_token, heads)[1:]), Source.medusa)
+            row = offers.setdefault(rid, [])
+            if medusa is not None and rid in heads_at and Source.medusa in sources:
+                row.append(medusa)
             if host is not None:
                 left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
                 chain = host.draft(rid, request.context, sources, left) if left > 0 else None
-                if chain is not None and (rid not in medusa or chain.expected[-1] > medusa_kept):
-                    chains[rid] = chain
-        trees = {rid: draft for rid, draft in medusa.items() if rid not in chains}
-        for rid, draft in trees.items():
-            self.scheduler.requests[rid].draft = draft
-        others = len(decoding) - len(chains)  # rows whose step yields Medusa's expected tokens or one
-        n = host.choose(len(decoding), chains, others + len(trees) * medusa_kept,
-                        tree.size if trees else 1, context) if chains else 0
+                if chain is not None:
+                    chains[rid, chain.source] = chain
+                    row.append(Candidate(chain.source, chain.expected))
+        decision = policy.choose(len(decoding), offers, Context.of([r.computed for r in decoding]))
         if host is not None:
             # (Medusa's share of the loop above is small: its trees come from heads already computed.)
-            host.drafted(rids, time.perf_counter() - host_start, verifies=n > 0)
-        for rid, chain in chains.items():
-            k = min(n, len(chain.tokens))
-            if k:
-                self.scheduler.requests[rid].draft = Draft(chain_tree(k), chain.tokens[:k], chain.source, chain.stated[:k])
-            elif rid in medusa:  # no chain verified this step: the row's tree still may be
-                self.scheduler.requests[rid].draft = medusa[rid]
+            policy.drafted(rids, time.perf_counter() - host_start,
+                           verifies=any(source != Source.medusa for source in decision.sources()))
+        for rid, (source, k) in decision.picks.items():
+            request = self.scheduler.requests[rid]
+            if source == Source.medusa:
+                tree = spec.medusa.prefix(k)
+                request.draft = Draft(tree, tuple(candidates(tree, request.last_token, heads_at[rid])[1:]), source)
+            else:
+                chain = chains[rid, source]
+                request.draft = Draft(chain_tree(k), chain.tokens[:k], chain.source, chain.stated[:k])
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:

@@ -32,7 +32,7 @@ from .core.kv_budget import FreeMemory, RowMemory, check_block_size, kv_manager_
 from .core.sampling import SamplingParams
 from .core.scheduler import Batching, Scheduler
 from ..contract.speculation import Source
-from .speculation.host import SpeculationMode
+from .speculation.adaptive import SpeculationMode
 from .speculation.speculation import Speculation, speculation_for
 from .structured import CompilePool, ConstraintCompiler
 from .waiters import CompletionWaiter, DeltaQueue

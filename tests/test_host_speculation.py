@@ -12,8 +12,10 @@ from trtbuild.contract.speculation import Source
 from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculation.chain import chain_tree
-from trtbuild.runtime.speculation.host import (DRAFT_SHARE, EXPLORE_AFTER, EXPLORE_TOKENS, HostDrafting,
-                                              SpeculationMode)
+from trtbuild.runtime.speculation.acceptance import SpeculationStats
+from trtbuild.runtime.speculation.adaptive import (DRAFT_SHARE, EXPLORE_AFTER, AdaptivePolicy, Candidate,
+                                                  SpeculationMode)
+from trtbuild.runtime.speculation.host import FIRST_REACH, HostDrafting
 from trtbuild.runtime.speculation.medusa import accept_greedy, accept_sampled
 from trtbuild.runtime.speculation.step_times import StepTimes
 
@@ -98,7 +100,16 @@ HALF = (0.5,) * 8
 
 
 def _drafting(times: StepTimes, mode=SpeculationMode.adaptive) -> HostDrafting:
-    return HostDrafting({Source.prompt_lookup: _FixedSource(Source.prompt_lookup, tuple(range(8)))}, 8, times, mode)
+    """Prompt lookup proposing 0..7, with the adaptive policy over it as ``host.policy``."""
+    host = HostDrafting({Source.prompt_lookup: _FixedSource(Source.prompt_lookup, tuple(range(8)))}, 8, mode)
+    host.policy = AdaptivePolicy(times, dict.fromkeys(host.sources, host), SpeculationStats(), mode)
+    return host
+
+
+def _choose(host: HostDrafting, batch: int, drafts: dict) -> int:
+    """The chain length the policy verifies for these rows' drafts (0: plain)."""
+    decision = host.policy.choose(batch, {rid: [Candidate(d.source, d.expected)] for rid, d in drafts.items()})
+    return decision.seq - 1
 
 
 def test_policy_verifies_where_kept_tokens_pay_and_not_where_they_do_not():
@@ -108,25 +119,33 @@ def test_policy_verifies_where_kept_tokens_pay_and_not_where_they_do_not():
             host.record("a", Source.prompt_lookup, HALF, 8)
     draft = cheap.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)
     assert draft.tokens == tuple(range(8)) and draft.expected[-1] > 7
-    assert cheap.choose(1, {"a": draft}, 0.0, 1) == 8
+    assert _choose(cheap, 1, {"a": draft}) == 8
     # Verifying costs as much as decoding one by one: nothing to gain.
-    assert dear.choose(1, {"a": dear.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)}, 0.0, 1) == 0
+    assert _choose(dear, 1, {"a": dear.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)}) == 0
 
 
 def test_policy_steps_aside_for_drafts_that_are_never_kept_then_explores():
-    host = _drafting(_times(0.010, 0.002))
+    """Standing aside, prompt lookup is verified again once plain decoding since it last verified
+    took EXPLORE_AFTER times its likeliest-to-pay verification's cost (one token: 2^-7 + 2^-9 s),
+    that is EXPLORE_AFTER × 1.25 plain steps of 2^-7 s (times exact in binary)."""
+    host = _drafting(_times(2 ** -7, 2 ** -9))
     for _ in range(30):
         host.record("a", Source.prompt_lookup, HALF, 0)
-    decisions = [host.choose(1, {"a": host.draft("a", [1], (Source.prompt_lookup,), 100)}, 0.0, 1)
-                 for _ in range(EXPLORE_AFTER + 1)]
-    # aside EXPLORE_AFTER times, then one short verification: its first tokens are what is unknown
-    assert decisions == [0] * EXPLORE_AFTER + [EXPLORE_TOKENS]
+
+    def choice() -> int:
+        return _choose(host, 1, {"a": host.draft("a", [1], (Source.prompt_lookup,), 100)})
+
+    assert EXPLORE_AFTER == 100
+    host.policy.stood_aside(1, 124)
+    assert choice() == 0
+    host.policy.stood_aside(1, 1)
+    assert [choice(), choice()] == [1, 0]   # one verification of the first token, then plain again
 
 
 def test_always_mode_verifies_every_draft_whole_and_the_limit_caps_it():
     host = _drafting(StepTimes(), ALWAYS)
     draft = host.draft("a", [1], (Source.prompt_lookup,), 3)
-    assert draft.tokens == (0, 1, 2) and host.choose(4, {"a": draft}, 3.0, 1) == 3
+    assert draft.tokens == (0, 1, 2) and _choose(host, 4, {"a": draft}) == 3
     assert host.draft("a", [1], (Source.suffix,), 8) is None   # not a source this engine drafts with
     host.close("a", [1, 2])
     assert host.sources[Source.prompt_lookup].closed == ["a"]
@@ -134,14 +153,14 @@ def test_always_mode_verifies_every_draft_whole_and_the_limit_caps_it():
 
 def test_chains_reach_twice_as_deep_as_the_longest_run_kept():
     """A depth never reached has only its prior: a source's chains are verified twice as deep as
-    its longest kept run (at least EXPLORE_TOKENS), so the first bet is 2 tokens, not 16 (at
+    its longest kept run (at least FIRST_REACH), so the first bet is 2 tokens, not 16 (at
     batch 8 on SmolLM2 a 17-token verification costs 7x a plain step). ``always`` is not limited."""
     host = _drafting(_times(0.010, 0.0005))
 
     def length() -> int:
         return len(host.draft("a", [1], (Source.prompt_lookup,), 100).tokens)
 
-    assert length() == EXPLORE_TOKENS == 2
+    assert length() == FIRST_REACH == 2
     host.record("a", Source.prompt_lookup, HALF[:2], 2)   # both kept
     assert length() == 4
     host.record("a", Source.prompt_lookup, HALF[:4], 3)
@@ -168,35 +187,35 @@ def test_a_sure_source_is_calibrated_at_depths_never_tried():
     """A source stating 1.0 for every token (a suffix chain seen once does) whose first token is
     never kept: its deep tokens, never tried, are judged by what "1.0" proved worth, not by its
     word, and the policy steps aside (before calibration it verified 16-token chains in free chat)."""
-    host = HostDrafting({Source.suffix: _FixedSource(Source.suffix, tuple(range(8)), stated=1.0)}, 8,
-                        _times(0.010, 0.002))
+    host = HostDrafting({Source.suffix: _FixedSource(Source.suffix, tuple(range(8)), stated=1.0)}, 8)
+    host.policy = AdaptivePolicy(_times(0.010, 0.002), {Source.suffix: host}, SpeculationStats())
     fresh = host.draft("a", [1], (Source.suffix,), 100)
-    assert 0 < host.choose(1, {"a": fresh}, 0.0, 1) < 8   # trusted halfway at first: a short chain
+    assert 0 < _choose(host, 1, {"a": fresh}) < 8   # trusted halfway at first: a short chain
     for _ in range(10):
         host.record("b", Source.suffix, (1.0,) * 8, 0)
     probs = host.probabilities(Source.suffix, "a", (1.0,) * 8)
     assert probs[7] == pytest.approx(8 * 0.75 / (10 + 8)) and probs[0] < probs[7]
-    assert host.choose(1, {"a": host.draft("a", [1], (Source.suffix,), 100)}, 0.0, 1) == 0
+    assert _choose(host, 1, {"a": host.draft("a", [1], (Source.suffix,), 100)}) == 0
 
 
 def test_drafting_backs_off_after_a_decision_that_verified_nothing():
     """A drafting call that verified nothing costing 1 ms: the next waits until the engine has
     stepped 1 ms / DRAFT_SHARE; a request never drafted for is due at once; a verification drafts
     again at the next step."""
-    host = _drafting(_times(0.010, 0.002))
-    assert host.due(["a"])
-    host.drafted(["a"], 0.001, verifies=False)
+    policy = _drafting(_times(0.010, 0.002)).policy
+    assert policy.due(["a"])
+    policy.drafted(["a"], 0.001, verifies=False)
     wait = 0.001 / DRAFT_SHARE
-    host.stepped(0.9 * wait)
-    assert not host.due(["a"]) and host.due(["a", "b"])
-    host.stepped(0.2 * wait)
-    assert host.due(["a"])
-    host.drafted(["a"], 0.001, verifies=True)
-    assert host.due(["a"])
-    host.drafted(["a"], 0.001, verifies=False)
-    host.close("a", [1])
-    assert host.due(["a"])   # a new request may reuse an ended one's id
-    always = _drafting(StepTimes(), ALWAYS)
+    policy.stepped(0.9 * wait)
+    assert not policy.due(["a"]) and policy.due(["a", "b"])
+    policy.stepped(0.2 * wait)
+    assert policy.due(["a"])
+    policy.drafted(["a"], 0.001, verifies=True)
+    assert policy.due(["a"])
+    policy.drafted(["a"], 0.001, verifies=False)
+    policy.close("a", [1])
+    assert policy.due(["a"])   # a new request may reuse an ended one's id
+    always = _drafting(StepTimes(), ALWAYS).policy
     always.drafted(["a"], 0.001, verifies=False)
     assert always.due(["a"])
 
@@ -209,12 +228,12 @@ def test_a_verification_is_priced_with_the_drafting_after_it():
         host.record("a", Source.prompt_lookup, HALF, 8)
 
     def choice() -> int:
-        return host.choose(1, {"a": host.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)}, 0.0, 1)
+        return _choose(host, 1, {"a": host.draft("a", [1, 2, 3], (Source.prompt_lookup,), 100)})
 
     assert choice() == 8
     for _ in range(3):
-        host.drafted(["a"], 0.100, verifies=True)
-    assert host.drafting_estimate(2) == pytest.approx(0.200)
+        host.policy.drafted(["a"], 0.100, verifies=True)
+    assert host.policy.drafting_estimate(2) == pytest.approx(0.200)
     assert choice() == 0
 
 

@@ -16,9 +16,11 @@ from trtbuild.runtime.core.kv_pools import HostPools, PoolShape
 from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.core.scheduler import Draft, Phase, Request, Scheduler
 from trtbuild.runtime.core.step import KeepPath, StepKind
-from trtbuild.runtime.speculation.acceptance import AcceptanceModel
-from trtbuild.runtime.speculation.policy import EXPLORE_AFTER, REDECIDE_EVERY, SpeculationPolicy
+from trtbuild.contract.speculation import Source
+from trtbuild.runtime.speculation.acceptance import AcceptanceModel, SpeculationStats
+from trtbuild.runtime.speculation.adaptive import EXPLORE_AFTER, AdaptivePolicy
 from trtbuild.runtime.speculation.step_times import StepTimes
+from trtbuild.runtime.speculation.trees import MedusaTrees
 
 TREE = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # nodes 1..6
 
@@ -191,6 +193,19 @@ def test_keep_path_moves_kv_positions_in_order():
     assert pool[0, 0, :, 0].tolist() == list(range(10))
 
 
+def _medusa_policy(tree: Tree, acceptance: AcceptanceModel, times: StepTimes,
+                   fixed: int | None = None) -> tuple[MedusaTrees, AdaptivePolicy]:
+    stats = SpeculationStats()
+    trees = MedusaTrees(tree, acceptance, stats, fixed)
+    return trees, AdaptivePolicy(times, {Source.medusa: trees}, stats)
+
+
+def _tree_size(tree: Tree, acceptance: AcceptanceModel, times: StepTimes, fixed: int | None = None) -> int:
+    """The tree prefix the policy verifies for one row at batch 1 (0: plain)."""
+    trees, policy = _medusa_policy(tree, acceptance, times, fixed)
+    return policy.choose(1, {"a": [trees.candidate()]}).seq - 1
+
+
 def test_policy_speculates_only_when_it_pays():
     tree = Tree(((0,), (0, 0), (0, 0, 0), (1,)))
     acceptance = AcceptanceModel([[0.6, 0.2], [0.6, 0.2], [0.6, 0.2]])
@@ -199,11 +214,12 @@ def test_policy_speculates_only_when_it_pays():
     for seq in (1, 2, 3, 4, 5):
         flat.observe(1, seq, 0.010)            # bandwidth-bound: more tokens cost nothing
         steep.observe(1, seq, 0.010 * seq)     # compute-bound: cost grows with tokens
-    assert SpeculationPolicy(tree, acceptance, flat).choose(1) == 4
-    assert SpeculationPolicy(tree, acceptance, steep).choose(1) == 0
-    assert SpeculationPolicy(tree, acceptance, steep, fixed=2).choose(1) == 2
+    assert _tree_size(tree, acceptance, flat) == 4
+    assert _tree_size(tree, acceptance, steep) == 0
+    assert _tree_size(tree, acceptance, steep, fixed=2) == 2
+    assert MedusaTrees(tree, acceptance, SpeculationStats(), fixed=0).candidate() is None
     with pytest.raises(ValueError, match="valid 0"):
-        SpeculationPolicy(tree, acceptance, flat, fixed=5)
+        MedusaTrees(tree, acceptance, SpeculationStats(), fixed=5)
 
 
 def test_policy_compares_a_tree_with_what_a_multi_step_run_costs():
@@ -217,37 +233,37 @@ def test_policy_compares_a_tree_with_what_a_multi_step_run_costs():
     dear_runs.observe_run(1, 8, 8 * 0.007)    # 143 tok/s: the tree still pays by more than MIN_GAIN
     assert cheap_runs.plain_estimate(1) == 0.004 and dear_runs.plain_estimate(1) == 0.007
     assert cheap_runs.plain_estimate(4) == 4 * 0.004  # beyond the measured batches rows scale time
-    assert SpeculationPolicy(tree, acceptance, cheap_runs).choose(1) == 0
-    assert SpeculationPolicy(tree, acceptance, dear_runs).choose(1) == 4
+    assert _tree_size(tree, acceptance, cheap_runs) == 0
+    assert _tree_size(tree, acceptance, dear_runs) == 4
 
 
 def test_policy_standing_aside_explores_within_its_time_budget_and_takes_a_tree_when_it_pays():
+    """Times exact in binary: plain steps of 2^-7 s, verifications measured in a slow spell at 2^-3 s."""
     tree = Tree(((0,), (0, 0), (0, 0, 0), (1,)))
     acceptance = AcceptanceModel([[0.6, 0.2], [0.6, 0.2], [0.6, 0.2]])
     times = StepTimes()
-    times.observe(1, 1, 0.010)
+    times.observe(1, 1, 2 ** -7)
     for seq in (2, 3, 4, 5):
-        times.observe(1, seq, 0.100)  # measured in a slow spell: no tree pays
-    times.observe(1, 2, 0.110)
-    policy = SpeculationPolicy(tree, acceptance, times)
-    window = [policy.choose(1) for _ in range(REDECIDE_EVERY + 1)]
-    assert window == [0] * (REDECIDE_EVERY + 1)  # the first choice stands for the next REDECIDE_EVERY
-    # The likeliest-to-pay tree (all 4 choices: 2.376 tokens / 0.1 s) costs 0.1 s to verify: it is
-    # explored once plain decoding since the last exploration took EXPLORE_AFTER × 0.1 s.
+        times.observe(1, seq, 2 ** -3)  # no tree pays
+    times.observe(1, 2, 0.150)
+    trees, policy = _medusa_policy(tree, acceptance, times)
+    one = {"a": [trees.candidate()]}
+    assert policy.choose(1, one).seq == 1
+    # The likeliest-to-pay tree (all 4 choices: 2.376 tokens / 2^-3 s) costs 2^-3 s to verify: it is
+    # explored once plain decoding since the source last verified took EXPLORE_AFTER × 2^-3 s.
     assert EXPLORE_AFTER == 100
-    budget_steps = round(EXPLORE_AFTER * 0.100 / 0.010)  # plain steps of 10 ms
+    budget_steps = 1600  # 100 × 2^-3 s in plain steps of 2^-7 s
     policy.stood_aside(1, budget_steps - 1)
-    assert [policy.choose(1) for _ in range(REDECIDE_EVERY + 1)] == [0] * (REDECIDE_EVERY + 1)
+    assert policy.choose(1, one).seq == 1
     policy.stood_aside(1, 1)
-    # Two choices (the step before the verification, its drafting) say so, then plain again.
-    assert [policy.choose(1) for _ in range(3)] == [4, 4, 0]
+    # Asking (the step before: compute the heads?) does not spend it; choosing does, then plain again.
+    assert [policy.decide(1, one).seq, policy.choose(1, one).seq, policy.choose(1, one).seq] == [5, 5, 1]
     assert policy.stats.plain_steps == budget_steps
+    # Another batch size keeps its own budget: none spent there yet.
+    assert policy.choose(2, {"a": [trees.candidate()], "b": [trees.candidate()]}).seq == 1
     for _ in range(3):
         times.observe(1, 5, 0.012)  # that verification and others measured now: the tree pays
-    assert [policy.choose(1) for _ in range(REDECIDE_EVERY)] == [0] * REDECIDE_EVERY
-    assert policy.choose(1) == 4
-    # Another batch size keeps its own budget.
-    assert policy._aside_seconds.get(2, 0.0) == 0.0
+    assert policy.choose(1, one).seq == 5
 
 
 def test_acceptance_model_learns_from_verifications():
@@ -256,10 +272,11 @@ def test_acceptance_model_learns_from_verifications():
     for _ in range(200):
         model.record(tree, Accepted((1,), (3,)))  # head 0 always right, head 1 always wrong
     assert model.probability(0, 0) > 0.95 and model.probability(1, 0) < 0.05
-    policy = SpeculationPolicy(tree, AcceptanceModel([[0.5], [0.5]]), StepTimes())
+    _, policy = _medusa_policy(tree, AcceptanceModel([[0.5], [0.5]]), StepTimes())
+    draft = Draft(tree, (3, 4), Source.medusa)
     for _ in range(3):
-        policy.record(tree, Accepted((1, 2), (3, 4)))
-    policy.record(tree, Accepted((), ()))
+        policy.record("a", draft, Accepted((1, 2), (3, 4)))
+    policy.record("a", draft, Accepted((), ()))
     assert policy.stats.head_tried == [4, 3] and policy.stats.head_accepted == [3, 3]
     assert policy.stats.mean_accepted_per_step == 1 + 6 / 4
 

@@ -1,6 +1,7 @@
 """What the engine core speculates with: the sources it serves (the default a request gets),
-Medusa's tree policy where the engine has heads, host drafting (prompt lookup, suffix) where
-those sources are on, and the step times and counters they share."""
+Medusa's trees where the engine has heads, host drafting (prompt lookup, suffix) where those
+sources are on, and the one adaptive policy (adaptive.py) over them, with the step times and
+counters it keeps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -8,12 +9,13 @@ from typing import TYPE_CHECKING
 
 from ...contract.speculation import PromptLookupConfig, Source, SuffixConfig
 from .acceptance import AcceptanceModel, SpeculationStats
+from .adaptive import AdaptivePolicy, SourceModel, SpeculationMode
 from .chain import chain_tree
-from .host import HostDrafting, SpeculationMode
+from .host import HostDrafting
 from ..core.tree import Tree
-from .policy import SpeculationPolicy
 from .sources import sources_for
 from .step_times import EMPTY, Context, StepTimes, calibrate
+from .trees import MedusaTrees
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -27,7 +29,8 @@ class Speculation:
     sources: tuple[Source, ...]
     times: StepTimes
     stats: SpeculationStats
-    medusa: SpeculationPolicy | None
+    policy: AdaptivePolicy
+    medusa: MedusaTrees | None
     host: HostDrafting | None
 
     def sources_of(self, requested: tuple[Source, ...] | None) -> tuple[Source, ...]:
@@ -35,24 +38,13 @@ class Speculation:
         refused any the engine does not serve)."""
         return self.sources if requested is None else requested
 
-    def count_step(self, batch: int, verifies: bool, seq_len: int) -> None:
-        if self.medusa is not None:
-            self.medusa.count_step(batch, verifies, seq_len)
-        elif verifies:
-            self.stats.verify_steps += 1
-            self.stats.tree_sizes[seq_len] += 1
-        else:
-            self.stats.plain_steps += 1
-
-    def stood_aside(self, batch: int, steps: int, context: Context = EMPTY) -> None:
-        if self.medusa is not None:
-            self.medusa.stood_aside(batch, steps, context)
-        else:
-            self.stats.plain_steps += steps
-
-    def choose_medusa(self, batch: int, context: Context = EMPTY) -> int:
-        """Medusa's tree prefix for a decode batch whose rows have ``context`` cached (0: none, or no heads)."""
-        return self.medusa.choose(batch, context) if self.medusa is not None else 0
+    def verifies_medusa(self, batch: int, rids: list[str], context: Context = EMPTY) -> bool:
+        """Whether the policy would verify a Medusa tree for ``rids`` (those of a decode batch of
+        ``batch`` rows that speculate with Medusa): then the step computes the heads to draft it."""
+        candidate = self.medusa.candidate() if self.medusa is not None and rids else None
+        if candidate is None:
+            return False
+        return Source.medusa in self.policy.decide(batch, {rid: [candidate] for rid in rids}, context).sources()
 
 
 def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[Source, ...] | None,
@@ -85,18 +77,21 @@ def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[So
     decides = adaptive and (medusa_tree_size is None or bool(host_sources))
     times = (calibrate(engine, widest, engine_dir.max_batch_size, engine_dir.max_seq_len, multi_step) if decides
              else StepTimes())
+    stats = SpeculationStats()
+    models: dict[Source, SourceModel] = {}
     medusa = None
     if tree is not None:
         fixed = medusa_tree_size if medusa_tree_size is not None else None if adaptive else len(tree.choices)
-        medusa = SpeculationPolicy(tree, AcceptanceModel(engine_dir.medusa["rank_accuracy"]), times, fixed)
+        medusa = models[Source.medusa] = MedusaTrees(tree, AcceptanceModel(engine_dir.medusa["rank_accuracy"]),
+                                                     stats, fixed)
     host = None
     if host_sources:
         settings = replace(config, sources=host_sources,
                            prompt_lookup=_capped(config.prompt_lookup or PromptLookupConfig(), max_tokens),
                            suffix=_capped(config.suffix or SuffixConfig(), max_tokens))
-        host = HostDrafting(sources_for(settings), max_tokens, times, mode)
-    stats = medusa.stats if medusa is not None else SpeculationStats()
-    return Speculation(sources, times, stats, medusa, host)
+        host = HostDrafting(sources_for(settings), max_tokens, mode)
+        models.update(dict.fromkeys(host_sources, host))
+    return Speculation(sources, times, stats, AdaptivePolicy(times, models, stats, mode), medusa, host)
 
 
 def _capped(settings, max_tokens: int):
