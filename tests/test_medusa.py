@@ -105,7 +105,8 @@ def test_engine_dir_records_heads_and_tree(medusa_engine):
                            capture_output=True, text=True).stdout
     assert "medusa       4 heads × 1 block(s); tree of 63 guesses (verification S = 64)" in shown
     # The draft sources: Medusa alone, verifying up to its tree's 64 tokens.
-    assert manifest["speculation"] == {"sources": ["medusa"], "verify_tokens": 64, "prompt_lookup": None, "suffix": None}
+    assert manifest["speculation"] == {"sources": ["medusa"], "verify_tokens": 64, "prompt_lookup": None, "suffix": None,
+                                       "draft_head": None}
     assert "speculation  medusa (verification S = 64)" in shown.splitlines()
 
 
