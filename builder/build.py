@@ -73,6 +73,10 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         _check_disk(spec, options.out)
     side_files = checkpoint_side_files(spec.model.checkpoint)
     check_side_files(side_files, spec.model.checkpoint, spec.arch.vocab_size)
+    if spec.draft_head is not None:  # every tensor of the draft dir, before anything is written
+        from .draft_head.build import check_draft_dir
+
+        check_draft_dir(spec)
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "
