@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..contract.draft_head import DRAFT_GRAPH
+from ..contract.draft_head import DRAFT_GRAPH, DraftHeadEntry
 from .emit.cpu_step_model import save_cpu_step_model
 from .emit.manifest import io_table, tool_versions
 from .emit.tensorrt import optimization_profiles
@@ -99,6 +99,6 @@ def _draft_head_manifest(spec: Spec) -> dict | None:
     draft = spec.draft_head
     if draft is None:
         return None
-    return {"graph": DRAFT_GRAPH, "taps": list(draft.config.taps), "draft_vocab_size": draft.config.draft_vocab_size,
-            "hidden": draft.config.layer.hidden_size, "accuracy": draft.config.accuracy,
-            "num_tokens": draft.num_tokens}
+    return DraftHeadEntry(graph=DRAFT_GRAPH, taps=draft.config.taps, draft_vocab_size=draft.config.draft_vocab_size,
+                          hidden=draft.config.layer.hidden_size, accuracy=draft.config.accuracy,
+                          num_tokens=draft.num_tokens).to_manifest()
