@@ -189,6 +189,9 @@ def test_manifest_records_the_draft_head_and_hashes_its_graph(draft_engine):
     assert d.draft_head.taps == tuple(taps) and d.draft_head.num_tokens == 4
     assert d.speculation.sources == (Source.draft_head,)
     assert d.speculation.draft_head == DraftHeadSourceConfig(4)
+    shown = CliRunner().invoke(main, ["inspect", str(engine)]).output.splitlines()
+    assert ("draft head   draft.onnx: features of layers [2, 3, 3], draft vocabulary 64, chains of up to 4; "
+            "held-out top1 0.250, top5 0.500") in shown
 
 
 @pytest.mark.slow
@@ -327,3 +330,33 @@ def test_skip_norm_keeps_the_graph_sorted_where_the_sum_has_a_reader_before_the_
     want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)
     got = ort.InferenceSession(done.model.SerializeToString()).run(None, feeds)
     assert all(np.abs(g - w).max() <= 1e-6 for g, w in zip(got, want))
+
+
+@pytest.mark.slow
+def test_tensorrt_engine_returns_the_features_as_onnxruntime_does(monkeypatch, draft_engine):
+    """TensorRTEngine on a simulated device (tests/simulated_device.py), the paged engine built
+    with the extra output: prefill and a verified chain give ONNX Runtime's features."""
+    from trtbuild.runtime.backends.tensorrt.engine import TensorRTEngine
+
+    from simulated_device import SimulatedDevice
+
+    SimulatedDevice(compute_capability="sm89").install(monkeypatch, [draft_engine[0]])
+    d = load(draft_engine[0])
+
+    def features(engine) -> list[np.ndarray]:
+        # No block tables: a paged engine's row reads and writes its scratch block (11 positions fit).
+        out = engine.step(Step(kind=StepKind.prefill, first_slot=0, rids=("a",), tokens=(tuple(PROMPTS[0]),),
+                               starts=(0,), samples=(True,)))
+        first = out.draft_features.copy()
+        out = engine.step(Step(kind=StepKind.decode, first_slot=0, rids=("a",), tokens=((5, 88, 1500, 9),),
+                               starts=(7,), samples=(True,), trees=(CHAIN,)))
+        return [first, out.draft_features.copy()]
+
+    engine = TensorRTEngine(d)
+    try:
+        got = features(engine)
+    finally:
+        engine.close()
+    want = features(OnnxRuntimeEngine(d, threads=2))
+    assert [g.shape for g in got] == [(1, 7, 256), (1, 4, 256)]
+    assert all(_max_abs(g, w) <= 1e-4 for g, w in zip(got, want))
