@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import numerics
+from .emit.draft_graph import share_target_embedding
 from .emit.engine_dir import check_destination, staged
 from ..contract.pipeline import balanced_layers, stage_layers
 from .emit.manifest import graph_metadata, write_manifest
@@ -137,6 +138,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
             del model
         del run
         shutil.rmtree(workdir)
+        if exported.draft_graph is not None and spec.build.cpu_graphs:  # else rank0.onnx.data is left out
+            saved = share_target_embedding(exported.draft_graph, tmp / "rank0.onnx")
+            if saved:
+                progress.say(f"  {exported.draft_graph.name}: the token embedding read from rank0.onnx.data "
+                             f"({human_bytes(saved)} not written twice)")
         engines = _build_engines(spec, flavor, tmp, [rank.get("paged_onnx") or rank["onnx"] for rank in ranks],
                                  options.jobs, progress)
         child_peaks += [e.peak for e in engines]

@@ -360,3 +360,40 @@ def test_tensorrt_engine_returns_the_features_as_onnxruntime_does(monkeypatch, d
     want = features(OnnxRuntimeEngine(d, threads=2))
     assert [g.shape for g in got] == [(1, 7, 256), (1, 4, 256)]
     assert all(_max_abs(g, w) <= 1e-4 for g, w in zip(got, want))
+
+
+@pytest.mark.slow
+def test_the_engine_dirs_draft_graph_runs_as_the_draft_step_and_shares_the_rank_embedding(draft_engine):
+    """draft.onnx from the engine dir in ONNX Runtime: the torch draft step's logits and hidden
+    (max abs ≤ 1e-4) on a batch of 2 rows of 3 tokens; its token embedding read from
+    rank0.onnx.data (the rank's bytes), not written twice."""
+    import onnxruntime as ort
+    from transformers import AutoModelForCausalLM
+
+    from trtbuild.builder.draft_head.model import DraftHeadStep
+
+    engine, draft_dir = draft_engine
+    graph = onnx.load(engine / DRAFT_GRAPH, load_external_data=False)
+    (embed,) = [t for t in graph.graph.initializer if list(t.dims) == [4096, 256]]
+    assert {e.key: e.value for e in embed.external_data}["location"] == "rank0.onnx.data"
+    embed_bytes = 4096 * 256 * 4
+    assert (engine / (DRAFT_GRAPH + ".data")).stat().st_size < embed_bytes  # the layer and the K-row head only
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_CODE, dtype=torch.float32).eval()
+    step = DraftHeadStep(load_draft_head(draft_dir, model.model.embed_tokens), max_seq_len=128).eval()
+    rng = np.random.default_rng(0)
+    batch, seq, s_max = 2, 3, 128
+    mask = np.zeros((batch, 1, seq, s_max), bool)
+    mask[:, 0, :, :seq] = np.tril(np.ones((seq, seq), bool))
+    feeds = {"input_ids": rng.integers(0, 4096, (batch, seq)).astype(np.int32),
+             "position_ids": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
+             "write_index": np.zeros(batch, np.int64), "kv_length": np.full(batch, seq, np.int64),
+             "attention_mask": mask, "logits_index": np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
+             "features": rng.standard_normal((batch, seq, 256)).astype(np.float32),
+             "past_key_0": np.zeros((batch, 2, s_max, 32), np.float32),
+             "past_value_0": np.zeros((batch, 2, s_max, 32), np.float32)}
+    got = ort.InferenceSession(str(engine / DRAFT_GRAPH)).run(["draft_logits", "draft_hidden"], feeds)
+    with torch.no_grad():
+        want = step(*(torch.from_numpy(v) for v in feeds.values()))
+    assert got[0].shape == (batch, seq, DRAFT_VOCAB)
+    assert _max_abs(got[0], want[0].numpy()) <= 1e-4 and _max_abs(got[1], want[1].numpy()) <= 1e-4
