@@ -93,8 +93,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         progress.say(f"  export process peak RSS {exported.peak.describe()}")
         if exported.draft_graph is not None:
             data = exported.draft_graph.with_name(exported.draft_graph.name + ".data")
-            progress.say(f"  draft head: {exported.draft_graph.name} ({human_bytes(data.stat().st_size)} of weights, "
-                         "the target's token embedding among them)")
+            progress.say(f"  draft head: {exported.draft_graph.name} ({human_bytes(data.stat().st_size)} of weights "
+                         "with the target's token embedding)")
         progress.say(f"  {check.describe()}" if check is not None else "  numerics check off (passes.numerics: false)")
         quantized, quant_report = (load_quantized(exported.quantized_path) if exported.quantized_path
                                    else (None, None))
