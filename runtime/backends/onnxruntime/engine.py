@@ -127,7 +127,8 @@ class OnnxRuntimeEngine:
             binding.bind_cpu_input(TREE_VERIFY, _FALSE)
         if self.drafts_on_demand:  # read by the decode graph only
             binding.bind_cpu_input(DRAFT_HEADS, _TRUE)
-        named = [LOGITS, *([MEDUSA_LOGITS] if self.has_medusa else []), *([DRAFT_FEATURES] if self.has_features else [])]
+        named = [LOGITS, *([MEDUSA_LOGITS] if self.has_medusa else []),
+                 *([DRAFT_FEATURES] if self.has_features else [])]
         for name in named:  # get_outputs() gives them in this order
             binding.bind_output(name)
         rows = slice(step.first_slot, step.first_slot + len(step.rids))
