@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import numerics
+from .emit.draft_graph import share_target_embedding
 from .emit.engine_dir import check_destination, staged
 from ..contract.pipeline import balanced_layers, stage_layers
 from .emit.manifest import graph_metadata, write_manifest
@@ -73,6 +74,10 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         _check_disk(spec, options.out)
     side_files = checkpoint_side_files(spec.model.checkpoint)
     check_side_files(side_files, spec.model.checkpoint, spec.arch.vocab_size)
+    if spec.draft_head is not None:  # every tensor of the draft dir, before anything is written
+        from .draft_head.build import check_draft_dir
+
+        check_draft_dir(spec)
     disabled = frozenset(spec.passes.disable) | options.disable
     progress.say(f"trtbuild: {spec.arch.architecture} from {spec.model.checkpoint} → {options.out} "
                  f"({spec.model.dtype.value}, {flavor.name} {flavor.version}, "
@@ -86,6 +91,10 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
             exported = run_isolated(export_stage, spec, workdir, check)
         child_peaks = [exported.peak]
         progress.say(f"  export process peak RSS {exported.peak.describe()}")
+        if exported.draft_graph is not None:
+            data = exported.draft_graph.with_name(exported.draft_graph.name + ".data")
+            progress.say(f"  draft head: {exported.draft_graph.name} ({human_bytes(data.stat().st_size)} of weights "
+                         "with the target's token embedding)")
         progress.say(f"  {check.describe()}" if check is not None else "  numerics check off (passes.numerics: false)")
         quantized, quant_report = (load_quantized(exported.quantized_path) if exported.quantized_path
                                    else (None, None))
@@ -129,6 +138,11 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
             del model
         del run
         shutil.rmtree(workdir)
+        if exported.draft_graph is not None and spec.build.cpu_graphs:  # else rank0.onnx.data is left out
+            saved = share_target_embedding(exported.draft_graph, tmp / "rank0.onnx")
+            if saved:
+                progress.say(f"  {exported.draft_graph.name}: the token embedding read from rank0.onnx.data "
+                             f"({human_bytes(saved)} not written twice)")
         engines = _build_engines(spec, flavor, tmp, [rank.get("paged_onnx") or rank["onnx"] for rank in ranks],
                                  options.jobs, progress)
         child_peaks += [e.peak for e in engines]

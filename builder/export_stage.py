@@ -6,6 +6,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from . import numerics
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.source import open_weights
@@ -32,6 +34,7 @@ class Exported:
     peak: ProcessPeak
     quantized_path: Path | None = None       # codes and scales per layer (safetensors)
     quantized_reference: dict | None = None  # torch eager outputs with the dequantized weights
+    draft_graph: Path | None = None          # draft.onnx, written into the engine dir (with a draft head)
 
 
 def weight_map(spec: Spec) -> WeightMap:
@@ -61,8 +64,16 @@ def export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) ->
 def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -> Exported:
     with sample_peak("export") as peak:
         weights = weight_map(spec)
+        fuse, draft_graph = None, None
+        if spec.draft_head is not None:  # its graph beside the rank graphs; its fuse inside the target's
+            from .draft_head.build import target_draft_head, write_draft_graph
+
+            draft = target_draft_head(spec, weights)
+            fuse = draft.fuse.weight.detach().clone()  # [D, 3D]
+            draft_graph = write_draft_graph(spec, draft, workdir.parent)
+            del draft
         exported = export_step(spec, workdir, weights, spec.arch.num_layers, spec.model.dtype,
-                               spec.arch.vocab_size)
+                               spec.arch.vocab_size, fuse)
         checked, reference, model, inputs, heads = exported, None, None, None, None
         if check is not None:
             if not check.whole:
@@ -72,7 +83,10 @@ def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -
             inputs = numerics.seeded_inputs(spec, check)
             heads = load_heads(spec.medusa.heads) if spec.medusa is not None else None
             model = truncated_model(spec.model.checkpoint, weights, check.dtype.torch, check.layers, check.vocab_rows)
-            reference = (inputs, torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads))
+            # A truncated check's graph has not every tapped layer: it checks no draft features.
+            check_fuse = fuse if check.whole else None
+            reference = (inputs, torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads,
+                                               check_fuse))
         quantized_path, quantized_reference = None, None
         if spec.quantization.bits:
             quantized_path = workdir / "quantized"  # one file per layer (builder/quant/store.py)
@@ -80,20 +94,29 @@ def _export_stage(spec: Spec, workdir: Path, check: numerics.CheckPlan | None) -
             quantize_checkpoint(weights, spec, quantized_path, progress=say)
             if model is not None:  # layers the truncated model lacks are skipped, unread
                 apply_dequantized(model, load_quantized(quantized_path)[0])
-                quantized_reference = torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads)
+                quantized_reference = torch_outputs(spec, model, check.layers, checked.output_names, inputs, heads,
+                                                    check_fuse)
         del model
     return Exported(path=exported.path, data_path=exported.data_path, output_names=exported.output_names,
                      check_path=None if check is None or check.whole else checked.path,
                      reference=reference, peak=peak.result(), quantized_path=quantized_path,
-                     quantized_reference=quantized_reference)
+                     quantized_reference=quantized_reference, draft_graph=draft_graph)
 
 
 def torch_outputs(spec: Spec, model, num_layers: int, output_names: list[str], inputs: dict,
-                   heads: MedusaHeads | None) -> dict:
+                   heads: MedusaHeads | None, draft_fuse: torch.Tensor | None = None) -> dict:
     """Torch eager's outputs of the step over ``model`` (its first ``num_layers`` layers, real
     weights) on ``inputs``; with Medusa, the heads' logits (numpy reference) on the final-norm
-    hidden state the step computed, so attach_medusa is checked too."""
-    step = LlamaStep(model, spec.arch.model_copy(update={"num_layers": num_layers}), spec.build.max_seq_len).eval()
+    hidden state the step computed, so attach_medusa is checked too; with ``draft_fuse`` (the
+    draft head's fuse weight) the draft features too."""
+    taps, fuse = None, None
+    if draft_fuse is not None:
+        dtype = next(model.parameters()).dtype
+        taps = spec.draft_head.config.taps
+        fuse = torch.nn.Linear(draft_fuse.shape[1], draft_fuse.shape[0], bias=False, dtype=dtype)
+        fuse.weight.data.copy_(draft_fuse)
+    step = LlamaStep(model, spec.arch.model_copy(update={"num_layers": num_layers}), spec.build.max_seq_len,
+                     taps, fuse).eval()
     captured = {}
     handle = step.norm.register_forward_hook(lambda module, args, out: captured.update(hidden=out))
     try:

@@ -56,6 +56,7 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
         *([f"medusa       {m['num_heads']} heads × {m['num_layers']} block(s); tree of {len(m['tree'])} guesses "
            f"(verification S = {m['tree_size']}); output {m['output']}"] if (m := manifest.get("medusa")) else []),
         *([f"speculation  {_speculation_line(out, s)}"] if (s := manifest.get("speculation")) is not None else []),
+        *([f"draft head   {_draft_head_line(d)}"] if (d := manifest.get("draft_head")) else []),
         f"kv cache     {_kv_cache_line(manifest)}",
         f"quantization {(q := manifest['spec'].get('quantization', {})).get('mode', 'none')}"
         + (f" ({q.get('algorithm')})" if q.get("mode") == "int4_weight_only" else ""),
@@ -136,9 +137,19 @@ def _speculation_line(out: Path, entry) -> str:
     except ValueError as exc:
         return f"INVALID: {exc}"
     settings = [f"{name} ({', '.join(f'{k} {v}' for k, v in asdict(c).items())})"
-                for name, c in (("prompt_lookup", config.prompt_lookup), ("suffix", config.suffix)) if c is not None]
+                for name, c in (("prompt_lookup", config.prompt_lookup), ("suffix", config.suffix),
+                                ("draft_head", config.draft_head)) if c is not None]
     return "; ".join([f"{', '.join(s.value for s in config.sources)} (verification S = {config.verify_tokens})",
                       *settings])
+
+
+def _draft_head_line(entry: dict) -> str:
+    """The draft head's graph, the target layers its features fuse, its vocabulary and accuracy."""
+    accuracy = entry.get("accuracy") or {}
+    held_out = ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items() if isinstance(v, (int, float)))
+    return (f"{entry.get('graph')}: features of layers {entry.get('taps')}, draft vocabulary "
+            f"{entry.get('draft_vocab_size')}, chains of up to {entry.get('num_tokens')}; held-out "
+            f"{held_out or 'accuracy not recorded'}")
 
 
 def _grid_line(manifest: dict) -> str:

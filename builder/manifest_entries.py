@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..contract.draft_head import DRAFT_GRAPH, DraftHeadEntry
 from .emit.cpu_step_model import save_cpu_step_model
 from .emit.manifest import io_table, tool_versions
 from .emit.tensorrt import optimization_profiles
@@ -58,6 +59,7 @@ def manifest_body(spec: Spec, flavor, ranks: list[dict], records: list[dict], cu
         "cuda_graph_batch_sizes": cuda_graph_plan,
         "kv_cache": kv_cache_entry(spec),
         "medusa": _medusa_manifest(spec),
+        "draft_head": _draft_head_manifest(spec),
         # The draft sources a request gets by default and the verification S built for (null: none).
         "speculation": spec.speculation.to_manifest() if spec.speculation is not None else None,
         "passes": list(dict.fromkeys(r["pass"] for r in records)),
@@ -88,3 +90,15 @@ def _medusa_manifest(spec: Spec) -> dict | None:
             # P(rank r of head k is right): the runtime's prior for choosing a tree size.
             "rank_accuracy": [[round(p, 5) for p in row] for row in medusa.rank_accuracy],
             "output": "medusa_logits"}
+
+
+def _draft_head_manifest(spec: Spec) -> dict | None:
+    """What the runtime needs to draft with the head: its graph (draft.onnx: one layer's cache,
+    FEATURES in), the target layers it reads (the step's DRAFT_FEATURES fuses them), its
+    vocabulary and held-out accuracy (the runtime's prior), the longest chain it drafts."""
+    draft = spec.draft_head
+    if draft is None:
+        return None
+    return DraftHeadEntry(graph=DRAFT_GRAPH, taps=draft.config.taps, draft_vocab_size=draft.config.draft_vocab_size,
+                          hidden=draft.config.layer.hidden_size, accuracy=draft.config.accuracy,
+                          num_tokens=draft.num_tokens).to_manifest()

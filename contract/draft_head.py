@@ -121,3 +121,48 @@ class DraftHeadConfig:
         if self.target_vocab_size != vocab_size:
             return f"the draft's target vocabulary {self.target_vocab_size} != the target's {vocab_size}"
         return None
+
+
+@dataclass(frozen=True)
+class DraftHeadEntry:
+    """The manifest's ``draft_head`` entry: the draft's graph in the engine dir (its weights in
+    ``graph`` + ".data"), the target layers its features fuse, its vocabulary and hidden size, its
+    held-out accuracy (the runtime's prior) and the longest chain it drafts."""
+
+    graph: str
+    taps: tuple[int, ...]
+    draft_vocab_size: int
+    hidden: int
+    accuracy: dict
+    num_tokens: int
+
+    def to_manifest(self) -> dict:
+        return {"graph": self.graph, "taps": list(self.taps), "draft_vocab_size": self.draft_vocab_size,
+                "hidden": self.hidden, "accuracy": self.accuracy, "num_tokens": self.num_tokens}
+
+    @classmethod
+    def from_manifest(cls, entry: object, where: str, num_layers: int, hidden_size: int,
+                      vocab_size: int) -> "DraftHeadEntry":
+        """From an untrusted manifest, checked against its model's shapes; ValueError naming the field."""
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{where}: draft_head.{name} {why}")
+
+        fields = set(cls.__dataclass_fields__)
+        if not isinstance(entry, dict) or set(entry) != fields:
+            raise bad("", f"must be an object with {', '.join(sorted(fields))}")
+        if not isinstance(entry["graph"], str) or not entry["graph"]:
+            raise bad("graph", f"{entry['graph']!r}: a file name in the engine dir expected")
+        taps = entry["taps"]
+        if (not isinstance(taps, list) or len(taps) != NUM_TAPS
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < num_layers for t in taps)):
+            raise bad("taps", f"{taps!r}: {NUM_TAPS} layer indices in [0, {num_layers}) expected")
+        for name, top in (("draft_vocab_size", vocab_size), ("hidden", 1 << 20), ("num_tokens", 64)):
+            value = entry[name]
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+                raise bad(name, f"{value!r}: an integer in [1, {top}] expected")
+        if entry["hidden"] != hidden_size:
+            raise bad("hidden", f"{entry['hidden']} != the model's hidden_size {hidden_size}")
+        if not isinstance(entry["accuracy"], dict):
+            raise bad("accuracy", "must be an object")
+        return cls(graph=entry["graph"], taps=tuple(taps), draft_vocab_size=entry["draft_vocab_size"],
+                   hidden=entry["hidden"], accuracy=dict(entry["accuracy"]), num_tokens=entry["num_tokens"])

@@ -21,6 +21,9 @@ from .json_file import read_json_object
 # 8: ``kv_cache`` (layout slots | paged, block_size, each rank's pool [block_size, H_kv, D]); a paged
 # engine's rank entry lists ``paged_onnx`` (the graph it was compiled from) and its I/O table is that
 # graph's (pools, block_table, kv_slots; no write_index).
+# Compatible additions (no bump: absent reads as none): ``draft_head`` (contract/draft_head.py
+# DraftHeadEntry: draft.onnx, its taps, vocabulary, accuracy, num_tokens), and with it the step's
+# ``draft_features`` output in every rank graph.
 SCHEMA_VERSION = 8
 
 # The files beside the ranks' that the runtime reads: the tokenizer, its config and chat template

@@ -8,9 +8,11 @@ from ..contract.json_file import read_json_object
 from ..contract.kv_budget import DEFAULT_BLOCK_SIZE, KvBudget, block_size_problem, parse_kv_cache_memory
 from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError,
                                  eos_token_ids, has_cpu_graphs, read_manifest)
+from ..contract.draft_head import DraftHeadEntry
+from ..contract.paths import path_inside
 from ..contract.speculation import Source, SpeculationConfig
 from ..plugins.onnxruntime.session import CpuActivations
-from .engine_dir_check import check_engine_dir
+from .engine_dir_check import check_engine_dir, check_graph_data
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,39 @@ class EngineDir:
         if (Source.medusa in config.sources) != (self.medusa is not None):
             raise EngineDirError(f"{self.path / 'manifest.json'}: speculation.sources lists medusa exactly when the "
                                  "engine has Medusa heads (a medusa entry); rebuild the engine dir")
+        if (Source.draft_head in config.sources) != (self.manifest.get("draft_head") is not None):
+            raise EngineDirError(f"{self.path / 'manifest.json'}: speculation.sources lists draft_head exactly when "
+                                 "the engine has a draft head (a draft_head entry); rebuild the engine dir")
+        if config.draft_head is not None and config.draft_head.num_tokens != self.draft_head.num_tokens:
+            raise EngineDirError(f"{self.path / 'manifest.json'}: speculation.draft_head.num_tokens "
+                                 f"{config.draft_head.num_tokens} != draft_head.num_tokens "
+                                 f"{self.draft_head.num_tokens}; rebuild the engine dir")
         return config
+
+    @property
+    def draft_head(self) -> DraftHeadEntry | None:
+        """The draft head built into the engine (its graph a listed file inside the dir, its
+        weights in the graph's own listed data file), checked; None without one."""
+        entry = self.manifest.get("draft_head")
+        if entry is None:
+            return None
+        where = str(self.path / "manifest.json")
+        try:
+            draft = DraftHeadEntry.from_manifest(entry, where, self.num_layers, self.model["hidden_size"],
+                                                 self.vocab_size)
+        except ValueError as exc:
+            raise EngineDirError(f"{exc}; rebuild the engine dir") from None
+        files = self.manifest["files"]
+        if path_inside(self.path, draft.graph) is None or draft.graph not in files:
+            raise EngineDirError(f"{where}: draft_head.graph {draft.graph!r} is not a file the manifest lists inside "
+                                 "the engine dir; rebuild the engine dir")
+        data = f"{draft.graph}.data"
+        try:  # its own weights, and the token embedding from rank 0's (the target's table, not written twice)
+            check_graph_data(self.path / draft.graph, {data if data in files else None,
+                                                       self.manifest["ranks"][0].get("onnx_data")})
+        except ManifestError as exc:
+            raise EngineDirError(str(exc)) from None
+        return draft
 
     @property
     def runtime_defaults(self) -> dict:
@@ -273,6 +307,7 @@ def load(engine_dir: Path, verify_hashes: bool = True) -> EngineDir:
     engine_dir.cpu_activations  # noqa: B018
     engine_dir.multi_step  # noqa: B018
     engine_dir.speculation  # noqa: B018
+    engine_dir.draft_head  # noqa: B018
     engine_dir.kv_cache_memory  # noqa: B018
     engine_dir.kv_block_size  # noqa: B018
     engine_dir.kv_cache  # noqa: B018

@@ -35,12 +35,12 @@ def check_engine_dir(engine_dir: Path, manifest: dict, verify_hashes: bool = Tru
     for rank in manifest["ranks"]:
         if rank.get("onnx") is None:
             continue  # cpu_graphs: false — the engines alone
-        _check_external_data(root / rank["onnx"], {rank.get("onnx_data")})
+        check_graph_data(root / rank["onnx"], {rank.get("onnx_data")})
         if rank.get("paged_onnx") is not None:  # the paged engine's graph: the rank's weights, none of its own
-            model = _check_external_data(root / rank["paged_onnx"], {rank.get("onnx_data")})
+            model = check_graph_data(root / rank["paged_onnx"], {rank.get("onnx_data")})
             _check_io(root / rank["paged_onnx"], model, rank.get("io"))
         if rank.get("cpu_onnx") is not None:  # it shares the rank's weights, and may add its own
-            _check_external_data(root / rank["cpu_onnx"], {rank.get("onnx_data"), rank.get("cpu_onnx_data")})
+            check_graph_data(root / rank["cpu_onnx"], {rank.get("onnx_data"), rank.get("cpu_onnx_data")})
 
 
 def _check_side_files(root: Path, manifest: dict) -> None:
@@ -61,7 +61,7 @@ def _check_side_files(root: Path, manifest: dict) -> None:
                                 "runtime would read it; remove it, or rebuild from a checkpoint that has it")
 
 
-def _check_external_data(graph: Path, allowed: set[str | None]):
+def check_graph_data(graph: Path, allowed: set[str | None]):
     """A rank's graph may read weights from its own listed data files only (subgraphs included);
     the graph (without its weights)."""
     import onnx

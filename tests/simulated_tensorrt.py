@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from trtbuild.plugins.onnxruntime import session as ort_config
+from trtbuild.contract.draft_head import DRAFT_FEATURES
 from trtbuild.contract.pipeline import HIDDEN_STATES, HIDDEN_STATES_OUT
 from trtbuild.contract.step import BLOCK_TABLE, CACHE_DTYPES, INPUT_NAMES, KV_SLOTS, LOGITS, MEDUSA_LOGITS
 from trtbuild.plugins.onnxruntime import fp4
@@ -123,7 +124,8 @@ class SimulatedContext:
         for name in engine.inputs:
             dtype = engine.dtype if name.startswith("past_") or name == HIDDEN_STATES else INPUT_DTYPES[name]
             inputs[name] = device.view(addresses[name], shapes[name], dtype)
-        out_shapes = {HIDDEN_STATES_OUT: ((*shapes["position_ids"], engine.hidden_size), engine.dtype)}
+        out_shapes = {HIDDEN_STATES_OUT: ((*shapes["position_ids"], engine.hidden_size), engine.dtype),
+                      DRAFT_FEATURES: ((*shapes["position_ids"], engine.hidden_size), engine.dtype)}
         if "logits_index" in shapes:  # the last pipeline stage (or the whole model)
             batch, rows = shapes["logits_index"]
             vocab = engine.manifest["model"]["vocab_size"]

@@ -35,7 +35,8 @@ def test_manifest_records_the_sources_and_the_runtime_reads_them(speculation_eng
     assert manifest["speculation"] == {
         "sources": ["prompt_lookup", "suffix"], "verify_tokens": 17,
         "prompt_lookup": {"num_tokens": 8, "min_ngram": 1, "max_ngram": 4},
-        "suffix": {"num_tokens": 16, "max_depth": 16, "max_match": 32, "min_probability": 0.1, "cross_request": 16}}
+        "suffix": {"num_tokens": 16, "max_depth": 16, "max_match": 32, "min_probability": 0.1, "cross_request": 16},
+        "draft_head": None}
     assert load(speculation_engine).speculation == EXPECTED
     decode = manifest["profiles"][0]["shapes"]  # the decode profile takes a verification of 17 rows
     assert decode["input_ids"][2] == [8, 17] and decode["logits_index"][2] == [8, 17]

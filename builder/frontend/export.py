@@ -23,6 +23,7 @@ import onnx_graphsurgeon as gs
 import torch
 from onnx.external_data_helper import load_external_data_for_tensor
 
+from ...contract.draft_head import DRAFT_FEATURES
 from ...contract.step import INPUT_NAMES, STEP_INPUTS, io_cache_names
 from ..spec.dtype import DType
 from ..spec.model import Spec
@@ -72,16 +73,25 @@ def _dynamic_shapes(spec: Spec, num_layers: int) -> tuple:
 
 
 def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, dtype: DType,
-                vocab_rows: int) -> ExportedStep:
+                vocab_rows: int, draft_fuse: torch.Tensor | None = None) -> ExportedStep:
     """Exports the step of the checkpoint's first ``num_layers`` decoder layers and ``vocab_rows``
     vocabulary rows (all of them for the engine; fewer for the numerics check of a large model)
-    in ``dtype`` to ``workdir/step.onnx``, its weights streamed from ``weights`` into ``step.onnx.data``."""
+    in ``dtype`` to ``workdir/step.onnx``, its weights streamed from ``weights`` into ``step.onnx.data``.
+    ``draft_fuse``: the draft head's fuse weight [D, 3D] (its taps are ``spec.draft_head``'s): the
+    step then outputs DRAFT_FEATURES too."""
     arch = spec.arch.model_copy(update={"num_layers": num_layers, "vocab_size": vocab_rows})
     model = meta_model(spec.model.checkpoint, dtype.torch, num_layers, vocab_rows)
-    step = LlamaStep(model, arch, spec.build.max_seq_len).eval()
-    # The rotary tables are computed, not stored: keep their values, trace them as meta.
+    taps, fuse = None, None
+    if draft_fuse is not None:
+        taps = spec.draft_head.config.taps
+        fuse = torch.nn.Linear(draft_fuse.shape[1], draft_fuse.shape[0], bias=False, device="meta", dtype=dtype.torch)
+    step = LlamaStep(model, arch, spec.build.max_seq_len, taps, fuse).eval()
+    # The rotary tables are computed, not stored: keep their values, trace them as meta. So is
+    # the draft's fuse weight, which is the draft dir's, not the checkpoint's.
     tables = {"cos_table": step.cos_table, "sin_table": step.sin_table}
     step.cos_table, step.sin_table = (table.to("meta") for table in tables.values())
+    if draft_fuse is not None:
+        tables["draft_fuse.weight"] = draft_fuse
     sources = _checkpoint_keys(step, model)
     # Sizes of 2+ keep torch.export from specialising a dynamic dim to 1.
     seq = min(3, spec.max_step_tokens) if spec.max_step_tokens > 1 else 1
@@ -92,7 +102,8 @@ def export_step(spec: Spec, workdir: Path, weights: WeightMap, num_layers: int, 
         program = torch.onnx.export(
             step, args, dynamo=True, dynamic_shapes=_dynamic_shapes(spec, num_layers), opset_version=OPSET,
             optimize=False, input_names=list(INPUT_NAMES) + io_cache_names(num_layers, "past"),
-            output_names=["logits"] + io_cache_names(num_layers, "present"), verbose=False)
+            output_names=["logits", *([DRAFT_FEATURES] if draft_fuse is not None else [])]
+            + io_cache_names(num_layers, "present"), verbose=False)
         graph_weights = _take_weights(program, sources, tables)
         program.optimize()  # folds all but the weights, whose values it is told it does not know
         for name in graph_weights:
@@ -115,7 +126,8 @@ def _checkpoint_keys(step: LlamaStep, model: torch.nn.Module) -> dict[str, str]:
     for name, param in model.named_parameters(remove_duplicate=False):
         hf_names.setdefault(id(param), name)
     return {name: checkpoint_key(hf_names[id(param)], model.config.tie_word_embeddings)
-            for name, param in step.named_parameters(remove_duplicate=False)}
+            for name, param in step.named_parameters(remove_duplicate=False)
+            if id(param) in hf_names}  # the draft's fuse weight is not the checkpoint's
 
 
 def _take_weights(program, sources: dict[str, str], tables: dict[str, torch.Tensor]) -> dict[str, GraphWeight]:

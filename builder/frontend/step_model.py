@@ -90,14 +90,24 @@ class DecoderStep(nn.Module):
 class LlamaStep(nn.Module):
     """One engine step: new tokens in, logits at ``logits_index`` out, caches updated.
 
+    With ``draft_taps`` (a draft head's tapped layers, contract/draft_head.py) the step also
+    outputs DRAFT_FEATURES [B, S, D]: ``draft_fuse`` (the draft's fuse projection, 3D → D) over the
+    hidden states after those layers, concatenated, at every new position (not only the logits
+    rows: the draft reads each position's features). Its weight comes from the draft dir.
+
     The transformers RMSNorm/MLP/Linear modules are reused as they are (their forward is
     already decomposed); module names follow transformers' so node names read
     ``/model/layers.3/self_attn/...``.
     """
 
-    def __init__(self, hf_model: nn.Module, arch: ArchConfig, max_seq_len: int):
+    def __init__(self, hf_model: nn.Module, arch: ArchConfig, max_seq_len: int,
+                 draft_taps: tuple[int, ...] | None = None, draft_fuse: nn.Linear | None = None):
         super().__init__()
         self.arch, self.max_seq_len = arch, max_seq_len
+        if (draft_taps is None) != (draft_fuse is None):
+            raise ValueError("draft_taps and draft_fuse come together")
+        self.draft_taps = tuple(draft_taps) if draft_taps is not None else None
+        self.draft_fuse = draft_fuse
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = nn.ModuleList(DecoderStep(layer, arch, max_seq_len) for layer in inner.layers)
@@ -125,13 +135,18 @@ class LlamaStep(nn.Module):
         valid = torch.arange(self.max_seq_len, device=input_ids.device)[None, :] < kv_length[:, None]
         mask = attention_mask & valid[:, None, None, :]  # [B, 1, S, S_max]
 
-        presents = []
+        presents, tapped = [], {}
         for index, layer in enumerate(self.layers):
             hidden, present_k, present_v = layer(hidden, cos, sin, past[2 * index], past[2 * index + 1],
                                                  scatter_index, mask)
             presents += [present_k, present_v]
+            if self.draft_taps is not None and index in self.draft_taps:
+                tapped[index] = hidden
 
         rows = logits_index[:, :, None].expand(batch, logits_index.shape[1], hidden.shape[-1])
         picked = torch.gather(hidden, 1, rows)   # [B, R, D]
         logits = self.lm_head(self.norm(picked)).float()  # [B, R, V]
-        return (logits, *presents)
+        if self.draft_fuse is None:
+            return (logits, *presents)
+        features = self.draft_fuse(torch.cat([tapped[t] for t in self.draft_taps], dim=-1))  # [B, S, D]
+        return (logits, features, *presents)

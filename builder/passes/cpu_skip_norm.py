@@ -19,6 +19,7 @@ from .onnx_rewrite import Rewritten, attribute, replace_nodes
 def skip_norm(model: onnx.ModelProto) -> Rewritten:
     """The model with Add → RMSNormalization pairs fused."""
     producer = {o: n for n in model.graph.node for o in n.output}
+    position = {id(n): i for i, n in enumerate(model.graph.node)}
     replacement: dict[int, list[onnx.NodeProto]] = {}
     for norm in model.graph.node:
         add = producer.get(norm.input[0]) if norm.op_type == "RMSNormalization" else None
@@ -26,11 +27,16 @@ def skip_norm(model: onnx.ModelProto) -> Rewritten:
         if (add is None or add.op_type != "Add" or id(add) in replacement or attribute(norm, "axis", -1) != -1
                 or attribute(norm, "stash_type", 1) != 1):
             continue
-        replacement[id(add)] = []
-        replacement[id(norm)] = [helper.make_node(
+        fused = helper.make_node(
             "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],
             [norm.output[0], "", "", add.output[0]], name=f"{norm.name}/skip", domain="com.microsoft",
-            epsilon=float(attribute(norm, "epsilon", 1e-5)))]
+            epsilon=float(attribute(norm, "epsilon", 1e-5)))
+        # The fused node takes the Add's place where the norm's weight is there by then (a graph
+        # input or constant): the sum may have readers between the Add and the norm (the draft
+        # head's tapped layers), which must still come after what produces it.
+        weight = producer.get(norm.input[1])
+        early = weight is None or position[id(weight)] < position[id(add)]
+        replacement[id(add)], replacement[id(norm)] = ([fused], []) if early else ([], [fused])
     return Rewritten(replace_nodes(model, replacement), len(replacement) // 2)
 
 

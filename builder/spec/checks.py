@@ -27,6 +27,7 @@ def check_against_checkpoint(spec: Spec) -> None:
                                              "not implement; use at most that")
     _check_quantization(spec)
     _check_verification(spec)
+    _check_draft_head(spec)
     _check_kv_budget(spec)
     if spec.model.dtype.value == "float32" and "sm75" in spec.build.targets:
         raise SpecError("build.targets", "sm75 has no float32 GEMM in TensorRT-RTX; use model.dtype "
@@ -35,7 +36,7 @@ def check_against_checkpoint(spec: Spec) -> None:
 
 # The spec field that sets each draft source's verification S.
 VERIFY_FIELDS = {Source.medusa: "speculative.medusa.tree", Source.prompt_lookup: "speculative.prompt_lookup.num_tokens",
-                 Source.suffix: "speculative.suffix.num_tokens"}
+                 Source.suffix: "speculative.suffix.num_tokens", Source.draft_head: "speculative.draft_head.num_tokens"}
 
 
 def _check_verification(spec: Spec) -> None:
@@ -44,6 +45,15 @@ def _check_verification(spec: Spec) -> None:
         if tokens > spec.build.max_seq_len:
             raise SpecError(VERIFY_FIELDS[source], f"{tokens} tokens per verification exceed "
                                                    f"build.max_seq_len={spec.build.max_seq_len}")
+
+
+def _check_draft_head(spec: Spec) -> None:
+    """The draft head is built for one rank: its features come from every layer of the whole
+    model and its graph runs beside rank 0's (tensor or pipeline ranks would each need it placed)."""
+    if spec.draft_head is not None and spec.world_size > 1:
+        raise SpecError("speculative.draft_head", f"not built with parallel.tensor {spec.parallel.tensor} × "
+                                                  f"parallel.pipeline {spec.parallel.pipeline} yet; a draft head "
+                                                  "engine is single-rank (tensor: 1, pipeline: 1)")
 
 
 def _check_kv_budget(spec: Spec) -> None:

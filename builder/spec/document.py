@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from ...contract.gpu_targets import TENSORRT_TARGETS
 from ...contract.kv_budget import DEFAULT_BLOCK_SIZE, parse_kv_cache_memory
 from ...contract.manifest import DEFAULT_MAX_TOKENS, DEFAULT_MULTI_STEP
-from ...contract.speculation import PromptLookupConfig, SuffixConfig
+from ...contract.speculation import DraftHeadSourceConfig, PromptLookupConfig, SuffixConfig
 from ...plugins.onnxruntime.session import CpuActivations
 from .dtype import DType
 from .errors import FieldError
@@ -213,10 +213,27 @@ class SuffixSection(_Section):
         return SuffixConfig(**self.model_dump())
 
 
+class DraftHeadSection(_Section):
+    path: Path = Field(description="draft head dir (draft_head.json, draft_head.safetensors: `trtbuild draft "
+                                   "train`); relative to the spec file")
+    num_tokens: StrictInt = Field(DraftHeadSourceConfig.num_tokens, description="longest chain drafted (1 to 64)")
+
+    @model_validator(mode="after")
+    def _valid(self):
+        if (error := _config_problem(self.config, "num_tokens")) is not None:
+            raise error
+        return self
+
+    @property
+    def config(self) -> DraftHeadSourceConfig:
+        return DraftHeadSourceConfig(num_tokens=self.num_tokens)
+
+
 class SpeculativeSection(_Section):
     medusa: MedusaSection | None = None
     prompt_lookup: PromptLookupSection | None = None
     suffix: SuffixSection | None = None
+    draft_head: DraftHeadSection | None = None
 
 
 class RuntimeSection(_Section):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from ...contract.draft_head import DraftHeadConfig
 from ...contract.kv_budget import kv_bytes_per_token
 from ...contract.pipeline import RankPosition, balanced_layers, rank_positions, stage_layers
 from ...contract.speculation import Source, SpeculationConfig
@@ -41,6 +42,15 @@ class ResolvedMedusa:
 
 
 @dataclass(frozen=True)
+class ResolvedDraftHead:
+    """The spec's draft head section with its dir's config (checked to fit the target)."""
+
+    path: Path                                        # absolute
+    config: DraftHeadConfig
+    num_tokens: int                                   # longest chain drafted (tokens after the root)
+
+
+@dataclass(frozen=True)
 class Spec:
     """One resolved deployment spec (builder/spec/resolve.py makes it): the document, paths made
     absolute, and the facts read from the checkpoint and the heads. Never mutated."""
@@ -48,6 +58,7 @@ class Spec:
     document: SpecDocument
     arch: ArchConfig
     medusa: ResolvedMedusa | None
+    draft_head: ResolvedDraftHead | None = None
 
     @property
     def model(self) -> ModelSection:
@@ -116,7 +127,7 @@ class Spec:
     @cached_property
     def source_verify_tokens(self) -> dict[Source, int]:
         """Each draft source's largest verification S (root included), in the spec's order
-        (medusa, prompt_lookup, suffix; those present): Medusa's tree, a host source's
+        (medusa, prompt_lookup, suffix, draft_head; those present): Medusa's tree, a host source's
         num_tokens guesses after the root."""
         section = self.document.speculative
         sizes = {}
@@ -126,6 +137,8 @@ class Spec:
             sizes[Source.prompt_lookup] = 1 + section.prompt_lookup.num_tokens
         if section.suffix is not None:
             sizes[Source.suffix] = 1 + section.suffix.num_tokens
+        if self.draft_head is not None:
+            sizes[Source.draft_head] = 1 + self.draft_head.num_tokens
         return sizes
 
     @cached_property
@@ -138,7 +151,8 @@ class Spec:
         return SpeculationConfig(
             sources=tuple(sizes), verify_tokens=max(sizes.values()),
             prompt_lookup=section.prompt_lookup.config if section.prompt_lookup is not None else None,
-            suffix=section.suffix.config if section.suffix is not None else None)
+            suffix=section.suffix.config if section.suffix is not None else None,
+            draft_head=section.draft_head.config if section.draft_head is not None else None)
 
     @property
     def verify_tokens(self) -> int:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from ..errors import SpecError, UserError
 from ..frontend.checkpoint import ArchConfig, arch_config
 from .document import SpecDocument
-from .model import Spec
+from .model import ResolvedDraftHead, Spec
 from .checks import check_against_checkpoint
 from .errors import FieldError, did_you_mean, spec_error
 
@@ -45,9 +45,31 @@ def resolve(document: SpecDocument, base_dir: Path = Path("."),
         section = section.model_copy(update={"heads": _absolute(section.heads, base_dir)})
         update["speculative"] = document.speculative.model_copy(update={"medusa": section})
         medusa = resolve_medusa(section, arch)
-    spec = Spec(document=document.model_copy(update=update), arch=arch, medusa=medusa)
+    draft_head = None
+    if document.speculative.draft_head is not None:
+        section = document.speculative.draft_head
+        section = section.model_copy(update={"path": _absolute(section.path, base_dir)})
+        speculative = update.get("speculative", document.speculative)
+        update["speculative"] = speculative.model_copy(update={"draft_head": section})
+        draft_head = _resolve_draft_head(section, arch)
+    spec = Spec(document=document.model_copy(update=update), arch=arch, medusa=medusa, draft_head=draft_head)
     check_against_checkpoint(spec)
     return spec
+
+
+def _resolve_draft_head(section, arch: ArchConfig) -> ResolvedDraftHead:
+    """The draft dir's config, refused where it does not fit the target (both sides named)."""
+    from ..draft_head.model import read_draft_config  # torch loads only for draft head specs
+
+    field = "speculative.draft_head.path"
+    try:
+        config = read_draft_config(section.path)
+    except UserError as exc:
+        raise SpecError(field, str(exc)) from None
+    problem = config.fit_problem(arch.hidden_size, arch.num_layers, arch.vocab_size)
+    if problem is not None:
+        raise SpecError(field, f"{section.path}: {problem}")
+    return ResolvedDraftHead(path=section.path, config=config, num_tokens=section.num_tokens)
 
 
 def spec_from_dict(data: dict, base_dir: Path = Path("."),

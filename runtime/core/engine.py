@@ -18,11 +18,15 @@ class StepOutput:
 
     R = 1 (each row's last new token) for prefill and decode; R = S for verification. The heads
     ran at one node a row, the end of the path greedy acceptance keeps (builder/passes/
-    heads_at_path_end; node 0 where R = 1). The arrays are valid until the engine's next call (a
-    backend may reuse its output buffers)."""
+    heads_at_path_end; node 0 where R = 1). With a draft head (the manifest's ``draft_head``),
+    draft_features [B, S, D] float32: the draft's features (contract/draft_head.py DRAFT_FEATURES)
+    at every new position of the step's rows (each prefill token, each verified node), None
+    without one. The arrays are valid until the engine's next call (a backend may reuse its output
+    buffers)."""
 
     logits: np.ndarray
     medusa: np.ndarray | None = None
+    draft_features: np.ndarray | None = None
 
 
 class Engine(Protocol):
@@ -67,6 +71,12 @@ class PagedEngine(Engine, Protocol):
 
 
 class GreedyRun(Protocol):
+    """Plain greedy decode steps back to back. ``features``: after each ``advance()``, the step's
+    draft features [B, 1, D] float32 (the position it consumed, each row's), valid until the next
+    advance; None where the engine has no draft head."""
+
+    features: np.ndarray | None
+
     def advance(self) -> list[int]:
         """Runs the next step; each row's argmax token."""
 
@@ -78,9 +88,11 @@ class StepwiseGreedyRun:
 
     def __init__(self, engine: Engine, step: Step):
         self.engine, self.step = engine, step
+        self.features: np.ndarray | None = None
 
     def advance(self) -> list[int]:
-        logits = self.engine.step(self.step).logits  # [B, 1, V]
+        output = self.engine.step(self.step)
+        logits, self.features = output.logits, output.draft_features  # [B, 1, V], [B, 1, D]
         tokens = logits[:, 0].argmax(axis=-1).tolist()
         step = self.step
         self.step = replace(step, tokens=tuple((t,) for t in tokens), starts=tuple(s + 1 for s in step.starts))

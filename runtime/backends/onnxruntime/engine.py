@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from ....plugins.onnxruntime import session as ort_config
 from ....plugins.onnxruntime.session import Spinning
+from ....contract.draft_head import DRAFT_FEATURES
 from ....contract.pipeline import HIDDEN_STATES
 from ....contract.step import (CACHE_DTYPES, DRAFT_HEADS, LOGITS, MEDUSA_LOGITS, NEXT_INPUTS, PLAIN_DECODE, TREE_VERIFY,
                              VERIFY_ROWS, StepArrays, fill_step_arrays, step_shape)
@@ -45,6 +46,11 @@ class _Bound:
     logits: np.ndarray           # [B, R, V]
     medusa: np.ndarray | None    # [B, 1, K, V]
     draft: np.ndarray | None     # the bound DRAFT_HEADS (a bool scalar), where the model has it
+    features: np.ndarray | None  # [B, S, D] in the model's dtype: DRAFT_FEATURES, where the model has it
+
+    @property
+    def draft_features(self) -> np.ndarray | None:
+        return _float32(self.features)
 
 
 class OnnxRuntimeEngine:
@@ -86,19 +92,22 @@ class OnnxRuntimeEngine:
             self.drafts_on_demand = DRAFT_HEADS in names  # a greedy run's steps skip the heads
         self.kv = HostPools(PoolShape.of(engine_dir, CACHE_DTYPES[engine_dir.dtype], prefix_blocks, block_size, rank))
         self.has_medusa = MEDUSA_LOGITS in outputs
+        self.has_features = DRAFT_FEATURES in outputs  # built with a draft head
         self._bound: dict[tuple[int, int, int], _Bound] = {}  # (first slot, B, S) → reused binding
 
     def step(self, step: Step) -> StepOutput:
         if self.segments is not None:
             values = self.stage_step(step, None)
-            return StepOutput(logits=values[LOGITS], medusa=values[MEDUSA_LOGITS] if self.has_medusa else None)
+            return StepOutput(logits=values[LOGITS], medusa=values[MEDUSA_LOGITS] if self.has_medusa else None,
+                              draft_features=_float32(values.get(DRAFT_FEATURES)))
         _, seq, _ = step_shape(step.tokens, trees=step.trees)
         if step.kind == StepKind.decode and seq == 1:  # the steady state: one token a row, step after step
             draft = step.draft_heads
             bound = self._filled(step, draft=draft)
             self.session.run_with_iobinding(bound.binding)
             skipped = self.drafts_on_demand and not draft  # the heads' logits are zeros: none to give
-            return StepOutput(logits=bound.logits, medusa=None if skipped else bound.medusa)
+            return StepOutput(logits=bound.logits, medusa=None if skipped else bound.medusa,
+                              draft_features=bound.draft_features)
         if (step.verifies and len(step.rids) <= self.verify_rows
                 and max(step.starts) + seq <= self.engine_dir.max_seq_len):  # the rows' drafts, step after step
             key = (step.first_slot, len(step.rids), seq)
@@ -107,7 +116,7 @@ class OnnxRuntimeEngine:
             shifted = write_from_one_start(bound.arrays)
             self.session.run_with_iobinding(bound.binding)
             move_back(self.kv.pools, step.first_slot, shifted, seq)
-            return StepOutput(logits=bound.logits, medusa=bound.medusa)
+            return StepOutput(logits=bound.logits, medusa=bound.medusa, draft_features=bound.draft_features)
         arrays = step_arrays(step, self.engine_dir.max_seq_len)
         binding = self.session.io_binding()
         for name, value in arrays.as_dict().items():
@@ -118,18 +127,20 @@ class OnnxRuntimeEngine:
             binding.bind_cpu_input(TREE_VERIFY, _FALSE)
         if self.drafts_on_demand:  # read by the decode graph only
             binding.bind_cpu_input(DRAFT_HEADS, _TRUE)
-        binding.bind_output("logits")  # first, so it is get_outputs()[0]
-        if self.has_medusa:
-            binding.bind_output("medusa_logits")  # second
+        named = [LOGITS, *([MEDUSA_LOGITS] if self.has_medusa else []),
+                 *([DRAFT_FEATURES] if self.has_features else [])]
+        for name in named:  # get_outputs() gives them in this order
+            binding.bind_output(name)
         rows = slice(step.first_slot, step.first_slot + len(step.rids))
         for name, pool in self.kv.pools.items():
             view = ort.OrtValue.ortvalue_from_numpy(pool[rows])  # shares the pool's memory
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
         self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        return StepOutput(logits=outputs[0].numpy(),  # [B, R, V]
-                          medusa=outputs[1].numpy() if self.has_medusa else None)  # [B, 1, K, V]
+        outputs = dict(zip(named, (value.numpy() for value in binding.get_outputs())))
+        return StepOutput(logits=outputs[LOGITS],  # [B, R, V]
+                          medusa=outputs.get(MEDUSA_LOGITS),  # [B, 1, K, V]
+                          draft_features=_float32(outputs.get(DRAFT_FEATURES)))  # [B, S, D]
 
     def greedy_run(self, step: Step) -> GreedyRun:
         if self.segments is not None:
@@ -181,6 +192,10 @@ class OnnxRuntimeEngine:
         if self.has_medusa:  # the heads: at one node a row (StepOutput)
             medusa = np.empty((batch, 1, d.medusa["num_heads"], d.vocab_size), np.float32)  # [B, 1, K, V]
             binding.bind_ortvalue_output(MEDUSA_LOGITS, ort.OrtValue.ortvalue_from_numpy(medusa))
+        features = None
+        if self.has_features:  # every new position's: [B, S, D]
+            features = np.empty((batch, seq, d.model["hidden_size"]), CACHE_DTYPES[d.dtype])
+            binding.bind_ortvalue_output(DRAFT_FEATURES, ort.OrtValue.ortvalue_from_numpy(features))
         for name, pool in self.kv.pools.items():
             rows = pool[first_slot:first_slot + batch]  # [B, H_kv, S_max, D]
             if seq > 1:  # a view, as the pool rows are contiguous: nothing is copied
@@ -188,7 +203,7 @@ class OnnxRuntimeEngine:
             view = ort.OrtValue.ortvalue_from_numpy(rows)
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
-        self._bound[key] = _Bound(arrays, binding, logits, medusa, draft)
+        self._bound[key] = _Bound(arrays, binding, logits, medusa, draft, features)
         return self._bound[key]
 
     def stage_input(self, step: Step) -> np.ndarray:
@@ -255,10 +270,12 @@ class _BoundGreedyRun:
     """Decode steps on one reused binding, each fed the previous step's argmax. On the step model
     the graph writes the next step's inputs over this one's (NEXT_INPUTS), so nothing but the
     run and reading the tokens happens between runs; on the rank graph alone the host takes the
-    argmax and advances write_index, kv_length, positions and the mask."""
+    argmax and advances write_index, kv_length, positions and the mask. ``features``: the last
+    step's draft features [B, 1, D] float32 (GreedyRun), None without a draft head."""
 
     def __init__(self, session, bound: _Bound, feeds_itself: bool):
         self.run, self.binding, arrays = session.run_with_iobinding, bound.binding, bound.arrays
+        self.bound = bound
         self.ids = arrays.input_ids[:, 0]   # int32 [B]
         self.feeds_itself = feeds_itself
         self.logits = bound.logits[:, 0]    # [B, V]
@@ -274,6 +291,15 @@ class _BoundGreedyRun:
             self.positions += 1
             self.mask[self.rows, self.write] = True  # the new position is visible
         return self.ids.tolist()
+
+    @property
+    def features(self) -> np.ndarray | None:
+        return self.bound.draft_features
+
+
+def _float32(features: np.ndarray | None) -> np.ndarray | None:
+    """Draft features as StepOutput gives them: float32 (a float16 model's, widened)."""
+    return features if features is None or features.dtype == np.float32 else features.astype(np.float32)
 
 
 def _host(value) -> np.ndarray:

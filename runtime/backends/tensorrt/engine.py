@@ -16,6 +16,7 @@ import numpy as np
 
 from ....contract.dtypes import HOST_DTYPES
 from ....contract.kv_budget import max_pool_blocks
+from ....contract.draft_head import DRAFT_FEATURES
 from ....contract.step import BLOCK_TABLE, KV_SLOTS, LOGITS, MEDUSA_LOGITS
 from ...core.engine import GreedyRun, StepOutput, StepwiseGreedyRun, paged_step_arrays, step_arrays
 from ...engine_dir import EngineDir
@@ -81,6 +82,10 @@ class TensorRTEngine:
         self.logits = device_alloc(cudart, _ok, b * rows * d.vocab_size * 4) if LOGITS in self.tensors else None
         # The heads ran at one node a row (builder/passes/heads_at_path_end): [B, 1, K, V].
         self.medusa = device_alloc(cudart, _ok, b * self.num_heads * d.vocab_size * 4) if self.num_heads else None
+        # A draft head's features at every new position: [B, S, D] in the model's dtype.
+        self.hidden = d.model["hidden_size"]
+        self.features = (device_alloc(cudart, _ok, b * s * self.hidden * self.element.itemsize)
+                         if DRAFT_FEATURES in self.tensors else None)
         self.buckets = sorted(d.cuda_graph_batch_sizes)
         self.graphs: dict[tuple[int, int, int], object] = {}  # (batch bucket, S, table width) → CUDA graph
 
@@ -121,8 +126,11 @@ class TensorRTEngine:
         logits = self._to_host(self.logits, (rows, logit_rows, self.dir.vocab_size))  # [B, R, V]
         medusa = None if self.medusa is None else self._to_host(self.medusa, (rows, 1, self.num_heads,
                                                                               self.dir.vocab_size))  # [B, 1, K, V]
+        features = None if self.features is None else self._to_host(
+            self.features, (rows, step.seq_len, self.hidden), self.element)  # [B, S, D]
         _ok(cudart.cudaStreamSynchronize(self.stream))
-        return StepOutput(logits=logits, medusa=medusa)
+        return StepOutput(logits=logits, medusa=medusa,
+                          draft_features=None if features is None else _float32(features, self.dir.dtype))
 
     def host_arrays(self, step: Step, pad_batch: int | None = None):
         """What ``upload`` and ``bind_inputs`` take for ``step``, the contract's plain arrays among
@@ -145,9 +153,10 @@ class TensorRTEngine:
         need = max(max(len(blocks), -(-(start + step.seq_len) // bs)) for blocks, start in zip(tables, step.starts))
         return min(1 << (need - 1).bit_length(), self.max_blocks)
 
-    def _to_host(self, address: int, shape: tuple[int, ...]) -> np.ndarray:
-        """The first ``shape`` float32 elements at ``address``, copied on the stream (read after a sync)."""
-        out = np.empty(shape, np.float32)
+    def _to_host(self, address: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """The first ``shape`` elements (float32 unless ``dtype``) at ``address``, copied on the
+        stream (read after a sync)."""
+        out = np.empty(shape, dtype)
         self.ok(self.cudart.cudaMemcpyAsync(out.ctypes.data, address, out.nbytes,
                                             self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         return out
@@ -183,6 +192,8 @@ class TensorRTEngine:
         context.set_tensor_address(LOGITS, self.logits)
         if self.medusa is not None:
             context.set_tensor_address(MEDUSA_LOGITS, self.medusa)
+        if self.features is not None:
+            context.set_tensor_address(DRAFT_FEATURES, self.features)
 
     def _capture(self, context):
         """The step just run, recorded as an executable CUDA graph. The capture always ends (a
@@ -226,7 +237,15 @@ class TensorRTEngine:
         for graph in self.graphs.values():
             self.cudart.cudaGraphExecDestroy(graph)
         self.kv.close()
-        for ptr in [*self.inputs.values(), self.logits, self.medusa]:
+        for ptr in [*self.inputs.values(), self.logits, self.medusa, self.features]:
             if ptr is not None:
                 self.cudart.cudaFree(ptr)
         self.cudart.cudaStreamDestroy(self.stream)
+
+
+def _float32(host: np.ndarray, dtype: str) -> np.ndarray:
+    """Draft features copied from the device in the model's dtype, as float32 (bfloat16 arrives
+    as its uint16 bits: the high half of a float32)."""
+    if dtype == "bfloat16":
+        return (host.astype(np.uint32) << 16).view(np.float32)
+    return host.astype(np.float32, copy=False)
