@@ -33,6 +33,9 @@ FEATURES = "features"               # draft input, float [B, S, H]
 DRAFT_LOGITS = "draft_logits"       # draft output, float32 [B, R, K]
 DRAFT_HIDDEN = "draft_hidden"       # draft output, float [B, R, H]: the next draft step's feature
 DRAFT_GRAPH = "draft.onnx"
+# The engine dir's draft-to-target ids: one int64 tensor MAP_TENSOR [K] (the draft dir's own map).
+DRAFT_MAP_FILE = "draft_to_target.safetensors"
+MAP_TENSOR = "draft_to_target"
 NUM_TAPS = 3
 
 

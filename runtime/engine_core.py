@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
+
 from ..contract.speculation import Source
 from .core.engine import Engine, StepOutput
 from .core.sampling import Sampler
@@ -21,6 +23,7 @@ from .core.tree import Accepted
 from .speculation.adaptive import Candidate
 from .speculation.chain import chain_tree
 from .speculation.host import HostDraft
+from .speculation.full_sampling import accept_sampled_full
 from .speculation.medusa import accept_greedy, accept_sampled, candidates
 from .speculation.speculation import Speculation
 from .speculation.step_times import Context
@@ -63,6 +66,7 @@ class EngineCore:
         self.stats = RuntimeStats()
         self.sampling: dict[str, Sampling] = {}
         self.constrained: set[str] = set()  # rids with a matcher: none, and no step does mask work
+        self._distributions: dict[str, np.ndarray] = {}  # rid → its draft-head chain's q [k, K], this drafting only
 
     def add(self, request: Request, constraint: CompiledConstraint | None = None) -> None:
         """``constraint``: the request's ``params.constraint`` compiled (runtime/structured/)."""
@@ -125,7 +129,9 @@ class EngineCore:
             out = self.engine.step(step)
             seconds = time.perf_counter() - engine_start
             self._count(step.kind, 1, seconds)
-            heads_at = self._sample_and_commit(step, out, on_token)
+            heads_at, accepted = self._sample_and_commit(step, out, on_token)
+            if self.speculation is not None and self.speculation.draft_head is not None:
+                self._observe_step(step, out, accepted)
             if self.speculation is not None and step.kind == StepKind.decode:
                 self.speculation.times.observe(len(step.rids), step.seq_len, seconds, time.perf_counter() - start,
                                                Context.of(step.starts))
@@ -183,9 +189,10 @@ class EngineCore:
         else:
             self.stats.decode_steps += steps
 
-    def _sample_and_commit(self, step: Step, out: StepOutput, on_token: TokenSink) -> dict:
+    def _sample_and_commit(self, step: Step, out: StepOutput, on_token: TokenSink) -> tuple[dict, dict]:
         """Accepts each verifying row's path, samples every row's next token and commits. Returns
-        the Medusa heads' logits [K, V] at each row's newest token, by rid, for drafting."""
+        the Medusa heads' logits [K, V] at each row's newest token, by rid, for drafting, and the
+        verifying rows' accepted paths."""
         sampled: dict[str, int] = {}
         accepted: dict[str, Accepted] = {}
         heads_at: dict[str, object] = {}  # rid → medusa logits [K, V] at its newest token
@@ -199,7 +206,7 @@ class EngineCore:
                 continue
             state = self.sampling[rid]
             sampler, params = state.sampler, state.sampler.params
-            node, walk = 0, None
+            node, walk, residual = 0, None, None
             position = len(self.scheduler.requests[rid].output)  # of the first token this row decides
             if tree is not None:
                 draft = self.scheduler.requests[rid].draft
@@ -208,6 +215,11 @@ class EngineCore:
                 walk = TreeWalk(state.matcher, tree, tokens, logits) if state.matcher is not None else logits
                 if params.greedy:
                     path = accept_greedy(tree, tokens, walk)
+                elif draft.distributions is not None:  # a chain drawn from the draft head's q: the full rule
+                    full = accept_sampled_full(tokens[1:], draft.distributions, logits, sampler, position,
+                                               q_ids=spec.draft_head.drafter.draft_to_target)
+                    path = Accepted(tuple(range(1, len(full.tokens) + 1)), full.tokens)
+                    residual = full.next_token  # drawn at the chain's end, or from the residual at a rejection
                 else:  # any source: exact speculative sampling, from the seeded per-position draws
                     path = accept_sampled(tree, tokens, walk, sampler, position)
                 # A draft may run past the grammar's end (or into a token it refuses): cut there.
@@ -228,6 +240,9 @@ class EngineCore:
                 if argmax is None:
                     argmax = out.logits[:, 0].argmax(-1).tolist()  # [B]
                 token, logprob = argmax[row], None
+            elif residual is not None:
+                token = residual
+                logprob = sampler.logprob(out.logits[row, node], token) if params.logprobs else None
             elif state.matcher is not None:  # the masked row; logprobs stay the model's
                 masked = walk.finish(path.nodes) if tree is not None else state.matcher.masked(out.logits[row, node])
                 token = sampler.sample(masked, position)[0]
@@ -251,7 +266,25 @@ class EngineCore:
             per_row = Counter(request.rid for request, _ in emitted)
             for rid, path in accepted.items():
                 self.sampling[rid].accepted_tokens += min(len(path.nodes), per_row[rid])
-        return heads_at
+        return heads_at, accepted
+
+    def _draft_head_rows(self, rids) -> list[int]:
+        """Rows of ``rids`` whose requests speculate with the draft head (it must see their steps)."""
+        return [row for row, rid in enumerate(rids)
+                if rid in self.sampling and Source.draft_head in self.sampling[rid].sources]
+
+    def _observe_step(self, step: Step, out: StepOutput, accepted: dict[str, Accepted]) -> None:
+        """The draft head sees the positions this step committed: each row's tokens, or a
+        verification's root and accepted nodes, with their features."""
+        rows = self._draft_head_rows(step.rids)
+        if not rows or out.draft_features is None:
+            return
+        requests = self.scheduler.requests
+        nodes = [(0, *accepted[step.rids[b]].nodes) if step.row_trees[b] is not None and step.rids[b] in accepted
+                 else (0,) if step.row_trees[b] is not None else tuple(range(len(step.tokens[b]))) for b in rows]
+        self.speculation.draft_head.observe_step(
+            [step.rids[b] for b in rows], [step.starts[b] for b in rows], nodes, out.draft_features[rows],
+            [requests[step.rids[b]].context if step.rids[b] in requests else () for b in rows])
 
     def _greedy_run(self, step: Step, steps: int, on_token: TokenSink, interrupted: Callable[[], bool]) -> int:
         """Up to ``steps`` decode steps back to back (scheduler.run_length), each row fed its own
@@ -262,9 +295,14 @@ class EngineCore:
         run = self.engine.greedy_run(step)
         stops = self.scheduler.stop_ids(step)
         produced: list[list[int]] = []  # [n][B]
+        observed = self.speculation is not None and self.speculation.draft_head is not None \
+            and bool(self._draft_head_rows(step.rids))
+        features: list[np.ndarray] = []  # [n] of [B, 1, H]: each step's, for the draft head
         for _ in range(steps):
             tokens = run.advance()
             produced.append(tokens)
+            if observed and run.features is not None:
+                features.append(run.features.copy())  # the run reuses its buffer
             if (stops and not stops.isdisjoint(tokens)) or interrupted():
                 break
         self._count(StepKind.decode, len(produced), time.perf_counter() - engine_start)
@@ -273,6 +311,14 @@ class EngineCore:
         self.scheduler.commit_run(step, produced, on_token)
         for rid in step.rids:  # a row that ended took fewer of the run's tokens
             self.sampling[rid].decode_steps += len(self.scheduler.requests[rid].output) - taken[rid]
+        if features and len(features) == len(produced):
+            rows = self._draft_head_rows(step.rids)
+            stacked = np.concatenate(features, axis=1)[rows]  # [B', n, H]
+            requests = self.scheduler.requests
+            self.speculation.draft_head.observe_step(
+                [step.rids[b] for b in rows], [step.starts[b] for b in rows],
+                [tuple(range(len(requests[step.rids[b]].output) - taken[step.rids[b]])) for b in rows],
+                stacked, [requests[step.rids[b]].context for b in rows])
         return len(produced)
 
     def _draft(self, heads_at: dict) -> None:
@@ -283,13 +329,14 @@ class EngineCore:
         plain decoding."""
         spec = self.speculation
         policy, host = spec.policy, spec.host
-        if not heads_at and host is None:  # Medusa alone drafts only from heads just computed
+        if not heads_at and host is None and spec.draft_head is None:  # Medusa alone drafts only from heads just computed
             return
         decoding = [self.scheduler.requests[rid] for rid in self.scheduler.slots.decoding()]
         rids = [r.rid for r in decoding if r.phase == Phase.decoding]
-        if host is not None and not policy.due(rids):  # host drafting is backing off
+        host_due = policy.due(rids)  # False: drafting is backing off (nothing it drafted paid of late)
+        if host is not None and not host_due:
             host = None
-        if not heads_at and host is None:
+        if not heads_at and host is None and not (spec.draft_head is not None and host_due):
             return
         medusa = spec.medusa.candidate() if heads_at and spec.medusa is not None else None
         offers: dict[str, list[Candidate]] = {}   # rid → its candidates, one per source
@@ -308,11 +355,13 @@ class EngineCore:
                 if chain is not None:
                     chains[rid, chain.source] = chain
                     row.append(Candidate(chain.source, chain.expected))
+        head_seconds = (self._draft_head_offers(decoding, offers, chains)
+                        if spec.draft_head is not None and host_due else 0.0)
         decision = policy.choose(len(decoding), offers, Context.of([r.computed for r in decoding]))
-        if host is not None:
+        if host is not None or (spec.draft_head is not None and host_due):
             # (Medusa's share of the loop above is small: its trees come from heads already computed.)
             policy.drafted(rids, time.perf_counter() - host_start,
-                           verifies=any(source != Source.medusa for source in decision.sources()))
+                           verifies=any(source != Source.medusa for source in decision.sources()), priced=head_seconds)
         for rid, (source, k) in decision.picks.items():
             request = self.scheduler.requests[rid]
             if source == Source.medusa:
@@ -320,7 +369,36 @@ class EngineCore:
                 request.draft = Draft(tree, tuple(candidates(tree, request.last_token, heads_at[rid])[1:]), source)
             else:
                 chain = chains[rid, source]
-                request.draft = Draft(chain_tree(k), chain.tokens[:k], chain.source, chain.stated[:k])
+                q = self._distributions.get(rid) if source == Source.draft_head else None
+                request.draft = Draft(chain_tree(k), chain.tokens[:k], chain.source, chain.stated[:k],
+                                      q[:k] if q is not None else None)
+        self._distributions = {}
+
+    def _draft_head_offers(self, decoding: list[Request], offers: dict, chains: dict) -> float:
+        """The draft head's chain for each decoding row that speculates with it and that it has seen
+        up to the row's root, as one more candidate of the row; its drafting measured for the policy.
+        Returns the drafter's seconds."""
+        spec, rows = self.speculation, []
+        for request in decoding:
+            state = self.sampling[request.rid]
+            if (request.phase != Phase.decoding or request.draft is not None or Source.draft_head not in state.sources
+                    or not spec.draft_head.in_sync(request.rid, request.computed)):
+                continue
+            left = request.params.max_tokens - len(request.output) - 1  # the step samples one more
+            if left <= 0:
+                continue
+            params = state.sampler.params
+            # Unseeded, unconstrained sampling verifies by the full-distribution rule: drafted from q.
+            full = not params.greedy and params.seed is None and state.matcher is None
+            rows.append((request.rid, len(request.output), left, state.sampler if full else None))
+        drafted, seconds, tokens = spec.draft_head.draft(rows)
+        spec.policy.measured(Source.draft_head, tokens, seconds)
+        for rid, chain in drafted.items():
+            chains[rid, Source.draft_head] = chain.draft
+            offers.setdefault(rid, []).append(Candidate(Source.draft_head, chain.draft.expected))
+            if chain.distributions is not None:
+                self._distributions[rid] = chain.distributions
+        return seconds
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:

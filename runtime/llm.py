@@ -120,7 +120,8 @@ class LLM:
             eos_token_ids=d.eos_token_ids(), batching=batching, paged=paged)
         multi_step = multi_step or d.multi_step
         try:
-            speculation = speculation_for(d, engine, speculation, speculation_mode, medusa_tree_size, multi_step)
+            speculation = speculation_for(d, engine, speculation, speculation_mode, medusa_tree_size, multi_step,
+                                          threads)
         except BaseException:
             engine.close()
             raise

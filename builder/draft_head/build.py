@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ...checkpoint.weight_map import WeightMap
-from ...contract.draft_head import DRAFT_GRAPH
+from ...contract.draft_head import DRAFT_GRAPH, DRAFT_MAP_FILE, MAP_TENSOR
 from ..spec.model import Spec
 from .export import export_draft_graph
 from .model import DraftHead, load_draft_head
@@ -32,6 +32,11 @@ def target_draft_head(spec: Spec, weights: WeightMap) -> DraftHead:
 
 
 def write_draft_graph(spec: Spec, draft: DraftHead, out: Path) -> Path:
-    """``out``/draft.onnx (+ .data) in the model's dtype, for the spec's batch and step sizes."""
+    """``out``/draft.onnx (+ .data) in the model's dtype, for the spec's batch and step sizes, and
+    the draft-to-target ids the runtime maps its tokens through (``out``/DRAFT_MAP_FILE)."""
+    from safetensors.torch import save_file
+
+    save_file({MAP_TENSOR: getattr(draft, MAP_TENSOR).detach().to(torch.int64).contiguous()},
+              str(Path(out) / DRAFT_MAP_FILE))
     return export_draft_graph(draft, spec.build.max_seq_len, spec.build.max_batch_size, spec.max_step_tokens,
                               Path(out) / DRAFT_GRAPH, dtype=spec.model.dtype.torch)

@@ -272,11 +272,13 @@ class AdaptivePolicy:
         return (self._owed <= 0.0 or self.mode == SpeculationMode.always
                 or not self._drafted.issuperset(rids))
 
-    def drafted(self, rids: Sequence[str], seconds: float, verifies: bool) -> None:
+    def drafted(self, rids: Sequence[str], seconds: float, verifies: bool, priced: float = 0.0) -> None:
         """A drafting call for ``rids`` took ``seconds`` (proposals, estimates, decision) and its
-        decision verifies what it drafted or not (then drafting backs off)."""
+        decision verifies what it drafted or not (then drafting backs off). ``priced``: the part of
+        ``seconds`` a source already reported per drafted token (``measured``), which the back-off
+        counts but a call's estimate leaves out (it is priced per token)."""
         if rids:
-            self._call_seconds.append(seconds / len(rids))
+            self._call_seconds.append(max(0.0, seconds - priced) / len(rids))
         self._drafted.update(rids)
         self._owed = 0.0 if verifies else seconds / DRAFT_SHARE
 

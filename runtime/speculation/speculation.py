@@ -18,6 +18,7 @@ from .step_times import EMPTY, Context, StepTimes, calibrate
 from .trees import MedusaTrees
 
 if TYPE_CHECKING:
+    from .draft_head_source import DraftHeadSource
     from ..core.engine import Engine
     from ..engine_dir import EngineDir
 
@@ -32,6 +33,7 @@ class Speculation:
     policy: AdaptivePolicy
     medusa: MedusaTrees | None
     host: HostDrafting | None
+    draft_head: "DraftHeadSource | None" = None
 
     def sources_of(self, requested: tuple[Source, ...] | None) -> tuple[Source, ...]:
         """A request's sources: the engine's for None, else those asked (the input processor has
@@ -48,10 +50,12 @@ class Speculation:
 
 
 def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[Source, ...] | None,
-                    mode: SpeculationMode, medusa_tree_size: int | None, multi_step: int) -> Speculation | None:
+                    mode: SpeculationMode, medusa_tree_size: int | None, multi_step: int,
+                    threads: int = 0) -> Speculation | None:
     """The engine's speculation: ``sources`` None takes the engine dir's (its spec's
     ``speculative`` section), () turns it off. Adaptive mode calibrates step times on ``engine``
-    (plain decoding as ``multi_step`` runs); ``medusa_tree_size`` pins Medusa's tree prefix."""
+    (plain decoding as ``multi_step`` runs); ``medusa_tree_size`` pins Medusa's tree prefix.
+    ``threads``: the draft head's ONNX Runtime session's (0: ONNX Runtime chooses)."""
     config = engine_dir.speculation
     if sources is None:
         sources = config.sources if config is not None else ()
@@ -67,6 +71,9 @@ def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[So
                          "verification path; rebuild with a speculative section (specs/README.md)")
     if Source.medusa in sources and engine_dir.medusa is None:
         raise ValueError(f"speculation medusa: {where} was built without Medusa heads")
+    if Source.draft_head in sources and engine_dir.draft_head is None:
+        raise ValueError(f"speculation draft_head: {where} was built without a draft head "
+                         "(speculative.draft_head in its spec)")
     host_sources = tuple(s for s in sources if s in HOST_SOURCES)
     max_tokens = config.verify_tokens - 1
     tree = Tree(tuple(tuple(path) for path in engine_dir.medusa["tree"])) if Source.medusa in sources else None
@@ -91,7 +98,22 @@ def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[So
                            suffix=_capped(config.suffix or SuffixConfig(), max_tokens))
         host = HostDrafting(sources_for(settings), max_tokens, mode)
         models.update(dict.fromkeys(host_sources, host))
-    return Speculation(sources, times, stats, AdaptivePolicy(times, models, stats, mode), medusa, host)
+    draft_head = None
+    if Source.draft_head in sources:
+        draft_head = models[Source.draft_head] = _draft_head(engine_dir, max_tokens, mode, threads)
+    return Speculation(sources, times, stats, AdaptivePolicy(times, models, stats, mode), medusa, host, draft_head)
+
+
+def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode, threads: int) -> "DraftHeadSource":
+    """The engine dir's draft head: its graph in a session of its own, a draft slot per engine row."""
+    from .draft_head import DraftHeadDrafter
+    from .draft_head_source import DraftHeadSource, read_draft_map
+
+    entry = engine_dir.draft_head
+    drafter = DraftHeadDrafter(engine_dir.path / entry.graph, read_draft_map(engine_dir), engine_dir.max_seq_len,
+                               capacity=engine_dir.max_batch_size, threads=threads,
+                               max_step_tokens=engine_dir.max_input_len)
+    return DraftHeadSource(drafter, min(max_tokens, entry.num_tokens), mode)
 
 
 def _capped(settings, max_tokens: int):

@@ -1,0 +1,176 @@
+"""The draft head as a draft source in the step loop: fed the target's features after every step,
+drafting a chain for the rows that speculate with it, its chains' acceptance learned as the host
+sources' are (host.py's per-depth counts, the draft's own probability of each token as the stated
+one, calibrated).
+
+What the engine core tells it (runtime/engine_core.py):
+- after a step, each row's committed positions (a prefill chunk's or a plain step's tokens; a
+  verification's root and accepted nodes; a greedy run's steps) with their DRAFT_FEATURES and the
+  tokens that follow them (``observe_*``): the drafter writes its K/V there, over whatever it
+  drafted there before (the rollback);
+- before a decode step, ``draft``: one batched chain per row in sync (its last observed position is
+  the one before the row's root), offered to the policy as a Candidate;
+- a request's end (``close``).
+A row the drafter is not in sync with (its sources left out draft_head, or a step whose features
+were not observed) gets no chain until its next observed step.
+
+Sampling: a greedy or seeded request verifies the draft's argmax chain by the point-mass rule
+(runtime/speculation/medusa.py accept_sampled: a seed gives plain sampling's tokens whatever was
+drafted); an unseeded sampled request drafts its chain from q (the request's own draft uniforms)
+and verifies it by the full-distribution rule (full_sampling.py: min(1, p/q), a residual draw at
+the first rejection), which keeps more of a draft whose q is spread, at the same distribution.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ...contract.draft_head import DRAFT_MAP_FILE, MAP_TENSOR
+from ...contract.speculation import Source
+from ..core.tree import Accepted
+from .draft_head import DraftHeadDrafter, Observation
+from .full_sampling import draft_uniforms
+from .host import HostDraft, HostDrafting
+from .sources.base import EMPTY, Proposal
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A row's chain as the engine core attaches it: the host-style draft (tokens, stated
+    probabilities, expected kept tokens), and for the full-distribution rule the draft's q over
+    its K ids at each depth (None: verified by the point-mass rule)."""
+    draft: HostDraft
+    distributions: np.ndarray | None = None  # [k, K]
+
+
+class _Proposals:
+    """The HostDraftSource HostDrafting asks: the chains this step's batched ``propose`` made."""
+
+    source = Source.draft_head
+
+    def __init__(self):
+        self.chains: dict[str, Proposal] = {}
+
+    def propose(self, rid: str, context: Sequence[int], max_tokens: int) -> Proposal:
+        chain = self.chains.get(rid, EMPTY)
+        return Proposal(chain.tokens[:max_tokens], chain.probabilities[:max_tokens])
+
+    def close(self, rid: str, context: Sequence[int]) -> None:
+        self.chains.pop(rid, None)
+
+
+def read_draft_map(engine_dir) -> np.ndarray:
+    """int64 [K]: the engine dir's draft-to-target ids (a listed file; shape, dtype, range checked)."""
+    from ...checkpoint.errors import CheckpointError
+    from ...checkpoint.weight_map import WeightMap
+
+    path, entry = Path(engine_dir.path) / DRAFT_MAP_FILE, engine_dir.draft_head
+    if DRAFT_MAP_FILE not in engine_dir.manifest["files"] or not path.is_file():
+        raise ValueError(f"{path}: missing from the engine dir (built before the draft map was written?); rebuild")
+    try:
+        weights = WeightMap.from_files(Path(engine_dir.path), [path])
+        found = weights.entry(MAP_TENSOR) if MAP_TENSOR in weights else None
+        if found is None or found.dtype != "I64" or tuple(found.shape) != (entry.draft_vocab_size,):
+            raise ValueError(f"{path}: {MAP_TENSOR} must be int64 [{entry.draft_vocab_size}]")
+        ids = weights.tensor(MAP_TENSOR).numpy().astype(np.int64)
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+    if ids.min(initial=0) < 0 or ids.max(initial=0) >= engine_dir.vocab_size:
+        raise ValueError(f"{path}: {MAP_TENSOR} holds ids outside the vocabulary [0, {engine_dir.vocab_size})")
+    return ids
+
+
+class DraftHeadSource:
+    """The drafter of one engine, and its chains' acceptance model (the policy's SourceModel)."""
+
+    source = Source.draft_head
+
+    def __init__(self, drafter: DraftHeadDrafter, max_tokens: int, mode):
+        self.drafter = drafter
+        self.proposals = _Proposals()
+        self.model = HostDrafting({Source.draft_head: self.proposals}, max_tokens, mode)
+
+    # -- feeding it ------------------------------------------------------------------------------
+
+    def observe(self, rows: list[Observation]) -> None:
+        """Rows of requests the drafter has no slot left for are skipped: they draft nothing."""
+        free, kept = len(self.drafter.free), []
+        for row in rows:
+            if row.rid in self.drafter.requests:
+                kept.append(row)
+            elif free:
+                kept.append(row)
+                free -= 1
+        if kept:
+            self.drafter.observe(kept)
+
+    def observe_step(self, rids: Sequence[str], starts: Sequence[int], rows_nodes: Sequence[Sequence[int]],
+                     features: np.ndarray, contexts: Sequence[Sequence[int]]) -> None:
+        """After a step: row b of ``rids`` computed positions starts[b] + i for its committed nodes
+        ``rows_nodes[b]`` (indices into the step's S: 0..n-1 for a prefill chunk or plain step; the
+        root 0 and the accepted nodes of a verification) with ``features`` [B, S, H]; ``contexts``
+        the requests' tokens after the commit (the token after each position)."""
+        rows = []
+        for rid, start, nodes, row_features, context in zip(rids, starts, rows_nodes, features, contexts):
+            n = len(nodes)
+            if n == 0 or len(context) < start + n + 1:  # the row ended before the token after its last position
+                continue
+            rows.append(Observation(rid, start, row_features[list(nodes)], context[start + 1:start + n + 1]))
+        self.observe(rows)
+
+    def in_sync(self, rid: str, root_position: int) -> bool:
+        """Whether the drafter last observed the position before a row's root (it can draft for it)."""
+        request = self.drafter.requests.get(rid)
+        return request is not None and request.logits is not None and request.last == root_position - 1
+
+    # -- drafting ----------------------------------------------------------------------------------
+
+    def draft(self, rows: list[tuple[str, int, int, object | None]]) -> tuple[dict[str, Chain], float, int]:
+        """Chains for ``rows`` (rid, output position of the root's successor, the most tokens it may
+        take, the sampler where the row samples without a seed, else None). Returns the chains, the
+        drafter's seconds and the tokens it drafted."""
+        if not rows:
+            return {}, 0.0, 0
+        began = time.perf_counter()
+        reach = self.model.reach(Source.draft_head)
+        k = min(reach, max(limit for _, _, limit, _ in rows))
+        greedy = [(rid, limit) for rid, _, limit, sampler in rows if sampler is None]
+        sampled = [(rid, position, limit, sampler) for rid, position, limit, sampler in rows if sampler is not None]
+        chains: dict[str, Chain] = {}
+        drafted = 0
+        if greedy and k:
+            proposed = self.drafter.propose([rid for rid, _ in greedy], k)
+            for rid, limit in greedy:
+                chains[rid] = self._chain(rid, proposed[rid].proposal, limit, None)
+                drafted += len(proposed[rid].tokens)
+        if sampled and k:
+            uniforms = np.stack([draft_uniforms(sampler, position, k) for _, position, _, sampler in sampled])
+            temperatures = [sampler.params.temperature for *_, sampler in sampled]
+            proposed = self.drafter.propose([rid for rid, *_ in sampled], k, with_distributions=True,
+                                            uniforms=uniforms, temperatures=temperatures)
+            for rid, _, limit, _ in sampled:
+                chain = proposed[rid]
+                chains[rid] = self._chain(rid, chain.proposal, limit, chain.distributions)
+                drafted += len(chain.tokens)
+        chains = {rid: chain for rid, chain in chains.items() if chain is not None}
+        return chains, time.perf_counter() - began, drafted
+
+    def _chain(self, rid: str, proposal: Proposal, limit: int, distributions: np.ndarray | None) -> Chain | None:
+        self.proposals.chains[rid] = proposal
+        draft = self.model.draft(rid, (), (Source.draft_head,), limit)
+        if draft is None:
+            return None
+        return Chain(draft, distributions[:len(draft.tokens)] if distributions is not None else None)
+
+    # -- the policy's SourceModel ------------------------------------------------------------------
+
+    def verified(self, rid: str, draft, path: Accepted) -> None:
+        self.model.verified(rid, draft, path)
+
+    def close(self, rid: str, context: Sequence[int]) -> None:
+        self.model.close(rid, context)
+        self.drafter.close(rid)
