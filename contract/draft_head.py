@@ -33,6 +33,8 @@ FEATURES = "features"               # draft input, float [B, S, H]
 DRAFT_LOGITS = "draft_logits"       # draft output, float32 [B, R, K]
 DRAFT_HIDDEN = "draft_hidden"       # draft output, float [B, R, H]: the next draft step's feature
 DRAFT_GRAPH = "draft.onnx"
+DRAFT_CPU_GRAPH = "draft.cpu.onnx"  # the CPU form (builder/draft_head/cpu_graph.py), beside draft.onnx
+NUM_HEADS, NUM_KV_HEADS = "draft_num_heads", "draft_num_kv_heads"  # draft.onnx metadata: the layer's heads
 NUM_TAPS = 3
 
 
