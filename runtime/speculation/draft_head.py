@@ -17,6 +17,11 @@ position is forgotten at the next ``observe``. A request admitted with a cached 
 that the target did not recompute has no features for it, so the draft never saw those
 positions: they are masked out of its attention (not read as zero keys, which would still take
 softmax weight).
+
+The drafter runs either form of the draft's graph: ``draft.cpu.onnx`` (builder/draft_head/
+cpu_graph.py: GroupQueryAttention over the filled length, the slot pool bound in place as past
+and present, no copy of the cache per run: what the runtime opens) or ``draft.onnx`` (attention
+over the whole cache, the caches fed as arrays and the new positions copied back).
 """
 from __future__ import annotations
 
@@ -72,15 +77,14 @@ class _Request:
 
 
 class DraftHeadDrafter:
-    """Drafts chains for up to ``capacity`` live requests from ``draft.onnx`` (builder/draft_head/
-    export.py); ``draft_to_target`` int [K] maps each draft id to its target id (the engine dir's
-    map). ``threads``: the session's (0: ONNX Runtime chooses)."""
+    """Drafts chains for up to ``capacity`` live requests from ``draft.cpu.onnx`` or ``draft.onnx``
+    (builder/draft_head/); ``draft_to_target`` int [K] maps each draft id to its target id (the
+    engine dir's map). ``threads``: the session's (0: ONNX Runtime chooses); ``spinning``: its
+    workers' (DRAFT_SPINNING)."""
 
     def __init__(self, graph: Path, draft_to_target: np.ndarray, max_seq_len: int, capacity: int,
-                 threads: int = 0, max_step_tokens: int = 512):
-        # The draft's session sleeps between runs: it shares the cores with the target's, whose
-        # spinning pool keeps them busy (see DRAFT_SPINNING).
-        self.session = session(Path(graph), threads, spinning=DRAFT_SPINNING)
+                 threads: int = 0, max_step_tokens: int = 512, spinning: Spinning = DRAFT_SPINNING):
+        self.session = session(Path(graph), threads, spinning=spinning)
         inputs = {i.name: i for i in self.session.get_inputs()}
         past, features = inputs["past_key_0"], inputs[FEATURES]
         if features.type not in ORT_FLOATS:
@@ -99,7 +103,7 @@ class DraftHeadDrafter:
         if graph_seq_len != max_seq_len:
             raise ValueError(f"{graph}: its cache holds {graph_seq_len} positions; max_seq_len {max_seq_len} given")
         outputs = {o.name: o for o in self.session.get_outputs()}
-        draft_vocab = outputs[DRAFT_LOGITS].shape[2]
+        self.draft_vocab = draft_vocab = outputs[DRAFT_LOGITS].shape[2]
         self.draft_to_target = np.asarray(draft_to_target, np.int64)
         if self.draft_to_target.shape != (draft_vocab,):
             raise ValueError(f"draft_to_target has shape {list(self.draft_to_target.shape)}; "
@@ -196,8 +200,10 @@ class DraftHeadDrafter:
         shifted = write_from_one_start(arrays)
         first, batch = requests[0].slot, len(requests)
         binding = self.session.io_binding()
-        binding.bind_output(DRAFT_LOGITS)  # first, so the outputs come in this order
-        binding.bind_output(DRAFT_HIDDEN)
+        logits = np.empty((batch, 1, self.draft_vocab), np.float32)  # [B, 1, K]
+        hidden = np.empty((batch, 1, self.hidden_size), self.dtype)  # [B, 1, H]
+        binding.bind_ortvalue_output(DRAFT_LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        binding.bind_ortvalue_output(DRAFT_HIDDEN, ort.OrtValue.ortvalue_from_numpy(hidden))
         for name, value in (*arrays.as_dict().items(), (FEATURES, np.ascontiguousarray(features, self.dtype))):
             binding.bind_cpu_input(name, value)
         for name, pool in (("key_0", self.keys), ("value_0", self.values)):
@@ -206,7 +212,6 @@ class DraftHeadDrafter:
             binding.bind_ortvalue_input(f"past_{name}", view)
             binding.bind_ortvalue_output(f"present_{name}", view)
         self.session.run_with_iobinding(binding)
-        logits, hidden = binding.copy_outputs_to_cpu()[:2]
         move_back({"key": self.keys, "value": self.values}, first, shifted, arrays.input_ids.shape[1])
         return logits[:, 0], hidden[:, 0]
 
