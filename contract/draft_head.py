@@ -18,6 +18,9 @@ In an engine dir (built with ``speculative.draft_head``) the target's step graph
 DRAFT_FEATURES = fuse(taps) [B, S, H] at every new position (the fuse projection is built into the
 target graph), and ``draft.onnx`` is the draft's step: the step contract's inputs (one layer's
 cache) plus FEATURES, outputs DRAFT_LOGITS/DRAFT_HIDDEN at ``logits_index`` rows.
+``draft.cpu.onnx`` beside it is the same step in the CPU stage's form (builder/draft_head/
+cpu_graph.py: GroupQueryAttention, the caches taken with their rows folded into heads, bound in
+place), its large weights read from ``draft.onnx.data``: what the CPU runtime opens.
 """
 from __future__ import annotations
 
