@@ -18,6 +18,9 @@ In an engine dir (built with ``speculative.draft_head``) the target's step graph
 DRAFT_FEATURES = fuse(taps) [B, S, H] at every new position (the fuse projection is built into the
 target graph), and ``draft.onnx`` is the draft's step: the step contract's inputs (one layer's
 cache) plus FEATURES, outputs DRAFT_LOGITS/DRAFT_HIDDEN at ``logits_index`` rows.
+``draft.cpu.onnx`` beside it is the same step in the CPU stage's form (builder/draft_head/
+cpu_graph.py: GroupQueryAttention, the caches taken with their rows folded into heads, bound in
+place), its large weights read from ``draft.onnx.data``: what the CPU runtime opens.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ DRAFT_GRAPH = "draft.onnx"
 # The engine dir's draft-to-target ids: one int64 tensor MAP_TENSOR [K] (the draft dir's own map).
 DRAFT_MAP_FILE = "draft_to_target.safetensors"
 MAP_TENSOR = "draft_to_target"
+DRAFT_CPU_GRAPH = "draft.cpu.onnx"  # the CPU form (builder/draft_head/cpu_graph.py), beside draft.onnx
+NUM_HEADS, NUM_KV_HEADS = "draft_num_heads", "draft_num_kv_heads"  # draft.onnx metadata: the layer's heads
 NUM_TAPS = 3
 
 

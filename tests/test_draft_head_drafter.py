@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from trtbuild.builder.draft_head.cpu_graph import draft_cpu_graph
 from trtbuild.builder.draft_head.export import export_draft_graph
 from trtbuild.builder.draft_head.model import DraftHead
 from trtbuild.contract.draft_head import DraftHeadConfig, DraftLayerShape
@@ -15,8 +16,10 @@ HIDDEN, TARGET_VOCAB, DRAFT_VOCAB, MAX_SEQ = 32, 64, 24, 48
 KV_TOLERANCE = 1e-5  # max abs difference of the draft's K/V fed the same history in other pieces
 
 
-@pytest.fixture(scope="module")
-def draft_graph(tmp_path_factory):
+@pytest.fixture(scope="module", params=["draft.onnx", "draft.cpu.onnx"])
+def draft_graph(request, tmp_path_factory):
+    """The draft and its graph in both forms; the CPU form folds at most 2 rows a run, so the
+    3-row tests also cover a step split into runs."""
     torch.manual_seed(0)
     config = DraftHeadConfig(taps=(0, 1, 2), target_vocab_size=TARGET_VOCAB, target_num_layers=4,
                              draft_vocab_size=DRAFT_VOCAB,
@@ -31,7 +34,7 @@ def draft_graph(tmp_path_factory):
     draft.eval()
     path = export_draft_graph(draft, MAX_SEQ, max_batch=4, max_step_tokens=16,
                               path=tmp_path_factory.mktemp("draft") / "draft.onnx")
-    return draft, path
+    return draft, (path if request.param == "draft.onnx" else draft_cpu_graph(path, rows=2))
 
 
 def drafter(draft_graph, capacity=4) -> DraftHeadDrafter:

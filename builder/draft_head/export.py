@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from ...contract.draft_head import DRAFT_HIDDEN, DRAFT_LOGITS, FEATURES
+from ...contract.draft_head import DRAFT_HIDDEN, DRAFT_LOGITS, FEATURES, NUM_HEADS, NUM_KV_HEADS
 from ...contract.step import INPUT_NAMES, STEP_INPUTS
 from ..frontend.export import OPSET, _quiet_logger
 from .model import DraftHead, DraftHeadStep
@@ -57,5 +57,10 @@ def export_draft_graph(draft: DraftHead, max_seq_len: int, max_batch: int, max_s
                                     output_names=[DRAFT_LOGITS, DRAFT_HIDDEN, *CACHE_OUTPUTS], verbose=False)
         program.optimize()
         program.save(path, external_data=True)
+    # The heads are what the CPU form's attention fusion needs (builder/draft_head/cpu_graph.py).
+    model = onnx.load(path, load_external_data=False)
+    model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in
+                                ((NUM_HEADS, shape.num_heads), (NUM_KV_HEADS, shape.num_kv_heads)))
+    onnx.save_model(model, path)
     onnx.checker.check_model(str(path))
     return path

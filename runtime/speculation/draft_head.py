@@ -17,6 +17,11 @@ position is forgotten at the next ``observe``. A request admitted with a cached 
 that the target did not recompute has no features for it, so the draft never saw those
 positions: they are masked out of its attention (not read as zero keys, which would still take
 softmax weight).
+
+The drafter runs either form of the draft's graph: ``draft.cpu.onnx`` (builder/draft_head/
+cpu_graph.py: GroupQueryAttention over the filled length, the slot pool bound in place as past
+and present, no copy of the cache per run: what the runtime opens) or ``draft.onnx`` (attention
+over the whole cache, the caches fed as arrays and the new positions copied back).
 """
 from __future__ import annotations
 
@@ -27,13 +32,15 @@ from typing import Sequence
 
 import numpy as np
 
-from ...contract.draft_head import DRAFT_HIDDEN, DRAFT_LOGITS, FEATURES
-from ...contract.step import StepArrays, fill_step_arrays
-from ...plugins.onnxruntime.session import run, session
+from ...contract.draft_head import DRAFT_HIDDEN, DRAFT_LOGITS, FEATURES, NUM_KV_HEADS
+from ...contract.step import VERIFY_ROWS, StepArrays, fill_step_arrays
+from ...plugins.onnxruntime.session import Spinning, run, session
+from ..backends.onnxruntime.one_write_start import move_back, write_from_one_start
 from ..core.sampling import inverse_cdf
 from .sources.base import Proposal
 
 ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+DRAFT_SPINNING = Spinning.never  # measured: benchmarks/draft_step.py
 # Weight of the newest measurement in the drafting-cost averages.
 COST_SMOOTHING = 0.2
 
@@ -70,23 +77,33 @@ class _Request:
 
 
 class DraftHeadDrafter:
-    """Drafts chains for up to ``capacity`` live requests from ``draft.onnx`` (builder/draft_head/
-    export.py); ``draft_to_target`` int [K] maps each draft id to its target id (the engine dir's
-    map). ``threads``: the session's (0: ONNX Runtime chooses)."""
+    """Drafts chains for up to ``capacity`` live requests from ``draft.cpu.onnx`` or ``draft.onnx``
+    (builder/draft_head/); ``draft_to_target`` int [K] maps each draft id to its target id (the
+    engine dir's map). ``threads``: the session's (0: ONNX Runtime chooses); ``spinning``: its
+    workers' (DRAFT_SPINNING)."""
 
     def __init__(self, graph: Path, draft_to_target: np.ndarray, max_seq_len: int, capacity: int,
-                 threads: int = 0, max_step_tokens: int = 512):
-        self.session = session(Path(graph), threads)
+                 threads: int = 0, max_step_tokens: int = 512, spinning: Spinning = DRAFT_SPINNING):
+        self.session = session(Path(graph), threads, spinning=spinning)
         inputs = {i.name: i for i in self.session.get_inputs()}
         past, features = inputs["past_key_0"], inputs[FEATURES]
         if features.type not in ORT_FLOATS:
             raise ValueError(f"{graph}: {FEATURES} is {features.type}; float or float16 expected")
-        _, num_kv_heads, graph_seq_len, head_dim = past.shape
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        # The CPU form (builder/draft_head/cpu_graph.py) takes up to ``fold_rows`` rows a run, the
+        # caches bound in place with the rows folded into heads; draft.onnx (0) any rows, copied.
+        self.fold_rows = int(metadata.get(VERIFY_ROWS, 0))
+        if self.fold_rows:
+            if NUM_KV_HEADS not in metadata:
+                raise ValueError(f"{graph}: no {NUM_KV_HEADS} metadata; make it with draft_cpu_graph")
+            num_kv_heads, (_, _, graph_seq_len, head_dim) = int(metadata[NUM_KV_HEADS]), past.shape
+        else:
+            _, num_kv_heads, graph_seq_len, head_dim = past.shape
         self.hidden_size = features.shape[2]
         if graph_seq_len != max_seq_len:
             raise ValueError(f"{graph}: its cache holds {graph_seq_len} positions; max_seq_len {max_seq_len} given")
         outputs = {o.name: o for o in self.session.get_outputs()}
-        draft_vocab = outputs[DRAFT_LOGITS].shape[2]
+        self.draft_vocab = draft_vocab = outputs[DRAFT_LOGITS].shape[2]
         self.draft_to_target = np.asarray(draft_to_target, np.int64)
         if self.draft_to_target.shape != (draft_vocab,):
             raise ValueError(f"draft_to_target has shape {list(self.draft_to_target.shape)}; "
@@ -135,6 +152,33 @@ class DraftHeadDrafter:
              features: np.ndarray, last: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """One draft step over rows of new ``tokens`` [B][n_b] written from ``starts``, ``features``
         [B, S, H] (padded). Returns the logits [B, K] and hidden [B, H] at each row's index ``last``."""
+        if not self.fold_rows:
+            return self._run_copied(requests, tokens, starts, features, last)
+        logits, hidden = [None] * len(requests), [None] * len(requests)
+        for rows in self._slot_runs(requests):
+            pick = lambda values: [values[i] for i in rows]  # noqa: E731
+            seq = max(len(tokens[i]) for i in rows)  # a run's own padding
+            out_logits, out_hidden = self._run_in_place(pick(requests), pick(tokens), pick(starts),
+                                                        features[rows, :seq], pick(last))
+            for i, row in enumerate(rows):
+                logits[row], hidden[row] = out_logits[i], out_hidden[i]
+        return np.stack(logits), np.stack(hidden)
+
+    def _slot_runs(self, requests: list[_Request]) -> list[list[int]]:
+        """The rows (indices into ``requests``) in runs of consecutive slots, each run at most
+        ``fold_rows`` long: each run's caches are one view of the pool."""
+        order = sorted(range(len(requests)), key=lambda row: requests[row].slot)
+        runs: list[list[int]] = []
+        for row in order:
+            run = runs[-1] if runs else None
+            if run and len(run) < self.fold_rows and requests[run[-1]].slot + 1 == requests[row].slot:
+                run.append(row)
+            else:
+                runs.append([row])
+        return runs
+
+    def _arrays(self, requests: list[_Request], tokens: list[list[int]], starts: list[int],
+                last: list[int]) -> StepArrays:
         batch, seq = len(tokens), max(len(t) for t in tokens)
         arrays = fill_step_arrays(StepArrays.empty(batch, seq, 1, self.max_seq_len), tokens, starts,
                                   self.max_seq_len)
@@ -142,6 +186,39 @@ class DraftHeadDrafter:
         for row, request in enumerate(requests):
             # Causal over the positions this draft wrote: never an unseen prefix position.
             arrays.attention_mask[row, 0] &= request.known[None, :]
+        return arrays
+
+    def _run_in_place(self, requests: list[_Request], tokens: list[list[int]], starts: list[int],
+                      features: np.ndarray, last: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """A run of the CPU form over rows of consecutive slots: the pool's rows bound as past and
+        present ([1, B·H_kv, S_max, D] views), every row written from the largest start and moved
+        back after (one_write_start.py). Padding's writes land past a row's last position, which
+        the next ``observe`` forgets."""
+        import onnxruntime as ort
+
+        arrays = self._arrays(requests, tokens, starts, last)
+        shifted = write_from_one_start(arrays)
+        first, batch = requests[0].slot, len(requests)
+        binding = self.session.io_binding()
+        logits = np.empty((batch, 1, self.draft_vocab), np.float32)  # [B, 1, K]
+        hidden = np.empty((batch, 1, self.hidden_size), self.dtype)  # [B, 1, H]
+        binding.bind_ortvalue_output(DRAFT_LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        binding.bind_ortvalue_output(DRAFT_HIDDEN, ort.OrtValue.ortvalue_from_numpy(hidden))
+        for name, value in (*arrays.as_dict().items(), (FEATURES, np.ascontiguousarray(features, self.dtype))):
+            binding.bind_cpu_input(name, value)
+        for name, pool in (("key_0", self.keys), ("value_0", self.values)):
+            rows = pool[first:first + batch]
+            view = ort.OrtValue.ortvalue_from_numpy(rows.reshape(1, -1, *rows.shape[2:]))  # shares the pool's memory
+            binding.bind_ortvalue_input(f"past_{name}", view)
+            binding.bind_ortvalue_output(f"present_{name}", view)
+        self.session.run_with_iobinding(binding)
+        move_back({"key": self.keys, "value": self.values}, first, shifted, arrays.input_ids.shape[1])
+        return logits[:, 0], hidden[:, 0]
+
+    def _run_copied(self, requests: list[_Request], tokens: list[list[int]], starts: list[int],
+                    features: np.ndarray, last: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """A run of ``draft.onnx``: the rows' caches fed as arrays, their new positions copied back."""
+        arrays = self._arrays(requests, tokens, starts, last)
         slots = np.array([r.slot for r in requests])
         contiguous = bool(np.all(np.diff(slots) == 1))
         if contiguous:  # a view of the pool, no gather
