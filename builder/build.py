@@ -143,6 +143,13 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
             if saved:
                 progress.say(f"  {exported.draft_graph.name}: the token embedding read from rank0.onnx.data "
                              f"({human_bytes(saved)} not written twice)")
+        if exported.draft_graph is not None:
+            from .draft_head.cpu_graph import draft_cpu_graph
+            from .passes.cpu_group_query_attention import VERIFY_ROWS_MAX
+
+            with progress.stage("draft head CPU graph (the CPU stage's fusions)"):
+                cpu_draft = draft_cpu_graph(exported.draft_graph, rows=min(spec.build.max_batch_size, VERIFY_ROWS_MAX))
+            progress.say(f"  {cpu_draft.name}: GroupQueryAttention over the draft's cache, bound in place at run time")
         engines = _build_engines(spec, flavor, tmp, [rank.get("paged_onnx") or rank["onnx"] for rank in ranks],
                                  options.jobs, progress)
         child_peaks += [e.peak for e in engines]

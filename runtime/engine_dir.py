@@ -8,7 +8,7 @@ from ..contract.json_file import read_json_object
 from ..contract.kv_budget import DEFAULT_BLOCK_SIZE, KvBudget, block_size_problem, parse_kv_cache_memory
 from ..contract.manifest import (DEFAULT_MULTI_STEP, EOS_FILES, SIDE_FILES, ManifestError,
                                  eos_token_ids, has_cpu_graphs, read_manifest)
-from ..contract.draft_head import DraftHeadEntry
+from ..contract.draft_head import DRAFT_CPU_GRAPH, DraftHeadEntry
 from ..contract.paths import path_inside
 from ..contract.speculation import Source, SpeculationConfig
 from ..plugins.onnxruntime.session import CpuActivations
@@ -170,6 +170,25 @@ class EngineDir:
         except ManifestError as exc:
             raise EngineDirError(str(exc)) from None
         return draft
+
+    @property
+    def draft_head_graph(self) -> Path:
+        """The graph the CPU drafter runs: the CPU form (DRAFT_CPU_GRAPH: GroupQueryAttention over a
+        cache bound in place) where the dir has it, else the draft's own graph; each reads only
+        data files the manifest lists."""
+        draft = self.draft_head
+        files = self.manifest["files"]
+        if DRAFT_CPU_GRAPH not in files:
+            return self.path / draft.graph
+        path = path_inside(self.path, DRAFT_CPU_GRAPH)
+        if path is None:
+            raise EngineDirError(f"{self.path / DRAFT_CPU_GRAPH}: a link leading outside the engine dir; rebuild")
+        data = f"{draft.graph}.data"
+        try:
+            check_graph_data(path, {data if data in files else None, self.manifest["ranks"][0].get("onnx_data")})
+        except ManifestError as exc:
+            raise EngineDirError(str(exc)) from None
+        return path
 
     @property
     def runtime_defaults(self) -> dict:

@@ -110,7 +110,7 @@ def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode,
     from .draft_head_source import DraftHeadSource, read_draft_map
 
     entry = engine_dir.draft_head
-    drafter = DraftHeadDrafter(engine_dir.path / entry.graph, read_draft_map(engine_dir), engine_dir.max_seq_len,
+    drafter = DraftHeadDrafter(engine_dir.draft_head_graph, read_draft_map(engine_dir), engine_dir.max_seq_len,
                                capacity=engine_dir.max_batch_size, threads=threads,
                                max_step_tokens=engine_dir.max_input_len)
     return DraftHeadSource(drafter, min(max_tokens, entry.num_tokens), mode)
