@@ -4,7 +4,8 @@ grammar's end is cut there, for every draft source, streamed and not.
 The shape that shows it is any chat history after a tool call: the prompt holds the JSON the
 model is about to write again, then the end-of-turn token, so prompt lookup drafts the JSON's
 rest, the end-of-turn token and what followed it. The engine here is the bundled model with its
-Medusa heads, prompt lookup and suffix drafting, and a chat template that ends every turn with
+Medusa heads, prompt lookup and suffix drafting, a draft head (random weights: its drafts are
+masked and cut like any other), and a chat template that ends every turn with
 eos (as SmolLM2's ends it with <|im_end|>); it is served verifying every draft it gets."""
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ import pytest
 
 from conftest import REPO, TINY_CODE
 from serving import KEY, served
+from test_draft_head_build import make_draft_dir
 
 pytestmark = pytest.mark.slow
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-SOURCES = [["prompt_lookup"], ["suffix"], ["medusa"], []]
+SOURCES = [["prompt_lookup"], ["suffix"], ["medusa"], ["draft_head"], []]
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["celsius", "kelvin"]}}}
 ANSWER = '{"city": "Paris", "unit": "celsius"}'
@@ -45,7 +47,8 @@ def engine(tmp_path_factory):
     spec = yaml.safe_load((REPO / "specs" / "tiny-code-medusa.yaml").read_text())
     spec["model"]["checkpoint"] = str(checkpoint)
     spec["speculative"].update(medusa={**spec["speculative"]["medusa"], "heads": str(checkpoint / "medusa")},
-                               prompt_lookup={}, suffix={})
+                               prompt_lookup={}, suffix={},
+                               draft_head={"path": str(make_draft_dir(work / "draft")), "num_tokens": 4})
     (work / "spec.yaml").write_text(yaml.safe_dump(spec))
     proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(work / "spec.yaml"), "-o",
                            str(work / "engine")], capture_output=True, text=True)
