@@ -20,48 +20,38 @@ from ..errors import UserError
 TAP_DTYPE = torch.bfloat16   # taps kept in 16 bits: half the RSS of float32, enough for a feature
 
 
-@dataclass(frozen=True)
-class TextFile:
-    name: str
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Corpus:
-    ids: torch.Tensor       # [N, L] int64: the teacher tokens (the target's greedy text after the prompt)
-    taps: torch.Tensor      # [N, L, 3H] TAP_DTYPE: the tapped layers' outputs, concatenated
-    argmax: torch.Tensor    # [N, L] int64: the target's greedy next token at each position
-    files: tuple[TextFile, ...]
-
-
-def read_token_stream(tokenizer, data: list[Path]) -> tuple[list[int], tuple[TextFile, ...]]:
-    ids: list[int] = []
-    files = []
+def read_token_streams(tokenizer, data: list[Path]) -> list[list[int]]:
+    streams = []
     for path in data:
         if not Path(path).is_file():
             raise UserError(f"--data {path}: not a file")
-        tokens = tokenizer.encode(Path(path).read_text(encoding="utf-8", errors="replace")).ids
-        files.append(TextFile(name=Path(path).name, tokens=len(tokens)))
-        ids += tokens
-    return ids, tuple(files)
+        streams.append(tokenizer.encode(Path(path).read_text(encoding="utf-8", errors="replace")).ids)
+    return streams
 
 
-def prompt_windows(tokenizer, ids: list[int], count: int, length: int, seed: int) -> torch.Tensor:
-    """``count`` windows of ``length`` tokens spread over the stream, each starting just after a
-    line end where there is one close by (a prompt that ends mid-word teaches the draft little;
-    one that ends after a chat template's assistant header makes the model answer)."""
-    if len(ids) < length:
-        raise UserError(f"--data: {len(ids)} tokens, fewer than one window of --seq-len {length}")
+def prompt_windows(tokenizer, streams: list[list[int]], names: list[str], count: int, length: int,
+                   prompt_len: int, seed: int) -> torch.Tensor:
+    """About ``count`` windows of ``length`` tokens, an equal share from each file (a small file of
+    chat prompts counts as much as a large one of prose), spread over it. Each window's first
+    ``prompt_len`` tokens end just after a line end where there is one close by: a prompt cut
+    mid-word teaches little, and one cut after a chat template's user turn or assistant header
+    makes the model answer."""
     line_end = np.array(["\n" in tokenizer.decode([t]) for t in range(tokenizer.get_vocab_size())])
-    stream = np.asarray(ids, dtype=np.int64)
-    after_newline = np.flatnonzero(line_end[stream[:-length]]) + 1   # window starts after a line end
-    starts = np.linspace(0, len(ids) - length, count).astype(np.int64)
-    if len(after_newline):
-        nearest = np.searchsorted(after_newline, starts).clip(max=len(after_newline) - 1)
-        aligned = after_newline[nearest]
-        starts = np.where(aligned - starts < length, aligned, starts).clip(max=len(ids) - length)
-    np.random.default_rng(seed).shuffle(starts)
-    return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]))  # [N, L]
+    windows = []
+    for i, (ids, name) in enumerate(zip(streams, names)):
+        if len(ids) < length:
+            raise UserError(f"--data {name}: {len(ids)} tokens, fewer than one window of --seq-len {length}")
+        share = count // len(streams) + (1 if i < count % len(streams) else 0)
+        stream = np.asarray(ids, dtype=np.int64)
+        starts = np.linspace(0, len(ids) - length, share).astype(np.int64)
+        # start s is aligned when token s + prompt_len - 1 holds a line end
+        aligned_at = np.flatnonzero(line_end[stream[prompt_len - 1:len(ids) - length + prompt_len]])
+        if len(aligned_at):
+            nearest = aligned_at[np.searchsorted(aligned_at, starts).clip(max=len(aligned_at) - 1)]
+            starts = np.where(np.abs(nearest - starts) < length, nearest, starts)
+        windows += [stream[s:s + length] for s in starts]
+    np.random.default_rng(seed).shuffle(windows)
+    return torch.from_numpy(np.stack(windows))  # [N, L]
 
 
 class _Taps:
@@ -88,7 +78,7 @@ class _Taps:
 
 @torch.no_grad()
 def collect(model, windows: torch.Tensor, taps: tuple[int, ...], prompt_len: int | None,
-            progress: Callable[[str], None], batch: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            progress: Callable[[str], None], batch: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per window: the teacher tokens, taps and argmax. With ``prompt_len`` the window keeps its
     first ``prompt_len`` tokens and the target continues greedily to the window's length (one
     decode step per new token, each step's taps and argmax kept); without, one prefill pass."""

@@ -30,7 +30,7 @@ from ...checkpoint.tokenizer import checkpoint_tokenizer
 from ...contract.draft_head import NUM_TAPS, DraftHeadConfig, DraftLayerShape, default_taps
 from ..errors import UserError
 from ..frontend.checkpoint import load_model
-from .data import collect, prompt_windows, read_token_stream
+from .data import collect, prompt_windows, read_token_streams
 from .model import DraftHead, save_draft_head
 from .vocab import OUTSIDE, draft_vocabulary, target_to_draft
 
@@ -145,11 +145,12 @@ def train_draft_head(checkpoint: Path, data: list[Path], out: Path, options: Dra
     vocab_size = config.vocab_size
     k = min(options.draft_vocab, vocab_size)
 
-    stream, files = read_token_stream(tokenizer, data)
-    windows = prompt_windows(tokenizer, stream, min(options.sequences, max(4, len(stream) // options.seq_len)),
-                             options.seq_len, options.seed)
-    progress(f"draft head: {len(windows)} windows of {options.seq_len} tokens from {len(files)} file(s) "
-             f"({len(stream)} tokens), taps {list(taps)}, vocabulary {k} of {vocab_size}")
+    streams = read_token_streams(tokenizer, data)
+    names = [Path(path).name for path in data]
+    windows = prompt_windows(tokenizer, streams, names, options.sequences, options.seq_len,
+                             options.prompt_len if options.self_distill else 1, options.seed)
+    progress(f"draft head: {len(windows)} windows of {options.seq_len} tokens from {len(data)} file(s) "
+             f"({sum(map(len, streams))} tokens), taps {list(taps)}, vocabulary {k} of {vocab_size}")
     ids, tapped, argmax = collect(model, windows, taps, options.prompt_len if options.self_distill else None,
                                   progress)
     data_seconds = time.perf_counter() - start
@@ -175,7 +176,7 @@ def train_draft_head(checkpoint: Path, data: list[Path], out: Path, options: Dra
     losses = _fit(draft, ids[train], tapped[train], argmax[train], to_draft, options, progress)
     accuracy = evaluate(draft, ids[held], tapped[held], argmax[held], argmax[train], to_draft, options.ttt_depth)
     seconds = time.perf_counter() - start
-    training = {"text": [asdict(f) for f in files], "windows": len(ids), "held_out_windows": n_eval,
+    training = {"text": [{"name": n, "tokens": len(t)} for n, t in zip(names, streams)], "windows": len(ids), "held_out_windows": n_eval,
                 "tokens_per_window": options.seq_len, "steps": options.steps, "seconds": round(seconds, 1),
                 "data_seconds": round(data_seconds, 1), "peak_rss_mib": round(peak_rss_mib()),
                 "draft_vocab": k, "ttt_depth": options.ttt_depth, "loss": "cross-entropy to the target argmax",
