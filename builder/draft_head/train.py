@@ -43,9 +43,9 @@ class DraftTrainOptions:
     draft_vocab: int = 8192      # K, clamped to the target's vocabulary
     ttt_depth: int = 3
     seq_len: int = 160
-    sequences: int = 360         # windows of seq_len tokens (eval_fraction of them held out)
+    sequences: int = 240         # windows of seq_len tokens (eval_fraction of them held out)
     prompt_len: int = 32         # data tokens each self-distilled window starts from
-    steps: int = 500
+    steps: int = 360
     batch: int = 4               # windows per step
     lr: float = 2e-3
     self_distill: bool = True
