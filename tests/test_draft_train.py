@@ -181,3 +181,26 @@ def test_cli_kind_medusa_trains_medusa_heads(tmp_path):
 def test_options_refuse_taps_out_of_range():
     with pytest.raises(UserError, match="--taps 0,1,30"):
         DraftTrainOptions(taps=(0, 1, 30)).checked_taps(30)
+
+
+@torch.no_grad()
+def test_collected_windows_are_the_targets_greedy_text_taps_and_argmax():
+    from trtbuild.builder.draft_head.data import collect
+    from trtbuild.builder.frontend.checkpoint import load_model
+
+    model = load_model(TINY_CODE, torch.float32).eval()
+    windows = torch.randint(0, 4096, (3, 20), generator=torch.Generator().manual_seed(0))
+    ids, taps, argmax = collect(model, windows, (0, 2, 5), 8, lambda _: None)
+    assert torch.equal(ids[:, :8], windows[:, :8])
+    assert torch.equal(ids[:, 8:], argmax[:, 7:-1])        # greedy: each new token is the last argmax
+    full = model(input_ids=ids, output_hidden_states=True)  # teacher-forced over the same text
+    assert torch.equal(full.logits.argmax(-1), argmax)
+    # decoder layer i's output is hidden_states[i + 1] (layer 5 is the last: before the final norm)
+    layer5 = model.model.layers[5]
+    outputs = {}
+    handle = layer5.register_forward_hook(lambda _m, _i, out: outputs.setdefault(5, out[0] if isinstance(out, tuple) else out))
+    model(input_ids=ids)
+    handle.remove()
+    reference = torch.cat((full.hidden_states[1], full.hidden_states[3], outputs[5]), dim=-1)   # [3, 20, 768]
+    error = (taps.float() - reference).abs() / (reference.abs() + 1e-2)
+    assert error.max() < 2 ** -7   # bfloat16 rounding

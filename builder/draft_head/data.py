@@ -23,8 +23,6 @@ TAP_DTYPE = torch.bfloat16   # taps kept in 16 bits: half the RSS of float32, en
 def read_token_streams(tokenizer, data: list[Path]) -> list[list[int]]:
     streams = []
     for path in data:
-        if not Path(path).is_file():
-            raise UserError(f"--data {path}: not a file")
         streams.append(tokenizer.encode(Path(path).read_text(encoding="utf-8", errors="replace")).ids)
     return streams
 
@@ -101,7 +99,7 @@ def collect(model, windows: torch.Tensor, taps: tuple[int, ...], prompt_len: int
                 for _ in range(length - prompt_len):
                     nxt = greedy[-1][:, -1:]  # [b, 1]
                     tokens.append(nxt)
-                    result = model(input_ids=nxt, past_key_values=result.past_key_values, use_cache=True)
+                    result = model(input_ids=nxt, cache=result.cache, use_cache=True)
                     tapped.append(hooks.take())
                     greedy.append(result.logits.argmax(-1))
                 ids_out.append(torch.cat(tokens, dim=1))
