@@ -176,7 +176,8 @@ def train_draft_head(checkpoint: Path, data: list[Path], out: Path, options: Dra
     losses = _fit(draft, ids[train], tapped[train], argmax[train], to_draft, options, progress)
     accuracy = evaluate(draft, ids[held], tapped[held], argmax[held], argmax[train], to_draft, options.ttt_depth)
     seconds = time.perf_counter() - start
-    training = {"text": [{"name": n, "tokens": len(t)} for n, t in zip(names, streams)], "windows": len(ids), "held_out_windows": n_eval,
+    training = {"text": [{"name": n, "tokens": len(t)} for n, t in zip(names, streams)],
+                "windows": len(ids), "held_out_windows": n_eval,
                 "tokens_per_window": options.seq_len, "steps": options.steps, "seconds": round(seconds, 1),
                 "data_seconds": round(data_seconds, 1), "peak_rss_mib": round(peak_rss_mib()),
                 "draft_vocab": k, "ttt_depth": options.ttt_depth, "loss": "cross-entropy to the target argmax",
