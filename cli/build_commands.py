@@ -1,4 +1,4 @@
-"""The builder's commands of the ``trtbuild`` CLI (``build``, ``inspect``, ``plan``, ``medusa``;
+"""The builder's commands of the ``trtbuild`` CLI (``build``, ``inspect``, ``plan``, ``medusa``, ``draft``;
 trtbuild.cli.main gathers them with the runtime's)."""
 from __future__ import annotations
 
@@ -291,15 +291,24 @@ def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, ste
     Example:
       trtbuild medusa train models/tiny-code --data train.txt --heads 4 -o models/tiny-code/medusa
     """
+    _check_checkpoint(checkpoint)
+    _train_medusa(checkpoint, list(data), out, heads=heads, layers=layers, seq_len=seq_len, sequences=sequences,
+                  steps=steps, batch=batch, lr=lr, self_distill=self_distill, train_out=train_out, seed=seed)
+
+
+def _check_checkpoint(checkpoint: Path) -> None:
     from ..checkpoint.gguf_config import is_gguf
-    from ..builder.medusa.train import TrainOptions, train_heads
-    from ..builder.progress import table
 
     if not (is_gguf(checkpoint) or (checkpoint / "config.json").is_file()):
         raise UserError(f"{checkpoint}: neither a checkpoint dir (no config.json) nor a .gguf file")
-    options = TrainOptions(heads=heads, layers=layers, seq_len=seq_len, sequences=sequences, steps=steps,
-                           batch=batch, lr=lr, self_distill=self_distill, train_out=train_out, seed=seed)
-    report = train_heads(checkpoint, list(data), out, options, progress=lambda m: click.echo(m, err=True))
+
+
+def _train_medusa(checkpoint: Path, data: list[Path], out: Path, **settings) -> None:
+    from ..builder.medusa.train import TrainOptions, train_heads
+    from ..builder.progress import table
+
+    options = TrainOptions(**settings)
+    report = train_heads(checkpoint, data, out, options, progress=lambda m: click.echo(m, err=True))
     rows = [[f"head {k} (t+{k + 2})", f"{acc[0]:.3f}", f"{acc[4]:.3f}", f"{acc[9]:.3f}"]
             for k, acc in enumerate(report.heads.topk_accuracy)]
     click.echo(table(rows, ["head", "top-1", "top-5", "top-10"]))
@@ -307,3 +316,93 @@ def medusa_train(checkpoint: Path, data, heads: int, layers: int, out: Path, ste
                f"{report.final_loss:.3f}, {report.seconds:.0f} s; heads written to {out}")
 
 
+
+
+@click.group()
+def draft() -> None:
+    """Trained drafts for speculative decoding: an EAGLE-3-style draft head, or Medusa heads."""
+
+
+_HEAD_ONLY = ("draft_vocab", "ttt_depth", "taps")
+_MEDUSA_ONLY = ("heads", "layers", "train_out")
+
+
+@draft.command("train")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
+              help="Text file to train on (tokenized with the checkpoint's tokenizer; each file gives an equal "
+                   "share of the windows). Repeatable.")
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Draft dir to write.")
+@click.option("--kind", type=click.Choice(["head", "medusa"]), default="head", show_default=True,
+              help="head: one decoder layer over three of the target's layers, a reduced vocabulary (EAGLE-3 "
+                   "style); medusa: Medusa-1 heads over the last hidden state (as `trtbuild medusa train`).")
+@click.option("--draft-vocab", type=int, default=None,
+              help="[head] Draft vocabulary K: the target's K most frequent argmaxes (default 8192, at most the "
+                   "target's vocabulary).")
+@click.option("--ttt-depth", type=int, default=None, help="[head] Draft depths unrolled in training (default 3).")
+@click.option("--taps", default=None, metavar="A,B,C",
+              help="[head] The three decoder layers (0-based) whose outputs feed the draft (default: low, middle, "
+                   "high: layers 2, L/2, L-3).")
+@click.option("--prompt-len", type=int, default=None,
+              help="Data tokens each self-distilled window starts from (default 32)." )
+@click.option("--heads", type=int, default=None, help="[medusa] Number of heads (default 4).")
+@click.option("--layers", type=int, default=None, help="[medusa] Residual blocks per head (default 1).")
+@click.option("--train-out/--freeze-out", default=None, help="[medusa] Train each head's vocabulary projection.")
+@click.option("--steps", type=int, default=None, help="Optimizer steps (default: head 360, medusa 300).")
+@click.option("--sequences", type=int, default=None,
+              help="Windows of --seq-len tokens from the data, 5% held out (default: head 240, medusa 640).")
+@click.option("--seq-len", type=int, default=None, help="Tokens per window (default: head 160, medusa 256).")
+@click.option("--batch", type=int, default=None, help="Windows per step (default 4).")
+@click.option("--lr", type=float, default=None, help="Peak learning rate (default: head 2e-3, medusa 1e-3).")
+@click.option("--self-distill/--no-self-distill", default=True, show_default=True,
+              help="Train on the target's own greedy continuations of data prompts (what greedy verification "
+                   "accepts), or on the data as it is.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def draft_train(checkpoint: Path, data, out: Path, kind: str, **settings):
+    """Train a draft for a frozen CHECKPOINT (a checkpoint dir or a .gguf file) by self-distillation.
+
+    With --kind head, OUT gets draft_head.json (shapes, taps, the held-out accuracies against the
+    target's argmax, what it was trained on) and draft_head.safetensors; with --kind medusa, the
+    public Medusa layout. Progress and an ETA go to stderr; the held-out table to stdout.
+
+    \b
+    Example:
+      python tools/training_text.py -o text.txt --max-chars 700000
+      python benchmarks/chat_instructions.py --gguf model.gguf -o chat.txt
+      trtbuild draft train model.gguf --data text.txt --data chat.txt -o model-draft
+    """
+    _check_checkpoint(checkpoint)
+    given = {name: value for name, value in settings.items() if value is not None}
+    wrong = _MEDUSA_ONLY if kind == "head" else _HEAD_ONLY
+    for name in wrong:
+        if name in given:
+            raise UserError(f"--{name.replace('_', '-')}: not an option of --kind {kind}")
+    if kind == "medusa":
+        _train_medusa(checkpoint, list(data), out, **given)
+        return
+    if "taps" in given:
+        given["taps"] = _tap_list(given["taps"])
+    _train_draft_head(checkpoint, list(data), out, given)
+
+
+def _tap_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--taps {text!r}: three comma-separated layer indices expected, e.g. 2,15,27") from None
+
+
+def _train_draft_head(checkpoint: Path, data: list[Path], out: Path, settings: dict) -> None:
+    from ..builder.draft_head.train import DraftTrainOptions, train_draft_head
+    from ..builder.progress import table
+
+    report = train_draft_head(checkpoint, data, out, DraftTrainOptions(**settings),
+                              progress=lambda m: click.echo(m, err=True))
+    acc, training = report.config.accuracy, report.config.training
+    rows = [["depth 1", f"{acc['top1']:.3f}", f"{acc['top5']:.3f}"]]
+    rows += [[f"depth {j + 2}", f"{top1:.3f}", ""] for j, top1 in enumerate(acc["by_depth_top1"][1:])]
+    rows += [["best unigram", f"{acc['unigram_top1']:.3f}", ""]]
+    click.echo(table(rows, ["held-out vs target argmax", "top-1", "top-5"]))
+    click.echo(f"\nvocabulary {report.config.draft_vocab_size} covers {acc['vocab_coverage']:.1%} of held-out "
+               f"argmaxes; {training['windows']} windows, {training['steps']} steps, {report.seconds:.0f} s, "
+               f"peak RSS {training['peak_rss_mib']} MiB; draft head written to {out}")

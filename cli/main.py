@@ -7,7 +7,7 @@ from importlib import metadata
 
 import click
 
-from .build_commands import build, inspect, medusa, plan
+from .build_commands import build, draft, inspect, medusa, plan
 from ..builder.errors import UserError
 from .run_commands import bench, evaluate, run
 from .serve_command import serve
@@ -48,5 +48,5 @@ def main() -> None:
     """
 
 
-for command in (build, inspect, plan, medusa, run, bench, evaluate, serve):
+for command in (build, inspect, plan, medusa, draft, run, bench, evaluate, serve):
     main.add_command(command)
