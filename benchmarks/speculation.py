@@ -55,6 +55,10 @@ INT4_A8 = {**INT4, "cpu_activations": "int8"}
 # model name → (spec file, chat prompts, spec changes)
 MODELS = {
     "smollm2-float32": ("smollm2-135m.yaml", True, {"speculative": HOST}),
+    # The draft head trained by `trtbuild draft train` (specs/smollm2-135m-draft.yaml says how), beside
+    # prompt lookup and suffix: the adaptive rows choose between the three.
+    "smollm2-float32-draft": ("smollm2-135m.yaml", True, {"speculative": {**HOST, "draft_head": {
+        "path": str(REPO / "build" / "smollm2" / "draft_head")}}}),
     "smollm2-int4": ("smollm2-135m.yaml", True, {"speculative": HOST, "quantization": INT4}),
     "smollm2-int4-a8": ("smollm2-135m.yaml", True, {"speculative": HOST, "quantization": INT4_A8}),
     # code_edit prompts are up to 512 tokens: the bundled spec's 256-token prefill chunk is raised.
@@ -166,6 +170,7 @@ def run_model(model: str, args) -> list[dict]:
                    8: [texts(workload, 8, template)]}
         batches = {b: g for b, g in batches.items() if b in args.batches}
         configs = [(s, (s,), "always") for s in served] + [("adaptive", None, "adaptive")]
+        configs = [c for c in configs if not args.configs or c[0] in args.configs]
         for name, sources, mode in configs:
             rounds = measure(engine, batches, tuple(Source(s) for s in sources) if sources else None, mode,
                              args.max_tokens, args.threads, args.rounds)
@@ -194,6 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-float32,smollm2-int4,tiny", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--configs", default="",
+                        help="comma-separated rows to run: served sources (always mode) and/or adaptive (default: all)")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompts", type=int, default=3, help="requests run one at a time for batch 1")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -206,6 +213,7 @@ def main() -> None:
     args = parser.parse_args()
     args.models = [m for m in args.models.split(",") if m]
     args.workloads = [w for w in args.workloads.split(",") if w]
+    args.configs = [c for c in args.configs.split(",") if c]
     args.batches = [int(b) for b in args.batches.split(",") if b]
     for name, known, what in ((args.models, MODELS, "--models"), (args.workloads, WORKLOADS, "--workloads")):
         unknown = [n for n in name if n not in known]
