@@ -40,7 +40,7 @@ def SPECULATION(command):
              "decoding elsewhere); always: verify every draft a source has.")(command)
     return click.option(
         "--speculation", callback=_sources, default=None, metavar="SOURCES",
-        help="Draft sources to speculate with: a comma-separated list of medusa, prompt_lookup, suffix (those "
+        help="Draft sources to speculate with: a comma-separated list of medusa, prompt_lookup, suffix, draft_head (those "
              "the engine dir was built for), or none. Default: the engine dir's (its spec's speculative section).")(command)
 
 

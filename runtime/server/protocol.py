@@ -72,7 +72,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None        # json_object / json_schema (structured_outputs.py)
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
-    # Extension: the draft sources this request may speculate with (medusa, prompt_lookup, suffix);
+    # Extension: the draft sources this request may speculate with (medusa, prompt_lookup, suffix, draft_head);
     # [] for none; absent: the engine's. Greedy output is the same either way.
     speculation: list[str] | None = Field(None, max_length=3)
 

@@ -61,7 +61,7 @@ class SpeculationStats:
     head_tried: list[int] = field(default_factory=list)
     head_accepted: list[int] = field(default_factory=list)
     tree_sizes: Counter = field(default_factory=Counter)  # verification steps by S
-    # per draft source (medusa, prompt_lookup, suffix): rows verified, guesses kept
+    # per draft source (medusa, prompt_lookup, suffix, draft_head): rows verified, guesses kept
     source_rows: Counter = field(default_factory=Counter)
     source_accepted: Counter = field(default_factory=Counter)
 

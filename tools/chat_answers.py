@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Everyday chat questions answered by the model itself: training text for `trtbuild draft train`.
+
+A draft head learns what its target says; trained only on prose and "write a function" prompts,
+SmolLM2's draft kept 0.08–0.19 of its guesses on free-chat answers (benchmarks/speculation.py's
+free_chat), against 0.66 held out. So this asks the model everyday questions (templates × topics
+written here, none of them benchmarks/speculation_texts.py's QUESTIONS or their topics), renders
+each with the engine's chat template, lets a built engine answer greedily, and writes prompt and
+answer, one conversation per paragraph. Teacher-forced training on that text (`--no-self-distill`)
+is self-distillation at prefill cost: the answers are the model's own greedy text.
+
+    python tools/chat_answers.py build/smollm2-engine -o build/draft-data/answers.txt
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+ACTIVITIES = ("cooking pasta", "saving money", "learning a new language", "running a first marathon",
+              "growing tomatoes on a balcony", "writing a resume", "public speaking", "sleeping better",
+              "baking bread", "painting with watercolors", "camping in the mountains", "moving to a new city",
+              "preparing for a job interview", "keeping a journal", "learning to swim", "drawing portraits",
+              "starting a vegetable garden", "studying for exams", "making new friends", "planning a road trip",
+              "cycling to work", "learning to cook for a family", "organizing a small kitchen", "reading more books",
+              "taking better photos", "keeping houseplants alive", "learning chess", "training for a 5k run",
+              "saving energy at home", "writing a thank-you letter")
+CONCEPTS = ("photosynthesis", "how volcanoes form", "the phases of the moon", "how rainbows appear", "earthquakes",
+            "recycling", "how electric cars work", "how the internet works", "black holes", "why honeybees matter",
+            "how airplanes stay in the air", "ocean tides", "why we have seasons", "how memory works",
+            "how habits form", "inflation", "how a compass works", "the water cycle", "why leaves change color",
+            "how batteries store energy", "the immune system's fever response", "how bread rises",
+            "why the ocean is salty", "how glaciers move", "how solar panels work", "what causes thunder",
+            "how a refrigerator keeps food cold", "why cats purr", "how bridges carry weight", "how maps are made")
+THINGS = ("a lighthouse at night", "a train journey through the hills", "autumn leaves", "a quiet library",
+          "a rainy afternoon", "the ocean at dawn", "an old oak tree", "a busy market", "a snowy village",
+          "a kite on a windy day", "a cup of hot tea", "a mountain lake", "a street musician", "a garden in spring",
+          "the first day of school", "a lost umbrella", "a bakery before sunrise", "fireflies in summer",
+          "a harbor full of boats", "a desert at noon")
+EVENTS = ("a family picnic", "a retirement party", "a rainy weekend at home", "a school science fair",
+          "a small wedding", "a team-building day at work", "a picnic in the park", "a holiday dinner",
+          "a charity bake sale", "a housewarming party")
+
+TEMPLATES = (
+    (ACTIVITIES, ("What are some tips for {}?", "How can I get better at {}?",
+                  "What should I know before I start {}?", "Suggest a one-month plan for {}.")),
+    (CONCEPTS, ("Explain {} in simple terms.", "Can you tell me about {}?", "Describe {} to a ten-year-old.")),
+    (THINGS, ("Write a short poem about {}.", "Write a short story about {}.", "Describe {} in a few sentences.")),
+    (EVENTS, ("Give me ideas for {}.", "How do I plan {}?")),
+)
+
+
+def questions() -> list[str]:
+    """Every question, in a fixed order; none is a benchmark prompt."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from speculation_texts import QUESTIONS
+
+    out = [template.format(topic) for topics, templates in TEMPLATES for template, topic in
+           itertools.product(templates, topics)]
+    overlap = set(out) & set(QUESTIONS)
+    if overlap:
+        raise SystemExit(f"benchmark questions among the training ones: {sorted(overlap)}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine", type=Path, help="a built engine dir of the model (with a chat template)")
+    parser.add_argument("-o", "--out", type=Path, required=True)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--limit", type=int, default=0, help="ask only the first N questions (0: all)")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.server.chat import chat_template
+
+    asked = questions()[:args.limit or None]
+    template = chat_template(load(args.engine))
+    prompts = [template.render([{"role": "user", "content": q}]) for q in asked]
+    start = time.perf_counter()
+    with LLM(args.engine, backend="onnxruntime", threads=args.threads, speculation=()) as llm:
+        done = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
+    tokens = sum(len(c.token_ids) for c in done)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n\n".join(p + c.text for p, c in zip(prompts, done)) + "\n", encoding="utf-8")
+    seconds = time.perf_counter() - start
+    print(f"{len(asked)} questions, {tokens} answer tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s) "
+          f"→ {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
