@@ -42,25 +42,19 @@ PER_ROUND, PAUSE_S = 5, 0.05
 
 
 def make_graphs(out: Path) -> tuple[Path, Path, np.ndarray]:
-    import torch
 
     from trtbuild.builder.draft_head.cpu_graph import draft_cpu_graph
     from trtbuild.builder.draft_head.export import export_draft_graph
-    from trtbuild.builder.draft_head.model import DraftHead
+    from trtbuild.builder.draft_head.model import random_draft_head
     from trtbuild.contract.draft_head import DraftHeadConfig, DraftLayerShape
 
-    torch.manual_seed(0)
     config = DraftHeadConfig(taps=(2, 15, 27), target_vocab_size=TARGET_VOCAB, target_num_layers=30,
                              draft_vocab_size=DRAFT_VOCAB,
                              layer=DraftLayerShape(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_heads=HEADS,
                                                    num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
                                                    rope_theta=100000.0))
-    draft = DraftHead(config, torch.nn.Embedding(TARGET_VOCAB, HIDDEN))
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.normal_(0, 0.02)
-        draft.draft_to_target.copy_(torch.randperm(TARGET_VOCAB)[:DRAFT_VOCAB])
-    plain = export_draft_graph(draft.eval(), MAX_SEQ, max_batch=8, max_step_tokens=512, path=out / "draft.onnx")
+    draft = random_draft_head(config, std=0.02)
+    plain = export_draft_graph(draft, MAX_SEQ, max_batch=8, max_step_tokens=512, path=out / "draft.onnx")
     return plain, draft_cpu_graph(plain, rows=8), draft.draft_to_target.numpy()
 
 

@@ -15,9 +15,8 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
 
-from trtbuild.builder.draft_head.model import DraftHead, load_draft_head, save_draft_head
+from trtbuild.builder.draft_head.model import load_draft_head, random_draft_head, save_draft_head
 from trtbuild.builder.emit.cpu_step_model import decode_branch, verify_branch
 from trtbuild.cli.main import main
 from trtbuild.contract.draft_head import (CONFIG_FILE, DRAFT_FEATURES, DRAFT_GRAPH, WEIGHTS_FILE, DraftHeadConfig,
@@ -53,16 +52,8 @@ def _draft_config(**changes) -> DraftHeadConfig:
 
 def make_draft_dir(out: Path, map_ids: np.ndarray | None = None) -> Path:
     """A draft head of small random weights (seeded) over the bundled model's shapes."""
-    torch.manual_seed(0)
-    config = _draft_config()
-    draft = DraftHead(config, nn.Embedding(config.target_vocab_size, config.layer.hidden_size))
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            if not name.startswith("embed."):
-                param.normal_(0.0, 0.05)
-        ids = np.arange(DRAFT_VOCAB) * 7 if map_ids is None else map_ids
-        draft.draft_to_target.copy_(torch.as_tensor(ids, dtype=torch.int64))
-    save_draft_head(draft, out)
+    ids = np.arange(DRAFT_VOCAB) * 7 if map_ids is None else map_ids
+    save_draft_head(random_draft_head(_draft_config(), std=0.05, draft_to_target=ids), out)
     return out
 
 

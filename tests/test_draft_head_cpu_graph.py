@@ -3,11 +3,10 @@ match the draft's sites, and the fused graph computes what the exported one does
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from trtbuild.builder.draft_head.cpu_graph import EXPECTED, draft_cpu_graph, run_draft_passes
 from trtbuild.builder.draft_head.export import export_draft_graph
-from trtbuild.builder.draft_head.model import DraftHead
+from trtbuild.builder.draft_head.model import random_draft_head
 from trtbuild.builder.errors import UserError
 from trtbuild.contract.draft_head import DRAFT_HIDDEN, DRAFT_LOGITS, FEATURES, DraftHeadConfig, DraftLayerShape
 from trtbuild.contract.step import StepArrays, fill_step_arrays
@@ -19,16 +18,12 @@ TOLERANCE = 1e-4  # max abs difference, float32
 
 @pytest.fixture(scope="module")
 def graphs(tmp_path_factory):
-    torch.manual_seed(1)
     config = DraftHeadConfig(taps=(0, 1, 2), target_vocab_size=VOCAB, target_num_layers=4, draft_vocab_size=20,
                              layer=DraftLayerShape(hidden_size=HIDDEN, intermediate_size=48, num_heads=4,
                                                    num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
                                                    rope_theta=10000.0))
-    draft = DraftHead(config, torch.nn.Embedding(VOCAB, HIDDEN))
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.normal_(0, 0.3)
-    path = export_draft_graph(draft.eval(), MAX_SEQ, max_batch=2, max_step_tokens=8,
+    draft = random_draft_head(config, std=0.3, seed=1)
+    path = export_draft_graph(draft, MAX_SEQ, max_batch=2, max_step_tokens=8,
                               path=tmp_path_factory.mktemp("draft") / "draft.onnx")
     return path, draft_cpu_graph(path, rows=2)
 

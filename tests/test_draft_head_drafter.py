@@ -6,7 +6,7 @@ import torch
 
 from trtbuild.builder.draft_head.cpu_graph import draft_cpu_graph
 from trtbuild.builder.draft_head.export import export_draft_graph
-from trtbuild.builder.draft_head.model import DraftHead
+from trtbuild.builder.draft_head.model import random_draft_head
 from trtbuild.contract.draft_head import DraftHeadConfig, DraftLayerShape
 from trtbuild.runtime.core.sampling import Sampler, SamplingParams
 from trtbuild.runtime.speculation.draft_head import DraftHeadDrafter, Observation
@@ -20,18 +20,12 @@ KV_TOLERANCE = 1e-5  # max abs difference of the draft's K/V fed the same histor
 def draft_graph(request, tmp_path_factory):
     """The draft and its graph in both forms; the CPU form folds at most 2 rows a run, so the
     3-row tests also cover a step split into runs."""
-    torch.manual_seed(0)
     config = DraftHeadConfig(taps=(0, 1, 2), target_vocab_size=TARGET_VOCAB, target_num_layers=4,
                              draft_vocab_size=DRAFT_VOCAB,
                              layer=DraftLayerShape(hidden_size=HIDDEN, intermediate_size=64, num_heads=4,
                                                    num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
                                                    rope_theta=10000.0))
-    draft = DraftHead(config, torch.nn.Embedding(TARGET_VOCAB, HIDDEN))
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.normal_(0, 0.3)
-        draft.draft_to_target.copy_(torch.randperm(TARGET_VOCAB)[:DRAFT_VOCAB])
-    draft.eval()
+    draft = random_draft_head(config, std=0.3)
     path = export_draft_graph(draft, MAX_SEQ, max_batch=4, max_step_tokens=16,
                               path=tmp_path_factory.mktemp("draft") / "draft.onnx")
     return draft, (path if request.param == "draft.onnx" else draft_cpu_graph(path, rows=2))

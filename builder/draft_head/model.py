@@ -144,6 +144,22 @@ class DraftHeadStep(nn.Module):
         return self.draft.lm_head(self.draft.norm(picked)).float(), picked, present_k, present_v
 
 
+def random_draft_head(config: DraftHeadConfig, std: float, seed: int = 0,
+                      draft_to_target: np.ndarray | None = None) -> DraftHead:
+    """A draft head of normal(0, ``std``) weights over a random embedding (what its cost or its
+    plumbing is measured with: benchmarks, tests), its map ``draft_to_target`` or K distinct
+    random target ids."""
+    torch.manual_seed(seed)
+    draft = DraftHead(config, nn.Embedding(config.target_vocab_size, config.layer.hidden_size))
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.normal_(0.0, std)
+        ids = (torch.randperm(config.target_vocab_size)[:config.draft_vocab_size] if draft_to_target is None
+               else torch.as_tensor(np.asarray(draft_to_target), dtype=torch.int64))
+        getattr(draft, MAP_NAME).copy_(ids)
+    return draft.eval()
+
+
 def save_draft_head(draft: DraftHead, out: Path) -> None:
     """Writes ``draft_head.safetensors`` (float32; the embedding left out) and ``draft_head.json``."""
     from safetensors.torch import save_file

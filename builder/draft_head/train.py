@@ -25,11 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...checkpoint.errors import CheckpointError
-from ...checkpoint.tokenizer import checkpoint_tokenizer
 from ...contract.draft_head import NUM_TAPS, DraftHeadConfig, DraftLayerShape, default_taps
 from ..errors import UserError
-from ..frontend.checkpoint import load_model
+from ..frontend.training_target import training_target
 from .data import collect, prompt_windows, read_token_streams
 from .model import DraftHead, save_draft_head
 from .vocab import OUTSIDE, draft_vocabulary, target_to_draft
@@ -129,17 +127,8 @@ def train_draft_head(checkpoint: Path, data: list[Path], out: Path, options: Dra
                      progress: Callable[[str], None] = print) -> DraftTrainReport:
     options.check()
     checkpoint = Path(checkpoint)
-    for path in data:
-        if not Path(path).is_file():
-            raise UserError(f"--data {path}: not a file")
-    try:
-        tokenizer = checkpoint_tokenizer(checkpoint)
-    except CheckpointError as exc:
-        raise UserError(str(exc)) from None
     start = time.perf_counter()
-    torch.manual_seed(options.seed)
-    model = load_model(checkpoint, torch.float32).eval()
-    model.requires_grad_(False)
+    tokenizer, model = training_target(checkpoint, data, options.seed)
     config = model.config
     taps = options.checked_taps(config.num_hidden_layers)
     vocab_size = config.vocab_size

@@ -19,10 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...checkpoint.errors import CheckpointError
-from ...checkpoint.tokenizer import checkpoint_tokenizer
 from ..errors import UserError
-from ..frontend.checkpoint import load_model
+from ..frontend.training_target import training_target
 from .heads import MedusaHeads, save_heads
 
 TOP_K_REPORTED = 10
@@ -83,16 +81,8 @@ def train_heads(checkpoint: Path, data: list[Path], out: Path, options: TrainOpt
                 progress: Callable[[str], None] = print) -> TrainReport:
     options.check()
     checkpoint = Path(checkpoint)
-    for path in data:
-        if not Path(path).is_file():
-            raise UserError(f"--data {path}: not a file")
-    try:
-        tokenizer = checkpoint_tokenizer(checkpoint)
-    except CheckpointError as exc:
-        raise UserError(str(exc)) from None
     start = time.perf_counter()
-    torch.manual_seed(options.seed)
-    model = load_model(checkpoint, torch.float32)
+    tokenizer, model = training_target(checkpoint, data, options.seed)
     windows = _windows(tokenizer, data, options)
     progress(f"medusa: {len(windows)} sequences of {options.seq_len} tokens from {len(data)} file(s)")
     if options.self_distill:
