@@ -128,14 +128,26 @@ def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: st
                     for arm in (("plain", "spec") if (g + r) % 2 == 0 else ("spec", "plain")):
                         _generate_into(runs[arm], llm, group, arms[arm])
                 results[batch] = {}
+                runs["spec"]["draft_share"] = _draft_share(llm, batch)
                 for arm, run in runs.items():
                     produced = sum(map(len, run["tokens"]))
                     results[batch][arm] = {
                         "tokens": run["tokens"], "tokens_per_s": produced / run["seconds"],
                         "decode_tokens_per_s": (produced - len(run["tokens"])) / run["decode_seconds"],
-                        "tokens_per_step": 1 + run["kept"] / run["rows"] if run["rows"] else 1.0}
+                        "tokens_per_step": 1 + run["kept"] / run["rows"] if run["rows"] else 1.0,
+                        "draft_share": run.get("draft_share")}
             out.append(results)
     return out
+
+
+def _draft_share(llm, batch: int) -> float | None:
+    """The draft head's drafting seconds per drafted token (the drafter's recent average, the whole
+    batch's run) over a plain step's of ``batch`` rows (the policy's calibrated estimate); None
+    without a draft head or before it drafted."""
+    head = llm.speculation.draft_head if llm.speculation is not None else None
+    if head is None or head.drafter.seconds_per_token is None or not llm.speculation.times.table:
+        return None
+    return head.drafter.seconds_per_token / llm.speculation.times.estimate(batch, 1)
 
 
 def _generate_into(run: dict, llm, group: list[str], params) -> None:
@@ -186,12 +198,17 @@ def run_model(model: str, args) -> list[dict]:
                        "decode_speedup": round(float(np.median(decode)), 3),
                        "speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)],
                        "plain_tokens_per_s": round(float(np.median([p["tokens_per_s"] for p in base])), 1)}
+                shares = [g["draft_share"] for g in got if g.get("draft_share") is not None]
+                if shares:  # a drafted token's cost as a share of a plain step
+                    row["draft_token_share"] = round(float(np.median(shares)), 3)
                 rows.append(row)
                 if not args.json:
                     spread = f" [{ratios[0]:.2f}–{ratios[-1]:.2f}]" if len(ratios) > 1 else ""
                     print(f"{model:16} {workload:10} {name:14} b{batch}  {row['tokens_per_step']:5.2f} tok/step  "
                           f"{row['speedup']:5.2f}×{spread} of plain ({row['plain_tokens_per_s']:.1f} tok/s), "
-                          f"decode {row['decode_speedup']:5.2f}×  same tokens: {row['same_tokens']}", flush=True)
+                          f"decode {row['decode_speedup']:5.2f}×  same tokens: {row['same_tokens']}"
+                          + (f"  draft token {100 * row['draft_token_share']:.1f} % of a step"
+                             if "draft_token_share" in row else ""), flush=True)
     return rows
 
 
