@@ -28,28 +28,46 @@ def read_token_streams(tokenizer, data: list[Path]) -> list[list[int]]:
 
 
 def prompt_windows(tokenizer, streams: list[list[int]], names: list[str], count: int, length: int,
-                   prompt_len: int, seed: int) -> torch.Tensor:
+                   prompt_len: int, seed: int, held_fraction: float) -> tuple[torch.Tensor, np.ndarray]:
     """About ``count`` windows of ``length`` tokens, an equal share from each file (a small file of
-    chat prompts counts as much as a large one of prose), spread over it. Each window's first
-    ``prompt_len`` tokens end just after a line end where there is one close by: a prompt cut
-    mid-word teaches little, and one cut after a chat template's user turn or assistant header
-    makes the model answer."""
+    chat prompts counts as much as a large one of prose), spread over it, and which are held out:
+    those in the last ``held_fraction`` of each file, a region no training window reaches (windows
+    drawn from the whole file overlapped their neighbours, and a file given twice gave the same
+    windows twice: a held-out figure measured on text trained on read 0.73 where the model's
+    answers to new questions kept 0.11–0.44). Identical windows are kept once. Each window's
+    first ``prompt_len`` tokens end just after a line end where there is one close by: a prompt
+    cut mid-word teaches little, and one cut after a chat template's user turn or assistant header
+    makes the model answer. Returns windows [N, L] and held bool [N]."""
     line_end = np.array(["\n" in tokenizer.decode([t]) for t in range(tokenizer.get_vocab_size())])
-    windows = []
+    windows, held = [], []
     for i, (ids, name) in enumerate(zip(streams, names)):
-        if len(ids) < length:
-            raise UserError(f"--data {name}: {len(ids)} tokens, fewer than one window of --seq-len {length}")
+        if len(ids) < 2 * length:
+            raise UserError(f"--data {name}: {len(ids)} tokens, fewer than two windows of --seq-len {length} "
+                            "(one to train on, one held out)")
         share = count // len(streams) + (1 if i < count % len(streams) else 0)
+        n_held = max(1, int(round(share * held_fraction)))
+        cut = min(max(length, int(len(ids) * (1 - held_fraction))), len(ids) - length)
         stream = np.asarray(ids, dtype=np.int64)
-        starts = np.linspace(0, len(ids) - length, share).astype(np.int64)
-        # start s is aligned when token s + prompt_len - 1 holds a line end
-        aligned_at = np.flatnonzero(line_end[stream[prompt_len - 1:len(ids) - length + prompt_len]])
-        if len(aligned_at):
-            nearest = aligned_at[np.searchsorted(aligned_at, starts).clip(max=len(aligned_at) - 1)]
-            starts = np.where(np.abs(nearest - starts) < length, nearest, starts)
-        windows += [stream[s:s + length] for s in starts]
-    np.random.default_rng(seed).shuffle(windows)
-    return torch.from_numpy(np.stack(windows))  # [N, L]
+        for starts, low, high, is_held in (
+                (np.linspace(0, cut - length, max(share - n_held, 1)), 0, cut - length, False),
+                (np.linspace(cut, len(ids) - length, n_held), cut, len(ids) - length, True)):
+            starts = _aligned(starts.astype(np.int64), stream, line_end, length, prompt_len).clip(low, high)
+            windows += [stream[s:s + length] for s in starts]
+            held += [is_held] * len(starts)
+    stacked, first = np.unique(np.stack(windows), axis=0, return_index=True)
+    held_of = np.asarray(held)[first]
+    order = np.random.default_rng(seed).permutation(len(stacked))
+    return torch.from_numpy(stacked[order]), held_of[order]  # [N, L], [N]
+
+
+def _aligned(starts: np.ndarray, stream: np.ndarray, line_end: np.ndarray, length: int, prompt_len: int) -> np.ndarray:
+    """Each start moved (by less than ``length``) to the nearest one whose token
+    ``prompt_len - 1`` holds a line end, where there is one."""
+    aligned_at = np.flatnonzero(line_end[stream[prompt_len - 1:len(stream) - length + prompt_len]])
+    if not len(aligned_at):
+        return starts
+    nearest = aligned_at[np.searchsorted(aligned_at, starts).clip(max=len(aligned_at) - 1)]
+    return np.where(np.abs(nearest - starts) < length, nearest, starts)
 
 
 class _Taps:

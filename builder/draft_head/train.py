@@ -136,15 +136,16 @@ def train_draft_head(checkpoint: Path, data: list[Path], out: Path, options: Dra
 
     streams = read_token_streams(tokenizer, data)
     names = [Path(path).name for path in data]
-    windows = prompt_windows(tokenizer, streams, names, options.sequences, options.seq_len,
-                             options.prompt_len if options.self_distill else 1, options.seed)
+    windows, held_out = prompt_windows(tokenizer, streams, names, options.sequences, options.seq_len,
+                                       options.prompt_len if options.self_distill else 1, options.seed,
+                                       options.eval_fraction)
     progress(f"draft head: {len(windows)} windows of {options.seq_len} tokens from {len(data)} file(s) "
              f"({sum(map(len, streams))} tokens), taps {list(taps)}, vocabulary {k} of {vocab_size}")
     ids, tapped, argmax = collect(model, windows, taps, options.prompt_len if options.self_distill else None,
                                   progress)
     data_seconds = time.perf_counter() - start
-    n_eval = max(2, int(round(len(ids) * options.eval_fraction)))
-    train, held = slice(n_eval, None), slice(0, n_eval)
+    held = torch.from_numpy(held_out)
+    train, n_eval = ~held, int(held.sum())
 
     draft_to_target = draft_vocabulary(argmax[train], k, vocab_size)
     to_draft = target_to_draft(draft_to_target, vocab_size)
