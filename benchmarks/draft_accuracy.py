@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""How often a built draft head guesses the target's next greedy token on text it never trained on.
+
+For each prompt set (the speculation benchmark's free_chat questions, the held-out side of
+benchmarks/chat_instructions.py, raw stdlib docstring starts as code), the engine answers
+greedily; the target's features of prompt and answer come from one prefill of the whole text,
+and the draft reads them teacher-forced (draft.onnx, every position at once): its depth-1 top-1
+over the answer's positions is the share of first chain tokens greedy verification would keep.
+This is the figure to hold against `trtbuild draft train`'s own held-out one (text of its training
+files) and the one that predicts the speculation benchmark's free_chat rows.
+
+    python benchmarks/draft_accuracy.py build/bench-speculation/smollm2-float32-draft
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def prompt_sets(template) -> dict[str, list[str]]:
+    from chat_instructions import instructions
+    from speculation_workloads import prompts
+
+    chat = [template.render(m) for m in prompts("free_chat", True)]
+    held = [template.render([{"role": "user", "content": q}]) for q in instructions("heldout")[:8]]
+    return {"free_chat": chat, "chat_instructions_heldout": held}
+
+
+def teacher_forced_top1(d, engine, session, draft_to_target: np.ndarray, history: list[int], first: int) -> list[bool]:
+    """Per answer position p ≥ first: does the draft's argmax at p equal token p + 2?"""
+    from trtbuild.contract.step import step_arrays
+    from trtbuild.runtime.core.step import Step, StepKind
+
+    n = len(history) - 1
+    out = engine.step(Step(kind=StepKind.prefill, first_slot=0, rids=("x",), tokens=(tuple(history[:n]),),
+                           starts=(0,), samples=(True,)))
+    feeds = step_arrays(((*history[1:n + 1],),), (0,), d.max_seq_len).as_dict()
+    feeds["logits_index"] = np.arange(n, dtype=np.int64)[None]
+    feeds["features"] = out.draft_features[:, :n].astype(np.float32)
+    heads = session.get_inputs()[-1].shape  # [B, H_kv, S_max, D]
+    cache = np.zeros((1, heads[1], d.max_seq_len, heads[3]), np.float32)
+    feeds["past_key_0"], feeds["past_value_0"] = cache, cache.copy()
+    logits = session.run(["draft_logits"], {i.name: feeds[i.name] for i in session.get_inputs()})[0][0]  # [n, K]
+    guess = draft_to_target[logits.argmax(-1)]
+    return [bool(guess[p] == history[p + 2]) for p in range(first, n - 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import onnxruntime as ort
+
+    from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
+    from trtbuild.runtime.core.sampling import SamplingParams
+    from trtbuild.runtime.engine_dir import load
+    from trtbuild.runtime.llm import LLM
+    from trtbuild.runtime.server.chat import chat_template
+    from trtbuild.runtime.speculation.draft_head_source import read_draft_map
+
+    d = load(args.engine_dir)
+    if d.draft_head is None:
+        raise SystemExit(f"{args.engine_dir}: built without a draft head")
+    sets = prompt_sets(chat_template(d))
+    with LLM(args.engine_dir, backend="onnxruntime", threads=args.threads, speculation=()) as llm:
+        answers = {name: llm.generate(texts, SamplingParams(max_tokens=args.max_tokens)) for name, texts in sets.items()}
+    engine = OnnxRuntimeEngine(d, threads=args.threads)
+    session = ort.InferenceSession(str(d.path / d.draft_head.graph), providers=["CPUExecutionProvider"])
+    draft_to_target = read_draft_map(d)
+    print(f"draft head trained: held-out top-1 {d.draft_head.accuracy.get('top1')} (its training files' text)")
+    print(f"{'prompt set':28} {'prompts':>7} {'positions':>9} {'top-1':>6}  per prompt")
+    for name, done in answers.items():
+        hits = [teacher_forced_top1(d, engine, session, draft_to_target, list(c.prompt_token_ids) + list(c.token_ids),
+                                    len(c.prompt_token_ids) - 1) for c in done]
+        flat = [h for row in hits for h in row]
+        print(f"{name:28} {len(done):7d} {len(flat):9d} {np.mean(flat):6.3f}  "
+              + " ".join(f"{np.mean(row):.2f}" for row in hits if row))
+
+
+if __name__ == "__main__":
+    main()
