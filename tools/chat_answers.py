@@ -10,6 +10,7 @@ answer, one conversation per paragraph. Teacher-forced training on that text (`-
 is self-distillation at prefill cost: the answers are the model's own greedy text.
 
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/answers.txt
+    python tools/chat_answers.py build/smollm2-engine -o build/draft-data/words.txt --words 900 --skip 290
 """
 from __future__ import annotations
 
@@ -52,13 +53,31 @@ TEMPLATES = (
 )
 
 
-def questions() -> list[str]:
-    """Every question, in a fixed order; none is a benchmark prompt."""
+WORD_TEMPLATES = ("Write a short paragraph about {}.", "What does the word \"{}\" mean? Use it in a sentence.",
+                  "Tell me something interesting about {}.")
+
+
+def vocabulary_words(tokenizer, count: int, seed: int = 0) -> list[str]:
+    """``count`` English-looking words from the model's own vocabulary (whole-word tokens of 5 to
+    10 lower-case letters), drawn with ``seed``: topics nobody here picked, as varied as the
+    vocabulary."""
+    import numpy as np
+
+    words = sorted({t for t in (tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size()))
+                    if t.startswith(" ") and t[1:].isalpha() and t[1:].islower() and 5 <= len(t) - 1 <= 10})
+    chosen = np.random.default_rng(seed).choice(len(words), size=min(count, len(words)), replace=False)
+    return [words[i].strip() for i in sorted(chosen)]
+
+
+def questions(words: list[str] = ()) -> list[str]:
+    """Every question, in a fixed order (the templated topics, then one per word of ``words``,
+    the word templates taking turns); none is a benchmark prompt."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from speculation_texts import QUESTIONS
 
     out = [template.format(topic) for topics, templates in TEMPLATES for template, topic in
            itertools.product(templates, topics)]
+    out += [WORD_TEMPLATES[i % len(WORD_TEMPLATES)].format(word) for i, word in enumerate(words)]
     overlap = set(out) & set(QUESTIONS)
     if overlap:
         raise SystemExit(f"benchmark questions among the training ones: {sorted(overlap)}")
@@ -72,6 +91,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--limit", type=int, default=0, help="ask only the first N questions (0: all)")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--words", type=int, default=0,
+                        help="also ask about this many words of the model's vocabulary (more varied text)")
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first N questions (asked before)")
     args = parser.parse_args()
 
     from trtbuild.runtime.core.sampling import SamplingParams
@@ -79,8 +101,10 @@ def main() -> None:
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.server.chat import chat_template
 
-    asked = questions()[:args.limit or None]
-    template = chat_template(load(args.engine))
+    engine_dir = load(args.engine)
+    words = vocabulary_words(llm_tokenizer(engine_dir), args.words) if args.words else []
+    asked = questions(words)[args.skip:][:args.limit or None]
+    template = chat_template(engine_dir)
     prompts = [template.render([{"role": "user", "content": q}]) for q in asked]
     start = time.perf_counter()
     with LLM(args.engine, backend="onnxruntime", threads=args.threads, speculation=()) as llm:
@@ -91,6 +115,13 @@ def main() -> None:
     seconds = time.perf_counter() - start
     print(f"{len(asked)} questions, {tokens} answer tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s) "
           f"→ {args.out}", file=sys.stderr)
+
+
+def llm_tokenizer(engine_dir):
+    from trtbuild.checkpoint.tokenizer import tokenizer_from
+
+    path = engine_dir.side_file("tokenizer.json")
+    return tokenizer_from(path.read_bytes(), str(path))
 
 
 if __name__ == "__main__":
