@@ -158,8 +158,10 @@ class DraftHeadEntry:
         fields = set(cls.__dataclass_fields__)
         if not isinstance(entry, dict) or set(entry) != fields:
             raise bad("", f"must be an object with {', '.join(sorted(fields))}")
-        if not isinstance(entry["graph"], str) or not entry["graph"]:
-            raise bad("graph", f"{entry['graph']!r}: a file name in the engine dir expected")
+        # A bare name: ONNX Runtime reads a graph's weights relative to the graph's own folder,
+        # and the dir's checks name files relative to the dir.
+        if not isinstance(entry["graph"], str) or not entry["graph"] or "/" in entry["graph"] or "\\" in entry["graph"]:
+            raise bad("graph", f"{entry['graph']!r}: a file name in the engine dir's top folder expected")
         taps = entry["taps"]
         if (not isinstance(taps, list) or len(taps) != NUM_TAPS
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < num_layers for t in taps)):

@@ -137,6 +137,8 @@ class EngineCore:
                                                Context.of(step.starts))
         if self.speculation is not None:
             self.speculation.policy.stepped(time.perf_counter() - start)
+            if self.speculation.draft_head is not None:
+                self.speculation.draft_head.stepped(time.perf_counter() - start)
             self._draft(heads_at)
         finished = [(r, self.sampling.pop(r.rid)) for r in self.scheduler.pop_finished()]
         if self.speculation is not None:
@@ -355,13 +357,15 @@ class EngineCore:
                 if chain is not None:
                     chains[rid, chain.source] = chain
                     row.append(Candidate(chain.source, chain.expected))
-        head_seconds = (self._draft_head_offers(decoding, offers, chains)
-                        if spec.draft_head is not None and host_due else 0.0)
+        head_due = spec.draft_head is not None and host_due and spec.draft_head.due()
+        head_seconds = self._draft_head_offers(decoding, offers, chains) if head_due else 0.0
         decision = policy.choose(len(decoding), offers, Context.of([r.computed for r in decoding]))
         if host is not None or (spec.draft_head is not None and host_due):
             # (Medusa's share of the loop above is small: its trees come from heads already computed.)
             policy.drafted(rids, time.perf_counter() - host_start,
                            verifies=any(source != Source.medusa for source in decision.sources()), priced=head_seconds)
+        if head_due:
+            spec.draft_head.decided(head_seconds, Source.draft_head in decision.sources())
         for rid, (source, k) in decision.picks.items():
             request = self.scheduler.requests[rid]
             if source == Source.medusa:

@@ -287,7 +287,11 @@ def _edited(engine: Path, tmp_path: Path, edit) -> Path:
     (lambda m: m.update(draft_head=None),
      "speculation.sources lists draft_head exactly when the engine has a draft head"),
     (lambda m: m["draft_head"].update(graph="../draft.onnx"),
-     "draft_head.graph '../draft.onnx' is not a file the manifest lists"),
+     "draft_head.graph '../draft.onnx': a file name in the engine dir's top folder expected"),
+    (lambda m: m["draft_head"].update(graph="sub/draft.onnx"),
+     "draft_head.graph 'sub/draft.onnx': a file name in the engine dir's top folder expected"),
+    (lambda m: m["draft_head"].update(graph="tokenizer.json"),
+     "draft_head.graph 'tokenizer.json' is not a file the manifest lists"),
     (lambda m: m["draft_head"].update(graph="rank0.onnx.data"), "rank0.onnx.data"),
     (lambda m: m["draft_head"].update(taps=[2, 3, 6]), "draft_head.taps [2, 3, 6]: 3 layer indices in [0, 6) expected"),
     (lambda m: m["draft_head"].update(hidden=128), "draft_head.hidden 128 != the model's hidden_size 256"),
@@ -297,6 +301,24 @@ def test_a_bad_draft_head_entry_is_refused_at_load(draft_engine, tmp_path, edit,
     with pytest.raises(EngineDirError) as refused:
         load(_edited(draft_engine[0], tmp_path, edit))
     assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_draft_map_naming_one_token_twice_is_refused(draft_engine, tmp_path):
+    """Two draft ids for one target id would split that token's draft probability (the
+    full-distribution rule reads q per target id): refused in one line at load."""
+    from safetensors.numpy import save_file
+
+    from trtbuild.contract.draft_head import DRAFT_MAP_FILE, MAP_TENSOR
+    from trtbuild.runtime.speculation.draft_head_source import read_draft_map
+
+    copy = _edited(draft_engine[0], tmp_path, lambda m: None)
+    ids = np.arange(DRAFT_VOCAB, dtype=np.int64) * 7
+    ids[1] = ids[0]
+    save_file({MAP_TENSOR: ids}, str(copy / DRAFT_MAP_FILE))
+    with pytest.raises(ValueError, match="maps two draft ids to one target id") as refused:
+        read_draft_map(load(copy, verify_hashes=False))
+    assert "\n" not in str(refused.value)
 
 
 def test_skip_norm_keeps_the_graph_sorted_where_the_sum_has_a_reader_before_the_norm():

@@ -86,6 +86,14 @@ class DraftHeadDrafter:
                  threads: int = 0, max_step_tokens: int = 512, spinning: Spinning = DRAFT_SPINNING):
         self.session = session(Path(graph), threads, spinning=spinning)
         inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        missing = [n for n in ("past_key_0", "past_value_0", FEATURES) if n not in inputs] + \
+                  [n for n in (DRAFT_LOGITS, DRAFT_HIDDEN) if n not in outputs]
+        if missing:
+            raise ValueError(f"{graph}: not a draft head step graph (no {', '.join(missing)}); rebuild the engine dir")
+        if not all(isinstance(d, int) for d in (*inputs["past_key_0"].shape[2:], inputs[FEATURES].shape[2],
+                                                 outputs[DRAFT_LOGITS].shape[2])):
+            raise ValueError(f"{graph}: its cache, feature and vocabulary sizes must be fixed numbers; rebuild the engine dir")
         past, features = inputs["past_key_0"], inputs[FEATURES]
         if features.type not in ORT_FLOATS:
             raise ValueError(f"{graph}: {FEATURES} is {features.type}; float or float16 expected")

@@ -33,6 +33,7 @@ from ...contract.draft_head import DRAFT_MAP_FILE, MAP_TENSOR
 from ...contract.speculation import Source
 from ..core.tree import Accepted
 from .draft_head import DraftHeadDrafter, Observation
+from .adaptive import DRAFT_SHARE, SpeculationMode
 from .full_sampling import draft_uniforms
 from .host import HostDraft, HostDrafting
 from .sources.base import EMPTY, Proposal
@@ -81,6 +82,8 @@ def read_draft_map(engine_dir) -> np.ndarray:
         raise ValueError(str(exc)) from None
     if ids.min(initial=0) < 0 or ids.max(initial=0) >= engine_dir.vocab_size:
         raise ValueError(f"{path}: {MAP_TENSOR} holds ids outside the vocabulary [0, {engine_dir.vocab_size})")
+    if len(np.unique(ids)) != len(ids):  # two draft ids for one token would split its probability
+        raise ValueError(f"{path}: {MAP_TENSOR} maps two draft ids to one target id")
     return ids
 
 
@@ -93,6 +96,23 @@ class DraftHeadSource:
         self.drafter = drafter
         self.proposals = _Proposals()
         self.model = HostDrafting({Source.draft_head: self.proposals}, max_tokens, mode)
+        self.mode = mode
+        self._owed = 0.0  # engine seconds to pass before drafting again (its last chains went unverified)
+
+    # -- its own back-off: drafting costs model runs, so chains nobody verifies are not drafted each step
+
+    def due(self) -> bool:
+        """Whether to draft after this step: unless its last chains went unverified (another
+        source's were, or none) and the engine has not stepped 1 / DRAFT_SHARE times that drafting's
+        seconds since (adaptive.py's back-off, for this source alone)."""
+        return self._owed <= 0.0 or self.mode == SpeculationMode.always
+
+    def stepped(self, seconds: float) -> None:
+        self._owed -= seconds
+
+    def decided(self, seconds: float, verified: bool) -> None:
+        """Its drafting took ``seconds`` and the batch verifies its chains or not."""
+        self._owed = 0.0 if verified else seconds / DRAFT_SHARE
 
     # -- feeding it ------------------------------------------------------------------------------
 

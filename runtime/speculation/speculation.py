@@ -113,6 +113,9 @@ def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode,
     drafter = DraftHeadDrafter(engine_dir.draft_head_graph, read_draft_map(engine_dir), engine_dir.max_seq_len,
                                capacity=engine_dir.max_batch_size, threads=threads,
                                max_step_tokens=engine_dir.max_input_len)
+    if drafter.hidden_size != engine_dir.model["hidden_size"]:
+        raise ValueError(f"{engine_dir.draft_head_graph}: features of width {drafter.hidden_size}; the model's "
+                         f"hidden_size is {engine_dir.model['hidden_size']}: rebuild the engine dir")
     return DraftHeadSource(drafter, min(max_tokens, entry.num_tokens), mode)
 
 
