@@ -281,12 +281,22 @@ class EngineCore:
         rows = self._draft_head_rows(step.rids)
         if not rows or out.draft_features is None:
             return
+
+        def committed(b: int) -> tuple[int, ...]:  # the step's token indices now in the row's cache
+            if step.row_trees[b] is None:
+                return tuple(range(len(step.tokens[b])))
+            path = accepted.get(step.rids[b])
+            return (0, *(path.nodes if path is not None else ()))
+
+        self._observe(step, rows, [committed(b) for b in rows], out.draft_features[rows])
+
+    def _observe(self, step: Step, rows: list[int], nodes: list[tuple[int, ...]], features: np.ndarray) -> None:
+        """Hands the draft head ``step``'s ``rows``: the token indices ``nodes`` each committed and
+        their ``features`` [B', S, H], with the requests' tokens after the commit."""
         requests = self.scheduler.requests
-        nodes = [(0, *accepted[step.rids[b]].nodes) if step.row_trees[b] is not None and step.rids[b] in accepted
-                 else (0,) if step.row_trees[b] is not None else tuple(range(len(step.tokens[b]))) for b in rows]
-        self.speculation.draft_head.observe_step(
-            [step.rids[b] for b in rows], [step.starts[b] for b in rows], nodes, out.draft_features[rows],
-            [requests[step.rids[b]].context if step.rids[b] in requests else () for b in rows])
+        rids = [step.rids[b] for b in rows]
+        self.speculation.draft_head.observe_step(rids, [step.starts[b] for b in rows], nodes, features,
+                                                 [requests[rid].context if rid in requests else () for rid in rids])
 
     def _greedy_run(self, step: Step, steps: int, on_token: TokenSink, interrupted: Callable[[], bool]) -> int:
         """Up to ``steps`` decode steps back to back (scheduler.run_length), each row fed its own
@@ -297,14 +307,14 @@ class EngineCore:
         run = self.engine.greedy_run(step)
         stops = self.scheduler.stop_ids(step)
         produced: list[list[int]] = []  # [n][B]
-        observed = self.speculation is not None and self.speculation.draft_head is not None \
-            and bool(self._draft_head_rows(step.rids))
-        features: list[np.ndarray] = []  # [n] of [B, 1, H]: each step's, for the draft head
+        rows = (self._draft_head_rows(step.rids)
+                if self.speculation is not None and self.speculation.draft_head is not None else [])
+        features: list[np.ndarray] = []  # [n] of [B', 1, H]: each step's, the draft head's rows
         for _ in range(steps):
             tokens = run.advance()
             produced.append(tokens)
-            if observed and run.features is not None:
-                features.append(run.features.copy())  # the run reuses its buffer
+            if rows and run.features is not None:
+                features.append(run.features[rows])  # a copy: the run reuses its buffer
             if (stops and not stops.isdisjoint(tokens)) or interrupted():
                 break
         self._count(StepKind.decode, len(produced), time.perf_counter() - engine_start)
@@ -314,13 +324,8 @@ class EngineCore:
         for rid in step.rids:  # a row that ended took fewer of the run's tokens
             self.sampling[rid].decode_steps += len(self.scheduler.requests[rid].output) - taken[rid]
         if features and len(features) == len(produced):
-            rows = self._draft_head_rows(step.rids)
-            stacked = np.concatenate(features, axis=1)[rows]  # [B', n, H]
-            requests = self.scheduler.requests
-            self.speculation.draft_head.observe_step(
-                [step.rids[b] for b in rows], [step.starts[b] for b in rows],
-                [tuple(range(len(requests[step.rids[b]].output) - taken[step.rids[b]])) for b in rows],
-                stacked, [requests[step.rids[b]].context for b in rows])
+            ran = [len(self.scheduler.requests[step.rids[b]].output) - taken[step.rids[b]] for b in rows]
+            self._observe(step, rows, [tuple(range(n)) for n in ran], np.concatenate(features, axis=1))  # [B', n, H]
         return len(produced)
 
     def _draft(self, heads_at: dict) -> None:

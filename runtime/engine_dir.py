@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..contract.json_file import read_json_object
@@ -146,10 +147,11 @@ class EngineDir:
                                  f"{self.draft_head.num_tokens}; rebuild the engine dir")
         return config
 
-    @property
+    @cached_property
     def draft_head(self) -> DraftHeadEntry | None:
         """The draft head built into the engine (its graph a listed file inside the dir, its
-        weights in the graph's own listed data file), checked; None without one."""
+        weights in the graph's own listed data file), checked once (it reads the graph); None
+        without one."""
         entry = self.manifest.get("draft_head")
         if entry is None:
             return None

@@ -100,7 +100,7 @@ class Sampler:
             return int(logits.argmax()), None
         logits = logits.astype(np.float64)  # [V]
         token = int(np.argmax(logits)) if p.greedy else self.draw(self.distribution(logits), position)
-        logprob = float(np.log(_softmax(logits)[token])) if p.logprobs else None
+        logprob = float(np.log(softmax(logits)[token])) if p.logprobs else None
         return token, logprob
 
     def draw(self, probs: np.ndarray, position: int) -> int:
@@ -122,7 +122,7 @@ class Sampler:
         if p.top_k and p.top_k < len(scaled):  # top_k ≥ V keeps every token
             kth = np.partition(scaled, -p.top_k)[-p.top_k]
             scaled = np.where(scaled < kth, -np.inf, scaled)
-        probs = _softmax(scaled)
+        probs = softmax(scaled)
         if p.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cumulative = np.cumsum(probs[order])
@@ -137,12 +137,12 @@ class Sampler:
     @staticmethod
     def logprob(logits: np.ndarray, token: int) -> float:
         """log p(token) under the model's (untempered) distribution."""
-        return float(np.log(_softmax(logits.astype(np.float64))[token]))
+        return float(np.log(softmax(logits.astype(np.float64))[token]))
 
     @staticmethod
     def alternatives(logits: np.ndarray, count: int) -> tuple[tuple[int, float], ...]:
         """The ``count`` likeliest tokens and their log-probabilities (untempered), likeliest first."""
-        log_probs = np.log(_softmax(logits.astype(np.float64)))  # [V]
+        log_probs = np.log(softmax(logits.astype(np.float64)))  # [V]
         best = np.argpartition(-log_probs, count - 1)[:count]
         best = best[np.argsort(-log_probs[best], kind="stable")]
         return tuple((int(t), float(log_probs[t])) for t in best)
@@ -158,6 +158,7 @@ def inverse_cdf(probs: np.ndarray, u: float | np.ndarray) -> int | np.ndarray:
     return np.minimum(token, last) if np.ndim(token) else int(min(token, last))
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - np.max(x))
-    return e / e.sum()
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Over the last axis (a row of logits, or rows of them)."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)

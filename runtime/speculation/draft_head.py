@@ -36,7 +36,7 @@ from ...contract.draft_head import DRAFT_HIDDEN, DRAFT_LOGITS, FEATURES, NUM_KV_
 from ...contract.step import VERIFY_ROWS, StepArrays, fill_step_arrays
 from ...plugins.onnxruntime.session import Spinning, run, session
 from ..backends.onnxruntime.one_write_start import move_back, write_from_one_start
-from ..core.sampling import inverse_cdf
+from ..core.sampling import inverse_cdf, softmax
 from .sources.base import Proposal
 
 ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -339,7 +339,7 @@ class DraftHeadDrafter:
         hidden = np.stack([r.hidden for r in requests])  # [B, H]
         live = list(range(len(rids)))  # rows still drafting; logits/hidden hold their rows in order
         for depth in range(max_tokens):
-            q = _softmax(logits.astype(np.float64) / (temps[live, None] if sampled else 1.0))  # [B_live, K]
+            q = softmax(logits.astype(np.float64) / (temps[live, None] if sampled else 1.0))  # [B_live, K]
             for i, row in enumerate(live):
                 token = int(inverse_cdf(q[i], uniforms[row, depth])) if sampled else int(np.argmax(q[i]))
                 chosen[row].append(token)
@@ -372,7 +372,3 @@ class DraftHeadDrafter:
 def _smoothed(average: float | None, sample: float) -> float:
     return sample if average is None else (1 - COST_SMOOTHING) * average + COST_SMOOTHING * sample
 
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
