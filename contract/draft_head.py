@@ -45,9 +45,15 @@ NUM_TAPS = 3
 
 
 def default_taps(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low, middle and high layers (0-based decoder layers whose output is tapped)."""
+    """EAGLE-3's low, middle and high layers (0-based decoder layers whose output is tapped):
+    layers 2, L/2 and L-3 where the target is deep enough, moved apart on shallow targets so that
+    no layer is tapped twice while L ≥ 3 (a repeated tap would spend a third of the fused input on
+    a copy)."""
     last = num_layers - 1
-    return (min(2, last), num_layers // 2, max(num_layers - 3, 0))
+    middle = min(num_layers // 2, last)
+    low = max(min(2, middle - 1), 0)
+    high = min(max(num_layers - 3, middle + 1), last)
+    return (low, middle, high)
 
 
 @dataclass(frozen=True)

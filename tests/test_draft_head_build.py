@@ -182,7 +182,7 @@ def test_manifest_records_the_draft_head_and_hashes_its_graph(draft_engine):
     assert d.speculation.sources == (Source.draft_head,)
     assert d.speculation.draft_head == DraftHeadSourceConfig(4)
     shown = CliRunner().invoke(main, ["inspect", str(engine)]).output.splitlines()
-    assert ("draft head   draft.onnx: features of layers [2, 3, 3], draft vocabulary 64, chains of up to 4; "
+    assert ("draft head   draft.onnx: features of layers [2, 3, 4], draft vocabulary 64, chains of up to 4; "
             "held-out top1 0.250, top5 0.500") in shown
 
 

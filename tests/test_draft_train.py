@@ -16,7 +16,7 @@ from trtbuild.builder.draft_head.train import DraftTrainOptions, train_draft_hea
 from trtbuild.builder.draft_head.vocab import OUTSIDE, draft_vocabulary, target_to_draft
 from trtbuild.builder.errors import UserError
 from trtbuild.cli.main import main
-from trtbuild.contract.draft_head import CONFIG_FILE, DraftHeadConfig, DraftLayerShape
+from trtbuild.contract.draft_head import CONFIG_FILE, WEIGHTS_FILE, DraftHeadConfig, DraftLayerShape, default_taps
 
 from conftest import TINY_CODE
 
@@ -136,6 +136,9 @@ def test_the_written_dir_loads_with_what_training_returned(trained):
     assert training["ttt_depth"] == 3 and training["peak_rss_mib"] > 0
     ids = loaded.draft_to_target
     assert len(set(ids.tolist())) == 1024 and int(ids.max()) < 4096
+    # A draft dir is shipped beside specs: readable by others, and nothing staged left behind.
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+    assert {(out / name).stat().st_mode & 0o777 for name in (CONFIG_FILE, WEIGHTS_FILE)} == {0o644}
 
 
 def test_cli_trains_and_prints_the_held_out_table(tmp_path):
@@ -156,12 +159,16 @@ def test_cli_trains_and_prints_the_held_out_table(tmp_path):
     (["--taps", "x"], "--taps 'x': three comma-separated"),
     (["--heads", "2"], "--heads: not an option of --kind head"),
     (["--kind", "medusa", "--draft-vocab", "9"], "--draft-vocab: not an option of --kind medusa"),
+    (["--kind", "medusa", "--steps", "0"], "--steps 0 / --batch 4 / --sequences 640: steps and batch must be ≥ 1"),
+    (["--kind", "medusa", "--batch", "-1"], "--steps 300 / --batch -1 / --sequences 640"),
+    (["--kind", "medusa", "--lr", "0"], "--lr 0.0: must be > 0"),
 ])
 def test_cli_refuses_bad_options_in_one_line(tmp_path, args, message):
     result = CliRunner().invoke(main, ["draft", "train", str(TINY_CODE), "--data", str(DATA), "-o",
                                        str(tmp_path / "d"), *args])
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert not (tmp_path / "d").exists()
 
 
 def test_cli_refuses_a_missing_data_file(tmp_path):
@@ -176,6 +183,16 @@ def test_cli_kind_medusa_trains_medusa_heads(tmp_path):
                                        "--sequences", "8", "--seq-len", "32", "--prompt-len", "8"])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "m" / "config.json").read_text())["medusa_num_heads"] == 2
+
+
+@pytest.mark.parametrize("num_layers", range(3, 81))
+def test_default_taps_are_three_distinct_increasing_layers(num_layers):
+    taps = default_taps(num_layers)
+    assert len(taps) == 3 and 0 <= taps[0] < taps[1] < taps[2] < num_layers, taps
+
+
+def test_default_taps_are_eagle3s_layers_on_a_deep_target():
+    assert default_taps(30) == (2, 15, 27) and default_taps(32) == (2, 16, 29)
 
 
 def test_options_refuse_taps_out_of_range():
