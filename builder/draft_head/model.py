@@ -168,8 +168,15 @@ def save_draft_head(draft: DraftHead, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous() for name, t in draft.state_dict().items()
                if not name.startswith(("embed.", "rotary."))}
-    save_file({k: (v if v.dtype == torch.int64 else v.float()) for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
-    (out / CONFIG_FILE).write_text(json.dumps(draft.config.to_json(), indent=2) + "\n")
+    # Each file is written under a temporary name and renamed, the config last: a killed run leaves
+    # no dir that reads as a draft. safetensors creates owner-only files; a draft dir is shipped.
+    weights, config = out / f".{WEIGHTS_FILE}.partial", out / f".{CONFIG_FILE}.partial"
+    save_file({k: (v if v.dtype == torch.int64 else v.float()) for k, v in tensors.items()}, str(weights))
+    config.write_text(json.dumps(draft.config.to_json(), indent=2) + "\n")
+    for staged in (weights, config):
+        staged.chmod(0o644)
+    weights.replace(out / WEIGHTS_FILE)
+    config.replace(out / CONFIG_FILE)
 
 
 def read_draft_config(path: Path) -> DraftHeadConfig:
