@@ -50,6 +50,11 @@ class TrainOptions:
             raise UserError(f"--seq-len {self.seq_len}: must exceed --heads + 8")
         if self.self_distill and not 1 <= self.prompt_len < self.seq_len:
             raise UserError(f"--prompt-len {self.prompt_len}: must be in [1, --seq-len)")
+        if self.steps < 1 or self.batch < 1 or self.sequences < 4:
+            raise UserError(f"--steps {self.steps} / --batch {self.batch} / --sequences {self.sequences}: "
+                            "steps and batch must be ≥ 1, sequences ≥ 4")
+        if not self.lr > 0:
+            raise UserError(f"--lr {self.lr}: must be > 0")
 
 
 @dataclass(frozen=True)
