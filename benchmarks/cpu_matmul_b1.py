@@ -19,13 +19,20 @@ Forms:
 - ort FusedMatMul transB: com.microsoft FusedMatMul(x, W^T, transB=1), constant.
 - torch F.linear: F.linear(x, W^T) at the same thread count (MKL / oneDNN), one call a weight.
 - torch matmul: x @ W, W [K, N].
-- read torch sum: W.sum() for each weight, the same bytes read with no arithmetic to speak of.
-- read numpy sum: numpy's one-threaded sum of each weight (one core's read rate).
+- read AVX-512: the ceiling, benchmarks/cpu_read_bandwidth.c (compiled here with the system's C
+  compiler) summing every float of the same weights with AVX-512 loads, 2 threads and 1.
+- ..., huge pages: the weights copied into memory advised MADV_HUGEPAGE (2 MiB pages; this
+  machine's transparent huge pages are `madvise`, so ONNX Runtime's own buffers get 4 KiB pages).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import json
+import mmap
+import subprocess
+import tempfile
 import statistics
 import sys
 import time
@@ -103,9 +110,9 @@ def _ort(op: str = "MatMul", transposed: bool = False, as_input: bool = False,
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         binding = sess.io_binding()
         binding.bind_cpu_input("x", x)
-        if as_input:
+        if as_input:  # OrtValues over the arrays themselves: no copy a run
             for i, w in enumerate(weights):
-                binding.bind_cpu_input(f"w{i}", w)
+                binding.bind_ortvalue_input(f"w{i}", ort.OrtValue.ortvalue_from_numpy(w))
         for out in sess.get_outputs():
             binding.bind_output(out.name, "cpu")
         return Pass(lambda: sess.run_with_iobinding(binding))
@@ -123,9 +130,7 @@ def _torch(kind: str, one_thread: bool = False):
             ws = [torch.from_numpy(np.ascontiguousarray(w.T)) for w in weights]  # [N, K]
             return _with_threads(count, lambda: [F.linear(xt, w) for w in ws])
         ws = [torch.from_numpy(w) for w in weights]  # [K, N]
-        if kind == "matmul":
-            return _with_threads(count, lambda: [xt @ w for w in ws])
-        return _with_threads(count, lambda: [w.sum() for w in ws])
+        return _with_threads(count, lambda: [xt @ w for w in ws])
     return make
 
 
@@ -136,8 +141,43 @@ def _with_threads(count: int, run: Callable[[], object]) -> Pass:
     return Pass(run, setup=lambda: torch.set_num_threads(count))
 
 
-def _numpy_sum(weights, x, threads):
-    return Pass(lambda: [w.sum() for w in weights])
+def huge_page_copy(w: np.ndarray) -> np.ndarray:
+    """A copy of ``w`` in anonymous memory advised MADV_HUGEPAGE (2 MiB pages where the kernel has them)."""
+    size = -(-w.nbytes // (2 << 20)) * (2 << 20)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    out = np.frombuffer(buf, dtype=w.dtype, count=w.size).reshape(w.shape)
+    out[...] = w
+    return out
+
+
+def _on_huge_pages(make):
+    return lambda weights, x, threads: make([huge_page_copy(w) for w in weights], x, threads)
+
+
+def _read_library() -> ctypes.CDLL:
+    """benchmarks/cpu_read_bandwidth.c built once per source text, in the temp dir."""
+    source = REPO / "benchmarks" / "cpu_read_bandwidth.c"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    lib = Path(tempfile.gettempdir()) / f"cpu_read_bandwidth-{digest}.so"
+    if not lib.exists():
+        subprocess.run(["cc", "-O2", "-mavx512f", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(source)],
+                       check=True)
+    dll = ctypes.CDLL(str(lib))
+    dll.read_weights.restype = ctypes.c_float
+    dll.read_weights.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+    return dll
+
+
+def _read(one_thread: bool = False):
+    def make(weights, x, threads):
+        dll = _read_library()
+        ptrs = (ctypes.c_void_p * len(weights))(*[w.ctypes.data for w in weights])
+        count = 1 if one_thread else threads
+        if weights[0].size % 64:
+            raise ValueError(f"read ceiling: {weights[0].size} floats a weight is not a multiple of 64")
+        return Pass(lambda: dll.read_weights(ptrs, len(weights), weights[0].size, count))
+    return make
 
 
 FORMS = (
@@ -148,6 +188,7 @@ FORMS = (
     Form("ort MatMul const, denormal=0", _ort(config={"session.set_denormal_as_zero": "1"})),
     Form("ort MatMul no prepack", _ort(config={"session.disable_prepacking": "1"})),
     Form("ort MatMul B input", _ort(as_input=True)),
+    Form("ort MatMul B input, huge pages", _on_huge_pages(_ort(as_input=True))),
     Form("ort Gemm transB", _ort(op="Gemm", transposed=True)),
     Form("ort Gemm transB no prepack", _ort(op="Gemm", transposed=True,
                                             config={"session.disable_prepacking": "1"})),
@@ -155,9 +196,10 @@ FORMS = (
     Form("torch F.linear", _torch("linear")),
     Form("torch F.linear, 1 thread", _torch("linear", one_thread=True)),
     Form("torch matmul", _torch("matmul")),
-    Form("read torch sum", _torch("sum")),
-    Form("read torch sum, 1 thread", _torch("sum", one_thread=True)),
-    Form("read numpy sum, 1 thread", _numpy_sum),
+    Form("torch matmul, huge pages", _on_huge_pages(_torch("matmul"))),
+    Form("read AVX-512", _read()),
+    Form("read AVX-512, 1 thread", _read(one_thread=True)),
+    Form("read AVX-512, huge pages", _on_huge_pages(_read())),
 )
 BASELINE = FORMS[0].name
 
