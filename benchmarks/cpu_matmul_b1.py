@@ -21,8 +21,10 @@ Forms:
 - torch matmul: x @ W, W [K, N].
 - read AVX-512: the ceiling, benchmarks/cpu_read_bandwidth.c (compiled here with the system's C
   compiler) summing every float of the same weights with AVX-512 loads, 2 threads and 1.
-- ..., huge pages: the weights copied into memory advised MADV_HUGEPAGE (2 MiB pages; this
-  machine's transparent huge pages are `madvise`, so ONNX Runtime's own buffers get 4 KiB pages).
+- ..., huge pages: the weights copied into memory advised MADV_HUGEPAGE (2 MiB pages). Every
+  other form's weights are copied into memory advised MADV_NOHUGEPAGE (4 KiB pages: with
+  transparent huge pages set to `madvise`, as on the machine this was written on, ONNX Runtime's
+  own buffers, its prepacked weights among them, get those).
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ SHAPES = {
     "down": (1536, 576, LAYERS),
     "head": (576, 49152, 1),
 }
+HUGE = 2 << 20
+MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 PAUSE_S = 0.02  # longer than ONNX Runtime's and OpenMP's spin before their threads sleep
 
 
@@ -106,8 +110,8 @@ def _ort(op: str = "MatMul", transposed: bool = False, as_input: bool = False,
         so.log_severity_level = 3
         for key, value in (config or {}).items():
             so.add_session_config_entry(key, value)
-        model = _graph(weights, op, transposed, as_input)
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        model = _graph(weights, op, transposed, as_input).SerializeToString()
+        sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         binding = sess.io_binding()
         binding.bind_cpu_input("x", x)
         if as_input:  # OrtValues over the arrays themselves: no copy a run
@@ -141,18 +145,19 @@ def _with_threads(count: int, run: Callable[[], object]) -> Pass:
     return Pass(run, setup=lambda: torch.set_num_threads(count))
 
 
-def huge_page_copy(w: np.ndarray) -> np.ndarray:
-    """A copy of ``w`` in anonymous memory advised MADV_HUGEPAGE (2 MiB pages where the kernel has them)."""
-    size = -(-w.nbytes // (2 << 20)) * (2 << 20)
+def page_copy(w: np.ndarray, huge: bool) -> np.ndarray:
+    """A copy of ``w`` in anonymous memory of its own, advised MADV_HUGEPAGE (2 MiB pages) or
+    MADV_NOHUGEPAGE (4 KiB pages; numpy itself advises huge pages for arrays of 4 MiB and more)."""
+    size = -(-w.nbytes // HUGE) * HUGE
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    buf.madvise(MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE)
     out = np.frombuffer(buf, dtype=w.dtype, count=w.size).reshape(w.shape)
     out[...] = w
     return out
 
 
 def _on_huge_pages(make):
-    return lambda weights, x, threads: make([huge_page_copy(w) for w in weights], x, threads)
+    return lambda weights, x, threads: make([page_copy(w, huge=True) for w in weights], x, threads)
 
 
 def _read_library() -> ctypes.CDLL:
@@ -200,6 +205,7 @@ FORMS = (
     Form("read AVX-512", _read()),
     Form("read AVX-512, 1 thread", _read(one_thread=True)),
     Form("read AVX-512, huge pages", _on_huge_pages(_read())),
+    Form("read AVX-512, huge pages, 1 thread", _on_huge_pages(_read(one_thread=True))),
 )
 BASELINE = FORMS[0].name
 
@@ -208,7 +214,7 @@ def measure(shape: str, forms: list[Form], rounds: int, threads: int) -> dict[st
     """Seconds of one pass (all copies of the shape's weight) for each form: (median, best)."""
     k, n, copies = SHAPES[shape]
     rng = np.random.default_rng(0)
-    weights = [(rng.standard_normal((k, n), dtype=np.float32) * 0.02) for _ in range(copies)]
+    weights = [page_copy(rng.standard_normal((k, n), dtype=np.float32) * 0.02, huge=False) for _ in range(copies)]
     x = rng.standard_normal((1, k), dtype=np.float32)
     runs = [(f.name, f.make(weights, x, threads)) for f in forms]
     for _, one in runs:  # warm-up: first-run allocations, prepacking, thread pool start
