@@ -58,15 +58,15 @@ def added_ranges(before: list[Range], after: list[Range]) -> list[Range]:
 
 
 def collapse(ranges: list[Range]) -> int:
-    """MADV_COLLAPSE over the whole 2 MiB pages inside ``ranges``; the bytes the kernel collapsed
-    (it refuses ranges it cannot, such as memory advised MADV_NOHUGEPAGE or never touched)."""
+    """MADV_COLLAPSE on each whole 2 MiB page inside ``ranges``, one at a time (the kernel refuses
+    some, such as memory advised MADV_NOHUGEPAGE or never touched); the bytes it collapsed."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
     for start, end in ranges:
-        start, end = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-        if end > start and libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
-            done += end - start
+        for page in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE, HUGE_PAGE):
+            if libc.madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
+                done += HUGE_PAGE
     return done
 
 
