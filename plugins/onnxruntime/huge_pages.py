@@ -4,9 +4,8 @@ A batch-1 decode step streams every weight once (SmolLM2-135M float32: 540 MB a 
 runs at the memory system's read rate. Where transparent huge pages are set to `madvise` (the
 default of many distributions), ONNX Runtime's buffers, its prepacked weights among them, get
 4 KiB pages: a TLB miss every 4 KiB of weights, each a two-level page walk inside a virtual
-machine. benchmarks/cpu_matmul_b1.py measured the same reads 1.15–1.6× faster from 2 MiB pages
-(docs/benchmarks.md, "Why float32 batch 1 cannot stream faster"); llama.cpp gets them without
-asking, from the page cache of the GGUF file it maps.
+machine. benchmarks/cpu_matmul_b1.py measured the same reads 1.2–1.3× faster from 2 MiB pages
+on one core (docs/benchmarks.md, "Why float32 batch 1 cannot stream faster").
 
 So after a session loads, the anonymous memory it added is collapsed onto 2 MiB pages
 (MADV_COLLAPSE, Linux 6.1+: synchronous, the contents kept). Only that memory: the process's
