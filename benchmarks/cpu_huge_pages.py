@@ -6,7 +6,7 @@
 With transparent huge pages set to `madvise` (/sys/kernel/mm/transparent_hugepage/enabled),
 ONNX Runtime's buffers, the prepacked float32 weights among them, sit on 4 KiB pages: a batch-1
 step streams ~540 MB of SmolLM2's weights through a TLB miss every 4 KiB (a two-level walk in a
-virtual machine). The runtime collapses what a session added onto 2 MiB pages
+virtual machine). The runtime collapses what a session added, and the heap, onto 2 MiB pages
 (plugins/onnxruntime/huge_pages.py); this compares it with that step left out.
 
 Configurations: the runtime as it is; the same with the collapse left out (4 KiB pages); and the

@@ -13,7 +13,7 @@ weights read, with its ratio to ONNX Runtime's MatMul on a constant B (the form 
 Forms:
 - ort MatMul const: MatMul(x, W) with W an initializer, prepacked by MLAS (our engines before
   plugins/onnxruntime/huge_pages.py), on 4 KiB pages; "huge pages (runtime)": the same session
-  made as the runtime now makes it, what it added collapsed onto 2 MiB pages.
+  made with what it added collapsed onto 2 MiB pages, as the runtime does (which also collapses the heap).
 - ort ... 1 thread / no spin / pinned / denormal=0: the same graph, one session option changed.
 - ort MatMul no prepack: the same graph with `session.disable_prepacking`.
 - ort MatMul B input: W a graph input, bound once (never constant, never prepacked).
@@ -110,8 +110,6 @@ def _anon_huge_bytes() -> int:
 def _ort(op: str = "MatMul", transposed: bool = False, as_input: bool = False,
          config: dict[str, str] | None = None, one_thread: bool = False, huge_pages: bool = False):
     def make(weights, x, threads):
-        import contextlib
-
         import onnxruntime as ort
 
         from trtbuild.plugins.onnxruntime import huge_pages as pages
@@ -126,10 +124,12 @@ def _ort(op: str = "MatMul", transposed: bool = False, as_input: bool = False,
         model = _graph(weights, op, transposed, as_input).SerializeToString()
         # The runtime's sessions (plugins/onnxruntime/session.py) collapse what they add onto 2 MiB
         # pages; these sessions are made directly, on 4 KiB pages, but for the huge_pages form.
-        before = _anon_huge_bytes()
-        with pages.collapse_added() if huge_pages else contextlib.nullcontext():
-            sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        before, ranges = _anon_huge_bytes(), pages.anonymous_ranges()
+        sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         if huge_pages:
+            # What the session added only (the runtime collapses the whole heap as well, which here
+            # would reach the other forms' buffers later placed in heap memory freed before them).
+            pages.collapse(pages.added_ranges(ranges, pages.anonymous_ranges()))
             print(f"  its session put {(_anon_huge_bytes() - before) / 1e6:.0f} MB on 2 MiB pages "
                   f"(weights {sum(w.nbytes for w in weights) / 1e6:.0f} MB)", file=sys.stderr)
         binding = sess.io_binding()
@@ -206,7 +206,7 @@ def _read(one_thread: bool = False):
 
 
 FORMS = (
-    # made first, while the heap only grows: collapse_added collapses only ranges new to the process
+    # made first, while the heap only grows: it collapses only the memory new to the process
     Form("ort MatMul const, huge pages (runtime)", _ort(huge_pages=True)),
     Form("ort MatMul const", _ort()),
     Form("ort MatMul const, 1 thread", _ort(one_thread=True)),
