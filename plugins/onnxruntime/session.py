@@ -63,14 +63,18 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None,
 
 def session(model, threads: int = 0, external_data_dir: Path | None = None,
             spinning: Spinning = Spinning.always, activations: CpuActivations = CpuActivations.float):
-    """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto."""
+    """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto, its
+    weights on 2 MiB pages where the kernel allows (huge_pages: batch-1 steps stream them all)."""
     import onnx
     import onnxruntime as ort
 
+    from trtbuild.plugins.onnxruntime import huge_pages
+
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else \
         str(model) if isinstance(model, Path) else model
-    return ort.InferenceSession(source, session_options(threads, external_data_dir, spinning, activations),
-                                providers=["CPUExecutionProvider"])
+    with huge_pages.collapse_added():
+        return ort.InferenceSession(source, session_options(threads, external_data_dir, spinning, activations),
+                                    providers=["CPUExecutionProvider"])
 
 
 def run(session, feeds: dict) -> dict:
