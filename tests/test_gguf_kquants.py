@@ -247,10 +247,13 @@ def test_layers_kept_in_different_forms_build_past_the_truncated_checks_structur
     layers and the built graph's layers must be alike: layers of one kept form are compared with
     each other, not with a layer of another form (llama.cpp's real Q4_K_M of SmolLM2, built
     int4, failed: "decoder layer 3 differs from layer 29"); the pass log names the layers whose
-    form the truncated check did not run."""
+    form the truncated check did not run, and so does `trtbuild inspect`."""
     from trtbuild.builder.build import BuildOptions, build
     from trtbuild.builder.progress import Progress, Verbosity
+    from click.testing import CliRunner
+
     from trtbuild.builder.spec.resolve import spec_from_dict
+    from trtbuild.cli.main import main
 
     path = export(TINY_CODE, tmp_path / "tiny-mix.gguf", "f32", encode=down_in_more_bits)
     spec = spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"},
@@ -263,3 +266,6 @@ def test_layers_kept_in_different_forms_build_past_the_truncated_checks_structur
     assert record["structure"]["layer_forms"] == 2
     assert record["structure"]["layers_of_forms_not_in_the_check"] == [2, 3, 4]
     assert record["layers"]["layers.2.mlp.down_proj"]["source"] == "kept GGUF Q4_K codes as int4 group 32 with block offsets"
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "kept")])
+    assert shown.exit_code == 0 and ("structure checked on all; layers 2-4 keep quantized forms those layers lack "
+                                     "(a GGUF mix): checked by structure alone") in shown.output
