@@ -169,6 +169,9 @@ def run_files(gguf: Path, work: Path, args) -> dict:
                 rows[TRANSFORMERS] = {"perplexity": f"cannot read the file: {type(exc).__name__}: {exc}"[:200]}
             if args.llama_cpp:
                 rows["llama.cpp"] = {"perplexity": quality.llama_cpp_perplexity(path, ids, args.eval_tokens, args.threads)}
+            for name in (TRANSFORMERS, "llama.cpp"):
+                if name in rows:
+                    print(f"  {kind} {name}: {rows[name]['perplexity']}", file=sys.stderr, flush=True)
         report[kind] = {"file": str(path), "bytes": path.stat().st_size, "rows": rows}
     return {"text": f"pydoc_data/topics.py prose, first {min(args.eval_tokens, len(ids))} of {len(ids)} tokens",
             "files": report}
@@ -256,7 +259,7 @@ def print_files(report: dict) -> None:
         base = rows["trtbuild float32"]["perplexity"]
         print(f"\n{kind}: {entry['file']} ({entry['bytes']:,} bytes)")
         print(format_table([[name, f"{r['perplexity']:.6g}" if isinstance(r["perplexity"], float) else r["perplexity"],
-                             f"{100 * (r['perplexity'] / base - 1):+.4f} %" if isinstance(r["perplexity"], float) else "",
+                             f"{100 * (r['perplexity'] / base - 1):+.5f} %" if isinstance(r["perplexity"], float) else "",
                              f"{r['build_s']:.1f}" if "build_s" in r else "",
                              ", ".join(f"{n} {b:,}" for n, b in r["bytes"].items()) if "bytes" in r else "",
                              _greedy_cell(r.get("greedy_first_difference"))]
