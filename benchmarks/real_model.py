@@ -206,11 +206,22 @@ def main() -> None:
     report = {"quality": None if "quality" in skip else run_quality(modes, gguf, args.work, args),
               "speed": None if "speed" in skip else run_speed(gguf, args.work, args),
               "build": None if "build" in skip else run_build(gguf, args.work),
-              "files": None if "files" in skip or not args.llama_cpp else run_files(gguf, args.work, args)}
+              "files": None if "files" in skip or not files_at_hand(gguf, args) else run_files(gguf, args.work, args)}
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print_report(report, args)
+
+
+def files_at_hand(gguf: Path, args) -> bool:
+    """Whether the files part can run: llama.cpp's files are made already or llama-cpp-python can
+    make them (--no-llama-cpp leaves out only its perplexity rows)."""
+    made = all(files.llama_cpp_path(gguf, kind, args.work).is_file() for kind in FILE_BUILDS)
+    if not (made or _importable("llama_cpp", "pip install llama-cpp-python")):
+        print("files part skipped: llama.cpp's Q4_K_M and Q8_0 files are not made and llama_cpp cannot make them",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def _importable(module: str, how: str) -> bool:

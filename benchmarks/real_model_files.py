@@ -46,15 +46,18 @@ def dequantized_dir(gguf: Path, out: Path) -> Path:
     return out
 
 
+def llama_cpp_path(gguf: Path, kind: str, workdir: Path) -> Path:
+    """Where llama_cpp_file keeps ``kind``: the file itself for "Q4_1"."""
+    return gguf if kind == "Q4_1" else workdir / f"{gguf.stem.split('.')[0]}.{kind}.gguf"
+
+
 def llama_cpp_file(gguf: Path, kind: str, workdir: Path) -> Path:
     """``gguf`` rewritten by llama.cpp's own quantizer (llama_model_quantize) as ``kind``; "Q4_1"
     is the file itself. F32 is made from it (allow_requantize: the Q4_1 codes are dequantized, so
     F32 holds exactly the file's weights), Q8_0 and Q4_K_M from that F32 file, as a user quantizes
     the float model. Q4_K_M of this model is a mix of types (hidden 576 is no multiple of the
     K-quants' 256-wide super-blocks, so most tensors fall back to Q5_0; docs/benchmarks.md)."""
-    if kind == "Q4_1":
-        return gguf
-    out = workdir / f"{gguf.stem.split('.')[0]}.{kind}.gguf"
+    out = llama_cpp_path(gguf, kind, workdir)
     if out.is_file():
         return out
     import ctypes
