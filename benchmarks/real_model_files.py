@@ -1,7 +1,7 @@
 """The files benchmarks/real_model.py measures on, each made once into its work dir and reused:
 the GGUF file itself, its dequantized Hugging Face dir (for onnxruntime-genai's model builder,
-transformers' perplexity and the "from the dequantized dir" build), llama.cpp F32 and Q8_0 files
-of the same weights, and the evaluation text.
+transformers' perplexity and the "from the dequantized dir" build), llama.cpp F32, Q8_0 and
+Q4_K_M files of the same weights, and the evaluation text.
 """
 from __future__ import annotations
 
@@ -46,24 +46,34 @@ def dequantized_dir(gguf: Path, out: Path) -> Path:
     return out
 
 
+def llama_cpp_path(gguf: Path, kind: str, workdir: Path) -> Path:
+    """Where llama_cpp_file keeps ``kind``: the file itself for "Q4_1"."""
+    return gguf if kind == "Q4_1" else workdir / f"{gguf.stem.split('.')[0]}.{kind}.gguf"
+
+
 def llama_cpp_file(gguf: Path, kind: str, workdir: Path) -> Path:
-    """``gguf`` rewritten by llama.cpp's own quantizer as ``kind`` (allow_requantize: the Q4_1
-    codes are dequantized first, so F32 holds exactly the file's weights); "Q4_1" is the file."""
-    if kind == "Q4_1":
-        return gguf
-    out = workdir / f"{gguf.stem.split('.')[0]}.{kind}.gguf"
+    """``gguf`` rewritten by llama.cpp's own quantizer (llama_model_quantize) as ``kind``; "Q4_1"
+    is the file itself. F32 is made from it (allow_requantize: the Q4_1 codes are dequantized, so
+    F32 holds exactly the file's weights), Q8_0 and Q4_K_M from that F32 file, as a user quantizes
+    the float model. Q4_K_M of this model is a mix of types (hidden 576 is no multiple of the
+    K-quants' 256-wide super-blocks, so most tensors fall back to Q5_0; docs/benchmarks.md)."""
+    out = llama_cpp_path(gguf, kind, workdir)
     if out.is_file():
         return out
     import ctypes
 
     import llama_cpp
 
-    ftypes = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+    ftypes = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+              "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
+    if kind not in ftypes:
+        raise ValueError(f"llama.cpp file kind {kind!r}: one of Q4_1, {', '.join(ftypes)}")
+    source = gguf if kind == "F32" else llama_cpp_file(gguf, "F32", workdir)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.allow_requantize, params.nthread = ftypes[kind], True, 2
     staging = out.with_suffix(".partial")
-    if llama_cpp.llama_model_quantize(str(gguf).encode(), str(staging).encode(), ctypes.byref(params)) != 0:
-        raise SystemExit(f"llama.cpp could not write {kind} from {gguf}")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(staging).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama.cpp could not write {kind} from {source}")
     staging.rename(out)
     return out
 

@@ -27,7 +27,7 @@ from .passes.instruments import Instrument, to_onnx
 from .passes import weights
 from .passes.manager import PassManager
 from .passes.numerics_gate import NumericsGate
-from .passes.structure_check import StructureCheck
+from .passes.structure_check import StructureCheck, layer_forms
 from .plan.build_cost import disk_refusal, machine_ram_bytes, memory_refusal, spec_build_plan
 from .spec.checks import tensor_parallel_ok
 from .progress import Progress, ProcessPeak, dir_size, human_bytes, peak_rss_bytes
@@ -104,7 +104,8 @@ def build(spec: Spec, options: BuildOptions, progress: Progress | None = None) -
         if check is not None and not check.whole:
             with progress.stage(f"numerics check (the passes on {check.layers} of {check.of_layers} layers)"):
                 checked = _truncated_check(spec, check, exported, gate, context, disabled, workdir)
-            gate = StructureCheck(spec.arch.num_layers, workdir, check.record(), spec.stages, spec.parallel.tensor)
+            gate = StructureCheck(spec.arch.num_layers, workdir, check.record(), spec.stages, spec.parallel.tensor,
+                                  layer_forms(context.quantized, spec.arch.num_layers))
 
         def on_record(record: dict) -> None:
             if (record["pass"], record["rank"]) in checked:

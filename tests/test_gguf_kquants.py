@@ -231,3 +231,41 @@ def test_qkv_kept_in_different_forms_stay_unpacked_on_the_cpu_and_are_not_counte
     assert cpu_pack_qkv.expected(PassContext(spec=None, arch=arch, quantized=same)) == arch.num_layers
     mixed = {**same, "layers.3.self_attn.v_proj": int8}
     assert cpu_pack_qkv.expected(PassContext(spec=None, arch=arch, quantized=mixed)) is None
+
+
+def down_in_more_bits(name: str, values: np.ndarray) -> tuple[np.ndarray, str]:
+    """llama.cpp's Q4_K_M pattern across layers: Q4_K, but the down projections of some layers
+    (here 0, 1 and 5) in Q6_K; those layers' graphs differ from the others'."""
+    part = name.split(".")
+    type_name = "Q6_K" if part[-2] == "ffn_down" and int(part[1]) in (0, 1, 5) else "Q4_K"
+    return encode(values, type_name), type_name
+
+
+@pytest.mark.slow
+def test_layers_kept_in_different_forms_build_past_the_truncated_checks_structure_check(tmp_path):
+    """Above passes.numerics_whole_max_mib (0 here) the numerics check runs on the first 2
+    layers and the built graph's layers must be alike: layers of one kept form are compared with
+    each other, not with a layer of another form (llama.cpp's real Q4_K_M of SmolLM2, built
+    int4, failed: "decoder layer 3 differs from layer 29"); the pass log names the layers whose
+    form the truncated check did not run, and so does `trtbuild inspect`."""
+    from trtbuild.builder.build import BuildOptions, build
+    from trtbuild.builder.progress import Progress, Verbosity
+    from click.testing import CliRunner
+
+    from trtbuild.builder.spec.resolve import spec_from_dict
+    from trtbuild.cli.main import main
+
+    path = export(TINY_CODE, tmp_path / "tiny-mix.gguf", "f32", encode=down_in_more_bits)
+    spec = spec_from_dict({"model": {"checkpoint": str(path), "dtype": "float32"},
+                           "build": {"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 128, "targets": ["sm89"]},
+                           "passes": {"numerics_whole_max_mib": 0},
+                           "quantization": {"mode": "int4_weight_only", "group_size": 32}})
+    summary = build(spec, BuildOptions(out=tmp_path / "kept"), Progress(Verbosity.error))
+    record = next(r for r in summary.pass_records if r["pass"] == "quantize_weights")
+    assert record["numerics"]["ok"] and record["structure"]["check"] == "truncated"
+    assert record["structure"]["layer_forms"] == 2
+    assert record["structure"]["layers_of_forms_not_in_the_check"] == [2, 3, 4]
+    assert record["layers"]["layers.2.mlp.down_proj"]["source"] == "kept GGUF Q4_K codes as int4 group 32 with block offsets"
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "kept")])
+    assert shown.exit_code == 0 and ("structure checked on all; layers 2-4 keep quantized forms those layers lack "
+                                     "(a GGUF mix): checked by structure alone") in shown.output

@@ -328,6 +328,48 @@ def test_structure_check_names_a_layer_unlike_the_others(tmp_path):
         check.after_all(Pass("p", None), [graph(["MatMul"])], [result], [{}], [])
 
 
+def test_structure_check_compares_layers_of_one_kept_form_with_each_other(tmp_path):
+    """A GGUF mix keeps layers' linears in different forms (layer_forms): layers 1 and 3 here
+    (an offset correction's extra MatMul) are compared with each other, 0 and 2 with each other;
+    a layer unlike the others of its own form is still named, and the record says which layers'
+    forms the truncated check (its first layer here) did not run."""
+    import numpy as np
+    import onnx_graphsurgeon as gs
+    import torch
+
+    from trtbuild.builder.passes import Pass
+    from trtbuild.builder.passes.structure_check import StructureCheck, layer_forms
+    from trtbuild.builder.quant.algorithms import QuantizedLinear
+
+    def graph(*layer_ops):
+        x = gs.Variable("x", np.float32, [2, 4])
+        nodes, tensor = [], x
+        for layer, ops in enumerate(layer_ops):
+            for k, op in enumerate(ops):
+                out = gs.Variable(f"t{layer}_{k}", np.float32)
+                inputs = [tensor, gs.Constant(f"w{layer}_{k}", np.ones((4, 4), np.float32))]
+                nodes.append(gs.Node(op, f"/model/layers.{layer}/{op}_{k}", inputs=inputs, outputs=[out]))
+                tensor = out
+        return gs.Graph(nodes=nodes, inputs=[x], outputs=[tensor])
+
+    def linear(offsets: bool) -> QuantizedLinear:
+        return QuantizedLinear(codes=torch.zeros(4, 4, dtype=torch.int8), scales=torch.ones(4, 1), bits=4, group=4,
+                               offsets=torch.zeros(4, 1) if offsets else None)
+
+    plain, offset = ["MatMul", "Add"], ["MatMul", "Add", "MatMul"]
+    forms = layer_forms({f"layers.{i}.mlp.down_proj": linear(offsets=i % 2 == 1) for i in range(4)}, 4)
+    check = StructureCheck(4, tmp_path, {"check": "truncated", "layers": 1}, forms=forms)
+    record, result = {}, PassResult(graph=None, modified=True)
+    check.after_all(Pass("p", None), [graph(plain, offset, plain, offset)], [result], [record], [])
+    assert record["structure"]["layer_forms"] == 2 and record["structure"]["layers_of_forms_not_in_the_check"] == [1, 3]
+    check.first = True
+    with pytest.raises(UserError, match=r"after pass p decoder layer 1 differs from layer 3"):
+        check.after_all(Pass("p", None), [graph(plain, plain, plain, offset)], [result], [{}], [])
+    with pytest.raises(UserError, match=r"after pass p decoder layer 0 differs from layer 3"):  # one form for all
+        StructureCheck(4, tmp_path, {"check": "truncated"}).after_all(
+            Pass("p", None), [graph(plain, offset, plain, offset)], [result], [{}], [])
+
+
 @pytest.mark.slow
 def test_a_gpu_only_dir_holds_the_engines_alone_and_the_cpu_runtime_says_why(tmp_path):
     """build.cpu_graphs: false — the graphs are built, checked and compiled, then left out: the

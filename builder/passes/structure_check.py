@@ -3,6 +3,11 @@ changed it, every decoder layer has the same ops with constants of the same shap
 (layer 0 may hold more: what the exporter computes once for every layer), and every weight kept
 on disk resolves inside its file with the size its shape and dtype imply.
 
+"Every decoder layer" is every layer of one quantized form: a GGUF file's codes are kept in the
+form of each tensor's type, and llama.cpp's mixes give layers different ones (its Q4_K_M of
+SmolLM2 keeps some down projections in Q6_K, int8 blocks of 16, and the others in Q4_K, int4 with
+block offsets), so a layer is compared with the last layer of its own form.
+
 Its numerics are checked on a depth-truncated copy that went through the same passes
 (numerics.CheckPlan); this instrument checks the model built is that copy repeated.
 """
@@ -34,6 +39,17 @@ def layer_signatures(graph: gs.Graph) -> dict[int, Counter]:
         constants = tuple(tuple(t.shape or ()) for t in node.inputs if isinstance(t, gs.Constant))
         out.setdefault(int(found.group(1)), Counter())[(node.op, constants)] += 1
     return out
+
+
+def layer_forms(quantized: dict | None, num_layers: int) -> list[tuple]:
+    """Per decoder layer: the form (bits, group, with offsets) of each of its quantized linears,
+    by module; layers of one form must be alike."""
+    forms: list[dict] = [{} for _ in range(num_layers)]
+    for name, layer in (quantized or {}).items():
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers:
+            forms[int(parts[1])][parts[2]] = (layer.bits, layer.group, layer.offsets is not None)
+    return [tuple(sorted(f.items())) for f in forms]
 
 
 def external_weights(graph: gs.Graph, weights_dir: Path) -> tuple[int, int]:
@@ -68,11 +84,13 @@ def external_weights(graph: gs.Graph, weights_dir: Path) -> tuple[int, int]:
 
 class StructureCheck(Instrument):
     def __init__(self, num_layers: int, weights_dir: Path, label: dict, stages: tuple[range, ...] = (),
-                 tensor_size: int = 1):
+                 tensor_size: int = 1, forms: list[tuple] | None = None):
         """``stages``: each pipeline stage's layers (() for one stage); rank graphs come stage by
-        stage, ``tensor_size`` of each."""
+        stage, ``tensor_size`` of each. ``forms``: each layer's quantized form (layer_forms; None:
+        one form for all)."""
         self.num_layers, self.weights_dir, self.label = num_layers, Path(weights_dir), label
         self.stages, self.tensor_size = stages or (range(num_layers),), tensor_size
+        self.forms = forms or [()] * num_layers
         self.first = True
 
     def after_all(self, p, graphs, results, records, ran):
@@ -93,19 +111,26 @@ class StructureCheck(Instrument):
             # (cpu_skip_norm), so its first and last layers differ by design: the interior ones
             # are compared there.
             compared = range(layers.start + 1, layers.stop - 1) if p.cpu else layers
-            reference_layer = compared[-1] if len(compared) else layers.stop - 1
-            last = signatures[reference_layer]
+            reference = {self.forms[layer]: layer for layer in compared}  # each form's last layer
             for layer in compared:
-                signature = signatures[layer]
+                reference_layer = reference[self.forms[layer]]
+                signature, last = signatures[layer], signatures[reference_layer]
                 missing, extra = last - signature, signature - last
                 if missing or (extra and layer > layers.start):
                     diff = sorted(str(k) for k in missing + extra)[:2]
                     raise PassError(f"after pass {p.name} decoder layer {layer} differs from layer "
                                     f"{reference_layer}: {diff}{after(ran)}")
+            last = signatures[compared[-1] if len(compared) else layers.stop - 1]
             try:
                 tensors, size = external_weights(graph, self.weights_dir)
             except ValueError as exc:
                 raise PassError(f"after pass {p.name} a weight does not resolve: {exc}{after(ran)}") from None
+            # The truncated numerics check runs the first label["layers"] layers: forms only later
+            # layers have were checked by structure alone.
+            checked = set(self.forms[:self.label.get("layers", 0)])
             record["structure"] = {**self.label, "layers_alike": len(layers),
                                    "ops_per_layer": sum(last.values()),
+                                   "layer_forms": len({self.forms[layer] for layer in layers}),
+                                   "layers_of_forms_not_in_the_check": [layer for layer in layers
+                                                                        if self.forms[layer] not in checked],
                                    "weights_on_disk": tensors, "weight_bytes_on_disk": size}
