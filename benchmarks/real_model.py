@@ -109,7 +109,7 @@ def run_quality(modes: list[str], gguf: Path, work: Path, args) -> dict:
 
 
 def run_speed(gguf: Path, work: Path, args) -> dict:
-    engines = {f"trtbuild {name}": ("trtbuild", engine(name, gguf, work)[0]) for name in SPEED_MODES}
+    engines = {f"trtbuild {name}": ("trtbuild", engine(name, gguf, work)[0]) for name in args.speed_modes}
     if args.genai:
         hf = files.dequantized_dir(gguf, work / "dequantized")
         for label, precision in (("float32", "fp32"), ("int4", "int4")):
@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=files.DEFAULT_GGUF, help="SmolLM2-135M-Instruct's Q4_1 GGUF file")
     ap.add_argument("--work", type=Path, default=REPO / "build" / "real-model", help="engines and files, reused")
     ap.add_argument("--modes", help="comma-separated quality modes (default: all of real_model_quality.MODES)")
+    ap.add_argument("--speed-modes", default=",".join(SPEED_MODES),
+                    help="comma-separated trtbuild modes the speed part measures (float32 always among them)")
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -195,10 +197,11 @@ def main() -> None:
     gguf = files.require_gguf(args.gguf)
     known = [name for name, _, _ in quality.MODES]
     modes = args.modes.split(",") if args.modes else known
-    unknown = sorted(set(modes) - set(known))
+    args.speed_modes = list(dict.fromkeys(["float32", *args.speed_modes.split(",")]))
+    unknown = sorted((set(modes) | set(args.speed_modes)) - set(known))
     skip = set(filter(None, args.skip.split(",")))
     if unknown or skip - {"quality", "speed", "build", "files"}:
-        ap.error(f"--modes takes {', '.join(known)}; --skip takes quality, speed, build, files")
+        ap.error(f"--modes and --speed-modes take {', '.join(known)}; --skip takes quality, speed, build, files")
     args.genai &= _importable("onnxruntime_genai", 'pip install -e ".[bench]"')
     args.llama_cpp &= _importable("llama_cpp", "pip install llama-cpp-python (it compiles llama.cpp, minutes)")
     args.work = args.work.resolve()  # specs written there name files by absolute path
