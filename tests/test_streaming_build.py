@@ -300,23 +300,28 @@ def test_a_write_into_a_mapped_tensor_stays_out_of_the_checkpoint(checkpoints, t
     assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in files] == before
 
 
-def test_structure_check_names_a_layer_unlike_the_others(tmp_path):
+def _layered_graph(*layer_ops):
+    """A chain of nodes named as decoder layer ``i``'s, ``layer_ops[i]`` their op types."""
     import numpy as np
     import onnx_graphsurgeon as gs
 
+    x = gs.Variable("x", np.float32, [2, 4])
+    nodes, tensor = [], x
+    for layer, ops in enumerate(layer_ops):
+        for k, op in enumerate(ops):
+            out = gs.Variable(f"t{layer}_{k}", np.float32)
+            inputs = [tensor, gs.Constant(f"w{layer}_{k}", np.ones((4, 4), np.float32))]
+            nodes.append(gs.Node(op, f"/model/layers.{layer}/{op}_{k}", inputs=inputs, outputs=[out]))
+            tensor = out
+    return gs.Graph(nodes=nodes, inputs=[x], outputs=[tensor])
+
+
+def test_structure_check_names_a_layer_unlike_the_others(tmp_path):
     from trtbuild.builder.passes import Pass
     from trtbuild.builder.passes.structure_check import StructureCheck
 
     def graph(layer1_ops):
-        x = gs.Variable("x", np.float32, [2, 4])
-        nodes, tensor = [], x
-        for layer, ops in enumerate((["MatMul", "Add"], layer1_ops, ["MatMul", "Add"])):
-            for k, op in enumerate(ops):
-                out = gs.Variable(f"t{layer}_{k}", np.float32)
-                inputs = [tensor, gs.Constant(f"w{layer}_{k}", np.ones((4, 4), np.float32))]
-                nodes.append(gs.Node(op, f"/model/layers.{layer}/{op}", inputs=inputs, outputs=[out]))
-                tensor = out
-        return gs.Graph(nodes=nodes, inputs=[x], outputs=[tensor])
+        return _layered_graph(["MatMul", "Add"], layer1_ops, ["MatMul", "Add"])
 
     check = StructureCheck(3, tmp_path, {"check": "truncated"})
     record = {}
@@ -333,25 +338,13 @@ def test_structure_check_compares_layers_of_one_kept_form_with_each_other(tmp_pa
     (an offset correction's extra MatMul) are compared with each other, 0 and 2 with each other;
     a layer unlike the others of its own form is still named, and the record says which layers'
     forms the truncated check (its first layer here) did not run."""
-    import numpy as np
-    import onnx_graphsurgeon as gs
     import torch
 
     from trtbuild.builder.passes import Pass
     from trtbuild.builder.passes.structure_check import StructureCheck, layer_forms
     from trtbuild.builder.quant.algorithms import QuantizedLinear
 
-    def graph(*layer_ops):
-        x = gs.Variable("x", np.float32, [2, 4])
-        nodes, tensor = [], x
-        for layer, ops in enumerate(layer_ops):
-            for k, op in enumerate(ops):
-                out = gs.Variable(f"t{layer}_{k}", np.float32)
-                inputs = [tensor, gs.Constant(f"w{layer}_{k}", np.ones((4, 4), np.float32))]
-                nodes.append(gs.Node(op, f"/model/layers.{layer}/{op}_{k}", inputs=inputs, outputs=[out]))
-                tensor = out
-        return gs.Graph(nodes=nodes, inputs=[x], outputs=[tensor])
-
+    graph = _layered_graph
     def linear(offsets: bool) -> QuantizedLinear:
         return QuantizedLinear(codes=torch.zeros(4, 4, dtype=torch.int8), scales=torch.ones(4, 1), bits=4, group=4,
                                offsets=torch.zeros(4, 1) if offsets else None)
