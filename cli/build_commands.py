@@ -172,6 +172,7 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
     from ..builder.frontend.checkpoint import arch_config
     from ..builder.gpus import find_gpu, gpu_table, network_table
     from ..builder.known_models import find_known, known_arch, known_names
+    from ..builder.plan.build_cost import draft_head_bytes
     from ..builder.plan.estimate import Plan, medusa_plan, speculation_plan, workload_for
     from ..builder.plan.model_size import QUANTIZATION_PRECISION, param_counts
     from ..builder.plan.advice import plan_report
@@ -216,7 +217,8 @@ def plan(source: Path, gpu: str, gpus, precision, tp, batch, seq_len, pp, networ
                   counts=param_counts(arch),
                   medusa=medusa_plan(spec) if spec is not None and spec.medusa is not None else None,
                   speculation=speculation_plan(spec) if spec is not None and spec.speculation is not None else None,
-                  backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else ())
+                  backend=spec.build.backend.value if spec else None, targets=spec.build.targets if spec else (),
+                  draft_bytes=draft_head_bytes(spec))
     split = spec.parallel.layers_per_stage if spec is not None and pp == spec.parallel.pipeline else ()
     if spec is not None and spec.parallel.layers_per_stage and not split:
         click.echo(f"note: --pp {pp} is not the spec's pipeline {spec.parallel.pipeline}: its "

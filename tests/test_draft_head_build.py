@@ -92,6 +92,25 @@ def test_a_draft_that_does_not_fit_the_target_is_refused_naming_both_sides(tmp_p
     assert line.startswith("error: speculative.draft_head.path: ") and line.endswith(says)
 
 
+def test_the_plan_counts_the_draft_heads_weights_in_the_engine_dir(tmp_path):
+    from trtbuild.builder.plan.build_cost import spec_build_plan
+    from trtbuild.builder.spec.resolve import load_spec
+
+    draft = make_draft_dir(tmp_path / "draft")
+    size = (draft / WEIGHTS_FILE).stat().st_size
+    with_draft = _spec(tmp_path, draft)
+    plain = write_spec(tmp_path / "plain.yaml", TINY_CODE)
+    assert spec_build_plan(load_spec(with_draft)).dir_bytes == spec_build_plan(load_spec(plain)).dir_bytes + size
+    shown = {name: CliRunner().invoke(main, ["plan", str(spec), "--json"]) for name, spec in
+             (("draft", with_draft), ("plain", plain))}
+    assert all(r.exit_code == 0 for r in shown.values()), shown
+    builds = {name: json.loads(r.stdout)["build"] for name, r in shown.items()}
+    assert builds["draft"]["draft_bytes"] == size and builds["plain"]["draft_bytes"] == 0
+    assert builds["draft"]["dir_bytes"] == builds["plain"]["dir_bytes"] + size
+    text = CliRunner().invoke(main, ["plan", str(with_draft)]).stdout
+    assert "(engines + the CPU graphs' weights + the draft head)" in text
+
+
 def test_a_missing_draft_dir_is_refused(tmp_path):
     line = _refused(tmp_path, _spec(tmp_path, tmp_path / "nowhere"))
     assert line == (f"error: speculative.draft_head.path: {tmp_path / 'nowhere'}: draft head dir does not exist "

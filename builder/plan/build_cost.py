@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ...contract.draft_head import WEIGHTS_FILE as DRAFT_WEIGHTS_FILE
+from ...contract.paths import path_inside
 from ...contract.processes import meminfo
 from .model_size import QUANTIZATION_PRECISION, param_counts, weight_bytes
 
@@ -37,6 +39,7 @@ class BuildPlan:
     tp: int
     cpu_graphs: bool
     export_bytes: float      # the weights in the build's float dtype: the export's data file on disk
+    draft_bytes: float = 0.0  # a draft head's weights (draft.onnx.data), beside the ranks'
 
     @property
     def rank_bytes(self) -> float:
@@ -58,7 +61,7 @@ class BuildPlan:
 
     @property
     def dir_bytes(self) -> float:
-        return self.model_bytes * (2 if self.cpu_graphs else 1)
+        return self.model_bytes * (2 if self.cpu_graphs else 1) + self.draft_bytes
 
     @property
     def disk_peak_bytes(self) -> float:
@@ -122,4 +125,15 @@ def spec_build_plan(spec) -> BuildPlan:
     counts = param_counts(spec.arch)
     dtype = spec.model.dtype.short
     return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
-                     cpu_graphs=spec.build.cpu_graphs, export_bytes=weight_bytes(counts, dtype))
+                     cpu_graphs=spec.build.cpu_graphs, export_bytes=weight_bytes(counts, dtype),
+                     draft_bytes=draft_head_bytes(spec))
+
+
+def draft_head_bytes(spec) -> int:
+    """What the spec's draft head adds to the engine dir: its weights in float32, as the draft dir
+    holds them (the embedding is the target's), so the draft dir's weights file bounds them; 0
+    without a draft head, or while its file is missing (the build refuses that itself)."""
+    if spec is None or spec.draft_head is None:
+        return 0
+    weights = path_inside(spec.draft_head.path, DRAFT_WEIGHTS_FILE)
+    return weights.stat().st_size if weights is not None and weights.is_file() else 0

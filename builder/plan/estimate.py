@@ -76,6 +76,7 @@ class Plan:
     speculation: SpeculationPlan | None = None
     backend: str | None = None        # the spec's build.backend (None: planning a bare checkpoint)
     targets: tuple[str, ...] = ()     # the spec's build.targets
+    draft_bytes: int = 0              # the spec's draft head in the engine dir (build_cost.draft_head_bytes)
 
     # -- memory ------------------------------------------------------------------------------
     def weights(self, precision: str | None = None) -> float:
@@ -242,7 +243,8 @@ class Plan:
     def build_side(self) -> BuildPlan:
         """RAM per process, engine-dir disk and time of building this plan (builder/plan/build_cost.py)."""
         return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True,
-                         export_bytes=self.weights() if self.precision == "fp32" else 2.0 * self.counts.total)
+                         export_bytes=self.weights() if self.precision == "fp32" else 2.0 * self.counts.total,
+                         draft_bytes=self.draft_bytes)
 
     def as_dict(self) -> dict:
         return {
