@@ -10,8 +10,6 @@ import pytest
 from trtbuild.plugins.onnxruntime import huge_pages
 from trtbuild.plugins.onnxruntime import session as ort_config
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
 
 def test_added_ranges_are_the_parts_no_earlier_range_covered():
     before = [(0x1000, 0x3000), (0x8000, 0x9000)]
@@ -38,13 +36,19 @@ def _matmul_model(w: np.ndarray):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_merged_joins_overlapping_and_touching_ranges():
+    assert huge_pages.merged([(5, 9), (0, 2), (2, 4), (8, 12), (20, 30)]) == [(0, 4), (5, 12), (20, 30)]
+    assert huge_pages.merged([]) == []
+
+
+@pytest.mark.skipif(not huge_pages.collapse_works(), reason="this kernel does not collapse memory onto 2 MiB pages "
+                                                            "(MADV_COLLAPSE: Linux 6.1+)")
 def test_a_sessions_prepacked_weights_land_on_huge_pages_and_compute_the_same():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((576, 24576), dtype=np.float32) * 0.02  # [K, N]: 56.6 MB, prepacked by ONNX Runtime
     x = rng.standard_normal((1, 576), dtype=np.float32)
     before = _anon_huge_kib()
-    sess = ort_config.session(_matmul_model(w), threads=1)
+    sess = ort_config.session(_matmul_model(w), threads=1, huge_pages=True)
     grown_mib = (_anon_huge_kib() - before) / 1024
     # Its prepacked copy alone is 54 MiB; some 2 MiB pages at the edges of its ranges stay small.
     assert grown_mib >= 40, f"AnonHugePages grew {grown_mib:.1f} MiB"

@@ -8,9 +8,11 @@ machine. benchmarks/cpu_matmul_b1.py measured the same reads 1.2–1.3× faster 
 on one core (docs/benchmarks.md, "Why float32 batch 1 cannot stream faster").
 
 So after a session loads, the anonymous memory it added and the heap are collapsed onto 2 MiB
-pages (MADV_COLLAPSE, Linux 6.1+: synchronous, the contents kept). Other mappings keep their
-pages, and later allocations are not advised. Where the kernel cannot (older kernels, another
-OS, THP `never`), nothing changes. A float32 SmolLM2 engine decodes 1.15–1.18× faster at batch
+pages (MADV_COLLAPSE, Linux 6.1+: synchronous, the contents kept; it works whatever the
+system-wide THP setting, and refuses memory advised MADV_NOHUGEPAGE, as the KV pools are). Other
+mappings keep their pages, and later allocations are not advised. Where the kernel cannot (older
+kernels, another OS), nothing changes. Only the runtime's long-lived sessions ask for it
+(session(..., huge_pages=True)): a build's one-shot sessions would pay the copy for nothing. A float32 SmolLM2 engine decodes 1.15–1.18× faster at batch
 1 and 8 for it (benchmarks/cpu_huge_pages.py, one thread)."""
 from __future__ import annotations
 
@@ -81,4 +83,36 @@ def collapse_added():
     yield
     # The whole heap too: malloc puts part of the weights into heap memory freed before the
     # session (a float32 SmolLM2 engine: 55 of its 620 MB of heap), which no diff would find.
-    collapse(sorted(set(added_ranges(before, anonymous_ranges())) | set(anonymous_ranges(heap_only=True))))
+    collapse(merged(added_ranges(before, anonymous_ranges()) + anonymous_ranges(heap_only=True)))
+
+
+def merged(ranges: list[Range]) -> list[Range]:
+    """``ranges`` sorted, overlapping or touching ones joined (so no page is collapsed twice)."""
+    out: list[Range] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def collapse_works() -> bool:
+    """Whether this kernel collapses memory onto 2 MiB pages for this process (a touched,
+    aligned 2 MiB of our own tried once)."""
+    import mmap
+
+    if not sys.platform.startswith("linux"):
+        return False
+    area = mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc's memory
+    try:
+        buf = (ctypes.c_char * len(area)).from_buffer(area)
+        start = -(-ctypes.addressof(buf) // HUGE_PAGE) * HUGE_PAGE
+        ctypes.memset(start, 1, HUGE_PAGE)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        works = libc.madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0
+        del buf
+        return works
+    finally:
+        area.close()

@@ -3,6 +3,7 @@ runtime, ``trtbuild eval`` and the tests all run a rank graph the same way, so w
 accepted is what eval measures and the runtime serves."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
 
@@ -62,17 +63,20 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None,
 
 
 def session(model, threads: int = 0, external_data_dir: Path | None = None,
-            spinning: Spinning = Spinning.always, activations: CpuActivations = CpuActivations.float):
-    """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto, its
-    weights on 2 MiB pages where the kernel allows (huge_pages: batch-1 steps stream them all)."""
+            spinning: Spinning = Spinning.always, activations: CpuActivations = CpuActivations.float,
+            huge_pages: bool = False):
+    """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto; with
+    ``huge_pages`` its weights are moved onto 2 MiB pages after it loads, where the kernel allows
+    (plugins/onnxruntime/huge_pages.py: batch-1 steps stream them all; a copy at load, so for
+    sessions that decode, not a build's one-shot checks)."""
     import onnx
     import onnxruntime as ort
 
-    from trtbuild.plugins.onnxruntime import huge_pages
+    from trtbuild.plugins.onnxruntime.huge_pages import collapse_added
 
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else \
         str(model) if isinstance(model, Path) else model
-    with huge_pages.collapse_added():
+    with collapse_added() if huge_pages else nullcontext():
         return ort.InferenceSession(source, session_options(threads, external_data_dir, spinning, activations),
                                     providers=["CPUExecutionProvider"])
 

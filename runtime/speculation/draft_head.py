@@ -84,7 +84,7 @@ class DraftHeadDrafter:
 
     def __init__(self, graph: Path, draft_to_target: np.ndarray, max_seq_len: int, capacity: int,
                  threads: int = 0, max_step_tokens: int = 512, spinning: Spinning = DRAFT_SPINNING):
-        self.session = session(Path(graph), threads, spinning=spinning)
+        self.session = session(Path(graph), threads, spinning=spinning, huge_pages=True)
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name: o for o in self.session.get_outputs()}
         missing = [n for n in ("past_key_0", "past_value_0", FEATURES) if n not in inputs] + \

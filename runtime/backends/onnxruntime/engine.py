@@ -81,7 +81,8 @@ class OnnxRuntimeEngine:
             outputs = [o.name for o in model.graph.output]
         else:
             source, self.decode = cpu_graph(engine_dir, rank, use_decode_graph)  # self.decode: rankN.cpu.onnx or None
-            self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations)
+            self.session = ort_config.session(source, threads, path.parent, spinning, engine_dir.cpu_activations,
+                                              huge_pages=True)
             outputs = [o.name for o in self.session.get_outputs()]
             # A step model built with any draft source verifies up to VERIFY_ROWS rows on its CPU
             # verification graph (a dir built before it said how many: one row).
