@@ -241,12 +241,14 @@ def _check_ran(records: list[dict]) -> str:
     if label is None:
         return "not run (passes.numerics: false)" if records else "-"
     if label["check"] == "truncated":
-        unchecked = next((r["structure"].get("layers_of_forms_not_in_the_check") for r in records
-                          if r.get("structure") and r["structure"].get("layers_of_forms_not_in_the_check")), None)
+        unchecked, alone = (next((r["structure"][key] for r in records if r.get("structure", {}).get(key)), None)
+                            for key in ("layers_of_forms_not_in_the_check", "layers_compared_with_none"))
         return (f"on a graph of the first {label['layers']} of {label['of_layers']} decoder layers "
                 f"({label['dtype']}), structure checked on all"
                 + (f"; layers {layer_spans(unchecked)} keep quantized forms those layers lack (a GGUF mix): "
-                   "checked by structure alone" if unchecked else ""))
+                   "checked by structure alone" if unchecked else "")
+                + (f"; layers {layer_spans(alone)} have a form no other layer has: compared with none"
+                   if alone else ""))
     return f"on the built graph ({label['dtype']})"
 
 

@@ -355,6 +355,13 @@ def test_structure_check_compares_layers_of_one_kept_form_with_each_other(tmp_pa
     record, result = {}, PassResult(graph=None, modified=True)
     check.after_all(Pass("p", None), [graph(plain, offset, plain, offset)], [result], [record], [])
     assert record["structure"]["layer_forms"] == 2 and record["structure"]["layers_of_forms_not_in_the_check"] == [1, 3]
+    assert record["structure"]["layers_compared_with_none"] == []
+    # A form only one layer has: that layer is compared with nothing, and the record names it.
+    alone = layer_forms({"layers.2.mlp.down_proj": linear(offsets=True)}, 4)
+    record = {}
+    StructureCheck(4, tmp_path, {"check": "truncated", "layers": 1}, forms=alone).after_all(
+        Pass("p", None), [graph(plain, plain, offset, plain)], [result], [record], [])
+    assert record["structure"]["layers_compared_with_none"] == [2]
     check.first = True
     with pytest.raises(UserError, match=r"after pass p decoder layer 1 differs from layer 3"):
         check.after_all(Pass("p", None), [graph(plain, plain, plain, offset)], [result], [{}], [])

@@ -1,5 +1,6 @@
 """torch.export → ONNX of the draft head's step (DraftHeadStep): ``draft.onnx`` with its weights,
-the target's token embedding among them, in ``draft.onnx.data`` beside it."""
+the target's token embedding among them, in ``draft.onnx.data`` beside it (the build then points
+the embedding into the rank's own data file: builder/emit/draft_graph.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -112,6 +112,9 @@ class StructureCheck(Instrument):
             # are compared there.
             compared = range(layers.start + 1, layers.stop - 1) if p.cpu else layers
             reference = {self.forms[layer]: layer for layer in compared}  # each form's last layer
+            # A layer whose form no other compared layer has is compared with nothing: said below.
+            per_form = Counter(self.forms[layer] for layer in compared)
+            alone = [layer for layer in compared if len(compared) > 1 and per_form[self.forms[layer]] == 1]
             for layer in compared:
                 reference_layer = reference[self.forms[layer]]
                 signature, last = signatures[layer], signatures[reference_layer]
@@ -133,4 +136,5 @@ class StructureCheck(Instrument):
                                    "layer_forms": len({self.forms[layer] for layer in layers}),
                                    "layers_of_forms_not_in_the_check": [layer for layer in layers
                                                                         if self.forms[layer] not in checked],
+                                   "layers_compared_with_none": alone,
                                    "weights_on_disk": tensors, "weight_bytes_on_disk": size}
