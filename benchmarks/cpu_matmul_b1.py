@@ -181,13 +181,19 @@ def _on_huge_pages(make):
 
 
 def _read_library() -> ctypes.CDLL:
-    """benchmarks/cpu_read_bandwidth.c built once per source text, in the temp dir."""
+    """benchmarks/cpu_read_bandwidth.c built once per source text under the repo's build/ (ours,
+    not a shared temp dir another user could plant a library in), written under a temporary name
+    and renamed, so a killed compiler leaves nothing that loads."""
     source = REPO / "benchmarks" / "cpu_read_bandwidth.c"
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    lib = Path(tempfile.gettempdir()) / f"cpu_read_bandwidth-{digest}.so"
+    lib = REPO / "build" / "benchmarks" / f"cpu_read_bandwidth-{digest}.so"
     if not lib.exists():
-        subprocess.run(["cc", "-O2", "-mavx512f", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(source)],
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=lib.parent)) / lib.name
+        subprocess.run(["cc", "-O2", "-mavx512f", "-shared", "-fPIC", "-pthread", "-o", str(staging), str(source)],
                        check=True)
+        staging.replace(lib)
+        staging.parent.rmdir()
     dll = ctypes.CDLL(str(lib))
     dll.read_weights.restype = ctypes.c_float
     dll.read_weights.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
