@@ -2,7 +2,7 @@
 """A real pretrained model, SmolLM2-135M-Instruct from llama.cpp's Q4_1 GGUF file: quality, speed
 and build cost side by side with transformers, onnxruntime-genai and llama.cpp, in one run.
 
-    python benchmarks/real_model.py [--gguf PATH] [--work DIR] [--modes float32,int8,...]
+    python benchmarks/real_model.py [--gguf PATH] [--work DIR] [--modes float32,int8,...] [--speed-modes ...]
                                     [--eval-tokens 65536] [--repeats 3] [--threads 2]
                                     [--skip quality,speed,build,files] [--no-genai] [--no-llama-cpp] [--json]
 
