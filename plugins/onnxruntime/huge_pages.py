@@ -12,8 +12,9 @@ pages (MADV_COLLAPSE, Linux 6.1+: synchronous, the contents kept; it works whate
 system-wide THP setting, and refuses memory advised MADV_NOHUGEPAGE, as the KV pools are). Other
 mappings keep their pages, and later allocations are not advised. Where the kernel cannot (older
 kernels, another OS), nothing changes. Only the runtime's long-lived sessions ask for it
-(session(..., huge_pages=True)): a build's one-shot sessions would pay the copy for nothing. A float32 SmolLM2 engine decodes 1.15–1.18× faster at batch
-1 and 8 for it (benchmarks/cpu_huge_pages.py, one thread)."""
+(session(..., huge_pages=True)): a build's one-shot sessions would pay the copy for nothing.
+A float32 SmolLM2 engine decodes 1.15–1.18× faster at batch 1 and 8 for it
+(benchmarks/cpu_huge_pages.py, one thread)."""
 from __future__ import annotations
 
 import bisect
@@ -105,14 +106,13 @@ def collapse_works() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     area = mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc's memory
+    buf = (ctypes.c_char * len(area)).from_buffer(area)
     try:
-        buf = (ctypes.c_char * len(area)).from_buffer(area)
         start = -(-ctypes.addressof(buf) // HUGE_PAGE) * HUGE_PAGE
         ctypes.memset(start, 1, HUGE_PAGE)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        works = libc.madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0
-        del buf
-        return works
+        return libc.madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0
     finally:
+        del buf  # the buffer's export ends before the map closes
         area.close()
