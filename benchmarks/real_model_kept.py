@@ -3,9 +3,9 @@ says of each layer's GGUF codes (kept or re-quantized, and why), the engine's by
 its greedy tokens are those of another build of the same file."""
 from __future__ import annotations
 
-import json
-from collections import Counter
 from pathlib import Path
+
+from trtbuild.builder.inspect import gguf_source_layers, load_engine_dir
 
 # tests/test_real_model.py's prompts: plain text, code and the file's chat template.
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
@@ -16,14 +16,14 @@ NEW_TOKENS = 32
 def gguf_sources(engine: Path) -> dict[str, int]:
     """Each GGUF source note of the quantization report (e.g. "kept GGUF Q5_0 codes as int8 group
     32") → how many layers have it: the counts `trtbuild inspect` prints on its 'gguf codes' lines."""
-    records = [json.loads(line) for line in (engine / "passes.jsonl").read_text().splitlines() if line.strip()]
-    layers = next((r.get("layers") or {} for r in records if r["pass"] == "quantize_weights"), {})
-    return dict(Counter(entry["source"] for entry in layers.values() if entry.get("source")))
+    _, records = load_engine_dir(engine)
+    return {source: len(names) for source, names in gguf_source_layers(records).items()}
 
 
 def engine_bytes(engine: Path) -> dict[str, int]:
     """Bytes of rank 0's TensorRT engine and ONNX weight data files (the CPU graph's own data too, where it has one)."""
-    rank = json.loads((engine / "manifest.json").read_text())["ranks"][0]
+    manifest, _ = load_engine_dir(engine)
+    rank = manifest["ranks"][0]
     names = [rank.get(field) for field in ("engine", "onnx_data", "cpu_onnx_data")]
     return {name: (engine / name).stat().st_size for name in names if name and (engine / name).is_file()}
 

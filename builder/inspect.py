@@ -101,17 +101,21 @@ def render(out: Path, manifest: dict, records: list[dict], detail: bool, bad: st
     return "\n".join(lines)
 
 
-def _gguf_sources(records: list[dict]) -> list[str]:
-    """Each GGUF source note (the file's codes kept: type, bits, group; or re-quantized and why)
-    with how many layers have it and which: the quantization report's ``source`` entries, as the
-    quantize_weights record holds them."""
+def gguf_source_layers(records: list[dict]) -> dict[str, list[str]]:
+    """Each GGUF source note (the file's codes kept: type, bits, group; or re-quantized and why) →
+    the layers that have it: the quantization report's ``source`` entries, as the quantize_weights
+    record holds them."""
     layers = next((r.get("layers") or {} for r in records if r["pass"] == "quantize_weights"), {})
     named: dict[str, list[str]] = {}
     for name, entry in layers.items():
         if entry.get("source"):
             named.setdefault(entry["source"], []).append(name)
+    return named
+
+
+def _gguf_sources(records: list[dict]) -> list[str]:
     return [f"{'gguf codes' if i == 0 else '':<12} {source}: {len(names)} layer{'s' if len(names) > 1 else ''} "
-            f"({_layer_list(names)})" for i, (source, names) in enumerate(named.items())]
+            f"({_layer_list(names)})" for i, (source, names) in enumerate(gguf_source_layers(records).items())]
 
 
 def _layer_list(names: list[str]) -> str:
