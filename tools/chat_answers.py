@@ -11,6 +11,8 @@ is self-distillation at prefill cost: the answers are the model's own greedy tex
 
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/answers.txt
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/words.txt --words 900 --skip 290
+    python tools/chat_answers.py build/smollm2-engine -o build/draft-data/more.txt --words 4000 --word-seed 1 \
+        --word-templates all --skip 290
 """
 from __future__ import annotations
 
@@ -55,6 +57,13 @@ TEMPLATES = (
 
 WORD_TEMPLATES = ("Write a short paragraph about {}.", "What does the word \"{}\" mean? Use it in a sentence.",
                   "Tell me something interesting about {}.")
+# More ways to ask about a word (--word-templates all): instructions, advice, stories and
+# explanations, as people chat, so the answers' forms vary as much as their topics.
+MORE_WORD_TEMPLATES = ("Give me three tips related to {}.", "Explain {} to a beginner.",
+                       "Write a short poem about {}.", "Why does {} matter in everyday life?",
+                       "Write a short story that uses the word \"{}\".", "What are the pros and cons of {}?",
+                       "How would you describe {} to a friend?", "List a few facts about {}.",
+                       "What questions should I ask to learn about {}?")
 
 
 def vocabulary_words(tokenizer, count: int, seed: int = 0) -> list[str]:
@@ -69,15 +78,15 @@ def vocabulary_words(tokenizer, count: int, seed: int = 0) -> list[str]:
     return [words[i].strip() for i in sorted(chosen)]
 
 
-def questions(words: list[str] = ()) -> list[str]:
+def questions(words: list[str] = (), word_templates: tuple[str, ...] = WORD_TEMPLATES) -> list[str]:
     """Every question, in a fixed order (the templated topics, then one per word of ``words``,
-    the word templates taking turns); none is a benchmark prompt."""
+    ``word_templates`` taking turns); none is a benchmark prompt."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from speculation_texts import QUESTIONS
 
     out = [template.format(topic) for topics, templates in TEMPLATES for template, topic in
            itertools.product(templates, topics)]
-    out += [WORD_TEMPLATES[i % len(WORD_TEMPLATES)].format(word) for i, word in enumerate(words)]
+    out += [word_templates[i % len(word_templates)].format(word) for i, word in enumerate(words)]
     overlap = set(out) & set(QUESTIONS)
     if overlap:
         raise SystemExit(f"benchmark questions among the training ones: {sorted(overlap)}")
@@ -94,6 +103,10 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=0,
                         help="also ask about this many words of the model's vocabulary (more varied text)")
     parser.add_argument("--skip", type=int, default=0, help="leave out the first N questions (asked before)")
+    parser.add_argument("--word-seed", type=int, default=0,
+                        help="which words --words draws (another seed: other words, for more text)")
+    parser.add_argument("--word-templates", choices=("three", "all"), default="three",
+                        help="how a word is asked about: the first three templates, or all twelve")
     args = parser.parse_args()
 
     from trtbuild.runtime.core.sampling import SamplingParams
@@ -102,8 +115,9 @@ def main() -> None:
     from trtbuild.runtime.server.chat import chat_template
 
     engine_dir = load(args.engine)
-    words = vocabulary_words(llm_tokenizer(engine_dir), args.words) if args.words else []
-    asked = questions(words)[args.skip:][:args.limit or None]
+    words = vocabulary_words(llm_tokenizer(engine_dir), args.words, args.word_seed) if args.words else []
+    templates = WORD_TEMPLATES + (MORE_WORD_TEMPLATES if args.word_templates == "all" else ())
+    asked = questions(words, templates)[args.skip:][:args.limit or None]
     template = chat_template(engine_dir)
     prompts = [template.render([{"role": "user", "content": q}]) for q in asked]
     start = time.perf_counter()
