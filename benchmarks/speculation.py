@@ -81,14 +81,24 @@ def engine_dir(model: str, work: Path) -> Path:
     for section, values in changes.items():
         spec.setdefault(section, {}).update(values)
     work.mkdir(parents=True, exist_ok=True)
-    path, text = work / f"{model}.yaml", yaml.safe_dump(spec)
+    path, text = work / f"{model}.yaml", yaml.safe_dump(spec) + _trained_files(spec)
     if (out / "manifest.json").is_file() and path.is_file() and path.read_text() == text:
-        return out  # built from this very spec (a changed benchmark spec rebuilds)
+        return out  # built from this very spec and trained files (a changed one rebuilds)
     path.write_text(text)
     print(f"building {model} ...", file=sys.stderr, flush=True)
     subprocess.run([sys.executable, "-m", "trtbuild.cli", "build", str(path), "-o", str(out), "--log-level", "error"],
                    check=True)
     return out
+
+
+def _trained_files(spec: dict) -> str:
+    """A comment naming the size and mtime of each file of the spec's trained drafts (Medusa heads,
+    a draft head), so that retraining one into the same dir rebuilds the engine it goes into."""
+    speculative = spec.get("speculative", {})
+    dirs = [Path(speculative[key][field]) for key, field in (("medusa", "heads"), ("draft_head", "path"))
+            if isinstance(speculative.get(key), dict) and field in speculative[key]]
+    files = sorted(f for d in dirs if d.is_dir() for f in d.iterdir() if f.is_file())
+    return "".join(f"# {f}: {f.stat().st_size} bytes, mtime {f.stat().st_mtime_ns}\n" for f in files)
 
 
 def texts(workload: str, count: int, template) -> list[str]:
