@@ -325,7 +325,7 @@ def draft() -> None:
     """Trained drafts for speculative decoding: an EAGLE-3-style draft head, or Medusa heads."""
 
 
-_HEAD_ONLY = ("draft_vocab", "ttt_depth", "taps")
+_HEAD_ONLY = ("draft_vocab", "ttt_depth", "taps", "precision")
 _MEDUSA_ONLY = ("heads", "layers", "train_out")
 
 
@@ -345,6 +345,9 @@ _MEDUSA_ONLY = ("heads", "layers", "train_out")
 @click.option("--taps", default=None, metavar="A,B,C",
               help="[head] The three decoder layers (0-based) whose outputs feed the draft (default: low, middle, "
                    "high: layers 2, L/2, L-3).")
+@click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
+              help="[head] The training passes' matmuls: bfloat16 (torch autocast; weights and optimizer stay "
+                   "float32) ran 1.6x faster on a CPU with AMX; auto (default) takes it where the CPU has AMX.")
 @click.option("--prompt-len", type=int, default=None,
               help="Data tokens each self-distilled window starts from (default 32)." )
 @click.option("--heads", type=int, default=None, help="[medusa] Number of heads (default 4).")
@@ -384,6 +387,10 @@ def draft_train(checkpoint: Path, data, out: Path, kind: str, **settings):
         return
     if "taps" in given:
         given["taps"] = _tap_list(given["taps"])
+    if "precision" in given:
+        from ..builder.draft_head.train import TrainPrecision
+
+        given["precision"] = TrainPrecision(given["precision"])
     _train_draft_head(checkpoint, list(data), out, given)
 
 

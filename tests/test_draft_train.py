@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from trtbuild.builder.draft_head.model import DraftHead, DraftHeadStep, load_draft_head
-from trtbuild.builder.draft_head.train import DraftTrainOptions, train_draft_head, ttt_mask, unroll
+from trtbuild.builder.draft_head.train import DraftTrainOptions, TrainPrecision, train_draft_head, ttt_mask, unroll
 from trtbuild.builder.draft_head.vocab import OUTSIDE, draft_vocabulary, target_to_draft
 from trtbuild.builder.errors import UserError
 from trtbuild.cli.main import main
@@ -101,16 +101,18 @@ def test_vocabulary_is_the_most_frequent_argmaxes_ties_by_id():
     assert target_to_draft(torch.tensor([2, 3, 4]), 6).tolist() == [OUTSIDE, OUTSIDE, 0, 1, 2, OUTSIDE]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+@pytest.fixture(scope="module", params=[TrainPrecision.float32, TrainPrecision.bfloat16])
+def trained(tmp_path_factory, request):
+    """A draft trained in each precision (bfloat16 runs on any CPU, fast only with AMX)."""
     out = tmp_path_factory.mktemp("draft") / "head"
     lines = []
-    report = train_draft_head(TINY_CODE, [DATA], out, DraftTrainOptions(**SMALL), progress=lines.append)
+    report = train_draft_head(TINY_CODE, [DATA], out, DraftTrainOptions(**SMALL, precision=request.param),
+                              progress=lines.append)
     return report, out, lines
 
 
 def test_training_lowers_the_loss_and_beats_the_best_unigram(trained):
-    report, _, lines = trained
+    report, out, lines = trained
     first, last = report.losses[:10], report.losses[-10:]
     assert sum(last) / 10 < 0.5 * sum(first) / 10
     acc = report.config.accuracy
@@ -120,6 +122,8 @@ def test_training_lowers_the_loss_and_beats_the_best_unigram(trained):
     assert 0 < acc["vocab_coverage"] <= 1
     assert any("eta" in line for line in lines if "target pass" in line)
     assert any("eta" in line for line in lines if "step" in line)
+    precision = report.config.training["options"]["precision"]
+    assert report.config.training["precision"] == precision and f"  training in {precision}" in lines
 
 
 def test_the_written_dir_loads_with_what_training_returned(trained):
@@ -145,8 +149,9 @@ def test_cli_trains_and_prints_the_held_out_table(tmp_path):
     result = CliRunner().invoke(main, ["draft", "train", str(TINY_CODE), "--data", str(DATA), "-o",
                                        str(tmp_path / "d"), "--draft-vocab", "512", "--seq-len", "32",
                                        "--sequences", "16", "--steps", "6", "--taps", "1,3,5",
-                                       "--prompt-len", "8"])
+                                       "--prompt-len", "8", "--precision", "float32"])
     assert result.exit_code == 0, result.output
+    assert "training in float32" in result.stderr
     assert "depth 3" in result.stdout and "best unigram" in result.stdout
     config = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
     assert config["taps"] == [1, 3, 5] and config["draft_vocab_size"] == 512
@@ -158,6 +163,7 @@ def test_cli_trains_and_prints_the_held_out_table(tmp_path):
     (["--taps", "1,2,6"], "--taps 1,2,6: 3 decoder layers in [0, 6)"),
     (["--taps", "x"], "--taps 'x': three comma-separated"),
     (["--heads", "2"], "--heads: not an option of --kind head"),
+    (["--kind", "medusa", "--precision", "bfloat16"], "--precision: not an option of --kind medusa"),
     (["--kind", "medusa", "--draft-vocab", "9"], "--draft-vocab: not an option of --kind medusa"),
     (["--kind", "medusa", "--steps", "0"], "--steps 0 / --batch 4 / --sequences 640: steps and batch must be ≥ 1"),
     (["--kind", "medusa", "--batch", "-1"], "--steps 300 / --batch -1 / --sequences 640"),

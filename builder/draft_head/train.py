@@ -18,6 +18,7 @@ import math
 import resource
 import time
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +32,29 @@ from ..frontend.training_target import training_target
 from .data import collect, prompt_windows, read_token_streams
 from .model import DraftHead, save_draft_head
 from .vocab import OUTSIDE, draft_vocabulary, target_to_draft
+
+
+class TrainPrecision(Enum):
+    """The arithmetic of the draft's training passes (its weights, optimizer and loss stay float32).
+
+    ``bfloat16``: the matmuls under torch's CPU autocast in bfloat16; on a CPU with AMX (Intel
+    Sapphire Rapids and later) oneDNN runs them on its tile units, and a training step of the
+    SmolLM2-sized draft ran 1.58× faster (benchmarks/draft_train_precision.py). ``auto``: bfloat16
+    where the CPU has AMX bf16, else float32 (bfloat16 without AMX is emulated or slower).
+
+    The target's pass that makes the labels stays float32: in bfloat16 it ran 2.3× faster, but
+    its argmax agreed with float32's at 0.93 of positions (random ids: near-ties), and the argmax
+    is what the draft learns and what greedy verification accepts."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+    def resolved(self) -> "TrainPrecision":
+        if self is not TrainPrecision.auto:
+            return self
+        return TrainPrecision.bfloat16 if torch.cpu.get_capabilities().get("amx_bf16") else TrainPrecision.float32
+
 
 DEPTH_WEIGHT = 0.8   # deeper depths see their own errors and weigh less (EAGLE/Medusa's 0.8^(j-1))
 MIN_SEQ_LEN = 8
@@ -50,6 +74,7 @@ class DraftTrainOptions:
     taps: tuple[int, ...] | None = None   # default: contract's default_taps
     eval_fraction: float = 0.05
     seed: int = 0
+    precision: TrainPrecision = TrainPrecision.auto
 
     def check(self) -> None:
         if self.draft_vocab < 2:
@@ -163,7 +188,11 @@ def train_draft_head(checkpoint: Path, data: list[Path], out: Path, options: Dra
         draft.norm.weight.copy_(model.model.norm.weight)
         draft.draft_to_target.copy_(draft_to_target)
 
-    losses = _fit(draft, ids[train], tapped[train], argmax[train], to_draft, options, progress)
+    precision = options.precision.resolved()
+    progress(f"  training in {precision.value}" + (" (the CPU has AMX)" if options.precision is TrainPrecision.auto
+                                                   and precision is TrainPrecision.bfloat16 else ""))
+    losses = _fit(draft, ids[train], tapped[train], argmax[train], to_draft, replace(options, precision=precision),
+                  progress)
     accuracy = evaluate(draft, ids[held], tapped[held], argmax[held], argmax[train], to_draft, options.ttt_depth)
     seconds = time.perf_counter() - start
     training = {"text": [{"name": n, "tokens": len(t)} for n, t in zip(names, streams)],
@@ -172,7 +201,9 @@ def train_draft_head(checkpoint: Path, data: list[Path], out: Path, options: Dra
                 "data_seconds": round(data_seconds, 1), "peak_rss_mib": round(peak_rss_mib()),
                 "draft_vocab": k, "ttt_depth": options.ttt_depth, "loss": "cross-entropy to the target argmax",
                 "final_loss": round(float(np.mean(losses[-20:])), 4),
-                "options": {name: (list(v) if isinstance(v, tuple) else v) for name, v in asdict(options).items()},
+                "precision": precision.value,
+                "options": {name: (list(v) if isinstance(v, tuple) else v.value if isinstance(v, Enum) else v)
+                            for name, v in asdict(options).items()},
                 "checkpoint": checkpoint.name}
     draft.config = draft_config = replace(draft_config, accuracy=accuracy, training=training)
     save_draft_head(draft, out)
@@ -206,7 +237,8 @@ def _fit(draft: DraftHead, ids, taps, argmax, to_draft, options: DraftTrainOptio
         for group in opt.param_groups:
             group["lr"] = lr
         rows = torch.from_numpy(rng.integers(0, len(ids), size=options.batch))
-        loss = _loss(draft, ids[rows], taps[rows], argmax[rows], to_draft, options.ttt_depth)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision is TrainPrecision.bfloat16):
+            loss = _loss(draft, ids[rows], taps[rows], argmax[rows], to_draft, options.ttt_depth)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
