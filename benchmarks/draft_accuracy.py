@@ -9,7 +9,7 @@ over the answer's positions is the share of first chain tokens greedy verificati
 This is the figure to hold against `trtbuild draft train`'s own held-out one (text of its training
 files) and the one that predicts the speculation benchmark's free_chat rows.
 
-    python benchmarks/draft_accuracy.py build/bench-speculation/smollm2-float32-draft
+    python benchmarks/draft_accuracy.py build/bench-speculation/smollm2-float32-draft [--questions FILE]
 """
 from __future__ import annotations
 
@@ -22,13 +22,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def prompt_sets(template) -> dict[str, list[str]]:
+def prompt_sets(template, questions: Path | None = None) -> dict[str, list[str]]:
+    """The prompt sets, rendered with the engine's chat template; ``questions``: a file of one user
+    question a line, a set of its own (your traffic, or questions of the draft's training text)."""
     from chat_instructions import instructions
     from speculation_workloads import prompts
 
-    chat = [template.render(m) for m in prompts("free_chat", True)]
-    held = [template.render([{"role": "user", "content": q}]) for q in instructions("heldout")[:8]]
-    return {"free_chat": chat, "chat_instructions_heldout": held}
+    user = lambda q: template.render([{"role": "user", "content": q}])  # noqa: E731
+    sets = {"free_chat": [template.render(m) for m in prompts("free_chat", True)],
+            "chat_instructions_heldout": [user(q) for q in instructions("heldout")[:8]]}
+    if questions is not None:
+        lines = [line.strip() for line in questions.read_text(encoding="utf-8").splitlines() if line.strip()]
+        sets[questions.stem] = [user(q) for q in lines]
+    return sets
 
 
 def teacher_forced_top1(d, engine, session, draft_to_target: np.ndarray, history: list[int], first: int) -> list[bool]:
@@ -55,6 +61,7 @@ def main() -> None:
     parser.add_argument("engine_dir", type=Path)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--questions", type=Path, help="a file of user questions, one a line: one more prompt set")
     args = parser.parse_args()
 
     import onnxruntime as ort
@@ -69,7 +76,7 @@ def main() -> None:
     d = load(args.engine_dir)
     if d.draft_head is None:
         raise SystemExit(f"{args.engine_dir}: built without a draft head")
-    sets = prompt_sets(chat_template(d))
+    sets = prompt_sets(chat_template(d), args.questions)
     with LLM(args.engine_dir, backend="onnxruntime", threads=args.threads, speculation=()) as llm:
         answers = {name: llm.generate(texts, SamplingParams(max_tokens=args.max_tokens)) for name, texts in sets.items()}
     engine = OnnxRuntimeEngine(d, threads=args.threads)
