@@ -32,7 +32,13 @@ def prompt_sets(template, questions: Path | None = None) -> dict[str, list[str]]
     sets = {"free_chat": [template.render(m) for m in prompts("free_chat", True)],
             "chat_instructions_heldout": [user(q) for q in instructions("heldout")[:8]]}
     if questions is not None:
+        if not questions.is_file():
+            raise SystemExit(f"--questions {questions}: not a file")
         lines = [line.strip() for line in questions.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not lines:
+            raise SystemExit(f"--questions {questions}: no questions (one a line expected)")
+        if questions.stem in sets:
+            raise SystemExit(f"--questions {questions}: the name {questions.stem!r} is a built-in set's; rename the file")
         sets[questions.stem] = [user(q) for q in lines]
     return sets
 

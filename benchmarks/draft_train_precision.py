@@ -2,16 +2,19 @@
 """What `trtbuild draft train --precision` buys: a draft head's training step, and the target's
 teacher-forced pass, in float32 and in bfloat16 (torch's CPU autocast), on this CPU.
 
-    python benchmarks/draft_train_precision.py [--checkpoint SmolLM2.gguf] [--rounds 4] [--batch 4]
+    python benchmarks/draft_train_precision.py [--checkpoint SmolLM2.gguf] [--rounds 5] [--batch 4]
 
 * training step: a SmolLM2-shaped draft head (hidden 576, 9 / 3 heads, intermediate 1536, draft
   vocabulary 8192 over 49,152), random weights and data, ``--batch`` windows of 160 tokens, three
-  training-time-test depths, forward, backward and AdamW, as `draft train` runs it;
+  training-time-test depths, forward, backward, gradient clipping and AdamW, as `draft train`
+  runs it (the same loss and autocast);
 * with ``--checkpoint``: the target's forward over 8 windows of 160 tokens of random ids (what
   `--no-self-distill` collection runs), and how often its argmax and its taps agree between the
   two precisions (argmax agreement: share of positions; taps: median relative error).
 
-The precisions take turns for ``--rounds`` rounds; a figure is the median step over all rounds.
+The precisions take turns for ``--rounds`` rounds of 3 timed calls; a figure is the median over
+all rounds. On a machine shared with other jobs one round can read anywhere from 0.1× to 1.8×:
+take the figure from a quiet machine and several rounds.
 AMX (Intel Sapphire Rapids and later) is what makes bfloat16 pay: the table says whether this CPU
 has it (`torch.cpu.get_capabilities()`).
 """
@@ -28,7 +31,7 @@ from trtbuild.builder.progress import table as format_table
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
 TARGET_VOCAB, DRAFT_VOCAB, SEQ, TAPS = 49152, 8192, 160, (2, 15, 27)
-PRECISIONS = ("float32", "bfloat16")
+PRECISIONS = ("float32", "bfloat16")  # TrainPrecision values
 
 
 def training_step(batch: int):
@@ -36,7 +39,7 @@ def training_step(batch: int):
     from torch import nn
 
     from trtbuild.builder.draft_head.model import DraftHead
-    from trtbuild.builder.draft_head.train import _loss
+    from trtbuild.builder.draft_head.train import TrainPrecision, _loss
     from trtbuild.contract.draft_head import DraftHeadConfig, DraftLayerShape
 
     torch.manual_seed(0)
@@ -51,11 +54,14 @@ def training_step(batch: int):
     to_draft = torch.randint(0, DRAFT_VOCAB, (TARGET_VOCAB,))
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
 
+    params = [p for p in draft.parameters() if p.requires_grad]
+
     def step(precision: str) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+        with TrainPrecision(precision).autocast():
             loss = _loss(draft, ids, taps, argmax, to_draft, 3)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
     return step
 
@@ -63,6 +69,7 @@ def training_step(batch: int):
 def target_pass(checkpoint: Path):
     """A function running the target over 8 windows in a given precision, returning (argmax, taps)."""
     from trtbuild.builder.draft_head.data import _Taps
+    from trtbuild.builder.draft_head.train import TrainPrecision
     from trtbuild.builder.frontend.training_target import training_target
 
     _, model = training_target(checkpoint, [], 0)
@@ -71,7 +78,7 @@ def target_pass(checkpoint: Path):
 
     @torch.no_grad()
     def run(precision: str):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+        with TrainPrecision(precision).autocast():
             logits = model(input_ids=ids, use_cache=False).logits
         return logits.argmax(-1), hooks.take().float()
     return run
@@ -86,7 +93,7 @@ def timed(fn, precision: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, help="SmolLM2's GGUF file or dir (adds the target's pass)")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4, help="windows per training step")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -105,9 +112,9 @@ def main() -> None:
         f32, bf16 = (statistics.median(times[job, p]) for p in PRECISIONS)
         rows.append([job, f"{f32 * 1e3:.0f}", f"{bf16 * 1e3:.0f}", f"{f32 / bf16:.2f}×",
                      f"{tokens / f32:.0f}", f"{tokens / bf16:.0f}"])
-    caps = torch.cpu.get_capabilities()
-    print(f"CPU: {caps.get('cpu_name', '?')}, AMX bf16: {bool(caps.get('amx_bf16'))}, "
-          f"AVX-512 bf16: {bool(caps.get('avx512_bf16'))}, {args.threads} threads, {args.rounds} rounds")
+    from trtbuild.builder.draft_head.train import cpu_has_amx_bf16
+
+    print(f"AMX bf16: {cpu_has_amx_bf16()}, {args.threads} threads, {args.rounds} rounds")
     print(format_table(rows, ["", "float32 ms", "bfloat16 ms", "speed-up", "float32 tok/s", "bfloat16 tok/s"]))
     if args.checkpoint is not None:
         run = jobs["target pass (teacher-forced)"][0]

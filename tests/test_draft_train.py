@@ -250,3 +250,31 @@ def test_held_out_windows_are_text_no_training_window_reads():
     held_starts = [start_of(r) for r, h in zip(rows, held) if h]
     train_ends = [start_of(r) + 48 for r, h in zip(rows, held) if not h]
     assert max(train_ends) <= min(held_starts) and min(held_starts) >= int(0.9 * len(text)) - 48
+
+
+@pytest.mark.parametrize("precision, amx, autocast", [
+    (TrainPrecision.float32, True, False), (TrainPrecision.bfloat16, False, True),
+    (TrainPrecision.auto, True, True), (TrainPrecision.auto, False, False)])
+def test_precision_decides_whether_the_training_passes_run_under_bfloat16_autocast(
+        tmp_path, monkeypatch, precision, amx, autocast):
+    from trtbuild.builder.draft_head import train
+
+    seen = []
+    loss = train._loss
+
+    def recording(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return loss(*args, **kwargs)
+    monkeypatch.setattr(train, "_loss", recording)
+    monkeypatch.setattr(train, "cpu_has_amx_bf16", lambda: amx)
+    options = DraftTrainOptions(**{**SMALL, "steps": 2, "sequences": 8}, precision=precision)
+    report = train_draft_head(TINY_CODE, [DATA], tmp_path / "d", options, progress=lambda _: None)
+    assert seen == [autocast, autocast]
+    resolved = "bfloat16" if autocast else "float32"
+    assert report.config.training["precision"] == resolved
+    assert report.config.training["options"]["precision"] == precision.value   # what was asked
+
+
+def test_cli_precision_choices_are_the_enums():
+    option = next(p for p in main.commands["draft"].commands["train"].params if p.name == "precision")
+    assert list(option.type.choices) == [p.value for p in TrainPrecision]

@@ -64,6 +64,7 @@ MORE_WORD_TEMPLATES = ("Give me three tips related to {}.", "Explain {} to a beg
                        "Write a short story that uses the word \"{}\".", "What are the pros and cons of {}?",
                        "How would you describe {} to a friend?", "List a few facts about {}.",
                        "What questions should I ask to learn about {}?")
+WORD_TEMPLATE_SETS = {"three": WORD_TEMPLATES, "all": WORD_TEMPLATES + MORE_WORD_TEMPLATES}
 
 
 def vocabulary_words(tokenizer, count: int, seed: int = 0) -> list[str]:
@@ -105,7 +106,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0, help="leave out the first N questions (asked before)")
     parser.add_argument("--word-seed", type=int, default=0,
                         help="which words --words draws (another seed: other words, for more text)")
-    parser.add_argument("--word-templates", choices=("three", "all"), default="three",
+    parser.add_argument("--word-templates", choices=tuple(WORD_TEMPLATE_SETS), default="three",
                         help="how a word is asked about: the first three templates, or all twelve")
     args = parser.parse_args()
 
@@ -116,7 +117,7 @@ def main() -> None:
 
     engine_dir = load(args.engine)
     words = vocabulary_words(llm_tokenizer(engine_dir), args.words, args.word_seed) if args.words else []
-    templates = WORD_TEMPLATES + (MORE_WORD_TEMPLATES if args.word_templates == "all" else ())
+    templates = WORD_TEMPLATE_SETS[args.word_templates]
     asked = questions(words, templates)[args.skip:][:args.limit or None]
     template = chat_template(engine_dir)
     prompts = [template.render([{"role": "user", "content": q}]) for q in asked]
