@@ -299,3 +299,13 @@ def test_the_medusa_heads_bytes_follow_sharing_and_tensor_parallelism(tmp_path, 
     proc = plan_cli(tmp_path / "spec.yaml", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["build"]["medusa_bytes"] == expected
+
+
+def test_the_planned_medusa_bytes_are_what_a_build_writes(tiny_engine, medusa_engine):
+    from trtbuild.builder.plan.build_cost import spec_build_plan
+    from trtbuild.builder.spec.resolve import load_spec
+
+    planned = spec_build_plan(load_spec(REPO / "specs" / "tiny-code-medusa.yaml")).medusa_bytes
+    grown = (medusa_engine / "rank0.onnx.data").stat().st_size - (tiny_engine / "rank0.onnx.data").stat().st_size
+    assert planned == grown == MEDUSA_BYTES  # the rank graph's data file, exactly; the CPU graph reads it too
+    assert not list(medusa_engine.glob("rank0.cpu.onnx.data"))  # float32: no tensor of the CPU graph's own
