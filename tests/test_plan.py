@@ -237,3 +237,75 @@ def test_speculation_plan_states_the_verification_for_any_source(tmp_path):
     figures = json.loads(subprocess.run([sys.executable, "-m", "trtbuild.cli", "plan", str(REPO / "specs" / "tiny-code.yaml"),
                                          "--json"], capture_output=True, text=True, check=True).stdout)
     assert figures["speculation"] is None
+
+
+# models/tiny-code/medusa: 4 heads of 1 residual block, D = 256, V = 4096, float32. A head's
+# constants: the block's [D, D] weight and [D] bias, and its own [V, D] projection.
+HEAD_BLOCK = 256 * 256 + 256
+HEAD_OUT = 4096 * 256
+MEDUSA_BYTES = 4 * (HEAD_BLOCK + HEAD_OUT) * 4  # 17,829,888: what a real build's rank0.onnx.data grows by
+
+
+def test_the_plan_counts_the_medusa_heads_in_the_engine_dir():
+    from trtbuild.builder.plan.build_cost import spec_build_plan
+    from trtbuild.builder.spec.resolve import load_spec
+
+    medusa, plain = (spec_build_plan(load_spec(REPO / "specs" / name)) for name in ("tiny-code-medusa.yaml",
+                                                                                  "tiny-code.yaml"))
+    # the heads are in the rank graph's data file (the CPU graph reads that one) and in the engine
+    assert medusa.dir_bytes == plain.dir_bytes + 2 * MEDUSA_BYTES
+    assert medusa.disk_peak_bytes == plain.disk_peak_bytes + 2 * MEDUSA_BYTES
+    assert medusa.engine_peak_bytes == plain.engine_peak_bytes + 2 * MEDUSA_BYTES
+    assert medusa.medusa_bytes == MEDUSA_BYTES and plain.medusa_bytes == 0
+    shown = {name: plan_cli(REPO / "specs" / f"{name}.yaml", "--json") for name in ("tiny-code-medusa", "tiny-code")}
+    assert all(p.returncode == 0 for p in shown.values()), {n: p.stderr for n, p in shown.items()}
+    builds = {name: json.loads(p.stdout)["build"] for name, p in shown.items()}
+    assert builds["tiny-code-medusa"]["medusa_bytes"] == MEDUSA_BYTES
+    assert builds["tiny-code-medusa"]["dir_bytes"] == builds["tiny-code"]["dir_bytes"] + 2 * MEDUSA_BYTES
+    text = plan_cli(REPO / "specs" / "tiny-code-medusa.yaml").stdout
+    assert "(engines + the CPU graphs' weights + the Medusa heads)" in text
+
+
+@pytest.mark.parametrize("train_out, tensor, quantization, expected", [
+    (True, 2, None, (2 * 4 * HEAD_BLOCK + 4 * HEAD_OUT) * 4),  # each rank its blocks, a slice of each projection
+    (False, 1, None, 4 * HEAD_BLOCK * 4),                      # frozen projections are the LM head's weight
+    (False, 2, None, 2 * 4 * HEAD_BLOCK * 4),
+    (False, 1, "int8_weight_only", MEDUSA_BYTES),              # a quantized LM head is never shared
+])
+def test_the_medusa_heads_bytes_follow_sharing_and_tensor_parallelism(tmp_path, train_out, tensor, quantization,
+                                                                      expected):
+    import shutil
+
+    from trtbuild.builder.plan.build_cost import spec_build_plan
+    from trtbuild.builder.spec.resolve import load_spec
+    from conftest import write_spec
+
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    source = TINY_CODE / "medusa"
+    shutil.copy(source / "medusa_lm_head.safetensors", heads)
+    config = json.loads((source / "config.json").read_text())
+    config["trtbuild"]["train_out"] = train_out
+    (heads / "config.json").write_text(json.dumps(config))
+    sections = {"speculative": {"medusa": {"heads": str(heads), "num_heads": 4}}, "parallel": {"tensor": tensor}}
+    if quantization:
+        sections["quantization"] = {"mode": quantization, "calibration": {"data": [str(TINY_CODE / "heldout.txt")]}}
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", TINY_CODE, **sections))
+    build = spec_build_plan(spec)
+    assert build.medusa_bytes == expected
+    # the heaviest rank's engine build holds its share of the heads
+    assert build.engine_peak_bytes == 0.2e9 + 2 * (build.rank_bytes + expected / tensor)
+    # `plan`'s own build side (from the Plan, at the spec's TP) counts the same bytes
+    proc = plan_cli(tmp_path / "spec.yaml", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["build"]["medusa_bytes"] == expected
+
+
+def test_the_planned_medusa_bytes_are_what_a_build_writes(tiny_engine, medusa_engine):
+    from trtbuild.builder.plan.build_cost import spec_build_plan
+    from trtbuild.builder.spec.resolve import load_spec
+
+    planned = spec_build_plan(load_spec(REPO / "specs" / "tiny-code-medusa.yaml")).medusa_bytes
+    grown = (medusa_engine / "rank0.onnx.data").stat().st_size - (tiny_engine / "rank0.onnx.data").stat().st_size
+    assert planned == grown == MEDUSA_BYTES  # the rank graph's data file, exactly; the CPU graph reads it too
+    assert not list(medusa_engine.glob("rank0.cpu.onnx.data"))  # float32: no tensor of the CPU graph's own

@@ -10,6 +10,8 @@ this machine's RAM stops the build before any work):
   DESIGN.md "Scale"); the ranks build one process at a time by default;
 - the engine dir: each rank's engine (≈ its weights) plus its CPU graph's data file (its
   weights again) unless the spec leaves the CPU graphs out (build.cpu_graphs: false);
+- Medusa heads (builder/passes/attach_medusa.py): constants of the last stage's rank graphs, so
+  in those ranks' data files and engines, in the build's float dtype (never quantized);
 - time: seconds per billion parameters per stage, measured by benchmarks/build_scale.py on a
   2-core machine (the Llama-3.2-1B row; see the README's "Scale" section).
 """
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 from ...contract.draft_head import WEIGHTS_FILE as DRAFT_WEIGHTS_FILE
 from ...contract.paths import path_inside
+from ...contract.json_file import read_json_object
 from ...contract.processes import meminfo
 from .model_size import QUANTIZATION_PRECISION, param_counts, weight_bytes
 
@@ -40,6 +43,8 @@ class BuildPlan:
     cpu_graphs: bool
     export_bytes: float      # the weights in the build's float dtype: the export's data file on disk
     draft_bytes: float = 0.0  # a draft head's weights (draft.onnx.data), beside the ranks'
+    medusa_bytes: float = 0.0  # the Medusa heads' constants, all ranks together (medusa_heads_bytes)
+    medusa_ranks: int = 1      # the ranks that hold them: the last pipeline stage's tensor ranks
 
     @property
     def rank_bytes(self) -> float:
@@ -52,8 +57,8 @@ class BuildPlan:
 
     @property
     def engine_peak_bytes(self) -> float:
-        """Peak of one rank's engine-build process."""
-        return engine_build_bytes(self.rank_bytes)
+        """Peak of one rank's engine-build process: the heaviest rank's, a last-stage one with Medusa."""
+        return engine_build_bytes(self.rank_bytes + self.medusa_bytes / self.medusa_ranks)
 
     @property
     def per_process_peak_bytes(self) -> float:
@@ -61,7 +66,7 @@ class BuildPlan:
 
     @property
     def dir_bytes(self) -> float:
-        return self.model_bytes * (2 if self.cpu_graphs else 1) + self.draft_bytes
+        return (self.model_bytes + self.medusa_bytes) * (2 if self.cpu_graphs else 1) + self.draft_bytes
 
     @property
     def disk_peak_bytes(self) -> float:
@@ -69,7 +74,8 @@ class BuildPlan:
         data file and every rank's data (a quantized one at TP > 1 also holds the codes once more
         before they are sliced), then the engine dir with the engines; plus 1 GiB of slack."""
         quantized_copy = self.model_bytes if self.model_bytes < self.export_bytes and self.tp > 1 else 0
-        return max(self.export_bytes + self.model_bytes + quantized_copy, self.dir_bytes) + GIB
+        ranks = self.model_bytes + self.medusa_bytes
+        return max(self.export_bytes + ranks + quantized_copy, self.dir_bytes) + GIB
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -126,7 +132,8 @@ def spec_build_plan(spec) -> BuildPlan:
     dtype = spec.model.dtype.short
     return BuildPlan(parameters=counts.total, model_bytes=weight_bytes(counts, precision), tp=spec.world_size,
                      cpu_graphs=spec.build.cpu_graphs, export_bytes=weight_bytes(counts, dtype),
-                     draft_bytes=draft_head_bytes(spec))
+                     draft_bytes=draft_head_bytes(spec), medusa_bytes=spec_medusa_bytes(spec),
+                     medusa_ranks=spec.parallel.tensor)
 
 
 def draft_head_bytes(spec) -> int:
@@ -137,3 +144,35 @@ def draft_head_bytes(spec) -> int:
         return 0
     weights = path_inside(spec.draft_head.path, DRAFT_WEIGHTS_FILE)
     return weights.stat().st_size if weights is not None and weights.is_file() else 0
+
+
+def medusa_heads_bytes(num_heads: int, num_layers: int, hidden: int, vocab: int, tensor_ranks: int,
+                       element_bytes: int, shares_lm_head: bool) -> int:
+    """The Medusa heads' constants the rank graphs hold, all ranks together: each of the last
+    stage's ``tensor_ranks`` holds every head's residual blocks ([D, D] + [D] each) and its
+    vocabulary slice of every head's projection [V', D], so the slices add up to one copy; heads
+    that share the LM head's weight (attach_medusa's _shared_lm_head) write no projection."""
+    blocks = tensor_ranks * num_heads * num_layers * (hidden * hidden + hidden)
+    projections = 0 if shares_lm_head else num_heads * vocab * hidden
+    return (blocks + projections) * element_bytes
+
+
+def spec_medusa_bytes(spec) -> int:
+    """``medusa_heads_bytes`` of the spec's heads in its float dtype; 0 without Medusa."""
+    if spec is None or spec.medusa is None:
+        return 0
+    return medusa_heads_bytes(spec.medusa.num_heads, spec.medusa.num_layers, spec.arch.hidden_size,
+                              spec.arch.vocab_size, spec.parallel.tensor, spec.model.dtype.numpy.itemsize,
+                              medusa_shares_lm_head(spec))
+
+
+def medusa_shares_lm_head(spec) -> bool:
+    """Whether the spec's Medusa heads share the LM head's weight: where `trtbuild medusa train
+    --freeze-out` left their projections the LM head's own (the heads dir's config.json says
+    ``"trtbuild": {"train_out": false}``) and no quantization rewrote the LM head. Heads from
+    elsewhere count as not sharing: the estimate then bounds the build from above."""
+    from ..medusa.heads import CONFIG_FILE  # the heads' modules (torch) load only for Medusa specs
+
+    config = path_inside(spec.medusa.heads, CONFIG_FILE)
+    recorded = read_json_object(config).get("trtbuild", {}) if config is not None and config.is_file() else {}
+    return isinstance(recorded, dict) and recorded.get("train_out") is False and not spec.quantization.bits

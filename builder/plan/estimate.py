@@ -22,7 +22,7 @@ from ...contract.medusa_acceptance import MIN_GAIN, best_tree_prefix, expected_a
 from ..sharding import kv_heads_per_rank
 from ..frontend.checkpoint import ArchConfig
 from ..gpus import GB, Gpu, find_gpu, gpu_table  # noqa: F401  (find_gpu, gpu_table: the plan API)
-from .build_cost import BuildPlan
+from .build_cost import BuildPlan, medusa_heads_bytes, medusa_shares_lm_head
 from .model_size import PRECISIONS, ParamCounts, kv_bytes_per_token, weight_bytes
 from ..spec.checks import tensor_parallel_ok
 
@@ -49,6 +49,8 @@ class MedusaPlan:
     num_layers: int
     choices: tuple[tuple[int, ...], ...]
     rank_accuracy: list[list[float]]
+    shares_lm_head: bool = False  # the heads' projections are the LM head's weight (build_cost.medusa_shares_lm_head)
+    element_bytes: int = 2        # the spec's float dtype: the heads' constants are never quantized
 
     def expected_accepted(self) -> list[float]:
         """Expected accepted guesses with the first n choices, n = 0..N (paths' products of accuracy)."""
@@ -242,9 +244,16 @@ class Plan:
 
     def build_side(self) -> BuildPlan:
         """RAM per process, engine-dir disk and time of building this plan (builder/plan/build_cost.py)."""
+        m, a = self.medusa, self.arch
+        heads = 0
+        if m is not None:  # in the plan's float precision, or under a quantized one the spec's dtype
+            float_bytes = {"fp32": 4, "fp16": 2, "bf16": 2}.get(self.precision, m.element_bytes)
+            heads = medusa_heads_bytes(m.num_heads, m.num_layers, a.hidden_size, a.vocab_size, self.tp, float_bytes,
+                                       m.shares_lm_head)
         return BuildPlan(parameters=self.counts.total, model_bytes=self.weights(), tp=self.tp, cpu_graphs=True,
                          export_bytes=self.weights() if self.precision == "fp32" else 2.0 * self.counts.total,
-                         draft_bytes=self.draft_bytes)
+                         draft_bytes=self.draft_bytes,
+                         medusa_bytes=heads, medusa_ranks=self.tp)
 
     def as_dict(self) -> dict:
         return {
@@ -288,7 +297,8 @@ class Plan:
 def medusa_plan(spec) -> MedusaPlan:
     m = spec.medusa
     return MedusaPlan(num_heads=m.num_heads, num_layers=m.num_layers, choices=m.choices,
-                      rank_accuracy=m.rank_accuracy)
+                      rank_accuracy=m.rank_accuracy, shares_lm_head=medusa_shares_lm_head(spec),
+                      element_bytes=spec.model.dtype.numpy.itemsize)
 
 
 def speculation_plan(spec) -> SpeculationPlan:

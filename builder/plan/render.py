@@ -100,8 +100,8 @@ def render_build(b) -> list[str]:
         f"engine ≈ {b.engine_peak_bytes / GB:.1f} GB (0.2 GB + 2 × {b.rank_bytes / GB:.1f} GB); per-process peak "
         f"≤ {b.per_process_peak_bytes / GB:.1f} GB",
         f"  engine dir ≈ {b.dir_bytes / GB:.1f} GB (engines + the CPU graphs' weights"
-        f"{' + the draft head' if b.draft_bytes else ''}); free disk at the build's "
-        f"peak ≈ {b.disk_peak_bytes / GB:.1f} GB",
+        f"{' + the draft head' if b.draft_bytes else ''}{' + the Medusa heads' if b.medusa_bytes else ''}); "
+        f"free disk at the build's peak ≈ {b.disk_peak_bytes / GB:.1f} GB",
         f"  time on 2 cores ≈ {seconds['export'] / 60:.0f} min export + {seconds['passes'] / 60:.0f} min passes + "
         f"{seconds['engines'] / 60:.0f} min engines (benchmarks/build_scale.py rates)",
     ]
