@@ -110,9 +110,7 @@ def collapse_works() -> bool:
     try:
         start = -(-ctypes.addressof(buf) // HUGE_PAGE) * HUGE_PAGE
         ctypes.memset(start, 1, HUGE_PAGE)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0
+        return collapse([(start, start + HUGE_PAGE)]) == HUGE_PAGE
     finally:
         del buf  # the buffer's export ends before the map closes
         area.close()
