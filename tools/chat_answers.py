@@ -9,10 +9,19 @@ each with the engine's chat template, lets a built engine answer greedily, and w
 answer, one conversation per paragraph. Teacher-forced training on that text (`--no-self-distill`)
 is self-distillation at prefill cost: the answers are the model's own greedy text.
 
+Questions a template writes vary only in their topic. ``--self-questions N`` also asks N questions
+the model writes itself: its chat template up to the user's turn, sampled at
+``--question-temperature`` until the turn ends (the Magpie recipe: an instruction-tuned model,
+given only the user turn's header, writes the kind of request it was tuned on). Questions cut off
+at ``--question-tokens``, shorter than 12 characters, repeated, or among the benchmark's are
+dropped and more are drawn. ``--questions-out`` writes every question asked, one a line.
+
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/answers.txt
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/words.txt --words 900 --skip 290
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/more.txt --words 4000 --word-seed 1 \
         --word-templates all --skip 290
+    python tools/chat_answers.py build/smollm2-engine -o build/draft-data/self.txt --self-questions 2000 --skip 290 \
+        --questions-out build/draft-data/self_questions.txt
 """
 from __future__ import annotations
 
@@ -79,19 +88,69 @@ def vocabulary_words(tokenizer, count: int, seed: int = 0) -> list[str]:
     return [words[i].strip() for i in sorted(chosen)]
 
 
-def questions(words: list[str] = (), word_templates: tuple[str, ...] = WORD_TEMPLATES) -> list[str]:
-    """Every question, in a fixed order (the templated topics, then one per word of ``words``,
-    ``word_templates`` taking turns); none is a benchmark prompt."""
+def benchmark_questions() -> tuple[str, ...]:
+    """The speculation benchmark's free-chat questions: never training text."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from speculation_texts import QUESTIONS
 
+    return QUESTIONS
+
+
+def questions(words: list[str] = (), word_templates: tuple[str, ...] = WORD_TEMPLATES) -> list[str]:
+    """Every question, in a fixed order (the templated topics, then one per word of ``words``,
+    ``word_templates`` taking turns); none is a benchmark prompt."""
     out = [template.format(topic) for topics, templates in TEMPLATES for template, topic in
            itertools.product(templates, topics)]
     out += [word_templates[i % len(word_templates)].format(word) for i, word in enumerate(words)]
-    overlap = set(out) & set(QUESTIONS)
+    overlap = set(out) & set(benchmark_questions())
     if overlap:
         raise SystemExit(f"benchmark questions among the training ones: {sorted(overlap)}")
     return out
+
+
+QUESTION_MARK = "\x00question\x00"   # stands for the user's text when the template is split
+MIN_QUESTION_CHARS = 12
+SELF_QUESTION_CHUNK = 256          # questions sampled per generate call (progress between)
+
+
+def user_turn(template) -> tuple[str, str]:
+    """The chat template split at the user's text: what comes before it (system turn and the user
+    turn's header) and the marker that ends the user's turn (the first line of what follows it)."""
+    rendered = template.render([{"role": "user", "content": QUESTION_MARK}])
+    before, _, after = rendered.partition(QUESTION_MARK)
+    end = after.strip().split("\n", 1)[0].strip()   # "<|im_end|>", or the next role's "<|assistant|>"
+    if not before or not end:
+        raise SystemExit("the chat template has no user turn with an end marker to split at")
+    return before, end
+
+
+def self_questions(llm, template, count: int, seed: int, temperature: float, max_tokens: int,
+                   excluded: set[str]) -> list[str]:
+    """``count`` distinct questions the model writes after its template's user-turn header, each
+    sampled with its own seed (``seed`` picks the series); cut-off, short, repeated or ``excluded``
+    ones are dropped and more drawn, up to 4 × ``count`` samples."""
+    from trtbuild.runtime.core.sampling import SamplingParams
+
+    header, end = user_turn(template)
+    kept: list[str] = []
+    seen = set(excluded)
+    drawn, started = 0, time.perf_counter()
+    while len(kept) < count and drawn < 4 * count:
+        # About twice what is still missing (a third to a half of samples are dropped), in chunks.
+        n = min(SELF_QUESTION_CHUNK, 4 * count - drawn, max(16, 2 * (count - len(kept))))
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=(seed << 32) + drawn + i,
+                                 stop=(end,)) for i in range(n)]
+        for done in llm.generate([header] * n, params):
+            text = " ".join(done.text.split())
+            if done.finish_reason == "stop" and len(text) >= MIN_QUESTION_CHARS and text not in seen:
+                seen.add(text)
+                kept.append(text)
+        drawn += n
+        print(f"self-written questions: {min(len(kept), count)}/{count} kept of {drawn} drawn "
+              f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    if len(kept) < count:
+        print(f"only {len(kept)} usable questions in {drawn} samples", file=sys.stderr)
+    return kept[:count]
 
 
 def main() -> None:
@@ -108,7 +167,19 @@ def main() -> None:
                         help="which words --words draws (another seed: other words, for more text)")
     parser.add_argument("--word-templates", choices=tuple(WORD_TEMPLATE_SETS), default="three",
                         help="how a word is asked about: the first three templates, or all twelve")
+    parser.add_argument("--self-questions", type=int, default=0,
+                        help="also ask this many questions the model writes itself (after the listed ones)")
+    parser.add_argument("--question-seed", type=int, default=0, help="which self-written questions (another seed: others)")
+    parser.add_argument("--question-temperature", type=float, default=1.0,
+                        help="sampling temperature of the self-written questions")
+    parser.add_argument("--question-tokens", type=int, default=64,
+                        help="longest self-written question, in tokens (longer ones are dropped)")
+    parser.add_argument("--questions-out", type=Path, help="also write the questions asked, one a line")
     args = parser.parse_args()
+    if args.self_questions < 0 or args.question_seed < 0 or args.question_tokens < 1:
+        parser.error("--self-questions and --question-seed must be ≥ 0, --question-tokens ≥ 1")
+    if not args.question_temperature > 0:
+        parser.error(f"--question-temperature {args.question_temperature}: must be > 0")
 
     from trtbuild.runtime.core.sampling import SamplingParams
     from trtbuild.runtime.engine_dir import load
@@ -118,15 +189,26 @@ def main() -> None:
     engine_dir = load(args.engine)
     words = vocabulary_words(llm_tokenizer(engine_dir), args.words, args.word_seed) if args.words else []
     templates = WORD_TEMPLATE_SETS[args.word_templates]
-    asked = questions(words, templates)[args.skip:][:args.limit or None]
+    listed = questions(words, templates)
     template = chat_template(engine_dir)
-    prompts = [template.render([{"role": "user", "content": q}]) for q in asked]
     start = time.perf_counter()
     with LLM(args.engine, backend="onnxruntime", threads=args.threads, speculation=()) as llm:
-        done = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
+        written = (self_questions(llm, template, args.self_questions, args.question_seed, args.question_temperature,
+                                  args.question_tokens, set(listed) | set(benchmark_questions()))
+                   if args.self_questions else [])
+        asked = (listed + written)[args.skip:][:args.limit or None]
+        prompts = [template.render([{"role": "user", "content": q}]) for q in asked]
+        done = []
+        for at in range(0, len(prompts), SELF_QUESTION_CHUNK):
+            done += llm.generate(prompts[at:at + SELF_QUESTION_CHUNK], SamplingParams(max_tokens=args.max_tokens))
+            print(f"answered {len(done)}/{len(prompts)} ({time.perf_counter() - start:.0f} s)",
+                  file=sys.stderr, flush=True)
     tokens = sum(len(c.token_ids) for c in done)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n\n".join(p + c.text for p, c in zip(prompts, done)) + "\n", encoding="utf-8")
+    if args.questions_out is not None:
+        args.questions_out.parent.mkdir(parents=True, exist_ok=True)
+        args.questions_out.write_text("".join(q + "\n" for q in asked), encoding="utf-8")
     seconds = time.perf_counter() - start
     print(f"{len(asked)} questions, {tokens} answer tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s) "
           f"→ {args.out}", file=sys.stderr)

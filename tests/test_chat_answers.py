@@ -1,0 +1,82 @@
+"""tools/chat_answers.py's self-written questions: the template split at the user's turn, and what
+is kept of the model's samples (an engine stand-in that answers by seed, so every rule is exact)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from trtbuild.runtime.server.chat import DEFAULT_TEMPLATE, ChatTemplate
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "chat_answers.py"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("chat_answers", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["chat_answers"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class _Done:
+    text: str
+    finish_reason: str
+
+
+class _Model:
+    """Answers sample ``seed`` with SAMPLES[seed % len]; records every prompt and parameter set."""
+
+    def __init__(self, samples):
+        self.samples, self.prompts, self.params = samples, [], []
+
+    def generate(self, prompts, params):
+        self.prompts += prompts
+        self.params += params
+        return [_Done(*self.samples[p.seed % len(self.samples)]) for p in params]
+
+
+def test_the_template_splits_at_the_users_turn(tool):
+    assert tool.user_turn(ChatTemplate(CHATML)) == ("<|im_start|>user\n", "<|im_end|>")
+    header, end = tool.user_turn(ChatTemplate("<|im_start|>system\nBe brief.<|im_end|>\n" + CHATML))
+    assert header == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" and end == "<|im_end|>"
+    assert tool.user_turn(ChatTemplate(DEFAULT_TEMPLATE)) == ("<|user|>\n", "<|assistant|>")
+
+
+def test_a_template_without_a_user_turn_is_refused(tool):
+    with pytest.raises(SystemExit, match="no user turn"):
+        tool.user_turn(ChatTemplate("{{ messages[0].content }}"))
+
+
+def test_cut_short_repeated_and_benchmark_questions_are_dropped_and_more_drawn(tool):
+    samples = [("How do I  brew\\n green tea?".replace("\\n", "\n"), "stop"),
+               ("Too short", "stop"),                                  # < 12 characters
+               ("How do I brew green tea?", "stop"),                   # the first, whitespace aside
+               ("Write a long story about a dragon who", "length"),    # cut off at the token limit
+               ("What is the capital of France?", "stop"),             # excluded (a benchmark's)
+               ("Plan a week of vegetarian dinners.", "stop"),
+               ("Explain how a bicycle stays upright.", "stop")]
+    model = _Model(samples)
+    template = ChatTemplate(DEFAULT_TEMPLATE)
+    kept = tool.self_questions(model, template, 3, seed=2, temperature=0.9, max_tokens=32,
+                               excluded={"What is the capital of France?"})
+    assert kept == ["How do I brew green tea?", "Plan a week of vegetarian dinners.",
+                    "Explain how a bicycle stays upright."]
+    assert set(model.prompts) == {"<|user|>\n"}
+    assert {(p.temperature, p.max_tokens, p.stop) for p in model.params} == {(0.9, 32, ("<|assistant|>",))}
+    seeds = [p.seed for p in model.params]
+    assert len(set(seeds)) == len(seeds) and min(seeds) >= 2 << 32   # another --question-seed: other samples
+
+
+def test_it_stops_drawing_at_four_samples_a_question(tool, capsys):
+    model = _Model([("Too short", "stop")])
+    assert tool.self_questions(model, ChatTemplate(DEFAULT_TEMPLATE), 5, 0, 1.0, 16, set()) == []
+    assert len(model.params) == 20
+    assert "only 0 usable questions in 20 samples" in capsys.readouterr().err
