@@ -400,7 +400,9 @@ class EngineCore:
             # Unseeded, unconstrained sampling verifies by the full-distribution rule: drafted from q.
             full = not params.greedy and params.seed is None and state.matcher is None
             rows.append((request.rid, len(request.output), left, state.sampler if full else None))
-        drafted, seconds, tokens = spec.draft_head.draft(rows)
+        row_seconds = (spec.policy.times.plain_estimate(len(decoding), Context.of([r.computed for r in decoding]))
+                       / len(decoding) if decoding and spec.policy.times.table else None)
+        drafted, seconds, tokens = spec.draft_head.draft(rows, row_seconds)
         spec.policy.measured(Source.draft_head, tokens, seconds)
         for rid, chain in drafted.items():
             chains[rid, Source.draft_head] = chain.draft

@@ -91,6 +91,24 @@ def test_chain_equals_the_reference_batch_3_of_different_lengths(draft_graph):
         {rid: chains[rid].tokens for rid in ("c", "a")}
 
 
+def test_a_chain_stops_where_another_token_is_not_worth_drafting(draft_graph):
+    """``worth_more`` sees each row's probabilities so far; a row it refuses stops, the others go on
+    and draft the same tokens as without it (the prefix of the full chains)."""
+    d = drafter(draft_graph)
+    for i, rid in enumerate("abc"):
+        d.observe([Observation(rid, 0, *history(i + 40, 6 + i))])
+    full = d.propose(["a", "b", "c"], 5)
+    seen = []
+    stop_b = lambda probs: (seen.append(tuple(probs)), probs != list(full["b"].probabilities[:2]))[1]  # noqa: E731
+    cut = d.propose(["a", "b", "c"], 5, worth_more=stop_b)
+    assert {rid: len(c.tokens) for rid, c in cut.items()} == {"a": 5, "b": 2, "c": 5}
+    for rid in "abc":
+        assert cut[rid].tokens == full[rid].tokens[:len(cut[rid].tokens)], rid
+    # Asked after each drafted token but the last: a, b, c at depths 1 and 2, then a and c at 3 and 4.
+    assert len(seen) == 3 + 3 + 2 + 2
+    assert d.propose(["a"], 5, worth_more=lambda probs: False)["a"].tokens == full["a"].tokens[:1]
+
+
 def test_rollback_after_a_rejection(draft_graph):
     """Draft 4, then the target accepts 2 and samples 1: positions L−1, L, L+1 are observed with the
     target's features; the drafted scratch at L+2 is never read."""

@@ -198,6 +198,48 @@ def test_a_sure_source_is_calibrated_at_depths_never_tried():
     assert _choose(host, 1, {"a": host.draft("a", [1], (Source.suffix,), 100)}) == 0
 
 
+def test_a_draft_models_tokens_are_judged_by_what_it_stated_not_by_depth():
+    """A per-token source (the draft head): first tokens stated 0.95 are kept, first tokens stated
+    0.25 never, 200 times each. Each later chain's estimate follows its own token's tenth (the calibration:
+    kept/tried with the shrunk prior counting 8), where a depth-averaged source gives both about
+    the same figure (depth 1 kept half)."""
+    sure, unsure = (0.95, 0.5), (0.25, 0.5)
+    hosts = {per_token: HostDrafting({Source.draft_head: _FixedSource(Source.draft_head, (1, 2))}, 4,
+                                     per_token=per_token) for per_token in (True, False)}
+    for host in hosts.values():
+        for _ in range(200):
+            host.record("a", Source.draft_head, sure, 1)    # the 0.95 token kept, the 0.5 one not
+            host.record("a", Source.draft_head, unsure, 0)
+    per_token = hosts[True]
+    assert per_token.probabilities(Source.draft_head, "b", sure)[0] == pytest.approx((200 + 8 * 0.725) / (200 + 8))
+    assert per_token.probabilities(Source.draft_head, "b", unsure)[0] == pytest.approx((0 + 8 * 0.375) / (200 + 8))
+    # Stated 0.5 was tried 200 times at depth 2 and never kept.
+    assert per_token.probabilities(Source.draft_head, "b", sure)[1] == pytest.approx(8 * 0.5 / (200 + 8))
+    averaged = hosts[False]
+    assert averaged.probabilities(Source.draft_head, "b", sure)[0] == pytest.approx(
+        averaged.probabilities(Source.draft_head, "b", unsure)[0], abs=0.03)
+
+
+def test_the_draft_head_stops_a_chain_whose_next_token_cannot_pay():
+    """Drafting a token costs the drafter's seconds per token; it saves at most a row's plain
+    step times the chance every token before it is kept. Drafter 2 ms a token, plain 20 ms a row:
+    a chain goes on while the product of its calibrated probabilities is ≥ 0.1. Before any
+    verification a stated q counts as 0.5 + 0.5·(q − 0.5): 0.3 → 0.4, so two such tokens (0.16)
+    are worth a third and three (0.064) are not. Always mode, an unmeasured drafter, or no plain
+    step time: drafted to full length."""
+    from types import SimpleNamespace
+
+    from trtbuild.runtime.speculation.draft_head_source import DraftHeadSource
+
+    drafter = SimpleNamespace(seconds_per_token=0.002)
+    worth_more = DraftHeadSource(drafter, 8, SpeculationMode.adaptive)._worth_more(0.020)
+    assert worth_more([0.3, 0.3]) and not worth_more([0.3, 0.3, 0.3])
+    assert worth_more([0.9] * 6) and not worth_more([0.9] * 7)   # 0.7⁶ = 0.118, 0.7⁷ = 0.082
+    assert DraftHeadSource(drafter, 8, ALWAYS)._worth_more(0.020) is None
+    assert DraftHeadSource(SimpleNamespace(seconds_per_token=None), 8, SpeculationMode.adaptive)._worth_more(0.02) is None
+    assert DraftHeadSource(drafter, 8, SpeculationMode.adaptive)._worth_more(None) is None
+
+
 def test_drafting_backs_off_after_a_decision_that_verified_nothing():
     """A drafting call that verified nothing costing 1 ms: the next waits until the engine has
     stepped 1 ms / DRAFT_SHARE; a request never drafted for is due at once; a verification drafts

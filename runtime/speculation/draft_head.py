@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -305,16 +305,17 @@ class DraftHeadDrafter:
     # --- drafting -------------------------------------------------------------------------------
 
     def propose(self, rids: Sequence[str], max_tokens: int, with_distributions: bool = False,
-                uniforms: np.ndarray | None = None, temperatures: Sequence[float] | None = None
-                ) -> dict[str, DraftChain]:
+                uniforms: np.ndarray | None = None, temperatures: Sequence[float] | None = None,
+                worth_more: Callable[[Sequence[float]], bool] | None = None) -> dict[str, DraftChain]:
         """A chain of up to ``max_tokens`` per observed request (fewer where the cache ends).
 
         Greedy by default: each token the argmax of the draft's distribution q. With ``uniforms``
         [len(rids), max_tokens] in [0, 1) the chain is drawn from q instead (q at each row's
         ``temperature``, 1 by default), token i by the inverse CDF at ``uniforms[row, i]``: the
         draft the full-distribution acceptance rule needs (``accept_sampled_full``), which then
-        also needs ``with_distributions``. The drafted K/V is scratch past the last observed
-        position, overwritten by the next ``observe``."""
+        also needs ``with_distributions``. ``worth_more``: given a row's chain so far (its tokens'
+        probabilities), whether another token is worth drafting; a row it refuses stops there. The
+        drafted K/V is scratch past the last observed position, overwritten by the next ``observe``."""
         began = time.perf_counter()
         if max_tokens < 0:
             raise ValueError(f"max_tokens {max_tokens}: valid 0 or more")
@@ -349,7 +350,8 @@ class DraftHeadDrafter:
             # The next token needs a draft step at the position after the deepest one so far: it
             # reads the token just chosen and the hidden state of the position before.
             position = {row: requests[row].last + 1 + depth for row in live}
-            keep = [i for i, row in enumerate(live) if depth + 1 < max_tokens and position[row] < self.max_seq_len]
+            keep = [i for i, row in enumerate(live) if depth + 1 < max_tokens and position[row] < self.max_seq_len
+                    and (worth_more is None or worth_more(probs[row]))]
             if not keep:
                 break
             live, step_features = [live[i] for i in keep], hidden[keep]  # [B_live, H]

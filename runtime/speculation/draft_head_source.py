@@ -95,7 +95,7 @@ class DraftHeadSource:
     def __init__(self, drafter: DraftHeadDrafter, max_tokens: int, mode):
         self.drafter = drafter
         self.proposals = _Proposals()
-        self.model = HostDrafting({Source.draft_head: self.proposals}, max_tokens, mode)
+        self.model = HostDrafting({Source.draft_head: self.proposals}, max_tokens, mode, per_token=True)
         self.mode = mode
         self._owed = 0.0  # engine seconds to pass before drafting again (its last chains went unverified)
 
@@ -149,21 +149,24 @@ class DraftHeadSource:
 
     # -- drafting ----------------------------------------------------------------------------------
 
-    def draft(self, rows: list[tuple[str, int, int, object | None]]) -> tuple[dict[str, Chain], float, int]:
+    def draft(self, rows: list[tuple[str, int, int, object | None]],
+              row_seconds: float | None = None) -> tuple[dict[str, Chain], float, int]:
         """Chains for ``rows`` (rid, output position of the root's successor, the most tokens it may
-        take, the sampler where the row samples without a seed, else None). Returns the chains, the
-        drafter's seconds and the tokens it drafted."""
+        take, the sampler where the row samples without a seed, else None). ``row_seconds``: what
+        plain decoding spends on a row's token now (None: chains are drafted to full length).
+        Returns the chains, the drafter's seconds and the tokens it drafted."""
         if not rows:
             return {}, 0.0, 0
         began = time.perf_counter()
         reach = self.model.reach(Source.draft_head)
+        worth_more = self._worth_more(row_seconds)
         k = min(reach, max(limit for _, _, limit, _ in rows))
         greedy = [(rid, limit) for rid, _, limit, sampler in rows if sampler is None]
         sampled = [(rid, position, limit, sampler) for rid, position, limit, sampler in rows if sampler is not None]
         chains: dict[str, Chain] = {}
         drafted = 0
         if greedy and k:
-            proposed = self.drafter.propose([rid for rid, _ in greedy], k)
+            proposed = self.drafter.propose([rid for rid, _ in greedy], k, worth_more=worth_more)
             for rid, limit in greedy:
                 chains[rid] = self._chain(rid, proposed[rid].proposal, limit, None)
                 drafted += len(proposed[rid].tokens)
@@ -171,13 +174,29 @@ class DraftHeadSource:
             uniforms = np.stack([draft_uniforms(sampler, position, k) for _, position, _, sampler in sampled])
             temperatures = [sampler.params.temperature for *_, sampler in sampled]
             proposed = self.drafter.propose([rid for rid, *_ in sampled], k, with_distributions=True,
-                                            uniforms=uniforms, temperatures=temperatures)
+                                            uniforms=uniforms, temperatures=temperatures, worth_more=worth_more)
             for rid, _, limit, _ in sampled:
                 chain = proposed[rid]
                 chains[rid] = self._chain(rid, chain.proposal, limit, chain.distributions)
                 drafted += len(chain.tokens)
         chains = {rid: chain for rid, chain in chains.items() if chain is not None}
         return chains, time.perf_counter() - began, drafted
+
+    def _worth_more(self, row_seconds: float | None):
+        """The drafter's test of a chain so far: drafting its next token costs the drafter's
+        seconds per token, and that token is kept only if all before it are (the calibrated
+        probabilities' product), when it saves a row ``row_seconds`` of plain decoding. Where that
+        bound is below the cost, no later token of the chain can pay either. None (draft on) in
+        always mode, before the drafter's cost is measured, or without ``row_seconds``."""
+        cost = self.drafter.seconds_per_token
+        if self.mode == SpeculationMode.always or cost is None or not row_seconds:
+            return None
+        floor = cost / row_seconds
+
+        def worth_more(stated: Sequence[float]) -> bool:
+            kept = self.model.probabilities(Source.draft_head, None, stated)[:len(stated)]
+            return float(np.prod(kept)) >= floor
+        return worth_more
 
     def _chain(self, rid: str, proposal: Proposal, limit: int, distributions: np.ndarray | None) -> Chain | None:
         self.proposals.chains[rid] = proposal

@@ -14,6 +14,14 @@ chain's deep tokens are seldom tried, so their estimates stayed at 1.0 and free 
 16-token chains that kept 0.3 tokens (measured on SmolLM2: 27 verifications, 8 tokens kept, in
 256). The expected kept tokens of a chain of n are Σ_k Π_{d ≤ k} p_d: the series the policy weighs.
 
+A draft model's stated probability is its own distribution's mass on the token, which varies token
+by token far more than the depth does: SmolLM2's draft head on free chat kept 0.86 of the first
+tokens it gave ≥ 0.9 and 0.15 of those it gave 0.2–0.3, where depth 1 kept 0.31 and depth 2 0.39
+over all of them (benchmarks/speculation.py, always mode). Averaged by depth, every chain is worth
+the same and the policy verifies all of them or none. So for a source built ``per_token`` (the
+draft head) the estimate is the calibration alone: P(kept | the tenth the model stated), learned
+from every verification, and a chain is cut where its tokens turn unlikely.
+
 A source's chains are verified only RAMP times as deep as its longest kept run so far (at least
 FIRST_REACH): a depth never reached has no count, only its prior, and at batch 8 a bet on the
 prior is dear (SmolLM2 float32, code_edit: three verifications of 8 rows × 17 tokens at 316 ms
@@ -94,10 +102,12 @@ class HostDrafting:
     """The engine's host sources and their acceptance estimates."""
 
     def __init__(self, sources: dict[Source, HostDraftSource], max_tokens: int,
-                 mode: SpeculationMode = SpeculationMode.adaptive):
+                 mode: SpeculationMode = SpeculationMode.adaptive, per_token: bool = False):
+        """``per_token``: the sources' stated probabilities are a draft model's own (its
+        distribution's mass on each token), estimated through their calibration alone."""
         if max_tokens < 1:
             raise ValueError(f"host drafting needs a verification of ≥ 2 tokens (max_tokens {max_tokens})")
-        self.sources, self.max_tokens, self.mode = sources, max_tokens, mode
+        self.sources, self.max_tokens, self.mode, self.per_token = sources, max_tokens, mode, per_token
         self.counts = {source: KeptCounts.empty(max_tokens) for source in sources}         # by depth
         self.calibration = {source: KeptCounts.empty(BUCKETS) for source in sources}      # by stated tenth
         self._depths = np.arange(max_tokens)
@@ -106,11 +116,14 @@ class HostDrafting:
     def probabilities(self, source: Source, rid: str | None = None, stated: Sequence[float] = ()) -> np.ndarray:
         """[max_tokens]: P(the token at each depth is kept | the ones before were). ``stated``: the
         source's own estimate for this draft's tokens (a longer n-gram match is likelier kept),
-        PRIOR past them, calibrated; the depth's counts overrule it as verifications come in."""
+        PRIOR past them, calibrated; the depth's counts overrule it as verifications come in,
+        except for a ``per_token`` source (a draft model), where the calibration is the estimate."""
         claimed = np.full(self.max_tokens, PRIOR)
         claimed[:min(len(stated), self.max_tokens)] = stated[:self.max_tokens]
         base = self.calibration[source].probabilities(_tenths(claimed), PRIOR + STATED_TRUST * (claimed - PRIOR),
                                                       PRIOR_WEIGHT)
+        if self.per_token:
+            return base
         shared = self.counts[source].probabilities(self._depths, base, PRIOR_WEIGHT)
         own = self._requests.get(rid).counts.get(source) if rid in self._requests else None
         return shared if own is None else own.probabilities(self._depths, shared, REQUEST_WEIGHT)
