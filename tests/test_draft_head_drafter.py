@@ -109,6 +109,37 @@ def test_a_chain_stops_where_another_token_is_not_worth_drafting(draft_graph):
     assert d.propose(["a"], 5, worth_more=lambda probs: False)["a"].tokens == full["a"].tokens[:1]
 
 
+def test_the_draft_head_source_cuts_the_chains_that_cannot_pay(draft_graph):
+    """Through DraftHeadSource.draft: with a plain row's seconds given, a row whose first token's
+    calibrated probability is below (a run's seconds a row) / (a row's plain seconds) gets a
+    chain of one token, the others two (a fresh source reaches two deep); without them, or in
+    always mode, every chain is drafted in full. Greedy and sampled rows alike."""
+    from trtbuild.contract.speculation import Source
+    from trtbuild.runtime.speculation.adaptive import SpeculationMode
+    from trtbuild.runtime.speculation.draft_head_source import DraftHeadSource
+
+    d = drafter(draft_graph)
+    source = DraftHeadSource(d, 8, SpeculationMode.adaptive)
+    for i, rid in enumerate("abcd"):
+        d.observe([Observation(rid, 0, *history(i + 60, 5 + i))])
+    samplers = {"c": Sampler(SamplingParams(temperature=1.0, seed=3)), "d": Sampler(SamplingParams(temperature=0.7))}
+    rows = [(rid, 0, 8, samplers.get(rid)) for rid in "abcd"]
+    full, _, _ = source.draft(rows)
+    assert {rid: len(c.draft.tokens) for rid, c in full.items()} == dict.fromkeys("abcd", 2)
+    first = {rid: source.model.probabilities(Source.draft_head, None, c.draft.stated[:1])[0] for rid, c in full.items()}
+    floor = float(np.median(list(first.values())))
+    d.seconds_per_row_run = 0.001
+    cut, _, _ = source.draft(rows, row_seconds=0.001 / floor)
+    assert {rid: len(c.draft.tokens) for rid, c in cut.items()} == {rid: 2 if p >= floor else 1 for rid, p in first.items()}
+    assert 1 in {len(c.draft.tokens) for c in cut.values()}
+    for rid, chain in cut.items():
+        assert chain.draft.tokens == full[rid].draft.tokens[:len(chain.draft.tokens)], rid
+        if rid in ("c", "d"):   # the sampled rows' q, one per drafted token
+            assert chain.distributions.shape == (len(chain.draft.tokens), DRAFT_VOCAB)
+    always = DraftHeadSource(d, 8, SpeculationMode.always)
+    assert all(len(c.draft.tokens) == 8 for c in always.draft(rows, row_seconds=1e-9)[0].values())
+
+
 def test_rollback_after_a_rejection(draft_graph):
     """Draft 4, then the target accepts 2 and samples 1: positions L−1, L, L+1 are observed with the
     target's features; the drafted scratch at L+2 is never read."""

@@ -221,8 +221,8 @@ def test_a_draft_models_tokens_are_judged_by_what_it_stated_not_by_depth():
 
 
 def test_the_draft_head_stops_a_chain_whose_next_token_cannot_pay():
-    """Drafting a token costs the drafter's seconds per token; it saves at most a row's plain
-    step times the chance every token before it is kept. Drafter 2 ms a token, plain 20 ms a row:
+    """Drafting a token costs a row its share of a draft run; it saves at most a row's plain
+    step times the chance every token before it is kept. 2 ms a run a row, plain 20 ms a row:
     a chain goes on while the product of its calibrated probabilities is ≥ 0.1. Before any
     verification a stated q counts as 0.5 + 0.5·(q − 0.5): 0.3 → 0.4, so two such tokens (0.16)
     are worth a third and three (0.064) are not. Always mode, an unmeasured drafter, or no plain
@@ -231,12 +231,12 @@ def test_the_draft_head_stops_a_chain_whose_next_token_cannot_pay():
 
     from trtbuild.runtime.speculation.draft_head_source import DraftHeadSource
 
-    drafter = SimpleNamespace(seconds_per_token=0.002)
+    drafter = SimpleNamespace(seconds_per_row_run=0.002)
     worth_more = DraftHeadSource(drafter, 8, SpeculationMode.adaptive)._worth_more(0.020)
     assert worth_more([0.3, 0.3]) and not worth_more([0.3, 0.3, 0.3])
     assert worth_more([0.9] * 6) and not worth_more([0.9] * 7)   # 0.7⁶ = 0.118, 0.7⁷ = 0.082
     assert DraftHeadSource(drafter, 8, ALWAYS)._worth_more(0.020) is None
-    assert DraftHeadSource(SimpleNamespace(seconds_per_token=None), 8, SpeculationMode.adaptive)._worth_more(0.02) is None
+    assert DraftHeadSource(SimpleNamespace(seconds_per_row_run=None), 8, SpeculationMode.adaptive)._worth_more(0.02) is None
     assert DraftHeadSource(drafter, 8, SpeculationMode.adaptive)._worth_more(None) is None
 
 

@@ -13,7 +13,7 @@ verification costs about one step, and trees pay). The step times are step_times
 (calibrated at load, refined by every step: calibration runs B in powers of four up to max_batch
 × a few tree sizes, and greedy runs per B, ~2 s for the bundled model on 2 CPU cores); what a draft is worth is its source's acceptance
 model's: Medusa's per (head, rank) (acceptance.py, trees.py), a chain source's per depth with
-its stated probabilities calibrated (host.py).
+its stated probabilities calibrated, the draft head's per token by its calibration alone (host.py).
 
 Each decode row offers candidates, one per source that drafted for it, each as ``expected[n]``:
 the kept tokens expected verifying its first n drafted tokens (a tree prefix of n choices, or a

@@ -129,6 +129,7 @@ class DraftHeadDrafter:
         self.requests: dict[str, _Request] = {}
         self.free = list(range(capacity, 0, -1))
         self.seconds_per_token: float | None = None   # drafting runs' wall time per drafted token
+        self.seconds_per_row_run: float | None = None  # a chain run's wall time per row it drafts for
         self.observe_seconds: float | None = None     # one observe call's wall time
 
     # --- requests -------------------------------------------------------------------------------
@@ -358,9 +359,14 @@ class DraftHeadDrafter:
             batch = [requests[row] for row in live]
             for request, row in zip(batch, live):
                 request.known[position[row]] = True
+            run_began = time.perf_counter()
             logits, hidden = self._run(batch, [[int(self.draft_to_target[chosen[row][-1]])] for row in live],
                                        [position[row] for row in live],
                                        step_features[:, None, :].astype(self.dtype), [0] * len(live))
+            # What one more token deeper costs a row (the first token of a chain needs no run: it
+            # comes from the observed position's logits).
+            self.seconds_per_row_run = _smoothed(self.seconds_per_row_run,
+                                                 (time.perf_counter() - run_began) / len(live))
         width = len(self.draft_to_target)
         chains = {rid: DraftChain(tuple(int(self.draft_to_target[t]) for t in chosen[row]), tuple(probs[row]),
                                   np.array(dists[row]).reshape(-1, width) if with_distributions else None)

@@ -1,7 +1,10 @@
 """The draft head as a draft source in the step loop: fed the target's features after every step,
-drafting a chain for the rows that speculate with it, its chains' acceptance learned as the host
-sources' are (host.py's per-depth counts, the draft's own probability of each token as the stated
-one, calibrated).
+drafting a chain for the rows that speculate with it, its chains' acceptance learned from every
+verification as the host sources' are (host.py), token by token.
+
+Acceptance is estimated per token from the probability the draft gave it (host.py's
+``per_token``: the calibration by stated tenth alone, not the depth counts), and a chain stops
+drafting where its next token cannot pay for its run (``_worth_more``).
 
 What the engine core tells it (runtime/engine_core.py):
 - after a step, each row's committed positions (a prefill chunk's or a plain step's tokens; a
@@ -183,12 +186,13 @@ class DraftHeadSource:
         return chains, time.perf_counter() - began, drafted
 
     def _worth_more(self, row_seconds: float | None):
-        """The drafter's test of a chain so far: drafting its next token costs the drafter's
-        seconds per token, and that token is kept only if all before it are (the calibrated
-        probabilities' product), when it saves a row ``row_seconds`` of plain decoding. Where that
-        bound is below the cost, no later token of the chain can pay either. None (draft on) in
-        always mode, before the drafter's cost is measured, or without ``row_seconds``."""
-        cost = self.drafter.seconds_per_token
+        """The drafter's test of a chain so far: drafting its next token costs a row one draft run's
+        share (the drafter's seconds per run per row), and that token is kept only if all before
+        it are (the calibrated probabilities' product), when it saves a row ``row_seconds`` of
+        plain decoding. Where that bound is below the cost, no later token of the chain can pay
+        either. None (draft on) in always mode, before a chain run was timed, or without
+        ``row_seconds``."""
+        cost = self.drafter.seconds_per_row_run
         if self.mode == SpeculationMode.always or cost is None or not row_seconds:
             return None
         floor = cost / row_seconds
