@@ -3,6 +3,7 @@ is kept of the model's samples (an engine stand-in that answers by seed, so ever
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_cut_short_repeated_and_benchmark_questions_are_dropped_and_more_drawn(t
                ("Too short", "stop"),                                  # < 12 characters
                ("How do I brew green tea?", "stop"),                   # the first, whitespace aside
                ("Write a long story about a dragon who", "length"),    # cut off at the token limit
-               ("What is the capital of France?", "stop"),             # excluded (a benchmark's)
+               ("what is the capital of France", "stop"),              # excluded, case and "?" aside
                ("Plan a week of vegetarian dinners.", "stop"),
                ("Explain how a bicycle stays upright.", "stop")]
     model = _Model(samples)
@@ -70,7 +71,8 @@ def test_cut_short_repeated_and_benchmark_questions_are_dropped_and_more_drawn(t
     assert kept == ["How do I brew green tea?", "Plan a week of vegetarian dinners.",
                     "Explain how a bicycle stays upright."]
     assert set(model.prompts) == {"<|user|>\n"}
-    assert {(p.temperature, p.max_tokens, p.stop) for p in model.params} == {(0.9, 32, ("<|assistant|>",))}
+    assert {(p.temperature, p.max_tokens, p.stop, p.stop_token_ids) for p in model.params} == \
+        {(0.9, 32, ("<|assistant|>",), ())}
     seeds = [p.seed for p in model.params]
     assert len(set(seeds)) == len(seeds) and min(seeds) >= 2 << 32   # another --question-seed: other samples
 
@@ -80,3 +82,17 @@ def test_it_stops_drawing_at_four_samples_a_question(tool, capsys):
     assert tool.self_questions(model, ChatTemplate(DEFAULT_TEMPLATE), 5, 0, 1.0, 16, set()) == []
     assert len(model.params) == 20
     assert "only 0 usable questions in 20 samples" in capsys.readouterr().err
+
+
+def test_a_model_that_never_ends_the_turn_is_refused_after_one_chunk(tool):
+    model = _Model([("and so on and so on", "length")])
+    with pytest.raises(SystemExit, match=re.escape("none of 16 sampled questions ended with the template's "
+                                                   "end marker '<|assistant|>' within 16 tokens")):
+        tool.self_questions(model, ChatTemplate(DEFAULT_TEMPLATE), 5, 0, 1.0, 16, set())
+    assert len(model.params) == 16
+
+
+def test_a_one_token_end_marker_stops_by_its_id(tool):
+    model = _Model([("How do I brew green tea?", "stop")])
+    tool.self_questions(model, ChatTemplate(CHATML), 1, 0, 1.0, 16, set(), stop_ids=(2,))
+    assert {p.stop_token_ids for p in model.params} == {(2,)}

@@ -14,7 +14,8 @@ the model writes itself: its chat template up to the user's turn, sampled at
 ``--question-temperature`` until the turn ends (the Magpie recipe: an instruction-tuned model,
 given only the user turn's header, writes the kind of request it was tuned on). Questions cut off
 at ``--question-tokens``, shorter than 12 characters, repeated, or among the benchmark's are
-dropped and more are drawn. ``--questions-out`` writes every question asked, one a line.
+dropped and more are drawn (``--skip`` and ``--limit`` apply to the listed questions; the
+self-written ones come on top). ``--questions-out`` writes every question asked, one a line.
 
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/answers.txt
     python tools/chat_answers.py build/smollm2-engine -o build/draft-data/words.txt --words 900 --skip 290
@@ -124,27 +125,40 @@ def user_turn(template) -> tuple[str, str]:
     return before, end
 
 
+def _key(question: str) -> str:
+    """What two questions share when they differ only in case, spacing or punctuation."""
+    return "".join(ch for ch in question.casefold() if ch.isalnum())
+
+
 def self_questions(llm, template, count: int, seed: int, temperature: float, max_tokens: int,
-                   excluded: set[str]) -> list[str]:
+                   excluded: set[str], stop_ids: tuple[int, ...] = ()) -> list[str]:
     """``count`` distinct questions the model writes after its template's user-turn header, each
     sampled with its own seed (``seed`` picks the series); cut-off, short, repeated or ``excluded``
-    ones are dropped and more drawn, up to 4 × ``count`` samples."""
+    ones (case, spacing and punctuation aside) are dropped and more drawn, up to 4 × ``count``
+    samples. ``stop_ids``: the end marker's token id where it is one token (a special token's
+    text never reaches the stop strings)."""
     from trtbuild.runtime.core.sampling import SamplingParams
 
     header, end = user_turn(template)
     kept: list[str] = []
-    seen = set(excluded)
+    seen = {_key(q) for q in excluded}
     drawn, started = 0, time.perf_counter()
     while len(kept) < count and drawn < 4 * count:
         # About twice what is still missing (a third to a half of samples are dropped), in chunks.
         n = min(SELF_QUESTION_CHUNK, 4 * count - drawn, max(16, 2 * (count - len(kept))))
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=(seed << 32) + drawn + i,
-                                 stop=(end,)) for i in range(n)]
+                                 stop=(end,), stop_token_ids=stop_ids) for i in range(n)]
+        finished = 0
         for done in llm.generate([header] * n, params):
             text = " ".join(done.text.split())
-            if done.finish_reason == "stop" and len(text) >= MIN_QUESTION_CHARS and text not in seen:
-                seen.add(text)
+            finished += done.finish_reason == "stop"
+            if done.finish_reason == "stop" and len(text) >= MIN_QUESTION_CHARS and _key(text) not in seen:
+                seen.add(_key(text))
                 kept.append(text)
+        if not drawn and not finished:
+            raise SystemExit(f"none of {n} sampled questions ended with the template's end marker {end!r} "
+                             f"within {max_tokens} tokens: raise --question-tokens, or the model does not "
+                             "write user turns")
         drawn += n
         print(f"self-written questions: {min(len(kept), count)}/{count} kept of {drawn} drawn "
               f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
@@ -158,11 +172,13 @@ def main() -> None:
     parser.add_argument("engine", type=Path, help="a built engine dir of the model (with a chat template)")
     parser.add_argument("-o", "--out", type=Path, required=True)
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--limit", type=int, default=0, help="ask only the first N questions (0: all)")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="ask only the first N listed questions (0: all; self-written ones come on top)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--words", type=int, default=0,
                         help="also ask about this many words of the model's vocabulary (more varied text)")
-    parser.add_argument("--skip", type=int, default=0, help="leave out the first N questions (asked before)")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out the first N listed questions (asked before; 290 leaves out the templated ones)")
     parser.add_argument("--word-seed", type=int, default=0,
                         help="which words --words draws (another seed: other words, for more text)")
     parser.add_argument("--word-templates", choices=tuple(WORD_TEMPLATE_SETS), default="three",
@@ -191,12 +207,14 @@ def main() -> None:
     templates = WORD_TEMPLATE_SETS[args.word_templates]
     listed = questions(words, templates)
     template = chat_template(engine_dir)
+    end_ids = llm_tokenizer(engine_dir).encode(user_turn(template)[1], add_special_tokens=False).ids
     start = time.perf_counter()
     with LLM(args.engine, backend="onnxruntime", threads=args.threads, speculation=()) as llm:
         written = (self_questions(llm, template, args.self_questions, args.question_seed, args.question_temperature,
-                                  args.question_tokens, set(listed) | set(benchmark_questions()))
+                                  args.question_tokens, set(listed) | set(benchmark_questions()),
+                                  tuple(end_ids) if len(end_ids) == 1 else ())
                    if args.self_questions else [])
-        asked = (listed + written)[args.skip:][:args.limit or None]
+        asked = listed[args.skip:][:args.limit or None] + written
         prompts = [template.render([{"role": "user", "content": q}]) for q in asked]
         done = []
         for at in range(0, len(prompts), SELF_QUESTION_CHUNK):
