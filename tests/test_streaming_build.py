@@ -185,6 +185,14 @@ def test_memory_refusal_names_what_fits():
     assert memory_refusal(plan, 64 * 2**30, [1, 2, 4, 8]) is None  # 0.2 GB + 2 × 16 GB fits 64 GiB
     line = memory_refusal(plan, 24 * 2**30, [1, 2, 4, 8])
     assert "\n" not in line and "≈ 30.0 GiB" in line and "parallel.tensor: 2" in line and "int4" in line
+    # Medusa heads count in the need, are named, and decide which tensor parallelism fits: 16 GB of
+    # weights and 8 GB of heads need 0.2 GB + 2 × 24 GB (44.9 GiB) at TP 1; in 20 GiB, TP 2 would
+    # fit the weights alone (15.1 GiB) but not with its half of the heads (22.5 GiB); TP 4 does.
+    heads = BuildPlan(parameters=8_000_000_000, model_bytes=16e9, tp=1, cpu_graphs=True, export_bytes=16e9,
+                      medusa_bytes=8e9, medusa_ranks=1)
+    line = memory_refusal(heads, 20 * 2**30, [1, 2, 4, 8])
+    assert "≈ 44.9 GiB" in line and "14.9 GiB of weights and 7.5 GiB of Medusa heads" in line
+    assert "parallel.tensor: 4" in line
 
 
 def test_disk_refusal_counts_the_exports_file_and_each_ranks_data():

@@ -104,11 +104,15 @@ def memory_refusal(plan: BuildPlan, ram_bytes: int, valid_tps: list[int]) -> str
     need = plan.engine_peak_bytes
     if need <= ram_bytes:
         return None
-    fits = next((tp for tp in valid_tps if tp > plan.tp and engine_build_bytes(plan.model_bytes / tp) <= ram_bytes),
-                None)
+    # At T tensor ranks each holds 1/T of the weights and of every Medusa head (the last stage's).
+    heads_share = plan.medusa_bytes / plan.medusa_ranks * plan.tp
+    fits = next((tp for tp in valid_tps if tp > plan.tp
+                 and engine_build_bytes((plan.model_bytes + heads_share) / tp) <= ram_bytes), None)
     larger = f"parallel.tensor: {fits}" if fits else "a larger parallel.tensor"
+    heads = (f" and {plan.medusa_bytes / plan.medusa_ranks / GIB:.1f} GiB of Medusa heads"
+             if plan.medusa_bytes else "")
     return (f"a rank's engine build needs ≈ {need / GIB:.1f} GiB of RAM (0.2 GB + 2 × its {plan.rank_bytes / GIB:.1f} GiB "
-            f"of weights) and this machine has {ram_bytes / GIB:.1f} GiB; use {larger}, or parallel.pipeline stages "
+            f"of weights{heads}) and this machine has {ram_bytes / GIB:.1f} GiB; use {larger}, or parallel.pipeline stages "
             "(≈ 1/P of the weights each), or quantization.mode: int4_weight_only, or build on a larger machine "
             "(--ignore-memory-check to try anyway)")
 
