@@ -15,9 +15,9 @@ chain's deep tokens are seldom tried, so their estimates stayed at 1.0 and free 
 256). The expected kept tokens of a chain of n are Σ_k Π_{d ≤ k} p_d: the series the policy weighs.
 
 A draft model's stated probability is its own distribution's mass on the token, which varies token
-by token far more than the depth does: SmolLM2's draft head on free chat kept 0.86 of the first
-tokens it gave ≥ 0.9 and 0.15 of those it gave 0.2–0.3, where depth 1 kept 0.31 and depth 2 0.39
-over all of them (benchmarks/speculation.py, always mode). Averaged by depth, every chain is worth
+by token far more than the depth does: SmolLM2's draft head on free chat kept 0.93 of the tokens
+it gave ≥ 0.9 and 0.13 of those it gave 0.1–0.2, where depths 1 and 2 kept 0.44 and 0.41 over all
+of them (benchmarks/draft_calibration.py). Averaged by depth, every chain is worth
 the same and the policy verifies all of them or none. So for a source built ``per_token`` (the
 draft head) the estimate is the calibration alone: P(kept | the tenth the model stated), learned
 from every verification, and a chain is cut where its tokens turn unlikely.
