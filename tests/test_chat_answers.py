@@ -96,3 +96,16 @@ def test_a_one_token_end_marker_stops_by_its_id(tool):
     model = _Model([("How do I brew green tea?", "stop")])
     tool.self_questions(model, ChatTemplate(CHATML), 1, 0, 1.0, 16, set(), stop_ids=(2,))
     assert {p.stop_token_ids for p in model.params} == {(2,)}
+
+
+def test_a_missing_engine_dir_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+
+    out = tmp_path / "answers.txt"
+    done = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "nowhere"), "-o", str(out), "--self-questions", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and not out.exists()
+    assert done.stderr.strip().splitlines()[-1] == (f"chat_answers.py: error: {tmp_path / 'nowhere'}: not an engine dir "
+                                                    f"(no manifest.json); build one with `trtbuild build SPEC -o "
+                                                    f"{tmp_path / 'nowhere'}`")
+    assert "Traceback" not in done.stderr

@@ -202,7 +202,10 @@ def main() -> None:
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.server.chat import chat_template
 
-    engine_dir = load(args.engine)
+    try:
+        engine_dir = load(args.engine)
+    except ValueError as exc:  # EngineDirError: not an engine dir, a file that fails its hash
+        parser.error(str(exc))
     words = vocabulary_words(llm_tokenizer(engine_dir), args.words, args.word_seed) if args.words else []
     templates = WORD_TEMPLATE_SETS[args.word_templates]
     listed = questions(words, templates)
