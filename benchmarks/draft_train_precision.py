@@ -52,9 +52,8 @@ def training_step(batch: int):
     taps = torch.randn(batch, SEQ, 3 * HIDDEN).to(torch.bfloat16)
     argmax = torch.randint(0, TARGET_VOCAB, (batch, SEQ))
     to_draft = torch.randint(0, DRAFT_VOCAB, (TARGET_VOCAB,))
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
-
     params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
 
     def step(precision: str) -> None:
         with TrainPrecision(precision).autocast():

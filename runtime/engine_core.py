@@ -363,8 +363,9 @@ class EngineCore:
                     chains[rid, chain.source] = chain
                     row.append(Candidate(chain.source, chain.expected))
         head_due = spec.draft_head is not None and host_due and spec.draft_head.due()
-        head_seconds = self._draft_head_offers(decoding, offers, chains) if head_due else 0.0
-        decision = policy.choose(len(decoding), offers, Context.of([r.computed for r in decoding]))
+        context = Context.of([r.computed for r in decoding])
+        head_seconds = self._draft_head_offers(decoding, context, offers, chains) if head_due else 0.0
+        decision = policy.choose(len(decoding), offers, context)
         if host is not None or (spec.draft_head is not None and host_due):
             # (Medusa's share of the loop above is small: its trees come from heads already computed.)
             policy.drafted(rids, time.perf_counter() - host_start,
@@ -383,7 +384,7 @@ class EngineCore:
                                       q[:k] if q is not None else None)
         self._distributions = {}
 
-    def _draft_head_offers(self, decoding: list[Request], offers: dict, chains: dict) -> float:
+    def _draft_head_offers(self, decoding: list[Request], context: Context, offers: dict, chains: dict) -> float:
         """The draft head's chain for each decoding row that speculates with it and that it has seen
         up to the row's root, as one more candidate of the row; its drafting measured for the policy.
         Returns the drafter's seconds."""
@@ -400,8 +401,8 @@ class EngineCore:
             # Unseeded, unconstrained sampling verifies by the full-distribution rule: drafted from q.
             full = not params.greedy and params.seed is None and state.matcher is None
             rows.append((request.rid, len(request.output), left, state.sampler if full else None))
-        row_seconds = (spec.policy.times.plain_estimate(len(decoding), Context.of([r.computed for r in decoding]))
-                       / len(decoding) if decoding and spec.policy.times.table else None)
+        row_seconds = (spec.policy.times.plain_estimate(len(decoding), context) / len(decoding)
+                       if decoding and spec.policy.times.table else None)
         drafted, seconds, tokens = spec.draft_head.draft(rows, row_seconds)
         spec.policy.measured(Source.draft_head, tokens, seconds)
         for rid, chain in drafted.items():
