@@ -10,12 +10,14 @@ This is the figure to hold against `trtbuild draft train`'s own held-out one (te
 files) and the one that predicts the speculation benchmark's free_chat rows.
 
     python benchmarks/draft_accuracy.py build/bench-speculation/smollm2-float32-draft [--questions FILE]
+        [--windows 0,64,32,16,8]   (top-1 with the draft attending to only its last W positions)
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -43,23 +45,31 @@ def prompt_sets(template, questions: Path | None = None) -> dict[str, list[str]]
     return sets
 
 
-def teacher_forced_top1(d, engine, session, draft_to_target: np.ndarray, history: list[int], first: int) -> list[bool]:
-    """Per answer position p ≥ first: does the draft's argmax at p equal token p + 2?"""
+def teacher_forced_top1(d, engine, session, draft_to_target: np.ndarray, history: list[int], first: int,
+                        windows: Sequence[int] = (0,)) -> dict[int, list[bool]]:
+    """Per window W (0: the whole history) and answer position p ≥ first: does the draft's argmax at
+    p equal token p + 2, the draft attending to its own positions p − W + 1 .. p only?"""
     from trtbuild.contract.step import step_arrays
     from trtbuild.runtime.core.step import Step, StepKind
 
     n = len(history) - 1
     out = engine.step(Step(kind=StepKind.prefill, first_slot=0, rids=("x",), tokens=(tuple(history[:n]),),
                            starts=(0,), samples=(True,)))
-    feeds = step_arrays(((*history[1:n + 1],),), (0,), d.max_seq_len).as_dict()
-    feeds["logits_index"] = np.arange(n, dtype=np.int64)[None]
-    feeds["features"] = out.draft_features[:, :n].astype(np.float32)
-    heads = session.get_inputs()[-1].shape  # [B, H_kv, S_max, D]
-    cache = np.zeros((1, heads[1], d.max_seq_len, heads[3]), np.float32)
-    feeds["past_key_0"], feeds["past_value_0"] = cache, cache.copy()
-    logits = session.run(["draft_logits"], {i.name: feeds[i.name] for i in session.get_inputs()})[0][0]  # [n, K]
-    guess = draft_to_target[logits.argmax(-1)]
-    return [bool(guess[p] == history[p + 2]) for p in range(first, n - 1)]
+    hits = {}
+    for window in windows:
+        feeds = step_arrays(((*history[1:n + 1],),), (0,), d.max_seq_len).as_dict()
+        if window:  # [1, 1, n, S_max]: a band of the causal mask
+            query, key = np.arange(n)[:, None], np.arange(d.max_seq_len)[None]
+            feeds["attention_mask"] = feeds["attention_mask"] & (query - key < window)[None, None]
+        feeds["logits_index"] = np.arange(n, dtype=np.int64)[None]
+        feeds["features"] = out.draft_features[:, :n].astype(np.float32)
+        heads = session.get_inputs()[-1].shape  # [B, H_kv, S_max, D]
+        cache = np.zeros((1, heads[1], d.max_seq_len, heads[3]), np.float32)
+        feeds["past_key_0"], feeds["past_value_0"] = cache, cache.copy()
+        logits = session.run(["draft_logits"], {i.name: feeds[i.name] for i in session.get_inputs()})[0][0]  # [n, K]
+        guess = draft_to_target[logits.argmax(-1)]
+        hits[window] = [bool(guess[p] == history[p + 2]) for p in range(first, n - 1)]
+    return hits
 
 
 def main() -> None:
@@ -68,7 +78,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--questions", type=Path, help="a file of user questions, one a line: one more prompt set")
+    parser.add_argument("--windows", default="0",
+                        help="comma-separated attention windows of the draft over its own positions, a top-1 "
+                             "column each (0: all of them; the runtime reads the newest 32, draft_head_source.py)")
     args = parser.parse_args()
+    try:
+        windows = [int(w) for w in args.windows.split(",")]
+    except ValueError:
+        windows = [-1]
+    if not windows or min(windows) < 0:
+        raise SystemExit(f"--windows {args.windows}: comma-separated whole numbers ≥ 0 expected (0: no window)")
 
     import onnxruntime as ort
 
@@ -89,13 +108,16 @@ def main() -> None:
     session = ort.InferenceSession(str(d.path / d.draft_head.graph), providers=["CPUExecutionProvider"])
     draft_to_target = read_draft_map(d)
     print(f"draft head trained: held-out top-1 {d.draft_head.accuracy.get('top1')} (its training files' text)")
-    print(f"{'prompt set':28} {'prompts':>7} {'positions':>9} {'top-1':>6}  per prompt")
+    heads = [f"top-1 W={w}" if w else "top-1" for w in windows]
+    print(f"{'prompt set':28} {'prompts':>7} {'positions':>9} " + " ".join(f"{h:>11}" for h in heads)
+          + f"  per prompt ({heads[0]})")
     for name, done in answers.items():
         hits = [teacher_forced_top1(d, engine, session, draft_to_target, list(c.prompt_token_ids) + list(c.token_ids),
-                                    len(c.prompt_token_ids) - 1) for c in done]
-        flat = [h for row in hits for h in row]
-        print(f"{name:28} {len(done):7d} {len(flat):9d} {np.mean(flat):6.3f}  "
-              + " ".join(f"{np.mean(row):.2f}" for row in hits if row))
+                                    len(c.prompt_token_ids) - 1, windows) for c in done]
+        flat = {w: [h for row in hits for h in row[w]] for w in windows}
+        print(f"{name:28} {len(done):7d} {len(flat[windows[0]]):9d} "
+              + " ".join(f"{np.mean(flat[w]):11.3f}" for w in windows) + "  "
+              + " ".join(f"{np.mean(row[windows[0]]):.2f}" for row in hits if row[windows[0]]))
 
 
 if __name__ == "__main__":

@@ -239,3 +239,86 @@ def test_long_catch_up_in_chunks_and_rows_at_the_cache_end(draft_graph):
     assert list(d.propose(["end"], 3)["end"].tokens) == reference_chain(draft, end_features, end_tokens, 0, 2)
     with pytest.raises(ValueError, match="repeat"):
         d.observe([Observation("long", 20, *history(1, 1)), Observation("long", 21, *history(2, 1))])
+
+
+def test_positions_skipped_over_are_masked_with_the_chain_drafted_there(draft_graph):
+    """Observed 0..5, a chain drafted at 6..8, then 12..15 observed (6..11 never read): the draft
+    attends to 0..5 and 12..15 only, as a drafter that never drafted there does (the chain's
+    scratch at 6..8 is not read)."""
+    features, tokens = history(20, 16)
+    seen = drafter(draft_graph)
+    seen.observe([Observation("a", 0, features[:6], tokens[:6])])
+    seen.propose(["a"], 4)
+    seen.observe([Observation("a", 12, features[12:], tokens[12:])])
+    fresh = drafter(draft_graph)
+    fresh.observe([Observation("a", 0, features[:6], tokens[:6])])
+    fresh.observe([Observation("a", 12, features[12:], tokens[12:])])
+    assert np.flatnonzero(seen.requests["a"].known).tolist() == [*range(6), *range(12, 16)]
+    mine, theirs = (d.propose(["a"], 3, with_distributions=True)["a"] for d in (seen, fresh))
+    assert mine.tokens == theirs.tokens
+    np.testing.assert_allclose(mine.distributions, theirs.distributions, atol=1e-5)
+
+
+def _source(draft_graph, window, capacity=4):
+    from trtbuild.runtime.speculation.adaptive import SpeculationMode
+    from trtbuild.runtime.speculation.draft_head_source import DraftHeadSource
+
+    return DraftHeadSource(drafter(draft_graph, capacity), 3, SpeculationMode.always, window=window)
+
+
+def test_the_source_reads_only_when_drafting_and_only_the_newest_window(draft_graph):
+    """Steps' positions are held, not read; ``draft`` reads the newest 4 (the window) and drafts
+    from them as a drafter that observed just those positions does."""
+    features, tokens = history(21, 12)
+    source = _source(draft_graph, window=4)
+    source.hold(Observation("a", 0, features[:10], tokens[:10]))   # a prompt of 10
+    source.hold(Observation("a", 10, features[10:11], tokens[10:11]))  # one decode step
+    assert "a" not in source.drafter.requests  # nothing read yet
+    assert source.in_sync("a", 11) and not source.in_sync("a", 10)
+    chains, seconds, drafted = source.draft([("a", 0, 8, None)])
+    read = source.drafter.requests["a"]
+    assert read.last == 10 and np.flatnonzero(read.known[:11]).tolist() == [7, 8, 9, 10]  # 11.. : the chain's scratch
+    fresh = drafter(draft_graph)
+    fresh.observe([Observation("a", 7, features[7:11], tokens[7:11])])
+    assert chains["a"].draft.tokens == fresh.propose(["a"], 3)["a"].tokens
+    assert seconds > 0 and drafted == 3
+    # The next step's position is held again; the read after it appends to what was read.
+    source.hold(Observation("a", 11, features[11:12], tokens[11:12]))
+    source.draft([("a", 0, 8, None)])
+    assert read.last == 11 and np.flatnonzero(read.known[:12]).tolist() == [7, 8, 9, 10, 11]
+
+
+def test_the_source_holds_a_restart_over_what_it_held_and_drops_what_a_gap_leaves(draft_graph):
+    features, tokens = history(22, 12)
+    other, _ = history(23, 12)
+    source = _source(draft_graph, window=32)
+    source.hold(Observation("a", 0, features[:6], tokens[:6]))
+    source.hold(Observation("a", 3, other[3:8], tokens[3:8]))  # recomputed from 3: its features replace
+    source.hold(Observation("b", 0, features[:4], tokens[:4]))
+    source.hold(Observation("b", 8, features[8:10], tokens[8:10]))  # past a gap: 0..3 are dropped
+    assert source.in_sync("a", 8) and source.in_sync("b", 10)
+    chains, _, _ = source.draft([("a", 0, 8, None), ("b", 0, 8, None)])
+    fresh = drafter(draft_graph)
+    fresh.observe([Observation("a", 0, np.concatenate((features[:3], other[3:8])), tokens[:8]),
+                   Observation("b", 8, features[8:10], tokens[8:10])])
+    expected = fresh.propose(["a", "b"], 3)
+    assert {rid: c.draft.tokens for rid, c in chains.items()} == {rid: c.tokens for rid, c in expected.items()}
+    assert np.flatnonzero(source.drafter.requests["b"].known[:10]).tolist() == [8, 9]
+
+
+def test_the_source_drafts_for_the_rows_it_has_slots_for(draft_graph):
+    """One draft slot, two requests held: the first read gets a chain, the other none (no error);
+    once the first closes, the other is read and drafted for."""
+    source = _source(draft_graph, window=32, capacity=1)
+    for rid, seed in (("a", 24), ("b", 25)):
+        source.hold(Observation(rid, 0, *history(seed, 5)))
+    chains, _, _ = source.draft([("a", 0, 8, None), ("b", 0, 8, None)])
+    assert list(chains) == ["a"]
+    source.close("a", ())
+    source.hold(Observation("b", 0, *history(25, 5)))
+    assert list(source.draft([("b", 0, 8, None)])[0]) == ["b"]
+
+
+def test_the_source_refuses_an_empty_window(draft_graph):
+    with pytest.raises(ValueError, match="window 0: valid 1 or more"):
+        _source(draft_graph, window=0)

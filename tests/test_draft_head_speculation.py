@@ -79,16 +79,19 @@ def test_greedy_tokens_equal_plain_with_every_source_in_one_step(engine):
 
 def test_draft_cache_after_rejections_is_the_committed_history(engine):
     """Every verification writes its chain's K/V past the root and keeps only what was accepted;
-    the next step's observation overwrites the rest. After a request of many verifications, its
-    draft cache at every committed position equals what a fresh drafter computes from the same
-    history in one pass (max abs difference 1e-4: float32, other batch shapes)."""
+    the next read of the committed positions overwrites the rest. After a request of many
+    verifications, its draft cache at every position read equals what a fresh drafter computes
+    from the same history in one pass (max abs difference 1e-4: float32, other batch shapes).
+    The drafter reads a request's positions only when it drafts: the last read is at most one
+    verification (1 + a chain) before the end; with a prompt shorter than the read window, every
+    position up to there was read."""
     from trtbuild.contract.speculation import Source
     from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
     from trtbuild.runtime.core.sampling import SamplingParams
     from trtbuild.runtime.core.step import Step, StepKind
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.speculation.draft_head import DraftHeadDrafter, Observation
-    from trtbuild.runtime.speculation.draft_head_source import read_draft_map
+    from trtbuild.runtime.speculation.draft_head_source import READ_WINDOW, read_draft_map
 
     kept = {}
     with _llm(engine) as llm:
@@ -98,7 +101,8 @@ def test_draft_cache_after_rejections_is_the_committed_history(engine):
         def keep_then_close(rid):  # the cache as the request ends, before its slot is freed
             if rid in drafter.requests:
                 keys, values = drafter.cache(rid)
-                kept[rid] = (keys.copy(), values.copy(), drafter.requests[rid].last)
+                request = drafter.requests[rid]
+                kept[rid] = (keys.copy(), values.copy(), request.last, request.known.copy())
             close(rid)
 
         drafter.close = keep_then_close
@@ -106,11 +110,12 @@ def test_draft_cache_after_rejections_is_the_committed_history(engine):
                                                           speculation=(Source.draft_head,)))
         stats = llm.speculation.stats.as_dict()["sources"]["draft_head"]
     assert stats["verified_rows"] >= 8  # many verifications, most of their guesses rejected
-    (keys, values, last), = kept.values()
+    (keys, values, last, known), = kept.values()
     history = list(done.prompt_token_ids) + list(done.token_ids)
-    assert last == len(history) - 2  # observed up to the position before the last token
-
     d = load(engine)
+    assert len(done.prompt_token_ids) < READ_WINDOW
+    assert len(history) - 2 - (1 + d.draft_head.num_tokens) <= last < len(history) - 2
+    assert known[:last + 1].all()
     target = OnnxRuntimeEngine(d, threads=2)
     out = target.step(Step(kind=StepKind.prefill, first_slot=0, rids=("fresh",), tokens=(tuple(history[:-1]),),
                            starts=(0,), samples=(True,)))
@@ -118,7 +123,7 @@ def test_draft_cache_after_rejections_is_the_committed_history(engine):
                              max_step_tokens=d.max_seq_len)
     fresh.observe([Observation("fresh", 0, out.draft_features[0, :len(history) - 1], history[1:])])
     fresh_keys, fresh_values = fresh.cache("fresh")
-    n = len(history) - 1
+    n = last + 1
     assert np.abs(keys[:, :n] - fresh_keys[:, :n]).max() < 1e-4
     assert np.abs(values[:, :n] - fresh_values[:, :n]).max() < 1e-4
 

@@ -242,14 +242,19 @@ def test_the_draft_head_stops_a_chain_whose_next_token_cannot_pay():
 
 def test_drafting_backs_off_after_a_decision_that_verified_nothing():
     """A drafting call that verified nothing costing 1 ms: the next waits until the engine has
-    stepped 1 ms / DRAFT_SHARE; a request never drafted for is due at once; a verification drafts
-    again at the next step."""
+    stepped 1 ms / DRAFT_SHARE, the one after it twice that; a request never drafted for is due at
+    once; a verification drafts again at the next step."""
     policy = _drafting(_times(0.010, 0.002)).policy
     assert policy.due(["a"])
     policy.drafted(["a"], 0.001, verifies=False)
     wait = 0.001 / DRAFT_SHARE
     policy.stepped(0.9 * wait)
     assert not policy.due(["a"]) and policy.due(["a", "b"])
+    policy.stepped(0.2 * wait)
+    assert policy.due(["a"])
+    policy.drafted(["a"], 0.001, verifies=False)  # the second in a row: twice the wait
+    policy.stepped(1.9 * wait)
+    assert not policy.due(["a"])
     policy.stepped(0.2 * wait)
     assert policy.due(["a"])
     policy.drafted(["a"], 0.001, verifies=True)
@@ -260,6 +265,25 @@ def test_drafting_backs_off_after_a_decision_that_verified_nothing():
     always = _drafting(StepTimes(), ALWAYS).policy
     always.drafted(["a"], 0.001, verifies=False)
     assert always.due(["a"])
+
+
+def test_the_back_off_doubles_per_unverified_call_up_to_sixteen_times_and_resets_on_a_verification():
+    from trtbuild.runtime.speculation.adaptive import MAX_DOUBLINGS, Backoff
+
+    def waits(backoff: Backoff, calls: int) -> list[float]:
+        out = []
+        for _ in range(calls):
+            backoff.drafted(0.002, verified=False)
+            out.append(round(backoff.owed * DRAFT_SHARE / 0.002, 9))  # in units of the first wait
+            backoff.stepped(backoff.owed)
+            assert backoff.due()
+        return out
+
+    backoff = Backoff()
+    assert backoff.due() and MAX_DOUBLINGS == 4
+    assert waits(backoff, 7) == [1, 2, 4, 8, 16, 16, 16]
+    backoff.drafted(0.002, verified=True)
+    assert backoff.due() and waits(backoff, 2) == [1, 2]
 
 
 def test_a_verification_is_priced_with_the_drafting_after_it():

@@ -35,10 +35,15 @@ spell (calibration, one noisy step), or a request whose text turns repetitive la
 source off for good, and exploring costs at most 1 / EXPLORE_AFTER of plain decoding's time where
 the source does not pay.
 
-Drafting backs off, one rule: where a drafting call's decision verified nothing it drafted, the next
-call waits until the engine has stepped for 1 / DRAFT_SHARE times what that call cost (a request not
-yet drafted for is due at once). On SmolLM2 a run takes ~160 ms and drafting never waits; on the
-bundled model it drafts about every tenth run while nothing pays.
+Drafting backs off, one rule (``Backoff``, the policy's for every drafting call and the draft
+head's for its own): where a drafting call's decision verified nothing it drafted, the next call
+waits until the engine has stepped for 2^m / DRAFT_SHARE times what that call cost, m the calls
+before it in a row that verified nothing (at most MAX_DOUBLINGS); a verification resets m (a
+request not yet drafted for is due at once). So drafting that keeps not paying costs DRAFT_SHARE of
+the engine's time at first, and from the fifth such call on DRAFT_SHARE / 16. On SmolLM2 a run
+takes ~160 ms and the host sources' drafting (~1 ms a call) hardly waits; the draft head's at
+batch 8 (~20 ms a call, its reading of the rows' positions included) did take DRAFT_SHARE, 3 % of
+free chat's time, where it never paid; on the bundled model drafting waits about ten runs at first.
 
 ``always`` mode verifies every draft at its full length (benchmarks, tests); a candidate ``pinned``
 (a fixed Medusa tree size) is verified at its full length in either mode.
@@ -71,6 +76,7 @@ if TYPE_CHECKING:
 # estimated cost: exploring costs at most 1 / EXPLORE_AFTER of plain decoding's time.
 EXPLORE_AFTER = 100
 DRAFT_SHARE = 0.03     # where nothing is verified, drafting takes at most this share of the engine's time
+MAX_DOUBLINGS = 4      # ... halved for each drafting call in a row that verified nothing, down to 1/16 of it
 RECENT_DRAFTS = 15     # drafting measurements kept (their median prices a verification)
 
 
@@ -117,6 +123,28 @@ class Decision:
 PLAIN = Decision()
 
 
+class Backoff:
+    """Drafting's back-off (see above): ``due`` unless the last drafting call verified nothing and
+    the engine has not yet stepped 2^m / DRAFT_SHARE times that call's seconds."""
+
+    def __init__(self):
+        self.owed = 0.0   # engine seconds to pass before drafting again
+        self.misses = 0   # drafting calls in a row that verified nothing
+
+    def due(self) -> bool:
+        return self.owed <= 0.0
+
+    def drafted(self, seconds: float, verified: bool) -> None:
+        if verified:
+            self.owed, self.misses = 0.0, 0
+        else:
+            self.owed = seconds / DRAFT_SHARE * 2 ** min(self.misses, MAX_DOUBLINGS)
+            self.misses += 1
+
+    def stepped(self, seconds: float) -> None:
+        self.owed -= seconds
+
+
 class AdaptivePolicy:
     """The decision for every decode batch, exploration, drafting back-off, and the verifications
     every source's acceptance model learns from (``models``, by source)."""
@@ -127,7 +155,7 @@ class AdaptivePolicy:
         self._aside: dict[tuple[int, Source], float] = {}  # (batch, source) → plain seconds since it verified
         self._call_seconds: deque = deque([0.0], maxlen=RECENT_DRAFTS)  # drafting calls, per row
         self._per_token: dict[Source, deque] = {}   # source → drafting seconds per drafted token per row
-        self._owed = 0.0            # engine seconds to pass before drafting again (backing off)
+        self._backoff = Backoff()
         self._drafted: set[str] = set()  # requests drafted for at least once
 
     # -- the decision -------------------------------------------------------------------------
@@ -269,7 +297,7 @@ class AdaptivePolicy:
         """Whether the decoding requests ``rids`` are drafted for after this step: unless the last
         decision verified nothing and the engine has not yet stepped for long enough since
         (``stepped``), or any of them was never drafted for."""
-        return (self._owed <= 0.0 or self.mode == SpeculationMode.always
+        return (self._backoff.due() or self.mode == SpeculationMode.always
                 or not self._drafted.issuperset(rids))
 
     def drafted(self, rids: Sequence[str], seconds: float, verifies: bool, priced: float = 0.0) -> None:
@@ -280,11 +308,11 @@ class AdaptivePolicy:
         if rids:
             self._call_seconds.append(max(0.0, seconds - priced) / len(rids))
         self._drafted.update(rids)
-        self._owed = 0.0 if verifies else seconds / DRAFT_SHARE
+        self._backoff.drafted(seconds, verifies)
 
     def stepped(self, seconds: float) -> None:
         """The engine stepped (or ran) for ``seconds`` since the last drafting call."""
-        self._owed -= seconds
+        self._backoff.stepped(seconds)
 
     def drafting_estimate(self, rows: int) -> float:
         """Seconds a drafting call for ``rows`` requests takes (the recent median)."""

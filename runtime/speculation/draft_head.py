@@ -16,7 +16,8 @@ Which cache positions a request's draft attends to is tracked per request (``kno
 position is forgotten at the next ``observe``. A request admitted with a cached prompt prefix
 that the target did not recompute has no features for it, so the draft never saw those
 positions: they are masked out of its attention (not read as zero keys, which would still take
-softmax weight).
+softmax weight); so are positions an ``observe`` skips over (past the last observed position,
+before the first new one: the draft head source reads only a window of a request's newest).
 
 The drafter runs either form of the draft's graph: ``draft.cpu.onnx`` (builder/draft_head/
 cpu_graph.py: GroupQueryAttention over the filled length, the slot pool bound in place as past
@@ -293,7 +294,9 @@ class DraftHeadDrafter:
         for b, (request, row) in enumerate(group):
             n = len(row.tokens)
             features[b, :n] = row.features
-            # Everything past the new last position is a stale draft: forget it (rollback).
+            # Everything past the new last position is a stale draft: forget it (rollback). So is
+            # what lies between the last observed position and these (positions never read).
+            request.known[request.last + 1:row.start] = False
             request.known[row.start + n:] = False
             request.known[row.start:row.start + n] = True
         logits, hidden = self._run([r for r, _ in group], [[int(t) for t in row.tokens] for _, row in group],
