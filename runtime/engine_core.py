@@ -364,13 +364,13 @@ class EngineCore:
                     row.append(Candidate(chain.source, chain.expected))
         head_due = spec.draft_head is not None and host_due and spec.draft_head.due()
         context = Context.of([r.computed for r in decoding])
-        head_seconds = self._draft_head_offers(decoding, context, offers, chains) if head_due else 0.0
+        head_seconds, head_rows = self._draft_head_offers(decoding, context, offers, chains) if head_due else (0.0, 0)
         decision = policy.choose(len(decoding), offers, context)
         if host is not None or (spec.draft_head is not None and host_due):
             # (Medusa's share of the loop above is small: its trees come from heads already computed.)
             policy.drafted(rids, time.perf_counter() - host_start,
                            verifies=any(source != Source.medusa for source in decision.sources()), priced=head_seconds)
-        if head_due:
+        if head_rows:  # a call with no row to draft for (none in sync, a prompt prefilling) drafted nothing
             spec.draft_head.decided(head_seconds, Source.draft_head in decision.sources())
         for rid, (source, k) in decision.picks.items():
             request = self.scheduler.requests[rid]
@@ -384,10 +384,11 @@ class EngineCore:
                                       q[:k] if q is not None else None)
         self._distributions = {}
 
-    def _draft_head_offers(self, decoding: list[Request], context: Context, offers: dict, chains: dict) -> float:
+    def _draft_head_offers(self, decoding: list[Request], context: Context, offers: dict,
+                           chains: dict) -> tuple[float, int]:
         """The draft head's chain for each decoding row that speculates with it and that it has seen
         up to the row's root, as one more candidate of the row; its drafting measured for the policy.
-        Returns the drafter's seconds."""
+        Returns the drafter's seconds and the rows it drafted for."""
         spec, rows = self.speculation, []
         for request in decoding:
             state = self.sampling[request.rid]
@@ -410,7 +411,7 @@ class EngineCore:
             offers.setdefault(rid, []).append(Candidate(Source.draft_head, chain.draft.expected))
             if chain.distributions is not None:
                 self._distributions[rid] = chain.distributions
-        return seconds
+        return seconds, len(rows)
 
     def _apply(self, plan: Plan) -> None:
         for op in plan.ops:

@@ -286,6 +286,78 @@ def test_the_back_off_doubles_per_unverified_call_up_to_sixteen_times_and_resets
     assert backoff.due() and waits(backoff, 2) == [1, 2]
 
 
+
+def test_a_drafting_call_with_no_request_decoding_is_not_one_that_verified_nothing():
+    """Steps of prompts prefilling (no request decoding) call the policy with no rows; they do not
+    deepen the back-off: the first unverified call after them waits 1 ms / DRAFT_SHARE, not more."""
+    policy = _drafting(_times(0.010, 0.002)).policy
+    for _ in range(5):
+        policy.drafted([], 0.001, verifies=False)
+        policy.stepped(0.010)
+    policy.drafted(["a"], 0.001, verifies=False)
+    policy.stepped(1.1 * 0.001 / DRAFT_SHARE)
+    assert policy.due(["a"])
+
+
+class _DraftHead:
+    """The draft head source as the engine core sees it, its back-off the real one: in sync with
+    every row, drafting for 1 ms and offering no chain (so nothing it drafts is verified)."""
+
+    def __init__(self):
+        from trtbuild.runtime.speculation.adaptive import Backoff
+
+        self.backoff = Backoff()
+
+    def due(self):
+        return self.backoff.due()
+
+    def stepped(self, seconds):
+        self.backoff.stepped(seconds)
+
+    def decided(self, seconds, verified):
+        self.backoff.drafted(seconds, verified)
+
+    def in_sync(self, rid, root_position):
+        return True
+
+    def draft(self, rows, row_seconds=None):
+        return {}, (0.001 if rows else 0.0), 0
+
+
+def test_the_draft_heads_back_off_counts_only_calls_that_drafted_for_a_row():
+    """The engine core's drafting after five steps of a prompt prefilling (nothing decoding, so the
+    draft head drafts for no row), then one whose 1 ms of drafting is not verified: the draft head
+    is due again once the engine stepped 1 ms / DRAFT_SHARE, as after a first unverified call."""
+    from types import SimpleNamespace
+
+    from trtbuild.runtime.core.scheduler import Phase, Request
+    from trtbuild.runtime.engine_core import EngineCore, Sampling
+    from trtbuild.runtime.speculation.speculation import Speculation
+
+    times, head = _times(0.010, 0.002), _DraftHead()
+    policy = AdaptivePolicy(times, {Source.draft_head: HostDrafting({}, 8, SpeculationMode.adaptive)},
+                            SpeculationStats(), SpeculationMode.adaptive)
+    spec = Speculation((Source.draft_head,), times, SpeculationStats(), policy, None, None, head)
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=16), phase=Phase.prefilling)
+    decoding: list[str] = []
+    scheduler = SimpleNamespace(requests={"a": request}, slots=SimpleNamespace(decoding=lambda: decoding))
+    core = EngineCore(None, scheduler, spec, multi_step=1)
+    core.sampling["a"] = Sampling(Sampler(request.params), sources=(Source.draft_head,))
+
+    def step(seconds: float) -> None:  # as EngineCore.step: the step's time, then drafting
+        policy.stepped(seconds)
+        head.stepped(seconds)
+        core._draft({})
+
+    for _ in range(5):
+        step(0.010)
+    request.phase, request.output, request.computed = Phase.decoding, [4], 3
+    decoding.append("a")
+    step(0.010)  # drafts for "a": 1 ms, not verified
+    assert not head.due()
+    head.stepped(1.1 * 0.001 / DRAFT_SHARE)
+    assert head.due()
+
 def test_a_verification_is_priced_with_the_drafting_after_it():
     """Kept whole, an 8-token chain pays against 10 ms plain steps; not once drafting for the
     next step costs 100 ms a row (the bundled model's steps are 0.5 ms, its drafting 1 ms)."""

@@ -38,8 +38,9 @@ the source does not pay.
 Drafting backs off, one rule (``Backoff``, the policy's for every drafting call and the draft
 head's for its own): where a drafting call's decision verified nothing it drafted, the next call
 waits until the engine has stepped for 2^m / DRAFT_SHARE times what that call cost, m the calls
-before it in a row that verified nothing (at most MAX_DOUBLINGS); a verification resets m (a
-request not yet drafted for is due at once). So drafting that keeps not paying costs DRAFT_SHARE of
+before it in a row that verified nothing (at most MAX_DOUBLINGS; a call with no row to draft for,
+prompts prefilling, is not one); a verification resets m (a request not yet drafted for is due at
+once). So drafting that keeps not paying costs DRAFT_SHARE of
 the engine's time at first, and from the fifth such call on DRAFT_SHARE / 16. On SmolLM2 a run
 takes ~160 ms and the host sources' drafting (~1 ms a call) hardly waits; the draft head's at
 batch 8 (~20 ms a call, its reading of the rows' positions included) did take DRAFT_SHARE, 3 % of
@@ -305,8 +306,9 @@ class AdaptivePolicy:
         decision verifies what it drafted or not (then drafting backs off). ``priced``: the part of
         ``seconds`` a source already reported per drafted token (``measured``), which the back-off
         counts but a call's estimate leaves out (it is priced per token)."""
-        if rids:
-            self._call_seconds.append(max(0.0, seconds - priced) / len(rids))
+        if not rids:  # no request decoding (prompts prefilling): nothing drafted, nothing to back off from
+            return
+        self._call_seconds.append(max(0.0, seconds - priced) / len(rids))
         self._drafted.update(rids)
         self._backoff.drafted(seconds, verifies)
 
