@@ -1,5 +1,6 @@
-"""The draft head at run time: its own one-layer KV per request, fed the target's features after
-every target step (``observe``), and chains drafted from it between steps (``propose``).
+"""The draft head at run time: its own one-layer KV per request, fed the target's features of
+committed positions (``observe``: the draft head source reads a request's held positions just
+before drafting for it), and chains drafted from it between steps (``propose``).
 
 Positions (contract/draft_head.py): at position p the draft reads the embedding of token p + 1
 and a feature of position p, and its logits there predict token p + 2. ``observe`` gets, per

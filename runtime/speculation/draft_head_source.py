@@ -1,5 +1,5 @@
-"""The draft head as a draft source in the step loop: fed the target's features after every step,
-drafting a chain for the rows that speculate with it, its chains' acceptance learned from every
+"""The draft head as a draft source in the step loop: holding the target's features after every
+step and reading them just before drafting a chain for the rows that speculate with it, its chains' acceptance learned from every
 verification as the host sources' are (host.py), token by token.
 
 Acceptance is estimated per token from the probability the draft gave it (host.py's
