@@ -307,16 +307,20 @@ def test_the_source_holds_a_restart_over_what_it_held_and_drops_what_a_gap_leave
 
 
 def test_the_source_drafts_for_the_rows_it_has_slots_for(draft_graph):
-    """One draft slot, two requests held: the first read gets a chain, the other none (no error);
-    once the first closes, the other is read and drafted for."""
+    """One draft slot, two requests held: the first read gets a chain, the other none (no error)
+    and keeps what is held; once the first closes, the other is read and drafted for, from every
+    position it held, as a drafter that observed them does."""
     source = _source(draft_graph, window=32, capacity=1)
     for rid, seed in (("a", 24), ("b", 25)):
         source.hold(Observation(rid, 0, *history(seed, 5)))
     chains, _, _ = source.draft([("a", 0, 8, None), ("b", 0, 8, None)])
     assert list(chains) == ["a"]
+    assert source.in_sync("b", 5)
     source.close("a", ())
-    source.hold(Observation("b", 0, *history(25, 5)))
-    assert list(source.draft([("b", 0, 8, None)])[0]) == ["b"]
+    chains, _, _ = source.draft([("b", 0, 8, None)])
+    fresh = drafter(draft_graph)
+    fresh.observe([Observation("b", 0, *history(25, 5))])
+    assert list(chains) == ["b"] and chains["b"].draft.tokens == fresh.propose(["b"], 3)["b"].tokens
 
 
 def test_the_source_refuses_an_empty_window(draft_graph):

@@ -165,14 +165,15 @@ class DraftHeadSource:
 
     def read(self, rids: Sequence[str]) -> None:
         """The drafter reads what it holds of ``rids``, in one batched observe; requests it has no
-        slot left for are skipped (they draft nothing)."""
+        slot left for are skipped (they draft nothing, and keep what is held for a later read)."""
         free, rows = len(self.drafter.free), []
         for rid in rids:
-            unread = self._unread.pop(rid, None)
+            unread = self._unread.get(rid)
             if unread is None:
                 continue
             known = rid in self.drafter.requests
             if known or free:
+                del self._unread[rid]
                 rows.append(Observation(rid, unread.start, unread.features, unread.tokens))
                 free -= not known
         if rows:
