@@ -83,8 +83,8 @@ def test_draft_cache_after_rejections_is_the_committed_history(engine):
     verifications, its draft cache at every position read equals what a fresh drafter computes
     from the same history in one pass (max abs difference 1e-4: float32, other batch shapes).
     The drafter reads a request's positions only when it drafts: the last read is at most one
-    verification (1 + a chain) before the end; with a prompt shorter than the read window, every
-    position up to there was read."""
+    verification (1 + a chain) and one plain step before the end; with a prompt shorter than the
+    read window, every position up to there was read."""
     from trtbuild.contract.speculation import Source
     from trtbuild.runtime.backends.onnxruntime.engine import OnnxRuntimeEngine
     from trtbuild.runtime.core.sampling import SamplingParams
@@ -114,7 +114,8 @@ def test_draft_cache_after_rejections_is_the_committed_history(engine):
     history = list(done.prompt_token_ids) + list(done.token_ids)
     d = load(engine)
     assert len(done.prompt_token_ids) < READ_WINDOW
-    assert len(history) - 2 - (1 + d.draft_head.num_tokens) <= last < len(history) - 2
+    # After the last read: that drafting call's verification (1 + a chain) and the final step's token.
+    assert len(history) - 2 - (2 + d.draft_head.num_tokens) <= last < len(history) - 2
     assert known[:last + 1].all()
     target = OnnxRuntimeEngine(d, threads=2)
     out = target.step(Step(kind=StepKind.prefill, first_slot=0, rids=("fresh",), tokens=(tuple(history[:-1]),),

@@ -1,6 +1,6 @@
-"""The draft head as a draft source in the step loop: holding the target's features after every
-step and reading them just before drafting a chain for the rows that speculate with it, its chains' acceptance learned from every
-verification as the host sources' are (host.py), token by token.
+"""The draft head as a draft source in the step loop: it holds the target's features after every
+step, reads them just before drafting a chain for the rows that speculate with it, and learns
+its chains' acceptance from every verification as the host sources do (host.py), token by token.
 
 Acceptance is estimated per token from the probability the draft gave it (host.py's
 ``per_token``: the calibration by stated tenth alone, not the depth counts), and a chain stops
@@ -161,7 +161,8 @@ class DraftHeadSource:
             start, features, tokens = unread.start, np.concatenate([unread.features[:kept], features]), \
                 unread.tokens[:kept] + tokens
         cut = max(0, len(tokens) - self.window)
-        self._unread[row.rid] = _Unread(start + cut, features[cut:], tokens[cut:])
+        # A copy of the window: a view would keep a whole prefill chunk's features alive.
+        self._unread[row.rid] = _Unread(start + cut, features[cut:].copy(), tokens[cut:])
 
     def read(self, rids: Sequence[str]) -> None:
         """The drafter reads what it holds of ``rids``, in one batched observe; requests it has no
