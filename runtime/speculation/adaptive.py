@@ -40,8 +40,8 @@ head's for its own): where a drafting call's decision verified nothing it drafte
 waits until the engine has stepped for 2^m / DRAFT_SHARE times what that call cost, m the calls
 before it in a row that verified nothing (at most MAX_DOUBLINGS; a call with no row to draft for,
 prompts prefilling, is not one); a verification resets m (a request not yet drafted for is due at
-once). So drafting that keeps not paying costs DRAFT_SHARE of
-the engine's time at first, and from the fifth such call on DRAFT_SHARE / 16. On SmolLM2 a run
+once). So drafting that keeps not paying costs DRAFT_SHARE of the engine's time at first, and from
+the fifth such call on DRAFT_SHARE / 16. On SmolLM2 a run
 takes ~160 ms and the host sources' drafting (~1 ms a call) hardly waits; the draft head's at
 batch 8 (~20 ms a call, its reading of the rows' positions included) did take DRAFT_SHARE, 3 % of
 free chat's time, where it never paid; on the bundled model drafting waits about ten runs at first.
