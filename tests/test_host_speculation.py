@@ -286,7 +286,6 @@ def test_the_back_off_doubles_per_unverified_call_up_to_sixteen_times_and_resets
     assert backoff.due() and waits(backoff, 2) == [1, 2]
 
 
-
 def test_a_drafting_call_with_no_request_decoding_is_not_one_that_verified_nothing():
     """Steps of prompts prefilling (no request decoding) call the policy with no rows; they do not
     deepen the back-off: the first unverified call after them waits 1 ms / DRAFT_SHARE, not more."""
