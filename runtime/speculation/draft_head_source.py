@@ -161,8 +161,8 @@ class DraftHeadSource:
             start, features, tokens = unread.start, np.concatenate([unread.features[:kept], features]), \
                 unread.tokens[:kept] + tokens
         cut = max(0, len(tokens) - self.window)
-        # A copy of the window: a view would keep a whole prefill chunk's features alive.
-        self._unread[row.rid] = _Unread(start + cut, features[cut:].copy(), tokens[cut:])
+        # A cut window is copied: its view would keep a whole prefill chunk's features alive.
+        self._unread[row.rid] = _Unread(start + cut, features[cut:].copy() if cut else features, tokens[cut:])
 
     def read(self, rids: Sequence[str]) -> None:
         """The drafter reads what it holds of ``rids``, in one batched observe; requests it has no
