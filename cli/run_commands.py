@@ -33,7 +33,12 @@ def _sources(ctx, param, value: str | None):
 
 
 def SPECULATION(command):
-    """--speculation and --speculation-mode, for the commands that load an engine dir."""
+    """--speculation, --speculation-mode and --draft-tree-width, for the commands that load an engine dir."""
+    command = click.option(
+        "--draft-tree-width", type=click.IntRange(min=1), default=None,
+        help="Engine dirs with a draft head: tokens its drafts offer at each depth of a greedy or seeded "
+             "request's chain (the chain's and the next likeliest), a tree the adaptive policy prunes to "
+             "what pays; 1: chains only. Default: 3.")(command)
     command = click.option(
         "--speculation-mode", type=click.Choice(["adaptive", "always"]), default="adaptive", show_default=True,
         help="adaptive: verify drafts only where measured step times and acceptance say it pays (plain "
@@ -70,7 +75,7 @@ KV_CACHE_MEMORY = click.option(
 
 def _load(out: Path, backend: str, threads: int, multi_step: int | None, prefix_cache: bool | None = None,
           batching: str = "inflight", medusa_tree_size: int | None = None, speculation=None,
-          speculation_mode: str = "adaptive", kv_cache_memory=None):
+          speculation_mode: str = "adaptive", kv_cache_memory=None, draft_tree_width: int | None = None):
     from ..runtime.engine_dir import EngineDirError
     from ..runtime.llm import LLM
     from ..runtime.core.scheduler import Batching
@@ -79,7 +84,8 @@ def _load(out: Path, backend: str, threads: int, multi_step: int | None, prefix_
     try:
         return LLM(out, backend=backend, threads=threads, prefix_cache=prefix_cache, batching=Batching(batching),
                    medusa_tree_size=medusa_tree_size, multi_step=multi_step, speculation=speculation,
-                   speculation_mode=SpeculationMode(speculation_mode), kv_cache_memory=kv_cache_memory)
+                   speculation_mode=SpeculationMode(speculation_mode), kv_cache_memory=kv_cache_memory,
+                   draft_tree_width=draft_tree_width)
     except (EngineDirError, ValueError) as exc:
         _fail(str(exc))
 
@@ -109,7 +115,8 @@ def _fail(message: str):
 @KV_CACHE_MEMORY
 @click.option("--json", "as_json", is_flag=True, help="Print {text, token_ids, finish_reason} as JSON.")
 def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, stream: bool, backend: str,
-        threads: int, medusa_tree_size, speculation, speculation_mode: str, multi_step, kv_cache_memory, as_json: bool):
+        threads: int, medusa_tree_size, speculation, speculation_mode: str, draft_tree_width, multi_step, kv_cache_memory,
+        as_json: bool):
     """Generate a completion of --prompt with the engines in OUT.
 
     A tensor-parallel engine dir starts one process per rank on this machine; across machines,
@@ -123,7 +130,7 @@ def run(out: Path, prompt: str, max_tokens, temperature, top_k, top_p, seed, sto
     from ..runtime.parallel.tensor_parallel import RankFailure
 
     llm = _load(out, backend, threads, multi_step, medusa_tree_size=medusa_tree_size, speculation=speculation,
-                speculation_mode=speculation_mode, kv_cache_memory=kv_cache_memory)
+                speculation_mode=speculation_mode, kv_cache_memory=kv_cache_memory, draft_tree_width=draft_tree_width)
     try:
         _run(llm, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, as_json)
     except RankFailure as exc:
@@ -173,7 +180,7 @@ def _run(llm, prompt: str, max_tokens, temperature, top_k, top_p, seed, stop, st
 @KV_CACHE_MEMORY
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, threads: int, medusa_tree_size,
-          speculation, speculation_mode: str, multi_step, kv_cache_memory, as_json: bool):
+          speculation, speculation_mode: str, draft_tree_width, multi_step, kv_cache_memory, as_json: bool):
     """Serve a workload from OUT and report requests/s, output tokens/s, TTFT and inter-token latency.
 
     \b
@@ -184,7 +191,7 @@ def bench(out: Path, workload: str, mode: str, prefix_cache: str, backend: str, 
 
     llm = _load(out, backend, threads, multi_step, prefix_cache=prefix_cache == "on", batching=mode,
                 medusa_tree_size=medusa_tree_size, speculation=speculation, speculation_mode=speculation_mode,
-                kv_cache_memory=kv_cache_memory)
+                kv_cache_memory=kv_cache_memory, draft_tree_width=draft_tree_width)
     d = llm.engine_dir
     try:
         load = (benchmark.load_workload(Path(workload), llm.tokenizer) if Path(workload).is_file()

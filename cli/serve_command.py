@@ -96,7 +96,7 @@ class _DrainingServer:
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_name: str | None, max_queue: int,
           grace: float, max_body_bytes: int, max_prompt_chars: int, header_timeout: float, body_timeout: float,
           compile_timeout: float, compile_workers: int, compile_waiting: int, backend: str, threads: int,
-          speculation, speculation_mode: str, multi_step: int | None, kv_cache_memory):
+          speculation, speculation_mode: str, draft_tree_width: int | None, multi_step: int | None, kv_cache_memory):
     """Serve ENGINE_DIR over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions
     (streaming with SSE), /v1/models, /health, /metrics (Prometheus).
 
@@ -124,7 +124,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, model_nam
         # in flight: 1227 → 2281 tok/s, 0.91 → 0.43 CPU ms per token).
         llm = LLM(engine_dir, backend=backend, threads=threads, multi_step=multi_step, spinning=Spinning.never,
                   speculation=speculation, speculation_mode=SpeculationMode(speculation_mode),
-                  kv_cache_memory=kv_cache_memory)
+                  kv_cache_memory=kv_cache_memory, draft_tree_width=draft_tree_width)
     except (EngineDirError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

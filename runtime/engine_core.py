@@ -21,7 +21,6 @@ from .core.scheduler import Draft, Phase, Request, Scheduler, TokenSink
 from .core.step import CopySlot, Discard, KeepPath, KeepPathInBlocks, LoadBlock, Plan, SaveBlock, Step, StepKind
 from .core.tree import Accepted
 from .speculation.adaptive import Candidate
-from .speculation.chain import chain_tree
 from .speculation.host import HostDraft
 from .speculation.full_sampling import accept_sampled_full
 from .speculation.medusa import accept_greedy, accept_sampled, candidates
@@ -380,7 +379,7 @@ class EngineCore:
             else:
                 chain = chains[rid, source]
                 q = self._distributions.get(rid) if source == Source.draft_head else None
-                request.draft = Draft(chain_tree(k), chain.tokens[:k], chain.source, chain.stated[:k],
+                request.draft = Draft(chain.tree(k), chain.tokens[:k], chain.source, chain.stated[:k],
                                       q[:k] if q is not None else None)
         self._distributions = {}
 
@@ -408,7 +407,8 @@ class EngineCore:
         spec.policy.measured(Source.draft_head, tokens, seconds)
         for rid, chain in drafted.items():
             chains[rid, Source.draft_head] = chain.draft
-            offers.setdefault(rid, []).append(Candidate(Source.draft_head, chain.draft.expected))
+            offers.setdefault(rid, []).append(Candidate(Source.draft_head, chain.draft.expected,
+                                                        drafted=chain.draft.drafted))
             if chain.distributions is not None:
                 self._distributions[rid] = chain.distributions
         return seconds, len(rows)

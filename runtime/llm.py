@@ -54,14 +54,17 @@ class LLM:
                  verify: bool = True, medusa_tree_size: int | None = None, multi_step: int | None = None,
                  engine: Engine | None = None, spinning: Spinning = Spinning.always,
                  speculation: tuple[Source, ...] | None = None,
-                 speculation_mode: SpeculationMode = SpeculationMode.adaptive):
+                 speculation_mode: SpeculationMode = SpeculationMode.adaptive,
+                 draft_tree_width: int | None = None):
         """``speculation``: the draft sources requests speculate with by default (None: the engine
         dir's, from its spec's ``speculative`` section; (): none); a request's
         ``SamplingParams.speculation`` narrows it. ``speculation_mode``: adaptive verifies drafts
         where measured step times and acceptance say it pays (plain decoding elsewhere); always
         verifies every draft. ``medusa_tree_size``: for engine dirs with Medusa heads, None picks
         the tree prefix per batch from measured step times and acceptance; an int pins it (0: no
-        Medusa trees).
+        Medusa trees). ``draft_tree_width``: for engine dirs with a draft head, the tokens its
+        drafts offer at each depth of a greedy or seeded row's chain, a tree the policy prunes
+        (None: runtime/speculation/draft_head_source.py's TREE_WIDTH; 1: chains only).
         ``multi_step``: decode steps a batch of greedy requests runs back to back, each row fed
         its own argmax, before the scheduler, detokenizer and stop strings see the tokens (1:
         every step goes through them; None: the spec's runtime.multi_step). Greedy tokens are
@@ -121,7 +124,7 @@ class LLM:
         multi_step = multi_step or d.multi_step
         try:
             speculation = speculation_for(d, engine, speculation, speculation_mode, medusa_tree_size, multi_step,
-                                          threads)
+                                          threads, draft_tree_width)
         except BaseException:
             engine.close()
             raise

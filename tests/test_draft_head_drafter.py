@@ -70,6 +70,28 @@ def test_chain_equals_the_reference_batch_1(draft_graph):
     assert d.seconds_per_token > 0 and d.observe_seconds > 0
 
 
+def test_runners_up_are_the_next_ranks_of_each_depths_distribution(draft_graph):
+    """width 3: the chain is width 1's, and beside each of its tokens the draft's second and third
+    likeliest ids at that depth (target ids, their probabilities), read off the same run's q. A
+    chain drawn from q has no runners-up: refused."""
+    d = drafter(draft_graph)
+    for rid, seed in (("a", 5), ("b", 6)):
+        d.observe([Observation(rid, 0, *history(seed, 7))])
+    chains = d.propose(["a", "b"], 4)
+    wide = d.propose(["a", "b"], 4, with_distributions=True, width=3)
+    for rid in "ab":
+        assert wide[rid].tokens == chains[rid].tokens and chains[rid].alternatives == ()
+        assert len(wide[rid].alternatives) == 4
+        for depth, q in enumerate(wide[rid].distributions):
+            order = np.argsort(-q, kind="stable")[:3]
+            assert int(d.draft_to_target[order[0]]) == wide[rid].tokens[depth]
+            assert wide[rid].alternatives[depth] == tuple((int(d.draft_to_target[t]), float(q[t])) for t in order[1:])
+    with pytest.raises(ValueError, match="width 2: a chain drawn from q has no runners-up"):
+        d.propose(["a"], 2, uniforms=np.full((1, 2), 0.5), width=2)
+    with pytest.raises(ValueError, match="width 0: valid 1 to the draft's vocabulary"):
+        d.propose(["a"], 2, width=0)
+
+
 def test_chain_equals_the_reference_batch_3_of_different_lengths(draft_graph):
     d = drafter(draft_graph)
     lengths = {"a": 5, "b": 11, "c": 1}
@@ -119,7 +141,7 @@ def test_the_draft_head_source_cuts_the_chains_that_cannot_pay(draft_graph):
     from trtbuild.runtime.speculation.draft_head_source import DraftHeadSource
 
     d = drafter(draft_graph)
-    source = DraftHeadSource(d, 8, SpeculationMode.adaptive)
+    source = DraftHeadSource(d, 8, SpeculationMode.adaptive, width=1)
     for i, rid in enumerate("abcd"):
         d.observe([Observation(rid, 0, *history(i + 60, 5 + i))])
     samplers = {"c": Sampler(SamplingParams(temperature=1.0, seed=3)), "d": Sampler(SamplingParams(temperature=0.7))}
@@ -136,7 +158,7 @@ def test_the_draft_head_source_cuts_the_chains_that_cannot_pay(draft_graph):
         assert chain.draft.tokens == full[rid].draft.tokens[:len(chain.draft.tokens)], rid
         if rid in ("c", "d"):   # the sampled rows' q, one per drafted token
             assert chain.distributions.shape == (len(chain.draft.tokens), DRAFT_VOCAB)
-    always = DraftHeadSource(d, 8, SpeculationMode.always)
+    always = DraftHeadSource(d, 8, SpeculationMode.always, width=1)
     assert all(len(c.draft.tokens) == 8 for c in always.draft(rows, row_seconds=1e-9)[0].values())
 
 
@@ -263,7 +285,7 @@ def _source(draft_graph, window, capacity=4):
     from trtbuild.runtime.speculation.adaptive import SpeculationMode
     from trtbuild.runtime.speculation.draft_head_source import DraftHeadSource
 
-    return DraftHeadSource(drafter(draft_graph, capacity), 3, SpeculationMode.always, window=window)
+    return DraftHeadSource(drafter(draft_graph, capacity), 3, SpeculationMode.always, window=window, width=1)
 
 
 def test_the_source_reads_only_when_drafting_and_only_the_newest_window(draft_graph):

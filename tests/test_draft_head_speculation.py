@@ -7,6 +7,8 @@ without one is refused. The engine: the bundled model with its Medusa heads, pro
 draft head trained on it here (a few seconds), verifying every draft (``always``)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -48,11 +50,12 @@ def _trained_draft(work):
     return work / "draft"
 
 
-def _llm(engine, mode="always"):
+def _llm(engine, mode="always", draft_tree_width=None):
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.speculation.adaptive import SpeculationMode
 
-    return LLM(engine, backend="onnxruntime", threads=2, speculation_mode=SpeculationMode(mode))
+    return LLM(engine, backend="onnxruntime", threads=2, speculation_mode=SpeculationMode(mode),
+               draft_tree_width=draft_tree_width)
 
 
 def test_greedy_tokens_equal_plain_with_every_source_in_one_step(engine):
@@ -64,8 +67,10 @@ def test_greedy_tokens_equal_plain_with_every_source_in_one_step(engine):
         plain = [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True,
                                                                            speculation=()))]
         mixed = llm.generate(PROMPTS, [SamplingParams(max_tokens=40, ignore_eos=True, speculation=s) for s in rows])
+        before = Counter(llm.speculation.stats.tree_sizes)
         alone = [llm.generate([p], SamplingParams(max_tokens=40, ignore_eos=True,
                                                   speculation=(Source.draft_head,)))[0] for p in PROMPTS]
+        alone_sizes = llm.speculation.stats.tree_sizes - before
         batched = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True,
                                                        speculation=(Source.draft_head,)))
         stats = llm.speculation.stats.as_dict()["sources"]
@@ -75,6 +80,21 @@ def test_greedy_tokens_equal_plain_with_every_source_in_one_step(engine):
     assert stats["draft_head"]["verified_rows"] > 0
     # A trained draft keeps some of its guesses on the model's own text.
     assert sum(c.accepted_tokens for c in alone) > 0, stats
+    # Trees over the chain by default (TREE_WIDTH tokens a depth): wider than a chain of 4.
+    assert max(alone_sizes) > 1 + 4, alone_sizes
+
+
+def test_width_one_verifies_chains_with_the_same_tokens(engine):
+    from trtbuild.contract.speculation import Source
+    from trtbuild.runtime.core.sampling import SamplingParams
+
+    with _llm(engine, draft_tree_width=1) as llm:
+        plain = [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                           speculation=()))]
+        drafted = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True, speculation=(Source.draft_head,)))
+        sizes = llm.speculation.stats.tree_sizes
+    assert [c.token_ids for c in drafted] == plain
+    assert sizes and max(sizes) <= 1 + 4, sizes
 
 
 def test_draft_cache_after_rejections_is_the_committed_history(engine):
@@ -168,3 +188,10 @@ def test_asking_for_a_draft_head_the_engine_lacks_is_refused(tmp_path, tiny_engi
 
     with pytest.raises(ValueError, match="draft_head"):
         LLM(tiny_engine, backend="onnxruntime", threads=2, speculation=(Source.draft_head,))
+    with pytest.raises(ValueError, match="draft_tree_width 3: .* was built without a draft head"):
+        LLM(tiny_engine, backend="onnxruntime", threads=2, draft_tree_width=3)
+
+
+def test_a_tree_width_below_one_is_refused(engine):
+    with pytest.raises(ValueError, match=r"draft_tree_width 0: valid 1 \(chains\) or more"):
+        _llm(engine, draft_tree_width=0)

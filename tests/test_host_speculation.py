@@ -240,6 +240,75 @@ def test_the_draft_head_stops_a_chain_whose_next_token_cannot_pay():
     assert DraftHeadSource(drafter, 8, SpeculationMode.adaptive)._worth_more(None) is None
 
 
+class _TreeSource:
+    """A draft model's chain 10, 11, 12 (stated 0.95, 0.95, 0.15) and its runners-up at each depth."""
+
+    source = Source.draft_head
+    ALTERNATIVES = (((20, 0.03), (21, 0.01)), ((22, 0.35),), ((23, 0.45),))
+
+    def propose(self, rid, context, max_tokens):
+        from trtbuild.runtime.speculation.sources import Proposal
+
+        return Proposal((10, 11, 12)[:max_tokens], (0.95, 0.95, 0.15)[:max_tokens], self.ALTERNATIVES[:max_tokens])
+
+    def close(self, rid, context):
+        pass
+
+
+def test_a_draft_models_runners_up_make_a_tree_of_its_likeliest_nodes():
+    """Before any verification a stated q is worth 0.25 + 0.5·q. Node values: the chain's 0.725,
+    0.725², 0.725²·0.325; siblings 0.265 and 0.255 at depth 1, 0.725·0.425 beside the second
+    token, 0.725²·0.475 beside the third. The five likeliest, parents first: (0,), (0, 0),
+    (0, 1), (1,), (2,). A sibling costs no draft run: the first n nodes need the chain as deep as
+    the deepest of them."""
+    host = HostDrafting({Source.draft_head: _TreeSource()}, 3, ALWAYS, per_token=True, max_nodes=5)
+    draft = host.draft("a", [1], (Source.draft_head,), 8)
+    assert draft.choices == ((0,), (0, 0), (0, 1), (1,), (2,))
+    assert draft.tokens == (10, 11, 22, 20, 21) and draft.stated == (0.95, 0.95, 0.35, 0.03, 0.01)
+    values = [0.725, 0.725 ** 2, 0.725 * 0.425, 0.265, 0.255]
+    assert draft.expected == pytest.approx(np.concatenate(([0.0], np.cumsum(values))))
+    assert draft.drafted.tolist() == [0, 1, 2, 2, 2, 2]
+    tree = draft.tree(3)
+    assert tree.parents == (-1, 0, 1, 1) and draft.tree(2).choices == chain_tree(2).choices
+    # The chain alone where there are no runners-up; a tree never outgrows max_nodes.
+    wide = HostDrafting({Source.draft_head: _TreeSource()}, 3, ALWAYS, per_token=True, max_nodes=16)
+    assert len(wide.draft("a", [1], (Source.draft_head,), 8).tokens) == 7
+    with pytest.raises(ValueError, match="max_nodes 2: valid max_tokens"):
+        HostDrafting({Source.draft_head: _TreeSource()}, 3, per_token=True, max_nodes=2)
+
+
+def test_a_verified_tree_counts_every_node_whose_parent_was_kept():
+    """Kept: (0,) then its sibling-child (0, 1). Tried: every node under the root or under (0,):
+    all five. Calibration by stated tenth: 0.95 tried twice, kept once (the chain's second token
+    lost to its sibling); 0.35 tried and kept; 0.03 and 0.01 (tenth 0) tried twice, never kept.
+    The per-depth counts see a path two deep in a tree two deep."""
+    from trtbuild.runtime.core.scheduler import Draft
+    from trtbuild.runtime.core.tree import Accepted
+
+    host = HostDrafting({Source.draft_head: _TreeSource()}, 3, per_token=True, max_nodes=5)
+    draft = host.draft("a", [1], (Source.draft_head,), 8)
+    host.verified("a", Draft(draft.tree(5), draft.tokens, Source.draft_head, draft.stated), Accepted((1, 3), (10, 22)))
+    calibration = host.calibration[Source.draft_head]
+    assert calibration.trials.tolist() == [2, 0, 0, 1, 0, 0, 0, 0, 0, 2]
+    assert calibration.hits.tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0, 1]
+    counts = host.counts[Source.draft_head]
+    assert counts.trials.tolist() == [1, 1, 0] and counts.hits.tolist() == [1, 1, 0]
+
+
+def test_the_policy_charges_a_tree_only_for_the_chain_it_drafted():
+    """A draft costing 10 ms a drafted token against a 20 ms plain step (verification + 1 ms a
+    token): one chain token and its two siblings, 1.0 tokens expected, verify for 23 + 10 ms,
+    2.0 tokens (0.061 a ms against plain's 0.050, over MIN_GAIN). Priced as three drafted
+    tokens (53 ms) the same candidate would not pay."""
+    times = _times(0.020, 0.001)
+    policy = AdaptivePolicy(times, {}, SpeculationStats())
+    policy.measured(Source.draft_head, 1, 0.010)
+    expected = np.array([0.0, 0.5, 0.8, 1.0])
+    tree = Candidate(Source.draft_head, expected, drafted=np.array([0, 1, 1, 1]))
+    assert policy.decide(1, {"a": [tree]}).picks == {"a": (Source.draft_head, 3)}
+    assert policy.decide(1, {"a": [Candidate(Source.draft_head, expected)]}).picks == {}
+
+
 def test_drafting_backs_off_after_a_decision_that_verified_nothing():
     """A drafting call that verified nothing costing 1 ms: the next waits until the engine has
     stepped 1 ms / DRAFT_SHARE, the one after it twice that; a request never drafted for is due at
@@ -465,6 +534,10 @@ def test_cli_run_takes_speculation_and_refuses_unknown_sources(speculation_engin
     assert json.loads(ok.stdout)["token_ids"][:16] == plain[0][:16]
     bad = subprocess.run([*run, "--speculation", "ngram"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--speculation" in bad.stderr and "prompt_lookup" in bad.stderr
+    # A tree width for an engine dir without a draft head: one line, exit 2.
+    wide = subprocess.run([*run, "--draft-tree-width", "2"], capture_output=True, text=True)
+    assert wide.returncode == 2 and wide.stderr.count("\n") == 1, wide.stderr
+    assert "draft_tree_width 2: " in wide.stderr and "built without a draft head" in wide.stderr
 
 
 def test_server_speculation_field_and_usage(speculation_engine, tmp_path):

@@ -100,14 +100,21 @@ class SourceModel(Protocol):
 class Candidate:
     """One row's draft from one source as the policy weighs it. ``expected``: [N + 1], the kept
     tokens expected verifying its first n drafted tokens (S = 1 + n); ``pinned``: verified at its
-    full length whatever it costs (a fixed Medusa tree size)."""
+    full length whatever it costs (a fixed Medusa tree size); ``drafted``: [N + 1], the tokens
+    the source drafts for its first n (None: n; a draft model's tree: the chain's depth they
+    reach, siblings costing no run), which a row pays ``drafting_cost`` for."""
     source: Source
     expected: np.ndarray
     pinned: bool = False
+    drafted: np.ndarray | None = None
 
     @property
     def length(self) -> int:
         return len(self.expected) - 1
+
+    def drafted_at(self, n: np.ndarray) -> np.ndarray:
+        n = np.minimum(n, self.length)
+        return n if self.drafted is None else self.drafted[n]
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,8 @@ class AdaptivePolicy:
         longest = max(c.length for cands in free.values() for c in cands)
         n = np.arange(longest + 1)  # [N + 1] drafted tokens a free row verifies at most
         tokens = batch + sum(float(c.expected[-1]) for c in pinned.values()) + np.zeros(len(n))  # [N + 1]
-        spent = np.full(len(n), float(sum(self.drafting_cost(c.source) * c.length for c in pinned.values())))
+        spent = np.full(len(n), float(sum(self.drafting_cost(c.source) * c.drafted_at(c.length)
+                                          for c in pinned.values())))
         chosen: dict[str, np.ndarray] = {}  # rid → [N + 1] index of its candidate at each n
         for rid, cands in free.items():
             kept, seconds = self._values(cands, n)  # [C, N + 1] each
@@ -222,7 +230,7 @@ class AdaptivePolicy:
     def _values(self, cands: list[Candidate], n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[C, N + 1] each: a row's expected kept tokens, and drafting seconds, per candidate and n."""
         kept = np.stack([c.expected[np.minimum(n, c.length)] for c in cands])
-        seconds = np.stack([self.drafting_cost(c.source) * np.minimum(n, c.length) for c in cands])
+        seconds = np.stack([self.drafting_cost(c.source) * c.drafted_at(n) for c in cands])
         return kept, seconds
 
     def _due(self, batch: int, free: dict[str, list[Candidate]], plain: float,
@@ -246,7 +254,7 @@ class AdaptivePolicy:
             likeliest = 1 + int(np.argmax((batch + kept) / seconds))
             # The verification, and a single step in place of a run's (it computes what drafting reads).
             cost = (float(seconds[likeliest - 1]) + max(0.0, self.times.estimate(batch, 1, context) - plain)
-                    + self.drafting_cost(source) * likeliest * len(cands))
+                    + self.drafting_cost(source) * sum(float(c.drafted_at(likeliest)) for c in cands))
             ratio = aside / (EXPLORE_AFTER * cost)
             if ratio >= best_ratio:
                 best, best_ratio = (source, likeliest), ratio

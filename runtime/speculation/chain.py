@@ -18,3 +18,9 @@ from ..core.tree import Tree
 def chain_tree(length: int) -> Tree:
     """The tree of a chain of ``length`` draft tokens after the root."""
     return Tree(tuple((0,) * depth for depth in range(1, length + 1)))
+
+
+@lru_cache(maxsize=512)
+def tree_of(choices: tuple[tuple[int, ...], ...]) -> Tree:
+    """A draft model's tree over its chain (host.py), checked once per shape."""
+    return Tree(choices)

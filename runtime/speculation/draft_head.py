@@ -58,15 +58,18 @@ class Observation:
 
 @dataclass(frozen=True)
 class DraftChain:
-    """One request's drafted chain: target ids, the draft's probability of each, and (when asked)
-    the draft's full distribution over its K ids at each depth, in the draft's id order."""
+    """One request's drafted chain: target ids, the draft's probability of each, (when asked)
+    the draft's full distribution over its K ids at each depth, in the draft's id order, and
+    (a greedy chain drafted ``width`` > 1) the runners-up at each depth: (target id, probability)
+    pairs, likeliest first, from the distribution the chain's token there came from."""
     tokens: tuple[int, ...]
     probabilities: tuple[float, ...]
     distributions: np.ndarray | None = None  # [k, K] float64, rows sum to 1
+    alternatives: tuple[tuple[tuple[int, float], ...], ...] = ()  # [k][width − 1]
 
     @property
     def proposal(self) -> Proposal:
-        return Proposal(self.tokens, self.probabilities)
+        return Proposal(self.tokens, self.probabilities, self.alternatives)
 
 
 @dataclass
@@ -311,7 +314,8 @@ class DraftHeadDrafter:
 
     def propose(self, rids: Sequence[str], max_tokens: int, with_distributions: bool = False,
                 uniforms: np.ndarray | None = None, temperatures: Sequence[float] | None = None,
-                worth_more: Callable[[Sequence[float]], bool] | None = None) -> dict[str, DraftChain]:
+                worth_more: Callable[[Sequence[float]], bool] | None = None,
+                width: int = 1) -> dict[str, DraftChain]:
         """A chain of up to ``max_tokens`` per observed request (fewer where the cache ends).
 
         Greedy by default: each token the argmax of the draft's distribution q. With ``uniforms``
@@ -320,10 +324,14 @@ class DraftHeadDrafter:
         draft the full-distribution acceptance rule needs (``accept_sampled_full``), which then
         also needs ``with_distributions``. ``worth_more``: given a row's chain so far (its tokens'
         probabilities), whether another token is worth drafting; a row it refuses stops there. The
-        drafted K/V is scratch past the last observed position, overwritten by the next ``observe``."""
+        drafted K/V is scratch past the last observed position, overwritten by the next ``observe``.
+        ``width`` > 1 (greedy only): each depth's next ``width`` − 1 likeliest tokens too, the
+        siblings of a tree over the chain (they cost no draft run: the same distribution)."""
         began = time.perf_counter()
         if max_tokens < 0:
             raise ValueError(f"max_tokens {max_tokens}: valid 0 or more")
+        if not 1 <= width <= self.draft_vocab:
+            raise ValueError(f"width {width}: valid 1 to the draft's vocabulary of {self.draft_vocab}")
         if len(set(rids)) != len(rids):
             raise ValueError(f"propose: request ids {list(rids)} repeat; one chain per request per call")
         requests = []
@@ -338,9 +346,12 @@ class DraftHeadDrafter:
         temps = np.ones(len(rids)) if temperatures is None else np.asarray(temperatures, np.float64)
         if sampled and not np.all(temps > 0):
             raise ValueError(f"temperatures {list(temps)}: each > 0 expected for a sampled draft")
+        if sampled and width > 1:
+            raise ValueError(f"width {width}: a chain drawn from q has no runners-up; width 1 expected")
         chosen = [[] for _ in rids]     # draft ids
         probs = [[] for _ in rids]
         dists = [[] for _ in rids]
+        others = [[] for _ in rids]     # per depth: the runners-up, (draft id, probability)
         logits = np.stack([r.logits for r in requests])  # [B, K]
         hidden = np.stack([r.hidden for r in requests])  # [B, H]
         live = list(range(len(rids)))  # rows still drafting; logits/hidden hold their rows in order
@@ -352,6 +363,11 @@ class DraftHeadDrafter:
                 probs[row].append(float(q[i, token]))
                 if with_distributions:
                     dists[row].append(q[i])
+            if width > 1:
+                top = np.argpartition(-q, width - 1, axis=1)[:, :width]  # [B_live, width], unordered
+                for i, row in enumerate(live):
+                    ranked = [int(t) for t in top[i][np.argsort(-q[i, top[i]], kind="stable")] if t != chosen[row][-1]]
+                    others[row].append(tuple((t, float(q[i, t])) for t in ranked[:width - 1]))
             # The next token needs a draft step at the position after the deepest one so far: it
             # reads the token just chosen and the hidden state of the position before.
             position = {row: requests[row].last + 1 + depth for row in live}
@@ -371,9 +387,12 @@ class DraftHeadDrafter:
             # comes from the observed position's logits).
             self.seconds_per_row_run = _smoothed(self.seconds_per_row_run,
                                                  (time.perf_counter() - run_began) / len(live))
-        width = len(self.draft_to_target)
-        chains = {rid: DraftChain(tuple(int(self.draft_to_target[t]) for t in chosen[row]), tuple(probs[row]),
-                                  np.array(dists[row]).reshape(-1, width) if with_distributions else None)
+        vocab = len(self.draft_to_target)
+        target = lambda ids: tuple(int(self.draft_to_target[t]) for t in ids)  # noqa: E731
+        chains = {rid: DraftChain(target(chosen[row]), tuple(probs[row]),
+                                  np.array(dists[row]).reshape(-1, vocab) if with_distributions else None,
+                                  tuple(tuple((int(self.draft_to_target[t]), p) for t, p in depth)
+                                        for depth in others[row]))
                   for row, rid in enumerate(rids)}
         drafted = sum(len(c) for c in chosen)
         if drafted:

@@ -29,9 +29,14 @@ draft: top-1 with the draft attending to only its last 32 positions is 0.466 on 
 0.451 attending to all (0.423 at 16), 0.322 against 0.331 on held-out chat instructions; it
 trained on windows of 160. A prompt's catch-up is bounded the same way.
 
-Sampling: a greedy or seeded request verifies the draft's argmax chain by the point-mass rule
-(runtime/speculation/medusa.py accept_sampled: a seed gives plain sampling's tokens whatever was
-drafted); an unseeded sampled request drafts its chain from q (the request's own draft uniforms)
+Trees: a greedy or seeded row's chain comes with the draft's runners-up at each depth (``width``
+tokens a depth in all, TREE_WIDTH by default), and HostDrafting (host.py) offers the likeliest
+nodes of that tree, at most ``max_nodes`` (the engine's verify_tokens − 1); the chain's depth
+(``max_tokens``) and its cut (``_worth_more``) stay the chain's.
+
+Sampling: a greedy or seeded request verifies the draft's argmax chain or tree by the point-mass
+rule (runtime/speculation/medusa.py accept_sampled: a seed gives plain sampling's tokens whatever
+was drafted); an unseeded sampled request drafts its chain from q (the request's own draft uniforms)
 and verifies it by the full-distribution rule (full_sampling.py: min(1, p/q), a residual draw at
 the first rejection), which keeps more of a draft whose q is spread, at the same distribution.
 """
@@ -55,6 +60,9 @@ from .sources.base import EMPTY, Proposal
 
 # The newest unread positions of a request the drafter reads before drafting for it (see above).
 READ_WINDOW = 32
+# Tokens a greedy or seeded row's draft offers at each depth: the chain's and the next likeliest
+# (a tree over the chain, host.py; measured in docs/benchmarks.md "Trees over the chain").
+TREE_WIDTH = 3
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,7 @@ class _Proposals:
 
     def propose(self, rid: str, context: Sequence[int], max_tokens: int) -> Proposal:
         chain = self.chains.get(rid, EMPTY)
-        return Proposal(chain.tokens[:max_tokens], chain.probabilities[:max_tokens])
+        return Proposal(chain.tokens[:max_tokens], chain.probabilities[:max_tokens], chain.alternatives[:max_tokens])
 
     def close(self, rid: str, context: Sequence[int]) -> None:
         self.chains.pop(rid, None)
@@ -122,14 +130,21 @@ class DraftHeadSource:
 
     source = Source.draft_head
 
-    def __init__(self, drafter: DraftHeadDrafter, max_tokens: int, mode, window: int = READ_WINDOW):
+    def __init__(self, drafter: DraftHeadDrafter, max_tokens: int, mode, window: int = READ_WINDOW,
+                 width: int = TREE_WIDTH, max_nodes: int | None = None):
+        """``max_tokens``: a chain's longest; ``width``: tokens offered at each depth of a greedy
+        or seeded row's chain (1: chains only); ``max_nodes``: a tree's most (None: max_tokens)."""
         if window < 1:
             raise ValueError(f"window {window}: valid 1 or more (positions read before drafting)")
+        if width < 1:
+            raise ValueError(f"width {width}: valid 1 (chains) or more (trees over the chain)")
         self.drafter = drafter
         self.proposals = _Proposals()
-        self.model = HostDrafting({Source.draft_head: self.proposals}, max_tokens, mode, per_token=True)
+        self.model = HostDrafting({Source.draft_head: self.proposals}, max_tokens, mode, per_token=True,
+                                  max_nodes=max_nodes)
         self.mode = mode
         self.window = window
+        self.width = width
         self._unread: dict[str, _Unread] = {}
         self._backoff = Backoff()  # its own: its chains may go unverified where another source's are
 
@@ -225,7 +240,8 @@ class DraftHeadSource:
         chains: dict[str, Chain] = {}
         drafted = 0
         if greedy and k:
-            proposed = self.drafter.propose([rid for rid, _ in greedy], k, worth_more=worth_more)
+            proposed = self.drafter.propose([rid for rid, _ in greedy], k, worth_more=worth_more,
+                                            width=min(self.width, self.drafter.draft_vocab))
             for rid, limit in greedy:
                 chains[rid] = self._chain(rid, proposed[rid].proposal, limit, None)
                 drafted += len(proposed[rid].tokens)

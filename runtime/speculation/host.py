@@ -27,6 +27,15 @@ FIRST_REACH): a depth never reached has no count, only its prior, and at batch 8
 prior is dear (SmolLM2 float32, code_edit: three verifications of 8 rows × 17 tokens at 316 ms
 each, against a 38 ms plain step, kept 3.6 tokens a row). The reach doubles with each run kept
 in full, so a source that copies long spans verifies long chains after a few steps.
+
+A draft model that also states its runners-up at each depth (the draft head's ``Proposal.
+alternatives``) offers a tree: the chain and, beside each of its tokens, the next likeliest
+tokens from the same distribution (siblings: no more draft runs). Each node is worth P(its path is
+kept): the chain's product up to its parent times its own calibrated estimate, siblings and chain
+tokens alike by the tenth they were stated in; the nodes go likeliest first, parents before
+children, so the policy's n is a tree of the n likeliest nodes. Every node whose parent was kept
+counts for the calibration, kept or not. SmolLM2's run-6 draft on free chat (teacher-forced, depth
+1): its top-1 is the target's token at 0.469 of positions, its top-2 at 0.591, top-3 0.646.
 """
 from __future__ import annotations
 
@@ -36,8 +45,9 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ...contract.speculation import Source
-from ..core.tree import Accepted
+from ..core.tree import Accepted, Tree
 from .adaptive import SpeculationMode
+from .chain import chain_tree, tree_of
 from .sources.base import HostDraftSource
 
 if TYPE_CHECKING:
@@ -68,6 +78,11 @@ class KeptCounts:
         np.add.at(self.trials, cells[:kept + 1], 1)
         np.add.at(self.hits, cells[:kept], 1)
 
+    def record_tried(self, cells: np.ndarray, kept: np.ndarray) -> None:
+        """Tokens tried (their parents were kept) in ``cells``, ``kept`` bool: which were kept."""
+        np.add.at(self.trials, cells, 1)
+        np.add.at(self.hits, cells[kept], 1)
+
     def probabilities(self, cells: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray:
         """P(kept) in each of ``cells``, ``prior`` counting as ``weight`` tokens."""
         return (self.hits[cells] + weight * prior) / (self.trials[cells] + weight)
@@ -84,13 +99,20 @@ def _tenths(stated: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class HostDraft:
+    """A chain, or a tree over one (``choices``): node i + 1 is ``tokens[i]``, stated ``stated[i]``."""
     source: Source
     tokens: tuple[int, ...]
     stated: tuple[float, ...]  # the source's probability for each token
     expected: np.ndarray    # [len(tokens) + 1]: expected kept tokens verifying the first n
+    choices: tuple[tuple[int, ...], ...] | None = None  # a tree's nodes, parents first (None: a chain)
+    drafted: np.ndarray | None = None  # [len(tokens) + 1]: chain tokens the first n nodes need (None: n)
 
     def expected_at(self, n: int) -> float:
         return float(self.expected[min(n, len(self.tokens))])
+
+    def tree(self, n: int) -> Tree:
+        """The first n nodes as the tree a verification scores."""
+        return chain_tree(n) if self.choices is None else tree_of(self.choices[:n])
 
 
 @dataclass
@@ -102,12 +124,17 @@ class HostDrafting:
     """The engine's host sources and their acceptance estimates."""
 
     def __init__(self, sources: dict[Source, HostDraftSource], max_tokens: int,
-                 mode: SpeculationMode = SpeculationMode.adaptive, per_token: bool = False):
+                 mode: SpeculationMode = SpeculationMode.adaptive, per_token: bool = False,
+                 max_nodes: int | None = None):
         """``per_token``: the sources' stated probabilities are a draft model's own (its
-        distribution's mass on each token), estimated through their calibration alone."""
+        distribution's mass on each token), estimated through their calibration alone.
+        ``max_tokens``: a chain's longest; ``max_nodes``: a tree's most nodes (None: max_tokens)."""
         if max_tokens < 1:
             raise ValueError(f"host drafting needs a verification of ≥ 2 tokens (max_tokens {max_tokens})")
+        if max_nodes is not None and max_nodes < max_tokens:
+            raise ValueError(f"max_nodes {max_nodes}: valid max_tokens ({max_tokens}) or more")
         self.sources, self.max_tokens, self.mode, self.per_token = sources, max_tokens, mode, per_token
+        self.max_nodes = max_nodes or max_tokens
         self.counts = {source: KeptCounts.empty(max_tokens) for source in sources}         # by depth
         self.calibration = {source: KeptCounts.empty(BUCKETS) for source in sources}      # by stated tenth
         self._depths = np.arange(max_tokens)
@@ -120,13 +147,17 @@ class HostDrafting:
         except for a ``per_token`` source (a draft model), where the calibration is the estimate."""
         claimed = np.full(self.max_tokens, PRIOR)
         claimed[:min(len(stated), self.max_tokens)] = stated[:self.max_tokens]
-        base = self.calibration[source].probabilities(_tenths(claimed), PRIOR + STATED_TRUST * (claimed - PRIOR),
-                                                      PRIOR_WEIGHT)
+        base = self.calibrated(source, claimed)
         if self.per_token:
             return base
         shared = self.counts[source].probabilities(self._depths, base, PRIOR_WEIGHT)
         own = self._requests.get(rid).counts.get(source) if rid in self._requests else None
         return shared if own is None else own.probabilities(self._depths, shared, REQUEST_WEIGHT)
+
+    def calibrated(self, source: Source, stated: np.ndarray) -> np.ndarray:
+        """P(kept) of tokens ``source`` stated at these probabilities: their tenths' calibration."""
+        return self.calibration[source].probabilities(_tenths(stated), PRIOR + STATED_TRUST * (stated - PRIOR),
+                                                      PRIOR_WEIGHT)
 
     def reach(self, source: Source) -> int:
         """How deep ``source``'s chains are verified now: RAMP × its longest kept run (adaptive)."""
@@ -147,22 +178,55 @@ class HostDrafting:
                 continue
             stated = tuple(proposal.probabilities)
             kept = np.cumprod(self.probabilities(source, rid, stated)[:len(tokens)])
-            draft = HostDraft(source, tuple(tokens), stated, np.concatenate(([0.0], np.cumsum(kept))))
+            draft = (self._tree(source, tuple(tokens), stated, kept, proposal.alternatives) if proposal.alternatives
+                     else HostDraft(source, tuple(tokens), stated, np.concatenate(([0.0], np.cumsum(kept)))))
             if best is None or draft.expected[-1] > best.expected[-1]:
                 best = draft
         return best
 
+    def _tree(self, source: Source, tokens: tuple[int, ...], stated: tuple[float, ...], kept: np.ndarray,
+              alternatives) -> HostDraft:
+        """The chain ``tokens`` (``kept``: P(kept up to each depth)) and its runners-up as a tree of
+        at most ``max_nodes`` nodes, likeliest first (see above)."""
+        # (P(the path is kept), the path, its token, the stated probability), chain nodes first
+        nodes = [(float(kept[d]), (0,) * (d + 1), tokens[d], stated[d]) for d in range(len(tokens))]
+        for depth, others in enumerate(alternatives[:len(tokens)]):
+            if not others:
+                continue
+            parent = float(kept[depth - 1]) if depth else 1.0
+            own = self.calibrated(source, np.array([q for _, q in others], np.float64))
+            nodes += [(parent * float(p), (0,) * depth + (rank,), token, q)
+                      for rank, ((token, q), p) in enumerate(zip(others, own), start=1)]
+        # A node is never likelier than its parent, and ties go shallowest first: parents come first.
+        nodes = sorted(nodes, key=lambda node: (-node[0], len(node[1]), node[1]))[:self.max_nodes]
+        depths = [len(path) for _, path, _, _ in nodes]
+        return HostDraft(source, tuple(token for _, _, token, _ in nodes), tuple(q for *_, q in nodes),
+                         np.concatenate(([0.0], np.cumsum([p for p, *_ in nodes]))),
+                         tuple(path for _, path, _, _ in nodes), np.concatenate(([0], np.maximum.accumulate(depths))))
+
     def record(self, rid: str, source: Source, stated: Sequence[float], kept: int) -> None:
         """One verified chain whose tokens ``source`` stated with probabilities ``stated`` (its
         length), of which the first ``kept`` were kept."""
-        depths = self._depths[:len(stated)]
-        self.calibration[source].record(_tenths(np.asarray(stated, np.float64)), kept)
-        self.counts[source].record(depths, kept)
-        state = self._requests.setdefault(rid, _RequestState())
-        state.counts.setdefault(source, KeptCounts.empty(self.max_tokens)).record(depths, kept)
+        tried = np.asarray(stated, np.float64)[:kept + 1]
+        self._record(rid, source, tried, np.arange(len(tried)) < kept, len(stated), kept)
 
     def verified(self, rid: str, draft: "Draft", path: Accepted) -> None:
-        self.record(rid, draft.source, draft.probabilities, len(path.nodes))
+        # Every node whose parent was kept was tried (a chain's: its kept tokens and the one after).
+        tree, reached = draft.tree, {0, *path.nodes}
+        tried = [node for node in range(1, tree.size) if tree.parents[node] in reached]
+        stated = np.array([draft.probabilities[node - 1] for node in tried], np.float64)
+        self._record(rid, draft.source, stated, np.array([node in reached for node in tried], bool), tree.depth,
+                     len(path.nodes))
+
+    def _record(self, rid: str, source: Source, stated: np.ndarray, kept: np.ndarray, depth: int,
+                path: int) -> None:
+        """Tokens tried, stated at ``stated``, ``kept`` or not, for the calibration; a chain ``depth``
+        deep of which the first ``path`` were kept, for the per-depth counts."""
+        self.calibration[source].record_tried(_tenths(stated), kept)
+        depths = self._depths[:depth]
+        self.counts[source].record(depths, path)
+        state = self._requests.setdefault(rid, _RequestState())
+        state.counts.setdefault(source, KeptCounts.empty(self.max_tokens)).record(depths, path)
 
     def close(self, rid: str, context: Sequence[int]) -> None:
         """The request ended: its sources forget it (a suffix source keeps its output for others)."""

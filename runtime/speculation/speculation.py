@@ -51,16 +51,23 @@ class Speculation:
 
 def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[Source, ...] | None,
                     mode: SpeculationMode, medusa_tree_size: int | None, multi_step: int,
-                    threads: int = 0) -> Speculation | None:
+                    threads: int = 0, draft_tree_width: int | None = None) -> Speculation | None:
     """The engine's speculation: ``sources`` None takes the engine dir's (its spec's
     ``speculative`` section), () turns it off. Adaptive mode calibrates step times on ``engine``
     (plain decoding as ``multi_step`` runs); ``medusa_tree_size`` pins Medusa's tree prefix.
-    ``threads``: the draft head's ONNX Runtime session's (0: ONNX Runtime chooses)."""
+    ``threads``: the draft head's ONNX Runtime session's (0: ONNX Runtime chooses);
+    ``draft_tree_width``: tokens its drafts offer at each depth (None: TREE_WIDTH; 1: chains)."""
     config = engine_dir.speculation
     if sources is None:
         sources = config.sources if config is not None else ()
     sources = tuple(dict.fromkeys(sources))
     where = engine_dir.path
+    if draft_tree_width is not None and draft_tree_width < 1:
+        raise ValueError(f"draft_tree_width {draft_tree_width}: valid 1 (chains) or more")
+    if draft_tree_width is not None and Source.draft_head not in sources:
+        raise ValueError(f"draft_tree_width {draft_tree_width}: " + (
+            f"{where} was built without a draft head" if engine_dir.draft_head is None
+            else "draft_head is not among the sources"))
     if medusa_tree_size and Source.medusa not in sources:
         raise ValueError(f"medusa_tree_size {medusa_tree_size}: " + (
             f"{where} was built without Medusa heads" if engine_dir.medusa is None else "medusa is not among the sources"))
@@ -100,14 +107,15 @@ def speculation_for(engine_dir: "EngineDir", engine: "Engine", sources: tuple[So
         models.update(dict.fromkeys(host_sources, host))
     draft_head = None
     if Source.draft_head in sources:
-        draft_head = models[Source.draft_head] = _draft_head(engine_dir, max_tokens, mode, threads)
+        draft_head = models[Source.draft_head] = _draft_head(engine_dir, max_tokens, mode, threads, draft_tree_width)
     return Speculation(sources, times, stats, AdaptivePolicy(times, models, stats, mode), medusa, host, draft_head)
 
 
-def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode, threads: int) -> "DraftHeadSource":
+def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode, threads: int,
+                width: int | None) -> "DraftHeadSource":
     """The engine dir's draft head: its graph in a session of its own, a draft slot per engine row."""
     from .draft_head import DraftHeadDrafter
-    from .draft_head_source import DraftHeadSource, read_draft_map
+    from .draft_head_source import TREE_WIDTH, DraftHeadSource, read_draft_map
 
     entry = engine_dir.draft_head
     drafter = DraftHeadDrafter(engine_dir.draft_head_graph, read_draft_map(engine_dir), engine_dir.max_seq_len,
@@ -116,7 +124,8 @@ def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode,
     if drafter.hidden_size != engine_dir.model["hidden_size"]:
         raise ValueError(f"{engine_dir.draft_head_graph}: features of width {drafter.hidden_size}; the model's "
                          f"hidden_size is {engine_dir.model['hidden_size']}: rebuild the engine dir")
-    return DraftHeadSource(drafter, min(max_tokens, entry.num_tokens), mode)
+    return DraftHeadSource(drafter, min(max_tokens, entry.num_tokens), mode,
+                           width=TREE_WIDTH if width is None else width, max_nodes=max_tokens)
 
 
 def _capped(settings, max_tokens: int):

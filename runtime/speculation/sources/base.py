@@ -16,6 +16,9 @@ from ....contract.speculation import Source
 class Proposal:
     tokens: tuple[int, ...]            # a chain of draft tokens that follow the request's last token
     probabilities: tuple[float, ...]   # the source's own P(token i is right | the tokens before it are), same length
+    # A draft model's runners-up at each depth: (token, its probability there), likeliest first;
+    # the draft is then a tree over the chain (host.py). Empty: a chain.
+    alternatives: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 EMPTY = Proposal((), ())
