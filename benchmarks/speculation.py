@@ -110,13 +110,14 @@ def texts(workload: str, count: int, template) -> list[str]:
 
 
 def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: str, max_tokens: int,
-            threads: int, rounds: int) -> list[dict[int, dict[str, dict]]]:
+            threads: int, rounds: int, draft_tree_width: int | None = None) -> list[dict[int, dict[str, dict]]]:
     """One engine load serving ``sources`` in ``mode``; per round, per batch size, its groups run
     twice, once with speculation off for the request (plain decoding) and once on, the order
     alternating by group and by round (ABBA), so the machine's drift falls on both alike. Each
     round gives, per batch size and arm ("plain", "spec"): tokens/s (all of it, and of the decode
     phase: the time less the engine's prefill steps, the tokens less each request's first), the
-    tokens, and draft tokens kept per verified row."""
+    tokens, and draft tokens kept per verified row. ``draft_tree_width``: the draft head's (None: its
+    default)."""
     from trtbuild.runtime.core.sampling import SamplingParams
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.speculation.adaptive import SpeculationMode
@@ -126,7 +127,7 @@ def measure(engine: Path, batches: dict[int, list[list[str]]], sources, mode: st
     out = []
     # No prefix cache: every run prefills its prompts, as the timings are meant to include.
     with LLM(engine, backend="onnxruntime", threads=threads, speculation=sources,
-             speculation_mode=SpeculationMode(mode), prefix_cache=False) as llm:
+             speculation_mode=SpeculationMode(mode), prefix_cache=False, draft_tree_width=draft_tree_width) as llm:
         widest = max(batches.values(), key=lambda groups: max(map(len, groups)))
         llm.generate(max(widest, key=len), SamplingParams(max_tokens=8))  # a process's first steps run cold
         for r in range(rounds):
@@ -193,9 +194,12 @@ def run_model(model: str, args) -> list[dict]:
         batches = {b: g for b, g in batches.items() if b in args.batches}
         configs = [(s, (s,), "always") for s in served] + [("adaptive", None, "adaptive")]
         configs = [c for c in configs if not args.configs or c[0] in args.configs]
-        for name, sources, mode in configs:
+        # The draft head's configurations once per tree width asked for (named "... w1" for chains).
+        configs = [(f"{name} w{width}" if width else name, sources, mode, width) for name, sources, mode in configs
+                   for width in (args.draft_tree_widths if "draft_head" in (sources or served) else [None])]
+        for name, sources, mode, width in configs:
             rounds = measure(engine, batches, tuple(Source(s) for s in sources) if sources else None, mode,
-                             args.max_tokens, args.threads, args.rounds)
+                             args.max_tokens, args.threads, args.rounds, width)
             for batch in args.batches:
                 got = [r[batch]["spec"] for r in rounds]
                 base = [r[batch]["plain"] for r in rounds]
@@ -235,6 +239,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of every configuration, each against plain decoding on the same engine "
                              "load, interleaved; medians reported")
+    parser.add_argument("--draft-tree-widths", default="",
+                        help="comma-separated: run the draft head's rows once per width (tokens offered at each "
+                             "depth; 1: chains); default: its default width only")
     parser.add_argument("--work", type=Path, default=REPO / "build" / "bench-speculation")
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
     args = parser.parse_args()
@@ -242,6 +249,12 @@ def main() -> None:
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.configs = [c for c in args.configs.split(",") if c]
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    try:
+        args.draft_tree_widths = [int(w) for w in args.draft_tree_widths.split(",") if w] or [None]
+    except ValueError:
+        parser.error(f"--draft-tree-widths {args.draft_tree_widths}: comma-separated whole numbers ≥ 1 expected")
+    if any(w is not None and w < 1 for w in args.draft_tree_widths):
+        parser.error("--draft-tree-widths: each at least 1")
     for name, known, what in ((args.models, MODELS, "--models"), (args.workloads, WORKLOADS, "--workloads")):
         unknown = [n for n in name if n not in known]
         if unknown:
