@@ -11,6 +11,8 @@ files) and the one that predicts the speculation benchmark's free_chat rows.
 
     python benchmarks/draft_accuracy.py build/bench-speculation/smollm2-float32-draft [--questions FILE]
         [--windows 0,64,32,16,8]   (top-1 with the draft attending to only its last W positions)
+        [--top 4]                  (also how often the token is among the draft's top 2 .. 4: what a
+                                    tree of the draft's runners-up can keep, draft_head_source.py)
 """
 from __future__ import annotations
 
@@ -45,10 +47,11 @@ def prompt_sets(template, questions: Path | None = None) -> dict[str, list[str]]
     return sets
 
 
-def teacher_forced_top1(d, engine, session, draft_to_target: np.ndarray, history: list[int], first: int,
-                        windows: Sequence[int] = (0,)) -> dict[int, list[bool]]:
-    """Per window W (0: the whole history) and answer position p ≥ first: does the draft's argmax at
-    p equal token p + 2, the draft attending to its own positions p − W + 1 .. p only?"""
+def teacher_forced_ranks(d, engine, session, draft_to_target: np.ndarray, history: list[int], first: int,
+                         windows: Sequence[int] = (0,), top: int = 1) -> dict[int, list[int]]:
+    """Per window W (0: the whole history) and answer position p ≥ first: the rank of token p + 2
+    among the draft's ``top`` likeliest at p (0: its argmax; ``top``: not among them), the draft
+    attending to its own positions p − W + 1 .. p only."""
     from trtbuild.contract.step import step_arrays
     from trtbuild.runtime.core.step import Step, StepKind
 
@@ -67,8 +70,9 @@ def teacher_forced_top1(d, engine, session, draft_to_target: np.ndarray, history
         cache = np.zeros((1, heads[1], d.max_seq_len, heads[3]), np.float32)
         feeds["past_key_0"], feeds["past_value_0"] = cache, cache.copy()
         logits = session.run(["draft_logits"], {i.name: feeds[i.name] for i in session.get_inputs()})[0][0]  # [n, K]
-        guess = draft_to_target[logits.argmax(-1)]
-        hits[window] = [bool(guess[p] == history[p + 2]) for p in range(first, n - 1)]
+        ranked = draft_to_target[np.argsort(-logits, axis=-1, kind="stable")[:, :top]]  # [n, top]
+        hits[window] = [int(np.flatnonzero(np.append(ranked[p] == history[p + 2], True))[0])
+                        for p in range(first, n - 1)]
     return hits
 
 
@@ -81,7 +85,11 @@ def main() -> None:
     parser.add_argument("--windows", default="0",
                         help="comma-separated attention windows of the draft over its own positions, a top-1 "
                              "column each (0: all of them; the runtime reads the newest 32, draft_head_source.py)")
+    parser.add_argument("--top", type=int, default=1,
+                        help="also the share of positions whose token is among the draft's top 2 .. N (whole history)")
     args = parser.parse_args()
+    if args.top < 1:
+        raise SystemExit(f"--top {args.top}: 1 or more expected")
     try:
         windows = [int(w) for w in args.windows.split(",")]
     except ValueError:
@@ -108,16 +116,18 @@ def main() -> None:
     session = ort.InferenceSession(str(d.path / d.draft_head.graph), providers=["CPUExecutionProvider"])
     draft_to_target = read_draft_map(d)
     print(f"draft head trained: held-out top-1 {d.draft_head.accuracy.get('top1')} (its training files' text)")
-    heads = [f"top-1 W={w}" if w else "top-1" for w in windows]
+    heads = [f"top-1 W={w}" if w else "top-1" for w in windows] + [f"top-{k}" for k in range(2, args.top + 1)]
+    needed = sorted(set(windows) | ({0} if args.top > 1 else set()))  # the top-k columns read the whole history
     print(f"{'prompt set':28} {'prompts':>7} {'positions':>9} " + " ".join(f"{h:>11}" for h in heads)
           + f"  per prompt ({heads[0]})")
     for name, done in answers.items():
-        hits = [teacher_forced_top1(d, engine, session, draft_to_target, list(c.prompt_token_ids) + list(c.token_ids),
-                                    len(c.prompt_token_ids) - 1, windows) for c in done]
-        flat = {w: [h for row in hits for h in row[w]] for w in windows}
-        print(f"{name:28} {len(done):7d} {len(flat[windows[0]]):9d} "
-              + " ".join(f"{np.mean(flat[w]):11.3f}" for w in windows) + "  "
-              + " ".join(f"{np.mean(row[windows[0]]):.2f}" for row in hits if row[windows[0]]))
+        ranks = [teacher_forced_ranks(d, engine, session, draft_to_target,
+                                      list(c.prompt_token_ids) + list(c.token_ids), len(c.prompt_token_ids) - 1,
+                                      needed, args.top) for c in done]
+        flat = {w: np.array([r for row in ranks for r in row[w]]) for w in needed}
+        shares = [np.mean(flat[w] == 0) for w in windows] + [np.mean(flat[0] < k) for k in range(2, args.top + 1)]
+        print(f"{name:28} {len(done):7d} {len(flat[windows[0]]):9d} " + " ".join(f"{x:11.3f}" for x in shares)
+              + "  " + " ".join(f"{np.mean(np.array(row[windows[0]]) == 0):.2f}" for row in ranks if row[windows[0]]))
 
 
 if __name__ == "__main__":
