@@ -365,7 +365,7 @@ class EngineCore:
         context = Context.of([r.computed for r in decoding])
         head_seconds, head_rows = self._draft_head_offers(decoding, context, offers, chains) if head_due else (0.0, 0)
         decision = policy.choose(len(decoding), offers, context)
-        if host is not None or (spec.draft_head is not None and host_due):
+        if host is not None or head_rows:  # something drafted (a call that drafted nothing is no miss)
             # (Medusa's share of the loop above is small: its trees come from heads already computed.)
             policy.drafted(rids, time.perf_counter() - host_start,
                            verifies=any(source != Source.medusa for source in decision.sources()), priced=head_seconds)

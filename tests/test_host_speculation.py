@@ -426,6 +426,36 @@ def test_the_draft_heads_back_off_counts_only_calls_that_drafted_for_a_row():
     head.stepped(1.1 * 0.001 / DRAFT_SHARE)
     assert head.due()
 
+
+def test_a_drafting_call_that_drafted_nothing_leaves_the_policys_back_off_alone():
+    """No host source; a request that just started decoding while the draft head backs off: the
+    policy is due (the request was never drafted for), the draft head is not, and nothing is
+    drafted. That call must not count as one that verified nothing: once the draft head is due,
+    the very next step drafts for the request (it used to wait out the policy's back-off too)."""
+    from types import SimpleNamespace
+
+    from trtbuild.runtime.core.scheduler import Phase, Request
+    from trtbuild.runtime.engine_core import EngineCore, Sampling
+    from trtbuild.runtime.speculation.speculation import Speculation
+
+    times, head = _times(0.010, 0.002), _DraftHead()
+    policy = AdaptivePolicy(times, {Source.draft_head: HostDrafting({}, 8, SpeculationMode.adaptive)},
+                            SpeculationStats(), SpeculationMode.adaptive)
+    spec = Speculation((Source.draft_head,), times, SpeculationStats(), policy, None, None, head)
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=16), phase=Phase.decoding)
+    request.output, request.computed = [4], 3
+    scheduler = SimpleNamespace(requests={"a": request}, slots=SimpleNamespace(decoding=lambda: ["a"]))
+    core = EngineCore(None, scheduler, spec, multi_step=1)
+    core.sampling["a"] = Sampling(Sampler(request.params), sources=(Source.draft_head,))
+    head.decided(0.001, verified=False)  # backing off from an earlier request's drafting
+    assert policy.due(["a"]) and not head.due()
+    core._draft({})  # nothing drafted
+    head.stepped(1.0)
+    policy.stepped(1e-4)
+    core._draft({})
+    assert not head.due()  # it drafted (1 ms, not verified): backing off again
+
+
 def test_a_verification_is_priced_with_the_drafting_after_it():
     """Kept whole, an 8-token chain pays against 10 ms plain steps; not once drafting for the
     next step costs 100 ms a row (the bundled model's steps are 0.5 ms, its drafting 1 ms)."""
