@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """What a draft head's own probability says about whether the target keeps its token.
 
-Serves a built engine's draft head alone in ``always`` mode (every chain verified at full length,
-greedy) over a workload's prompts at batch 1, records every verification (the probability the
-draft gave each token, how many were kept) and prints the share kept per tenth of the stated
-probability and per depth (a token counts as tried where every token before it was kept). The
-runtime's policy estimates a draft head's tokens by the first table (runtime/speculation/host.py,
-``per_token``); the second is what a depth-averaged estimate would see.
+Serves a built engine's draft head alone in ``always`` mode (every draft verified whole, greedy;
+chains unless ``--draft-tree-width`` asks for trees) over a workload's prompts at batch 1, records
+every verification (the probability the draft gave each node, which were kept) and prints the
+share kept per tenth of the stated probability and per depth (a node counts as tried where its
+parent was kept, as the runtime's calibration counts it). The runtime's policy estimates a draft
+head's tokens by the first table (runtime/speculation/host.py, ``per_token``); the second is what
+a depth-averaged estimate would see.
 
     python benchmarks/draft_calibration.py build/bench-speculation/smollm2-float32-draft [--workload free_chat]
 """
@@ -22,11 +23,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def tried_tokens(verifications: list[tuple[tuple[float, ...], int]]) -> np.ndarray:
-    """[T, 3] (depth, stated probability, kept 0/1) of every token a verification reached."""
-    rows = [(depth, q, depth < kept) for stated, kept in verifications
-            for depth, q in enumerate(stated) if depth <= kept]
-    return np.array(rows, np.float64).reshape(-1, 3)
+def recording(model) -> list[tuple[int, float, bool]]:
+    """Every node a verification of ``model``'s drafts (a HostDrafting) tried, as (depth from 0,
+    stated probability, kept), appended from then on; the model learns from them as before."""
+    tried: list[tuple[int, float, bool]] = []
+    verified = model.verified
+
+    def recorded(rid, draft, path):
+        tree, reached = draft.tree, {0, *path.nodes}
+        tried.extend((int(tree.depths[node]) - 1, float(draft.probabilities[node - 1]), node in reached)
+                     for node in range(1, tree.size) if tree.parents[node] in reached)
+        verified(rid, draft, path)
+
+    model.verified = recorded
+    return tried
 
 
 def main() -> None:
@@ -36,7 +46,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-tree-width", type=int, default=1,
+                        help="tokens the draft offers at each depth (1: chains, as the runtime.md figures were measured)")
     args = parser.parse_args()
+    if args.draft_tree_width < 1:
+        parser.error(f"--draft-tree-width {args.draft_tree_width}: valid 1 (chains) or more")
 
     from speculation import texts
     from speculation_workloads import WORKLOADS
@@ -53,24 +67,18 @@ def main() -> None:
     if engine_dir.draft_head is None:
         parser.error(f"{args.engine}: built without a draft head (speculative.draft_head in its spec)")
     prompts = texts(args.workload, args.prompts, chat_template(engine_dir))
-    verifications: list[tuple[tuple[float, ...], int]] = []
     with LLM(args.engine, backend="onnxruntime", threads=args.threads, speculation=(Source.draft_head,),
-             speculation_mode=SpeculationMode.always, prefix_cache=False) as llm:
-        model = llm.speculation.draft_head.model
-        record = model.record
-
-        def recorded(rid, source, stated, kept):
-            verifications.append((tuple(map(float, stated)), int(kept)))
-            record(rid, source, stated, kept)
-
-        model.record = recorded
+             speculation_mode=SpeculationMode.always, prefix_cache=False,
+             draft_tree_width=args.draft_tree_width) as llm:
+        tried = recording(llm.speculation.draft_head.model)
         start = time.perf_counter()
         for prompt in prompts:
             llm.generate([prompt], [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)])
         seconds = time.perf_counter() - start
-    tokens = tried_tokens(verifications)
+        verifications = llm.speculation.stats.verified_rows
+    tokens = np.array(tried, np.float64).reshape(-1, 3)  # [T, 3]: depth, stated probability, kept 0/1
     print(f"{args.engine.name}, {args.workload}: {len(prompts)} prompts × {args.max_tokens} tokens, "
-          f"{len(verifications)} verifications, {len(tokens)} tokens tried, {seconds:.0f} s")
+          f"{verifications} verifications, {len(tokens)} tokens tried, {seconds:.0f} s")
     print(f"{'stated':>9} {'tried':>6} {'kept':>6}")
     for tenth in range(10):
         cell = tokens[np.minimum((tokens[:, 1] * 10).astype(int), 9) == tenth]

@@ -295,6 +295,30 @@ def test_a_verified_tree_counts_every_node_whose_parent_was_kept():
     assert counts.trials.tolist() == [1, 1, 0] and counts.hits.tolist() == [1, 1, 0]
 
 
+def test_the_calibration_tool_sees_every_node_the_runtime_counts():
+    """benchmarks/draft_calibration.py's recorder, on the model the policy reports verifications
+    to: a tree's five tried nodes (as above), then a chain's kept token and the one after it, as
+    (depth, stated, kept); the model still learns from both."""
+    import sys
+    from pathlib import Path
+
+    from trtbuild.runtime.core.scheduler import Draft
+    from trtbuild.runtime.core.tree import Accepted
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from draft_calibration import recording
+
+    host = HostDrafting({Source.draft_head: _TreeSource()}, 3, per_token=True, max_nodes=5)
+    tried = recording(host)
+    draft = host.draft("a", [1], (Source.draft_head,), 8)
+    host.verified("a", Draft(draft.tree(5), draft.tokens, Source.draft_head, draft.stated), Accepted((1, 3), (10, 22)))
+    host.verified("a", Draft(chain_tree(3), (10, 11, 12), Source.draft_head, (0.95, 0.95, 0.15)),
+                  Accepted((1,), (10,)))
+    assert tried == [(0, 0.95, True), (1, 0.95, False), (1, 0.35, True), (0, 0.03, False), (0, 0.01, False),
+                     (0, 0.95, True), (1, 0.95, False)]
+    assert host.calibration[Source.draft_head].trials.sum() == 7
+
+
 def test_the_policy_charges_a_tree_only_for_the_chain_it_drafted():
     """A draft costing 10 ms a drafted token against a 20 ms plain step (verification + 1 ms a
     token): one chain token and its two siblings, 1.0 tokens expected, verify for 23 + 10 ms,
