@@ -117,7 +117,7 @@ class Draft:
     tree: Tree
     tokens: tuple[int, ...]
     source: Source = Source.medusa
-    probabilities: tuple[float, ...] = ()  # a host chain's: its source's stated P(kept) per token
+    probabilities: tuple[float, ...] = ()  # a host draft's (chain or tree): its source's stated P(kept) per token
     # A draft-head chain drawn from its distributions q [k, K] (the draft's ids): verified by the
     # full-distribution rule (runtime/speculation/full_sampling.py); None: the point-mass rule.
     distributions: object = None
