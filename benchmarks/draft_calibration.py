@@ -26,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def recording(model) -> list[tuple[int, float, bool]]:
     """Every node a verification of ``model``'s drafts (a HostDrafting) tried, as (depth from 0,
     stated probability, kept), appended from then on; the model learns from them as before."""
+    from trtbuild.runtime.speculation.host import tried_nodes
+
     tried: list[tuple[int, float, bool]] = []
     verified = model.verified
 
     def recorded(rid, draft, path):
-        tree, reached = draft.tree, {0, *path.nodes}
-        tried.extend((int(tree.depths[node]) - 1, float(draft.probabilities[node - 1]), node in reached)
-                     for node in range(1, tree.size) if tree.parents[node] in reached)
+        tried.extend((int(draft.tree.depths[node]) - 1, float(draft.probabilities[node - 1]), kept)
+                     for node, kept in tried_nodes(draft.tree, path))
         verified(rid, draft, path)
 
     model.verified = recorded

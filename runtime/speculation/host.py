@@ -92,6 +92,13 @@ class KeptCounts:
         return int(np.count_nonzero(self.hits))
 
 
+def tried_nodes(tree: Tree, path: Accepted) -> list[tuple[int, bool]]:
+    """The nodes a verification of ``tree`` tried (their parents were kept; for a chain, its kept
+    tokens and the one after), each with whether it was kept."""
+    reached = {0, *path.nodes}
+    return [(node, node in reached) for node in range(1, tree.size) if tree.parents[node] in reached]
+
+
 def _tenths(stated: np.ndarray) -> np.ndarray:
     """The calibration cell of each stated probability."""
     return np.minimum((stated * BUCKETS).astype(np.int64), BUCKETS - 1)
@@ -211,11 +218,9 @@ class HostDrafting:
         self._record(rid, source, tried, np.arange(len(tried)) < kept, len(stated), kept)
 
     def verified(self, rid: str, draft: "Draft", path: Accepted) -> None:
-        # Every node whose parent was kept was tried (a chain's: its kept tokens and the one after).
-        tree, reached = draft.tree, {0, *path.nodes}
-        tried = [node for node in range(1, tree.size) if tree.parents[node] in reached]
-        stated = np.array([draft.probabilities[node - 1] for node in tried], np.float64)
-        self._record(rid, draft.source, stated, np.array([node in reached for node in tried], bool), tree.depth,
+        tried = tried_nodes(draft.tree, path)
+        stated = np.array([draft.probabilities[node - 1] for node, _ in tried], np.float64)
+        self._record(rid, draft.source, stated, np.array([kept for _, kept in tried], bool), draft.tree.depth,
                      len(path.nodes))
 
     def _record(self, rid: str, source: Source, stated: np.ndarray, kept: np.ndarray, depth: int,
