@@ -131,9 +131,11 @@ class DraftHeadSource:
     source = Source.draft_head
 
     def __init__(self, drafter: DraftHeadDrafter, max_tokens: int, mode, window: int = READ_WINDOW,
-                 width: int = TREE_WIDTH, max_nodes: int | None = None):
+                 width: int | None = None, max_nodes: int | None = None):
         """``max_tokens``: a chain's longest; ``width``: tokens offered at each depth of a greedy
-        or seeded row's chain (1: chains only); ``max_nodes``: a tree's most (None: max_tokens)."""
+        or seeded row's chain (None: TREE_WIDTH; 1: chains only); ``max_nodes``: a tree's most
+        (None: max_tokens)."""
+        width = TREE_WIDTH if width is None else width
         if window < 1:
             raise ValueError(f"window {window}: valid 1 or more (positions read before drafting)")
         if width < 1:

@@ -115,7 +115,7 @@ def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode,
                 width: int | None) -> "DraftHeadSource":
     """The engine dir's draft head: its graph in a session of its own, a draft slot per engine row."""
     from .draft_head import DraftHeadDrafter
-    from .draft_head_source import TREE_WIDTH, DraftHeadSource, read_draft_map
+    from .draft_head_source import DraftHeadSource, read_draft_map
 
     entry = engine_dir.draft_head
     drafter = DraftHeadDrafter(engine_dir.draft_head_graph, read_draft_map(engine_dir), engine_dir.max_seq_len,
@@ -124,8 +124,7 @@ def _draft_head(engine_dir: "EngineDir", max_tokens: int, mode: SpeculationMode,
     if drafter.hidden_size != engine_dir.model["hidden_size"]:
         raise ValueError(f"{engine_dir.draft_head_graph}: features of width {drafter.hidden_size}; the model's "
                          f"hidden_size is {engine_dir.model['hidden_size']}: rebuild the engine dir")
-    return DraftHeadSource(drafter, min(max_tokens, entry.num_tokens), mode,
-                           width=TREE_WIDTH if width is None else width, max_nodes=max_tokens)
+    return DraftHeadSource(drafter, min(max_tokens, entry.num_tokens), mode, width=width, max_nodes=max_tokens)
 
 
 def _capped(settings, max_tokens: int):
