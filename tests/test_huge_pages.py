@@ -1,6 +1,7 @@
 """A session's weights on 2 MiB pages (plugins/onnxruntime/huge_pages.py)."""
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -41,17 +42,49 @@ def test_merged_joins_overlapping_and_touching_ranges():
     assert huge_pages.merged([]) == []
 
 
-@pytest.mark.skipif(not huge_pages.collapse_works(), reason="this kernel does not collapse memory onto 2 MiB pages "
-                                                            "(MADV_COLLAPSE: Linux 6.1+)")
-def test_a_sessions_prepacked_weights_land_on_huge_pages_and_compute_the_same():
+COLLAPSE_WORKS = pytest.mark.skipif(not huge_pages.collapse_works(), reason="this kernel does not collapse memory "
+                                    "onto 2 MiB pages (MADV_COLLAPSE: Linux 6.1+)")
+
+
+@COLLAPSE_WORKS
+def test_collapse_moves_touched_memory_and_counts_what_the_kernel_refused():
+    import mmap
+
+    area = mmap.mmap(-1, 4 * huge_pages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = (ctypes.c_char * len(area)).from_buffer(area)
+    try:
+        start = -(-ctypes.addressof(buf) // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
+        touched, kept_small = start, start + huge_pages.HUGE_PAGE
+        ctypes.memset(touched, 1, 2 * huge_pages.HUGE_PAGE)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        assert libc.madvise(kept_small, huge_pages.HUGE_PAGE, 15) == 0  # MADV_NOHUGEPAGE, as the KV pools are
+        result = huge_pages.collapse([(touched, kept_small + huge_pages.HUGE_PAGE)])
+        assert result.refused == huge_pages.HUGE_PAGE
+        assert result.done + result.no_free_page == huge_pages.HUGE_PAGE
+        assert ctypes.string_at(touched, 8) == b"\x01" * 8  # the contents kept
+    finally:
+        del buf
+        area.close()
+
+
+@COLLAPSE_WORKS
+def test_a_sessions_prepacked_weights_go_onto_huge_pages_and_compute_the_same(monkeypatch):
+    results = []
+    real_collapse = huge_pages.collapse
+    monkeypatch.setattr(huge_pages, "collapse", lambda ranges: results.append(real_collapse(ranges)) or results[-1])
     rng = np.random.default_rng(0)
     w = rng.standard_normal((576, 24576), dtype=np.float32) * 0.02  # [K, N]: 56.6 MB, prepacked by ONNX Runtime
     x = rng.standard_normal((1, 576), dtype=np.float32)
     before = _anon_huge_kib()
     sess = ort_config.session(_matmul_model(w), threads=1, huge_pages=True)
     grown_mib = (_anon_huge_kib() - before) / 1024
+    (result,) = results
     # Its prepacked copy alone is 54 MiB; some 2 MiB pages at the edges of its ranges stay small.
-    assert grown_mib >= 40, f"AnonHugePages grew {grown_mib:.1f} MiB"
+    # Each page it found either moved, or the kernel had no free 2 MiB page for it (a fragmented
+    # memory late in a long test run): which of the two is the kernel's, finding them is ours.
+    assert (result.done + result.no_free_page) / 2**20 >= 40, result
+    assert grown_mib >= result.done / 2**20 - 2, f"AnonHugePages grew {grown_mib:.1f} MiB; {result}"
     (y,) = sess.run(None, {"x": x})
     ref = x.astype(np.float64) @ w.astype(np.float64)
     max_rel = np.abs(y - ref).max() / np.abs(ref).max()

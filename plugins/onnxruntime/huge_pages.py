@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
+import logging
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25
 MAPS = Path("/proc/self/maps")
+# The kernel's answers when it had no 2 MiB page to give: none free even after compaction
+# (ENOMEM), or none the cgroup could be charged for (EBUSY). EAGAIN is a page busy for a moment.
+NO_FREE_PAGE = (errno.ENOMEM, errno.EBUSY)
+
+log = logging.getLogger(__name__)
 
 Range = tuple[int, int]  # [start, end) of a mapping, in bytes
 
@@ -61,17 +69,33 @@ def added_ranges(before: list[Range], after: list[Range]) -> list[Range]:
     return added
 
 
-def collapse(ranges: list[Range]) -> int:
-    """MADV_COLLAPSE on each whole 2 MiB page inside ``ranges``, one at a time (the kernel refuses
-    some, such as memory advised MADV_NOHUGEPAGE or never touched); the bytes it collapsed."""
+@dataclass(frozen=True)
+class Collapsed:
+    """What MADV_COLLAPSE made of some ranges, in bytes."""
+    done: int  # now on 2 MiB pages
+    no_free_page: int  # the kernel had no 2 MiB page for (a fragmented or full memory, a cgroup's limit)
+    refused: int  # not eligible: never touched, advised MADV_NOHUGEPAGE, ...
+
+
+def collapse(ranges: list[Range]) -> Collapsed:
+    """MADV_COLLAPSE on each whole 2 MiB page inside ``ranges``, one at a time, a busy page
+    tried once more."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    done = 0
+    done = no_free_page = refused = 0
     for start, end in ranges:
         for page in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE, HUGE_PAGE):
-            if libc.madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
+            for _ in range(2):
+                ok = libc.madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0
+                if ok or ctypes.get_errno() != errno.EAGAIN:
+                    break
+            if ok:
                 done += HUGE_PAGE
-    return done
+            elif ctypes.get_errno() in NO_FREE_PAGE:
+                no_free_page += HUGE_PAGE
+            else:
+                refused += HUGE_PAGE
+    return Collapsed(done, no_free_page, refused)
 
 
 @contextmanager
@@ -84,7 +108,9 @@ def collapse_added():
     yield
     # The whole heap too: malloc puts part of the weights into heap memory freed before the
     # session (a float32 SmolLM2 engine: 55 of its 620 MB of heap), which no diff would find.
-    collapse(merged(added_ranges(before, anonymous_ranges()) + anonymous_ranges(heap_only=True)))
+    result = collapse(merged(added_ranges(before, anonymous_ranges()) + anonymous_ranges(heap_only=True)))
+    log.debug("weights onto 2 MiB pages: %d MiB moved, %d MiB found no free 2 MiB page",
+              result.done >> 20, result.no_free_page >> 20)
 
 
 def merged(ranges: list[Range]) -> list[Range]:
@@ -110,7 +136,7 @@ def collapse_works() -> bool:
     try:
         start = -(-ctypes.addressof(buf) // HUGE_PAGE) * HUGE_PAGE
         ctypes.memset(start, 1, HUGE_PAGE)
-        return collapse([(start, start + HUGE_PAGE)]) == HUGE_PAGE
+        return collapse([(start, start + HUGE_PAGE)]).done == HUGE_PAGE
     finally:
         del buf  # the buffer's export ends before the map closes
         area.close()
