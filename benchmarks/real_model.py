@@ -22,7 +22,9 @@ Engines, the dequantized Hugging Face dir and llama.cpp's F32/Q8_0 files are mad
    for trtbuild float32, int4 RTN g64 and the same with int8 activations, RTN g32 with the LM head
    in int4 too, the file's Q4_1 codes kept (float and int8 activations), onnxruntime-genai float32
    and int4 (its defaults) built from the dequantized dir, llama.cpp F32/Q8_0/Q4_1 (batch 1 and 8
-   through its C API, benchmarks/llama_cpp_decode.py).
+   through its C API, benchmarks/llama_cpp_decode.py). Each trtbuild row is paired with genai
+   (int4 rows with genai int4; float32 with genai float32 and llama.cpp F32) round by round: the
+   median and range of the per-round ratios, what the issue's goals are stated in.
 3. Build: seconds per stage and peak RSS per process (`trtbuild build --json`) for the float32,
    float16 and int4 RTN g64 builds from the GGUF file, and float32 from the dequantized dir.
 4. Files (issue #51; needs llama-cpp-python): llama.cpp's own Q4_K_M and Q8_0 of the F32 file
@@ -54,6 +56,9 @@ SPEED_MODES = ["float32", "int4-rtn-g64", "int4-rtn-g64-a8", "int4-rtn-g32-a8-al
                "int4-q4_1-kept-a8"]
 BUILD_MODES = ["float32", "float16", "int4-rtn-g64", "float32-from-dir"]
 LLAMA_KINDS = ["F32", "Q8_0", "Q4_1"]
+# The peers each trtbuild speed row is paired with, round by round (issue #51's goals are ratios).
+FLOAT_PEERS = ("onnxruntime-genai float32", "llama.cpp F32")
+QUANTIZED_PEERS = ("onnxruntime-genai int4",)
 # The files part: llama.cpp files made from the F32 file, each built as its float dequantization
 # and with its codes kept ((row, real_model_quality mode)); int4 group 32 keeps Q4_K as int4 with
 # block offsets and the 5/6/8-bit types as int8 with their block scales (builder/quant/gguf_codes.py).
@@ -127,8 +132,14 @@ def run_speed(gguf: Path, work: Path, args) -> dict:
     figures = cpu_decode.medians(samples)
     for row in figures.values():
         row["prefill_tok_s"] = cpu_decode.PROMPT_LEN / (row["prefill_ms"] / 1e3)
-    return {name: {"batch1": f[1], "batch8": f[8], "prefill_ms": f["prefill_ms"], "prefill_tok_s": f["prefill_tok_s"]}
-            for name, f in figures.items()}
+    report = {name: {"batch1": f[1], "batch8": f[8], "prefill_ms": f["prefill_ms"], "prefill_tok_s": f["prefill_tok_s"]}
+              for name, f in figures.items()}
+    for mode in args.speed_modes:
+        ours = f"trtbuild {mode}"
+        report[ours]["vs"] = {peer: {f"batch{b}": cpu_decode.paired_ratio(samples, ours, peer, b) for b in (1, 8)
+                                     if samples[peer][b]}
+                              for peer in (FLOAT_PEERS if mode == "float32" else QUANTIZED_PEERS) if peer in engines}
+    return report
 
 
 def build_row(summary: dict) -> dict:
@@ -236,6 +247,10 @@ def _importable(module: str, how: str) -> bool:
         return False
 
 
+def _ratio(paired: tuple[float, float, float] | None) -> str:
+    return "—" if paired is None else "{:.2f}x [{:.2f}–{:.2f}]".format(*paired)
+
+
 def print_report(report: dict, args) -> None:
     if report["quality"]:
         q = report["quality"]
@@ -251,6 +266,12 @@ def print_report(report: dict, args) -> None:
         print(format_table([[name, f"{r['batch1']:.1f}", "—" if r["batch8"] is None else f"{r['batch8']:.1f}",
                              f"{r['prefill_tok_s']:.0f}"] for name, r in report["speed"].items()],
                            ["engine", "batch 1", "batch 8", "prefill tok/s (b1)"]))
+        pairs = [(name, peer, by_batch) for name, r in report["speed"].items() for peer, by_batch in r.get("vs", {}).items()]
+        if pairs:
+            print(f"\ntrtbuild / peer tok/s: the median over the {args.repeats} rounds of the ratio within a round "
+                  "(both ran in that round), [lowest–highest]")
+            print(format_table([[name, peer, *(_ratio(by_batch.get(f"batch{b}")) for b in (1, 8))]
+                                for name, peer, by_batch in pairs], ["engine", "peer", "batch 1", "batch 8"]))
     if report["build"]:
         print("\nbuild: seconds per stage, peak RSS per process (MiB)")
         stages = list(dict.fromkeys(s for r in report["build"].values() for s in r["stages"]))
