@@ -84,7 +84,9 @@ def test_a_sessions_prepacked_weights_go_onto_huge_pages_and_compute_the_same(mo
     # Each page it found either moved, or the kernel had no free 2 MiB page for it (a fragmented
     # memory late in a long test run): which of the two is the kernel's, finding them is ours.
     assert (result.done + result.no_free_page) / 2**20 >= 40, result
-    assert grown_mib >= result.done / 2**20 - 2, f"AnonHugePages grew {grown_mib:.1f} MiB; {result}"
+    # What the kernel had pages for did land on them. (``done`` also counts heap pages that were on
+    # 2 MiB pages before, late in a long test run: 376 MiB "done" where AnonHugePages grew 182.)
+    assert grown_mib >= 40 - result.no_free_page / 2**20, f"AnonHugePages grew {grown_mib:.1f} MiB; {result}"
     (y,) = sess.run(None, {"x": x})
     ref = x.astype(np.float64) @ w.astype(np.float64)
     max_rel = np.abs(y - ref).max() / np.abs(ref).max()
