@@ -56,9 +56,8 @@ def test_collapse_moves_touched_memory_and_counts_what_the_kernel_refused():
         start = -(-ctypes.addressof(buf) // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
         touched, kept_small = start, start + huge_pages.HUGE_PAGE
         ctypes.memset(touched, 1, 2 * huge_pages.HUGE_PAGE)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        assert libc.madvise(kept_small, huge_pages.HUGE_PAGE, 15) == 0  # MADV_NOHUGEPAGE, as the KV pools are
+        # advised as the KV pools are: the kernel refuses to collapse it
+        area.madvise(mmap.MADV_NOHUGEPAGE, kept_small - ctypes.addressof(buf), huge_pages.HUGE_PAGE)
         result = huge_pages.collapse([(touched, kept_small + huge_pages.HUGE_PAGE)])
         assert result.refused == huge_pages.HUGE_PAGE
         assert result.done + result.no_free_page == huge_pages.HUGE_PAGE
