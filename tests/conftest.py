@@ -82,24 +82,6 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-def cpu_has_int8_dot_products() -> bool:
-    """Whether this CPU has VNNI (int8 dot products) or AMX int8. Without them ONNX Runtime's
-    int8 GEMM for QDQ graphs (W8A8) sums pairs of u8 x s8 products in int16 (AVX2's vpmaddubsw),
-    which saturates: a probe on an AMD EPYC with AVX2 only gave 15.5 % max relative error on one
-    576-wide int8 MatMul, against 3e-7 with the fusion off. Linux's CPU flags; True where they
-    cannot be read (the tests then run and say so)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return True
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-NEEDS_INT8_DOT_PRODUCTS = pytest.mark.skipif(
-    not cpu_has_int8_dot_products(), reason="W8A8 on the CPU needs VNNI or AMX: ONNX Runtime's AVX2 int8 GEMM "
-    "saturates int16 pair sums, and the build's numerics gate refuses the result (docs: specs/README.md, w8a8)")
-
-
 def make_checkpoint(directory: Path, family: str, seed: int = 0, layers: int = 2) -> Path:
     """A random-initialized checkpoint of ``family`` with the bundled tokenizer."""
     import torch

@@ -31,7 +31,7 @@ from trtbuild.builder.quant.quantize import apply_dequantized, load_quantized, q
 from trtbuild.builder.spec.resolve import spec_from_dict
 from trtbuild.plugins.onnxruntime import fp4
 
-from conftest import NEEDS_INT8_DOT_PRODUCTS, REPO, TINY_CODE, cpu_has_int8_dot_products, make_checkpoint
+from conftest import REPO, TINY_CODE, make_checkpoint
 from ort_greedy import greedy
 
 pytestmark = pytest.mark.slow
@@ -135,8 +135,6 @@ def simulated_greedy(torch_model, prompts, tokens: int) -> list[list[int]]:
 @pytest.mark.parametrize("model", ["tiny-code", "qwen2"])
 def test_every_mode_builds_through_the_cpu_stage_and_generates(exported, quantized, tmp_path, model, mode, tensor,
                                                                request):
-    if MODES[mode].get("mode") == "w8a8" and not cpu_has_int8_dot_products():
-        pytest.skip(NEEDS_INT8_DOT_PRODUCTS.kwargs["reason"])
     checkpoint, export, check, export_dir = exported(model)
     spec = spec_for(checkpoint, mode, tensor)
     layers, report, simulated = quantized(model, mode)

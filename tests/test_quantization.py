@@ -14,7 +14,7 @@ from trtbuild.builder.passes.quantize_weights import quantize_weights
 from trtbuild.builder.quant.algorithms import awq, fp8_per_tensor, rtn
 from trtbuild.builder.spec.resolve import spec_from_dict
 
-from conftest import NEEDS_INT8_DOT_PRODUCTS, REPO, TINY_CODE
+from conftest import REPO, TINY_CODE
 
 CALIB = REPO / "models" / "tiny-code" / "heldout.txt"  # any text will do for validation tests
 
@@ -208,7 +208,7 @@ def dequantized_greedy(spec: Spec, prompt: list[int], steps: int, workdir) -> li
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", [
     {"mode": "int4_weight_only", "algorithm": "gptq", "group_size": 64},
-    pytest.param({"mode": "w8a8", "smoothquant_alpha": 0.5}, marks=NEEDS_INT8_DOT_PRODUCTS),
+    {"mode": "w8a8", "smoothquant_alpha": 0.5},
     {"mode": "fp8"},  # E4M3 weights and activations: builds for sm89 with TensorRT-RTX, runs in ORT
     {"mode": "nvfp4"},  # FP4 weights: builds for sm120; ORT runs it simulated (plugins/onnxruntime/fp4.py)
 ], ids=["int4-gptq-g64", "w8a8", "fp8", "nvfp4"])

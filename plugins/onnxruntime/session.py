@@ -41,11 +41,14 @@ class CpuActivations(Enum):
 
 
 def session_options(threads: int = 0, external_data_dir: Path | None = None,
-                    spinning: Spinning = Spinning.always, activations: CpuActivations = CpuActivations.float):
+                    spinning: Spinning = Spinning.always, activations: CpuActivations = CpuActivations.float,
+                    float_gemms: bool = False):
     """``threads`` 0 lets ONNX Runtime choose; ``external_data_dir`` resolves the weights of a
     model handed over in memory (a graph segment, the CPU decode graph, a simulated FP4 graph)
     from that folder. ``spinning``: see Spinning; numerics are the same either way.
-    ``activations``: see CpuActivations (an engine dir's is ``EngineDir.cpu_activations``)."""
+    ``activations``: see CpuActivations (an engine dir's is ``EngineDir.cpu_activations``).
+    ``float_gemms``: no Q/DQ fusion into integer kernels (plugins/onnxruntime/int8_gemm.py: a
+    graph that quantizes activations, on a CPU whose int8 GEMM saturates)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -56,6 +59,8 @@ def session_options(threads: int = 0, external_data_dir: Path | None = None,
     # DequantizeLinear → MatMul may become ONNX Runtime's n-bit GEMM; its activations stay
     # float unless the spec asked for int8 (CpuActivations).
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(activations.accuracy_level))
+    if float_gemms:
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
     if external_data_dir is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(external_data_dir))
@@ -68,17 +73,19 @@ def session(model, threads: int = 0, external_data_dir: Path | None = None,
     """An InferenceSession on the CPU for a model path, a serialized model or a ModelProto; with
     ``huge_pages`` its weights are moved onto 2 MiB pages after it loads, where the kernel allows
     (plugins/onnxruntime/huge_pages.py: batch-1 steps stream them all; a copy at load, so for
-    sessions that decode, not a build's one-shot checks)."""
+    sessions that decode, not a build's one-shot checks). A graph that quantizes activations
+    (W8A8) runs its GEMMs in float where this CPU's int8 GEMM saturates (int8_gemm.py)."""
     import onnx
     import onnxruntime as ort
 
     from trtbuild.plugins.onnxruntime.huge_pages import collapse_added
+    from trtbuild.plugins.onnxruntime.int8_gemm import needs_float_gemms
 
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else \
         str(model) if isinstance(model, Path) else model
+    options = session_options(threads, external_data_dir, spinning, activations, needs_float_gemms(model))
     with collapse_added() if huge_pages else nullcontext():
-        return ort.InferenceSession(source, session_options(threads, external_data_dir, spinning, activations),
-                                    providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 def run(session, feeds: dict) -> dict:
