@@ -90,7 +90,12 @@ def test_only_graphs_that_quantize_activations_lose_the_integer_kernels(monkeypa
     weight_only.CopyFrom(w8a8)
     del weight_only.graph.node[:2]
     weight_only.graph.node[-1].input[0] = "x"
-    assert not int8_gemm.needs_float_gemms(weight_only)
+    weight_only.graph.node[0].name = "QuantizeLinear"  # a name is not an op type
+    onnx.save(weight_only, tmp_path / "weight_only.onnx")
+    monkeypatch.setattr(onnx, "load", lambda *a, **k: pytest.fail("parsed a weight-only file"))
+    monkeypatch.setattr(onnx, "load_from_string", lambda *a, **k: pytest.fail("parsed weight-only bytes"))
+    for source in (weight_only, tmp_path / "weight_only.onnx", weight_only.SerializeToString()):
+        assert not int8_gemm.needs_float_gemms(source)
 
 
 def test_the_cpu_check_reads_the_flags_line(monkeypatch, tmp_path):

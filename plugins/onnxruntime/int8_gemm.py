@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
+import os
 import platform
 from pathlib import Path
 
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 # CPU flags (Linux's /proc/cpuinfo names) under which MLAS's u8 × s8 GEMM accumulates in int32.
 INT8_DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 _INT8 = {2, 3}  # onnx.TensorProto.UINT8, INT8
+_OP_TYPE = b"\x22\x0eQuantizeLinear"  # NodeProto.op_type (field 4, length-delimited), 14 bytes long
 
 
 @functools.cache
@@ -66,6 +69,19 @@ def _quantizes_to_int8(node, graph) -> bool:
     return True  # a zero point we cannot see: assume the common int8 case, the safe side
 
 
+def _mentions_quantize(source) -> bool:
+    """Whether a serialized model (bytes, or a file read through a memory map) may hold a
+    QuantizeLinear node: its op_type field as protobuf writes it (NodeProto field 4, then the
+    name's length, 14), which DequantizeLinear's (length 16) and names do not match."""
+    if isinstance(source, bytes):
+        return _OP_TYPE in source
+    with open(source, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return False  # ONNX Runtime says what is wrong with it
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return mapped.find(_OP_TYPE) >= 0
+
+
 def _graphs(graph):
     """``graph`` and every subgraph its nodes hold."""
     yield graph
@@ -84,8 +100,13 @@ def needs_float_gemms(source) -> bool:
         return False
     import onnx
 
-    model = source if isinstance(source, onnx.ModelProto) else \
-        onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(str(source), load_external_data=False)
+    if isinstance(source, onnx.ModelProto):
+        model = source
+    elif not _mentions_quantize(source):  # most graphs: no parse (a serialized one may hold its weights)
+        return False
+    else:
+        model = onnx.load_from_string(source) if isinstance(source, bytes) else \
+            onnx.load(str(source), load_external_data=False)
     if not quantizes_activations(model):
         return False
     log.info("this CPU has no int8 dot products (VNNI/AMX), where ONNX Runtime's int8 GEMM saturates: the "
