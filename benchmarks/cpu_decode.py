@@ -289,6 +289,7 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
     import onnxruntime as ort
 
     from trtbuild.plugins.onnxruntime import session as ort_config
+    from trtbuild.plugins.onnxruntime.int8_gemm import needs_float_gemms
     from trtbuild.plugins.onnxruntime.session import Spinning
     from trtbuild.runtime.engine_dir import load
     from trtbuild.runtime.llm import LLM
@@ -303,10 +304,10 @@ def breakdown_one(engine: Path, threads: int, batch: int, config: str, profile: 
                                        use_decode_graph=use_decode_graph))
     session = llm.engine.session
     if profile is not None:  # the same graph, in a session that profiles
-        session_options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning,
-                                                     llm.engine_dir.cpu_activations)
-        session_options.enable_profiling, session_options.profile_file_prefix = True, str(profile)
         source, _ = cpu_graph(llm.engine_dir, 0, use_decode_graph)
+        session_options = ort_config.session_options(threads, llm.engine_dir.rank_file(0, "onnx").parent, spinning,
+                                                     llm.engine_dir.cpu_activations, needs_float_gemms(source))
+        session_options.enable_profiling, session_options.profile_file_prefix = True, str(profile)
         session = llm.engine.session = ort.InferenceSession(source, session_options,
                                                             providers=["CPUExecutionProvider"])
     run, runs = session.run_with_iobinding, []  # seconds of each ONNX Runtime run in an LLM step

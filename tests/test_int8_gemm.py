@@ -41,8 +41,8 @@ def w8a8_matmul(rng: np.random.Generator, zero_point_type: int = TensorProto.INT
 
 
 def test_a_w8a8_matmul_gives_its_fake_quantized_math_on_this_cpu():
-    """Max relative error against float64 math on the same codes: ~1e-7 where the GEMM is exact
-    or runs in float; without the float GEMMs an AVX2-only CPU gave 15.5 % here."""
+    """Max relative error against float64 math on the same codes: ~5e-7 where the GEMM is exact
+    or runs in float; without the float GEMMs an AVX2-only CPU gave 19 % here."""
     model, data = w8a8_matmul(np.random.default_rng(0))
     y = run(session(model, threads=1), {"x": data["x"]})["y"]
     reference = data["reference"]
@@ -98,19 +98,19 @@ def test_only_graphs_that_quantize_activations_lose_the_integer_kernels(monkeypa
         assert not int8_gemm.needs_float_gemms(source)
 
 
-def test_the_cpu_check_reads_the_flags_line(monkeypatch, tmp_path):
-    """x86 flags without VNNI/AMX int8 saturate; with avx_vnni they do not; other machines never."""
-    class Fake:
-        def __init__(self, text):
-            self.text = text
+def test_the_probe_calls_saturation_as_the_fused_kernel_computes_another_matmul():
+    """The once-per-process probe (its own matrix) and this test's 576-wide MatMul, run with the
+    fusion on, agree on whether this CPU's int8 GEMM is exact; with the fusion off both are."""
+    import onnxruntime as ort
 
-        def read_text(self):
-            return self.text
+    from trtbuild.plugins.onnxruntime.session import session_options
 
-    for flags, machine, expected in (("fpu sse2 avx2 fma", "x86_64", True), ("avx2 avx_vnni", "x86_64", False),
-                                     ("avx512f avx512_vnni", "x86_64", False), ("asimd", "aarch64", False)):
-        int8_gemm.saturates.cache_clear()
-        monkeypatch.setattr(int8_gemm.platform, "machine", lambda machine=machine: machine)
-        monkeypatch.setattr(int8_gemm, "Path", lambda _, flags=flags: Fake(f"processor\t: 0\nflags\t\t: {flags}\n"))
-        assert int8_gemm.saturates() is expected, flags
-    int8_gemm.saturates.cache_clear()
+    model, data = w8a8_matmul(np.random.default_rng(3))
+    errors = {}
+    for float_gemms in (False, True):
+        options = session_options(1, float_gemms=float_gemms)
+        fused = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        y = fused.run(None, {"x": data["x"]})[0]
+        errors[float_gemms] = float(np.abs(y - data["reference"]).max() / np.abs(data["reference"]).max())
+    assert errors[True] < 1e-5, errors
+    assert int8_gemm.saturates() is (errors[False] > int8_gemm.PROBE_TOLERANCE), errors
