@@ -78,14 +78,19 @@ def test_graphs_that_quantize_activations_to_int8_are_told_apart_from_weight_onl
 
 
 @pytest.mark.parametrize("saturating", [True, False])
-def test_only_graphs_that_quantize_activations_lose_the_integer_kernels(monkeypatch, tmp_path, saturating):
-    """The switch also turns off int4 DequantizeLinear → MatMulNBits: a weight-only graph keeps it."""
+def test_only_graphs_that_quantize_activations_lose_the_integer_kernels(monkeypatch, tmp_path, caplog, saturating):
+    """The switch also turns off int4 DequantizeLinear → MatMulNBits: a weight-only graph keeps it.
+    Where it applies, one warning a process says W8A8 runs at float speed."""
     monkeypatch.setattr(int8_gemm, "saturates", lambda: saturating)
+    int8_gemm._say_once.cache_clear()
     w8a8, _ = w8a8_matmul(np.random.default_rng(2))
     path = tmp_path / "w8a8.onnx"
     onnx.save(w8a8, path)
     assert int8_gemm.needs_float_gemms(path) is saturating
+    assert int8_gemm.needs_float_gemms(str(path)) is saturating
     assert int8_gemm.needs_float_gemms(w8a8.SerializeToString()) is saturating
+    warnings = [r for r in caplog.records if r.name == int8_gemm.__name__ and "float32 speed" in r.getMessage()]
+    assert len(warnings) == (1 if saturating else 0)
     weight_only = onnx.ModelProto()
     weight_only.CopyFrom(w8a8)
     del weight_only.graph.node[:2]

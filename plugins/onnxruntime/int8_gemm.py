@@ -141,6 +141,13 @@ def needs_float_gemms(source) -> bool:
             onnx.load(str(source), load_external_data=False)
     if not quantizes_activations(model) or not saturates():
         return False
-    log.info("ONNX Runtime's int8 GEMM saturates on this CPU (no VNNI or AMX int8): this graph's activation "
-             "Q/DQ run as written and its MatMuls in float on the dequantized weights (exact, at float speed)")
+    _say_once()
     return True
+
+
+@functools.cache
+def _say_once() -> None:
+    """A warning (once a process): the numbers are right, but W8A8 runs at float speed here."""
+    log.warning("W8A8 on this CPU: ONNX Runtime's int8 GEMM saturates without VNNI or AMX int8, so the graph's "
+                "activation Q/DQ run as written and its MatMuls in float on the dequantized weights (the "
+                "graph's results, at float32 speed and weight memory)")
