@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _INT8 = {2, 3}  # onnx.TensorProto.UINT8, INT8
 _OP_TYPE = b"\x22\x0eQuantizeLinear"  # NodeProto.op_type (field 4, length-delimited), 14 bytes long
-PROBE_TOLERANCE = 1e-3  # max relative error; exact GEMMs give ~5e-7, saturating ones ~0.1
+PROBE_TOLERANCE = 1e-3  # max relative error; exact GEMMs give ~5e-7; AVX2 alone gave 0.46
 
 
 @functools.cache
