@@ -95,7 +95,6 @@ def graph_runs(engine: Path, genai: Path, batch: int) -> dict:
     import onnxruntime as ort
 
     from trtbuild.plugins.onnxruntime import session as ort_config
-    from trtbuild.plugins.onnxruntime.int8_gemm import needs_float_gemms
     from trtbuild.runtime.engine_dir import load
 
     engine_dir = load(engine)
@@ -121,10 +120,7 @@ def graph_runs(engine: Path, genai: Path, batch: int) -> dict:
     outputs = [o for o in bare.graph.output if not o.name.startswith("next_")]
     del bare.graph.output[:]
     bare.graph.output.extend(outputs)
-    options = lambda model: ort_config.session_options(1, engine, ort_config.Spinning.never,  # noqa: E731
-                                                       engine_dir.cpu_activations, needs_float_gemms(model))
-    sessions = {name: ort.InferenceSession(model.SerializeToString(), options(model),
-                                           providers=["CPUExecutionProvider"])
+    sessions = {name: ort_config.session(model, 1, engine, ort_config.Spinning.never, engine_dir.cpu_activations)
                 for name, model in (("step model", step), ("decode graph inlined", inlined),
                                     ("inlined, no next inputs", bare))}
     genai_options = ort.SessionOptions()
